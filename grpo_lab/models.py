@@ -1,0 +1,80 @@
+"""Model configs and random-init models: memory depends on shapes, not weights.
+
+`load_model_config` reads the exact public configs shipped in `data/configs/` (Qwen3 0.6B-14B, Qwen2.5-Math-1.5B),
+so memory and max-batch figures are honest without downloading weights; tiny presets keep CPU runs quick. Online
+users can still pass any hub id, which is resolved by `transformers.AutoConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+# Tiny configs of the same architectures, for CPU quick mode and tests.
+TINY_CONFIGS: dict[str, dict] = {
+    "tiny-qwen3": dict(
+        model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=True,
+        rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    ),
+    "tiny-qwen3-untied": dict(
+        model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False,
+        rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    ),
+    "small-qwen3": dict(
+        model_type="qwen3", hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=8192, max_position_embeddings=4096, tie_word_embeddings=True,
+        rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    ),
+}
+
+
+def shipped_model_names() -> list[str]:
+    """Names of the exact public configs shipped in `data/configs/`."""
+    folder = resources.files("grpo_lab.data_files").joinpath("configs")
+    return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def known_model_names() -> list[str]:
+    return shipped_model_names() + sorted(TINY_CONFIGS)
+
+
+def _strip_org(name: str) -> str:
+    return name.split("/", 1)[1] if name.startswith(("Qwen/", "qwen/")) else name
+
+
+def load_model_config(name: str, allow_hub: bool = False) -> PretrainedConfig:
+    """The config for `name`: a shipped exact config ("Qwen3-0.6B" or "Qwen/Qwen3-0.6B"), a tiny preset, or, with
+    `allow_hub=True`, anything `AutoConfig.from_pretrained` resolves (needs the network for hub ids)."""
+    short = _strip_org(name)
+    if short in TINY_CONFIGS:
+        fields = dict(TINY_CONFIGS[short])
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if short in shipped_model_names():
+        text = resources.files("grpo_lab.data_files").joinpath("configs", f"{short}.json").read_text()
+        fields = json.loads(text)
+        fields.pop("architectures", None)
+        fields.pop("torch_dtype", None)
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if allow_hub:
+        return AutoConfig.from_pretrained(name)
+    raise ValueError(f"Unknown model {name!r}. Known offline: {', '.join(known_model_names())}; pass allow_hub=True "
+                     "to resolve a hub id online.")
+
+
+def build_model(name: str, dtype: torch.dtype | str = torch.float32, seed: int = 0, device: str | None = None,
+                attn_implementation: str = "sdpa"):
+    """A random-init causal LM with the exact shapes of `name` (no weights are downloaded)."""
+    if isinstance(dtype, str):
+        dtype = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                 "bfloat16": torch.bfloat16}[dtype]
+    config = load_model_config(name)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    with torch.device(device or "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
