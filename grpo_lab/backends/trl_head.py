@@ -1,0 +1,14 @@
+"""TRL 1.16's own fused LM head (`trl.kernels.ChunkedLogProbFunction`), as a backend beside ours."""
+
+from __future__ import annotations
+
+from trl.kernels import ChunkedLogProbFunction
+
+from .base import check_logprob_inputs
+
+
+def trl_logprobs(hidden, weight, bias, targets, temperature=1.0, chunk_size=4096, softcap=None, logit_scale=1.0,
+                 outputs=("log_probs",)):
+    check_logprob_inputs(hidden, weight, bias, targets, temperature, outputs)
+    return ChunkedLogProbFunction.apply(hidden, weight, bias, targets.clamp(min=0), temperature, chunk_size, softcap,
+                                        logit_scale, tuple(outputs))
