@@ -1,0 +1,201 @@
+"""The router's replicas: health checks, taking failed ones out of routing, and re-admitting them safely.
+
+A replica is routed to only while it is *in service*. The published proxy kept routing to dead replicas (they
+looked least loaded); here a failed health check, a dropped connection or a replica that lost a live adapter takes
+it out at once. It comes back only after it is healthy again, matches the other replicas' `/server_info`, holds
+every live adapter (loaded by the router, with the same storage-lag retry as a normal load), has dropped adapters
+that are no longer live, is paused if the others are, and has had its prefix ownership cleared (its KV cache is
+gone after a restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from .adapter_fanout import load_one, unload_one
+from .metrics import Registry
+from .router_config import RouterConfig
+from .routing_policy import PrefixAffinityPolicy
+from .upstream import DOWN, INCONSISTENT, IN_SERVICE, STARTING, STATES, TRANSPORT_ERRORS, Replica, UpstreamClient, now
+
+log = logging.getLogger(__name__)
+
+# Fields of `vllm_config` that must agree across replicas for the router to pass as one server.
+CONSISTENT_FIELDS = (
+    ("model_config", "model"), ("model_config", "max_model_len"), ("model_config", "dtype"),
+    ("cache_config", "block_size"), ("lora_config", "max_lora_rank"), ("lora_config", "max_loras"),
+)
+
+
+def _field(info: dict, section: str, key: str):
+    part = info.get(section)
+    return part.get(key) if isinstance(part, dict) else None
+
+
+class ReplicaPool:
+    def __init__(self, config: RouterConfig, client: UpstreamClient, metrics: Registry):
+        self.config = config
+        self.client = client
+        self.metrics = metrics
+        self.replicas = [Replica(i, url) for i, url in enumerate(config.replicas)]
+        self.policy = PrefixAffinityPolicy(len(self.replicas), config.routing)
+        self.live_adapters: dict[str, str] = {}  # loaded on every in-service replica
+        self.paused = False
+        self.reference_info: dict | None = None
+        self.control_lock = asyncio.Lock()  # loads, unloads, pause/resume and admissions never interleave
+        self._block_size_set = False
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    def in_service(self) -> list[Replica]:
+        return [r for r in self.replicas if r.serving]
+
+    def candidates(self, model: str) -> list[Replica]:
+        return [r for r in self.replicas if r.serving and r.has_model(model)]
+
+    def known_model(self, model: str) -> bool:
+        return model in self.live_adapters or any(model in r.base_models for r in self.replicas)
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        if replica.state == DOWN:
+            return
+        log.warning("replica %s out of routing: %s", replica.url, self.client.scrub(reason))
+        replica.state, replica.last_error, replica.down_since = DOWN, self.client.scrub(reason), now()
+        self.metrics.inc("grpo_router_replica_failures_total", "Replicas taken out of routing", replica=replica.url)
+        self.publish_states()
+
+    def publish_states(self) -> None:
+        for r in self.replicas:
+            for state in STATES:
+                self.metrics.set("grpo_router_replica_state", "1 for the replica's current state", int(r.state == state),
+                                 replica=r.url, state=state)
+
+    # -- probing and admission --------------------------------------------------------------------------------
+    async def _fetch_info(self, replica: Replica) -> tuple[dict, dict]:
+        timeout = self.config.health_timeout_s
+        info = (await self.client.call(replica, "GET", "/server_info", params={"config_format": "json"},
+                                       timeout=timeout)).json()
+        models = (await self.client.call(replica, "GET", "/v1/models", timeout=timeout)).json()
+        if not isinstance(info, dict) or "vllm_config" not in info or not isinstance(models, dict):
+            raise ValueError("replica answered /server_info or /v1/models without the vLLM shape")
+        return info["vllm_config"], models
+
+    def _inconsistency(self, info: dict) -> str | None:
+        parallel = info.get("parallel_config") or {}
+        if parallel.get("data_parallel_size", 1) != 1:
+            return ("replica reports data_parallel_size > 1: adapter loads would reach only one of its engines; "
+                    "run one replica per engine behind the router")
+        if self.reference_info is None:
+            return None
+        for section, key in CONSISTENT_FIELDS:
+            mine, ref = _field(info, section, key), _field(self.reference_info, section, key)
+            if mine != ref:
+                return f"{section}.{key} is {mine!r} here but {ref!r} on the other replicas"
+        return None
+
+    async def try_admit(self, replica: Replica) -> bool:
+        """Bring a healthy replica into service (under the control lock). False if not (yet) possible."""
+        async with self.control_lock:
+            if replica.serving:
+                return True
+            try:
+                info, models = await self._fetch_info(replica)
+            except (*TRANSPORT_ERRORS, asyncio.TimeoutError, ValueError) as error:
+                replica.last_error = self.client.scrub(f"{type(error).__name__}: {error}")
+                return False
+            problem = self._inconsistency(info)
+            if problem:
+                if replica.state != INCONSISTENT:
+                    log.error("replica %s not admitted: %s", replica.url, problem)
+                replica.state, replica.last_error = INCONSISTENT, problem
+                self.publish_states()
+                return False
+            entries = models.get("data", [])
+            replica.base_models = {e["id"] for e in entries if not e.get("parent")}
+            present = {e["id"]: e.get("root") for e in entries if e.get("parent")}
+            first = self.reference_info is None
+            if first:
+                self.reference_info = info
+                self._adopt_block_size(info)
+            ok = await self._sync_adapters(replica, present, adopt=first and not self.live_adapters)
+            if ok and self.paused:
+                reply = await self.client.call(replica, "POST", "/pause", params={"mode": "keep"},
+                                               timeout=self.config.control_timeout_s)
+                ok = reply.status == 200
+            if not ok:
+                return False
+            replica.info = info
+            self.policy.forget_replica(replica.index)
+            was = replica.state
+            replica.state, replica.last_error, replica.down_since = IN_SERVICE, "", None
+            if was != STARTING:
+                self.metrics.inc("grpo_router_readmissions_total", "Replicas re-admitted after a failure",
+                                 replica=replica.url)
+            log.info("replica %s in service (%d live adapters)", replica.url, len(self.live_adapters))
+            self.publish_states()
+            return True
+
+    def _adopt_block_size(self, info: dict) -> None:
+        block = _field(info, "cache_config", "block_size")
+        if isinstance(block, int) and block > 0 and block != self.policy.config.block_size:
+            log.info("using the replicas' KV block size %d for prefix hashing", block)
+            self.policy.config.block_size = block
+
+    async def _sync_adapters(self, replica: Replica, present: dict[str, str], adopt: bool) -> bool:
+        """Make the replica hold exactly the live adapters. The first replica seen donates its set instead."""
+        if adopt:
+            self.live_adapters.update(present)
+        timeout = self.config.control_timeout_s
+        for name in [n for n in present if n not in self.live_adapters]:
+            outcome = await unload_one(self.client, replica, name, timeout)
+            if not outcome.ok:
+                replica.last_error = f"could not unload stale adapter {name}: {outcome.message}"
+                return False
+        replica.adapters = {}
+        for name, path in self.live_adapters.items():
+            if present.get(name) and present[name].rstrip("/") == path.rstrip("/"):
+                replica.adapters[name] = path
+                continue
+            outcome = await load_one(self.client, replica, name, path, deadline_s=self.config.load_retry_deadline_s,
+                                     interval_s=self.config.load_retry_interval_s, timeout_s=timeout)
+            if outcome.retries:
+                self.metrics.inc("grpo_router_adapter_load_retries_total", "Load retries on 'No adapter found'",
+                                 outcome.retries, replica=replica.url)
+            if not outcome.ok:
+                replica.last_error = f"could not load live adapter {name}: {outcome.status} {outcome.message}"
+                log.warning("replica %s not re-admitted: %s", replica.url, replica.last_error)
+                return False
+            replica.adapters[name] = path
+        return True
+
+    # -- background health --------------------------------------------------------------------------------------
+    async def check(self, replica: Replica) -> None:
+        healthy = await self.client.healthy(replica, self.config.health_timeout_s)
+        if replica.serving:
+            if not healthy:
+                self.mark_down(replica, "health check failed")
+            elif self.live_adapters and not self.control_lock.locked():
+                await self._check_adapters(replica)
+        elif healthy:
+            await self.try_admit(replica)
+
+    async def _check_adapters(self, replica: Replica) -> None:
+        """A replica restarted between two health checks is healthy but has lost its adapters."""
+        before = set(self.live_adapters)  # a load finishing during the call below must not count as missing
+        try:
+            reply = await self.client.call(replica, "GET", "/v1/models", timeout=self.config.health_timeout_s)
+        except (*TRANSPORT_ERRORS, asyncio.TimeoutError):
+            self.mark_down(replica, "/v1/models failed")
+            return
+        names = {e.get("id") for e in (reply.json() or {}).get("data", [])}
+        missing = sorted(n for n in before if n not in names and n in self.live_adapters)
+        if missing and replica.serving:
+            self.mark_down(replica, f"lost live adapter(s) {missing} (restarted?)")
+
+    async def run_health_checks(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.gather(*(self.check(r) for r in self.replicas), return_exceptions=True)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.config.health_interval_s)
+            except asyncio.TimeoutError:
+                pass

@@ -1,0 +1,90 @@
+"""One upstream replica as the router sees it, and the authenticated HTTP calls made to it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+IN_SERVICE, DOWN, STARTING, INCONSISTENT = "in_service", "down", "starting", "inconsistent"
+STATES = (IN_SERVICE, DOWN, STARTING, INCONSISTENT)
+TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError, OSError)
+
+
+@dataclass
+class Replica:
+    """Router-side record of a replica. `adapters` is what the router knows to be loaded there."""
+
+    index: int
+    url: str
+    state: str = STARTING
+    adapters: dict[str, str] = field(default_factory=dict)  # lora name -> path
+    base_models: set[str] = field(default_factory=set)
+    info: dict | None = None  # the replica's `vllm_config`
+    last_error: str = ""
+    down_since: float | None = None
+
+    @property
+    def serving(self) -> bool:
+        return self.state == IN_SERVICE
+
+    def has_model(self, name: str) -> bool:
+        return name in self.base_models or name in self.adapters
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes
+    content_type: str
+
+    def json(self):
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            return None
+
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+
+class UpstreamClient:
+    """Makes every upstream call with the bearer token attached; the token never leaves this object."""
+
+    def __init__(self, session: aiohttp.ClientSession, api_key: str | None):
+        self._session = session
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._secret = api_key
+
+    def scrub(self, text: str) -> str:
+        """Remove the token from text that is about to be logged or returned."""
+        return text.replace(self._secret, "***") if self._secret else text
+
+    async def call(self, replica: Replica, method: str, path: str, *, timeout: float, json_body=None,
+                   data: bytes | None = None, params=None) -> Reply:
+        headers = dict(self._headers)
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        async with self._session.request(method, replica.url + path, json=json_body, data=data, params=params,
+                                         headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            body = await resp.read()
+            return Reply(resp.status, body, resp.content_type)
+
+    async def healthy(self, replica: Replica, timeout: float) -> bool:
+        try:
+            reply = await self.call(replica, "GET", "/health", timeout=timeout)
+            return reply.status == 200
+        except (*TRANSPORT_ERRORS, asyncio.TimeoutError):
+            return False
+
+
+def error_body(message: str, status: int, kind: str = "RouterError") -> dict:
+    """vLLM's OpenAI-style error shape, so clients parse router errors like server errors."""
+    return {"error": {"message": message, "type": kind, "code": status}, "object": "error", "message": message}
+
+
+def now() -> float:
+    return time.monotonic()
