@@ -1,0 +1,182 @@
+"""GPU checks of the Triton fused linear -> log-prob kernel (run on the H200 with `pytest -m gpu`).
+
+Reference: the naive materialised head in float64 on the same (already rounded) inputs, via plain autograd; and
+TRL 1.16's `ChunkedLogProbFunction`. Error measure: ||out - ref|| / ||ref|| over the valid rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():  # pragma: no cover - CPU machines deselect these anyway
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from grpo_lab.backends.naive import naive_logprobs  # noqa: E402
+from grpo_lab.kernels import fused_linear_logprobs  # noqa: E402
+
+ALL = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+# (log-prob / entropy tolerance, gradient tolerance) by input dtype
+TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-4, 1.5e-2)}
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def make(n, h, v, dtype, *, peaked=False, bias=False, masked=0, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(n, h, device="cuda", generator=gen)
+    weight = torch.randn(v, h, device="cuda", generator=gen) * (h ** -0.5) * (12.0 if peaked else 1.5)
+    b = torch.randn(v, device="cuda", generator=gen) if bias else None
+    targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    if peaked:  # the target is usually the argmax: log-probs near 0, most p_j tiny
+        targets = (hidden @ weight.t()).argmax(-1)
+        targets[::7] = torch.randint(0, v, targets[::7].shape, device="cuda", generator=gen)
+    if masked:
+        targets[torch.randperm(n, device="cuda", generator=gen)[:masked]] = -100
+    cast = [x.to(dtype) if x is not None else None for x in (hidden, weight, b)]
+    return cast[0], cast[1], cast[2], targets
+
+
+def run_both(hidden, weight, bias, targets, temperature=1.0, softcap=None, logit_scale=1.0, outputs=ALL,
+             entropy_grad=True):
+    leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in (hidden, weight, bias)]
+    refs = [x.detach().double().requires_grad_() if x is not None else None for x in (hidden, weight, bias)]
+    out = fused_linear_logprobs(*leaves, targets, temperature, None, softcap, logit_scale, outputs)
+    ref = naive_logprobs(*refs, targets, temperature, None, softcap, logit_scale, outputs)
+    valid = targets >= 0
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    g = torch.randn(targets.shape, device="cuda", generator=gen)
+    ge = torch.randn(targets.shape, device="cuda", generator=gen)
+    loss = (out[0] * g).sum()
+    ref_loss = (ref[0] * g * valid).sum()
+    if entropy_grad and "entropy" in outputs:
+        loss = loss + (out[1] * ge).sum()
+        ref_loss = ref_loss + (ref[1] * ge * valid).sum()
+    loss.backward()
+    ref_loss.backward()
+    return out, ref, leaves, refs, valid
+
+
+def check(out, ref, leaves, refs, valid, dtype, outputs=ALL):
+    tol_v, tol_g = TOL[dtype]
+    assert out[0].dtype == torch.float32 and torch.isfinite(out[0]).all()
+    assert rel(out[0][valid], ref[0][valid]) < tol_v, rel(out[0][valid], ref[0][valid])
+    assert (out[0][~valid] == 0).all()
+    if "entropy" in outputs:
+        assert rel(out[1][valid], ref[1][valid]) < tol_v
+    if "log_sum_sq_probs" in outputs:
+        assert rel(out[2][valid], ref[2][valid]) < 10 * tol_v
+    if "mean_logits" in outputs:
+        assert (out[3][valid] - ref[3][valid]).abs().max().item() < 1e-3
+    if "is_top1" in outputs:
+        agree = (out[4][valid] == ref[4][valid]).float().mean().item()
+        assert agree > (0.999 if dtype == torch.float32 else 0.99)
+    for mine, theirs in zip(leaves, refs):
+        if mine is None:
+            continue
+        assert mine.grad is not None and mine.grad.dtype == mine.dtype and torch.isfinite(mine.grad).all()
+        assert rel(mine.grad, theirs.grad) < tol_g, rel(mine.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("peaked", [False, True])
+@pytest.mark.parametrize("shape", [(300, 200, 5003), (4500, 256, 9001)])
+def test_against_float64(dtype, peaked, shape):
+    n, h, v = shape
+    data = make(n, h, v, dtype, peaked=peaked, masked=n // 10)
+    check(*run_both(*data), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_softcap_scale_temperature(dtype):
+    hidden, weight, bias, targets = make(777, 192, 3001, dtype, bias=True, masked=50, seed=3)
+    check(*run_both(hidden, weight, bias, targets, temperature=0.7, softcap=5.0, logit_scale=1.7), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprob_grad_only_and_entropy_grad_only(dtype):
+    hidden, weight, _, targets = make(513, 128, 2049, dtype, seed=4)
+    check(*run_both(hidden, weight, None, targets, outputs=("entropy",), entropy_grad=False), dtype, ("entropy",))
+    # entropy gradient alone (log-probs unused)
+    h1 = hidden.detach().clone().requires_grad_()
+    h2 = hidden.detach().double().requires_grad_()
+    fused_linear_logprobs(h1, weight, None, targets, 1.0, None, None, 1.0, ("entropy",))[1].sum().backward()
+    naive_logprobs(h2, weight.double(), None, targets, 1.0, None, None, 1.0, ("entropy",))[1].sum().backward()
+    assert rel(h1.grad, h2.grad) < TOL[dtype][1]
+
+
+def test_all_masked_gives_zeros_and_zero_grads():
+    hidden, weight, _, targets = make(64, 96, 1000, torch.bfloat16)
+    targets[:] = -100
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    lp, ent, *_ = fused_linear_logprobs(h, w, None, targets, 1.0, None, None, 1.0, ("entropy",))
+    assert (lp == 0).all() and (ent == 0).all()
+    (lp.sum() + ent.sum()).backward()
+    assert h.grad is not None and w.grad is not None
+    assert (h.grad == 0).all() and (w.grad == 0).all()
+
+
+def test_autocast_fp32_master_weights():
+    """fp32 hidden/weight under bf16 autocast: the projection runs in bf16 (cast inside the kernel), grads fp32."""
+    hidden, weight, _, targets = make(1000, 256, 5000, torch.float32, seed=5)
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        lp, ent, *_ = fused_linear_logprobs(h, w, None, targets, 1.0, None, None, 1.0, ("entropy",))
+    (lp.sum() + ent.sum()).backward()
+    hr = hidden.to(torch.bfloat16).double().requires_grad_()
+    wr = weight.to(torch.bfloat16).double().requires_grad_()
+    lr, er, *_ = naive_logprobs(hr, wr, None, targets, 1.0, None, None, 1.0, ("entropy",))
+    (lr.sum() + er.sum()).backward()
+    assert w.grad.dtype == torch.float32 and h.grad.dtype == torch.float32
+    assert rel(lp, lr) < 1e-4 and rel(ent, er) < 1e-4
+    assert rel(h.grad, hr.grad) < 1.5e-2 and rel(w.grad, wr.grad) < 1.5e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_against_trl(dtype):
+    trl_kernels = pytest.importorskip("trl.kernels")
+    hidden, weight, _, targets = make(2000, 256, 7001, dtype, seed=6)
+    out = []
+    for fn in ("mine", "trl"):
+        h = hidden.detach().clone().requires_grad_()
+        w = weight.detach().clone().requires_grad_()
+        if fn == "mine":
+            lp, ent, *_ = fused_linear_logprobs(h, w, None, targets, 0.9, None, None, 1.0, ("entropy",))
+        else:
+            lp, ent, *_ = trl_kernels.ChunkedLogProbFunction.apply(h, w, None, targets, 0.9, 4096, None, 1.0,
+                                                                  ("entropy",))
+        (lp.sum() + 0.3 * ent.sum()).backward()
+        out.append((lp, ent, h.grad, w.grad))
+    # TRL rounds each logits tile to the input dtype before the softmax; this kernel keeps fp32 logits
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for a, b in zip(*out):
+        assert rel(a, b) < tol
+
+
+def test_dispatch_uses_triton_on_cuda(monkeypatch):
+    import grpo_lab.backends.dispatch as dispatch
+
+    calls = []
+    real = dispatch._triton_impl()
+    assert real is not None
+    monkeypatch.setattr(dispatch, "_triton_impl", lambda: (lambda *a: calls.append(1) or real(*a)))
+    hidden, weight, _, targets = make(100, 64, 500, torch.bfloat16)
+    lp = dispatch.grpo_lab_logprobs(hidden, weight, None, targets)[0]
+    assert calls and lp.shape == (100,)
+
+
+def test_matches_chunked_torch_path():
+    from grpo_lab.backends.chunked import chunked_logprobs
+
+    hidden, weight, bias, targets = make(600, 128, 3000, torch.float32, bias=True, masked=30, seed=7)
+    a = fused_linear_logprobs(hidden, weight, bias, targets, 1.1, None, 4.0, 1.0, ALL)
+    b = chunked_logprobs(hidden, weight, bias, targets, 1.1, None, 4.0, 1.0, ALL)
+    for x, y in zip(a[:4], b[:4]):
+        assert rel(x, y) < 1e-4
