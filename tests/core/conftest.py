@@ -26,6 +26,7 @@ def make_trainer(tmp_path, tokenizer, trainer_cls=None, model=None, seed=0, **co
 
     trainer_cls = trainer_cls or GRPOTrainer
     args_cls = config.pop("args_cls", GRPOConfig)
+    peft_config = config.pop("peft_config", None)
     defaults = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                     max_completion_length=8, report_to=[], use_cpu=True, bf16=False, logging_steps=1, save_strategy="no",
                     seed=seed, dataloader_num_workers=0)
@@ -37,7 +38,7 @@ def make_trainer(tmp_path, tokenizer, trainer_cls=None, model=None, seed=0, **co
         build_tiny_model(tokenizer, TINY, seed=seed).save_pretrained(model)
     dataset = Dataset.from_dict({"prompt": ["12+34=", "50+17=", "81+9=", "3+44="] * 4})
     return trainer_cls(model=model, reward_funcs=digit_reward, args=args, train_dataset=dataset,
-                       processing_class=tokenizer)
+                       processing_class=tokenizer, peft_config=peft_config)
 
 
 @pytest.fixture
