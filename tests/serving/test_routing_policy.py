@@ -1,0 +1,95 @@
+import pytest
+
+from grpo_lab.serving.prefix_hash import block_hashes
+from grpo_lab.serving.routing_policy import AFFINITY, SPILLED, UNMATCHED, PrefixAffinityPolicy, RoutingConfig
+
+TEMPLATE = list(range(1000, 1023))  # 23 shared tokens, as the qwen_math template
+
+
+def prompt(i, n=80):
+    return TEMPLATE + [i * 100 + t for t in range(n)]
+
+
+def h(tokens, ns="v1"):
+    return block_hashes(tokens, ns)
+
+
+def test_group_stays_on_one_replica_while_in_flight():
+    policy = PrefixAffinityPolicy(2)
+    group = [policy.route(h(prompt(1)), [0, 1]) for _ in range(8)]
+    assert group[0].kind == UNMATCHED
+    assert {d.kind for d in group[1:]} == {AFFINITY}
+    assert len({d.replica for d in group}) == 1  # pending claims keep the group together
+
+
+def test_failed_request_leaves_no_ownership():
+    policy = PrefixAffinityPolicy(2)
+    d = policy.route(h(prompt(1)), [0, 1])
+    policy.finish(d, ok=False)
+    assert policy.in_flight == [0, 0]
+    assert policy.route(h(prompt(1)), [0, 1]).kind == UNMATCHED
+
+
+def test_ownership_after_success_and_finish_idempotent():
+    policy = PrefixAffinityPolicy(2)
+    d = policy.route(h(prompt(1)), [0, 1])
+    policy.finish(d, ok=True)
+    policy.finish(d, ok=True)
+    assert policy.in_flight == [0, 0]
+    again = policy.route(h(prompt(1)), [0, 1])
+    assert again.kind == AFFINITY and again.replica == d.replica
+
+
+def test_template_prefix_is_common_and_does_not_attract():
+    policy = PrefixAffinityPolicy(2)
+    first = policy.route(h(prompt(1)), [0, 1])
+    policy.finish(first, ok=True)
+    other = policy.route(h(prompt(2)), [0, 1])  # shares only the template block with prompt 1
+    assert other.kind == UNMATCHED and other.replica != first.replica  # least loaded, round robin
+
+
+def test_spill_when_affine_replica_is_too_far_ahead():
+    policy = PrefixAffinityPolicy(2, RoutingConfig(spill_threshold=2))
+    kinds = [policy.route(h(prompt(1)), [0, 1]) for _ in range(5)]
+    assert [d.kind for d in kinds] == [UNMATCHED, AFFINITY, AFFINITY, SPILLED, AFFINITY]
+    # the 4th would put replica A 3 ahead (> K=2); it went to B, so the 5th sees A 2 ahead again
+    assert kinds[3].replica != kinds[0].replica
+
+
+def test_only_candidates_are_chosen_and_forget_replica():
+    policy = PrefixAffinityPolicy(3)
+    d = policy.route(h(prompt(1)), [0, 1, 2])
+    policy.finish(d, ok=True)
+    others = [r for r in range(3) if r != d.replica]
+    assert policy.route(h(prompt(1)), others).replica in others  # the owner is out of service
+    policy.forget_replica(d.replica)
+    assert policy.route(h(prompt(1)), [d.replica]).matched_blocks == 0
+    with pytest.raises(ValueError):
+        policy.route(h(prompt(1)), [])
+
+
+def test_least_loaded_ignores_non_candidates():
+    policy = PrefixAffinityPolicy(2)
+    for i in range(4):
+        policy.route(h(prompt(10 + i)), [1])  # replica 1 busy
+    assert policy.route(h(prompt(99)), [0, 1]).replica == 0
+
+
+def test_lru_bounds_memory():
+    policy = PrefixAffinityPolicy(2, RoutingConfig(max_blocks=50))
+    for i in range(200):
+        policy.finish(policy.route(h(prompt(i)), [0, 1]), ok=True)
+    assert policy.num_blocks <= 50
+
+
+def test_versions_do_not_share_blocks():
+    policy = PrefixAffinityPolicy(2)
+    policy.finish(policy.route(h(prompt(1), "v1"), [0, 1]), ok=True)
+    assert policy.route(h(prompt(1), "v2"), [0, 1]).kind == UNMATCHED
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        RoutingConfig(block_size=0)
+    with pytest.raises(ValueError):
+        RoutingConfig(spill_threshold=-1)
