@@ -1,0 +1,176 @@
+"""The seed recipe as one documented config, and one call that builds its TRL trainer.
+
+Recipe (DESIGN.md §4, the async-GRPO LoRA blog post): Qwen/Qwen2.5-Math-1.5B, LoRA rank 1 (alpha 2) on all linear
+layers, lr 4e-5, 8 rollouts per prompt, 128 completions per optimizer step (16 prompts), up to 3000 new tokens in a
+4096-token context, beta 0 (no reference model), on the Sanity set (`sail/Sanity-Test-R1D-1.5B`) with the
+qwen_math prompt and the math-verify reward. Published: reward 0.145 -> 0.438 over 500 steps.
+
+`build_recipe_trainer(RecipeConfig())` validates the config (bad values raise ValueError), then needs the hub for
+the tokenizer and weights: without them it fails early with `RecipeUnavailableError` before anything big loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from grpo_lab.tasks.data import DATASET_NAMES, load_task_dataset, to_grpo_dataset
+from grpo_lab.tasks.prompts import PROMPT_FORMATS, render_qwen_math
+from grpo_lab.tasks.rewards import math_reward
+
+LOSS_BACKENDS = ("trl", "grpo_lab", "naive", "liger")
+
+
+class RecipeUnavailableError(RuntimeError):
+    """The recipe's model or data cannot be had (no network and no local copy)."""
+
+
+@dataclass
+class RecipeConfig:
+    """The real recipe. Change fields to explore; `validate()` says what is wrong with a bad combination."""
+    model_name: str = "Qwen/Qwen2.5-Math-1.5B"   # hub id or a local folder with the weights
+    dataset: str = "sanity"                       # one of DATASET_NAMES
+    dataset_path: str | None = None               # local copy (load_from_disk folder / jsonl); None: the hub
+    prompt_format: str = "qwen_math"
+    lora_r: int = 1
+    lora_alpha: int = 2
+    lora_target_modules: str | list[str] = "all-linear"
+    learning_rate: float = 4e-5
+    num_generations: int = 8                      # rollouts per prompt (G)
+    completions_per_step: int = 128               # per optimizer step = 16 prompts x 8
+    micro_batch_size: int = 8                     # completions per forward/backward (per device)
+    max_completion_length: int = 3000
+    max_context: int = 4096                       # prompt + completion
+    beta: float = 0.0
+    temperature: float = 1.0
+    loss_backend: str = "trl"
+    max_steps: int = 500
+    seed: int = 0
+    bf16: bool = True
+    gradient_checkpointing: bool = True
+    use_vllm: bool = False
+    vllm_mode: str = "colocate"                   # or "server" (then vllm_server_base_url)
+    vllm_server_base_url: str | None = None
+    output_dir: str = "runs/recipe"
+    report_to: str = "none"
+    extra_args: dict = field(default_factory=dict)  # any other GRPOConfig field
+
+    @property
+    def max_prompt_length(self) -> int:
+        return self.max_context - self.max_completion_length
+
+    def validate(self):
+        if self.lora_r < 1:
+            raise ValueError(f"lora_r must be >= 1 (got {self.lora_r}); rank 0 is no adapter at all.")
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations (G) must be >= 2 (got {self.num_generations}): the group-relative "
+                             "advantage of a group of one is always 0.")
+        if self.completions_per_step % self.num_generations:
+            raise ValueError(f"completions_per_step={self.completions_per_step} must be a multiple of "
+                             f"num_generations={self.num_generations}.")
+        if self.completions_per_step % self.micro_batch_size:
+            raise ValueError(f"completions_per_step={self.completions_per_step} must be a multiple of "
+                             f"micro_batch_size={self.micro_batch_size}.")
+        if self.dataset not in DATASET_NAMES:
+            raise ValueError(f"Unknown dataset {self.dataset!r}; choose one of {DATASET_NAMES}.")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"Unknown prompt format {self.prompt_format!r}; choose one of {PROMPT_FORMATS}.")
+        if self.loss_backend not in LOSS_BACKENDS:
+            raise ValueError(f"Unknown loss_backend {self.loss_backend!r}; choose one of {LOSS_BACKENDS}.")
+        if self.max_completion_length < 1 or self.max_prompt_length < 1:
+            raise ValueError(f"max_completion_length={self.max_completion_length} leaves no room for a prompt in "
+                             f"max_context={self.max_context}.")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0 (got {self.learning_rate}).")
+        return self
+
+
+def prompt_token_lengths(tokenizer, prompts) -> list[int]:
+    """Token count of each prompt as the trainer will render it (chat template when the tokenizer has one)."""
+    out = []
+    for p in prompts:
+        if isinstance(p, list):
+            if getattr(tokenizer, "chat_template", None):
+                ids = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            else:
+                user = [m["content"] for m in p if m["role"] == "user"][-1]
+                ids = tokenizer(render_qwen_math(user))["input_ids"]
+        else:
+            ids = tokenizer(p)["input_ids"]
+        out.append(len(ids))
+    return out
+
+
+def check_prompts_fit(tokenizer, prompts, cfg: RecipeConfig) -> int:
+    """Raise ValueError when a prompt is longer than the context leaves room for; returns the longest length."""
+    lengths = prompt_token_lengths(tokenizer, prompts)
+    worst = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[worst] > cfg.max_prompt_length:
+        raise ValueError(f"Prompt {worst} has {lengths[worst]} tokens, more than max_context - max_completion_length"
+                         f" = {cfg.max_context} - {cfg.max_completion_length} = {cfg.max_prompt_length}; raise "
+                         "max_context, lower max_completion_length or filter the dataset.")
+    return lengths[worst]
+
+
+def _unavailable(what: str, name: str, err: Exception) -> RecipeUnavailableError:
+    return RecipeUnavailableError(
+        f"The recipe needs the {what} of {name!r}, which could not be loaded ({type(err).__name__}: "
+        f"{str(err).splitlines()[0][:200]}). It downloads from the Hugging Face hub: check the network and "
+        "HF_HUB_OFFLINE, or point model_name/dataset_path at local copies. Offline, use the embedded default "
+        "(grpo_lab.tasks.reward_curves.EmbeddedConfig).")
+
+
+def load_recipe_tokenizer(cfg: RecipeConfig):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(cfg.model_name, padding_side="left", truncation_side="left")
+    except Exception as e:  # noqa: BLE001 - OSError, LocalEntryNotFoundError, HTTP errors...
+        raise _unavailable("tokenizer", cfg.model_name, e) from e
+
+
+def build_recipe_trainer(cfg: RecipeConfig | None = None, callbacks=(), train_dataset=None):
+    """Validate, load tokenizer -> data -> weights (failing early offline), and return the GRPO trainer."""
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    cfg = (cfg or RecipeConfig()).validate()
+    tok = load_recipe_tokenizer(cfg)                     # first: the cheapest thing that needs the network
+    if train_dataset is None:
+        try:
+            ds = load_task_dataset(cfg.dataset, cfg.dataset_path)
+        except (OSError, ConnectionError) as e:
+            raise _unavailable("dataset", cfg.dataset, e) from e
+        train_dataset = to_grpo_dataset(ds, cfg.prompt_format)
+    check_prompts_fit(tok, train_dataset["prompt"], cfg)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_name, dtype=torch.bfloat16 if cfg.bf16 else None)
+    except Exception as e:  # noqa: BLE001
+        raise _unavailable("weights", cfg.model_name, e) from e
+    try:
+        from grpo_lab.trl_glue import GRPOLabConfig as Config, GRPOLabTrainer as Trainer
+
+        extra = {"loss_backend": cfg.loss_backend}
+    except ImportError:
+        if cfg.loss_backend != "trl":
+            raise RuntimeError(f"loss_backend={cfg.loss_backend!r} needs grpo_lab.trl_glue.") from None
+        from trl import GRPOConfig as Config, GRPOTrainer as Trainer
+
+        extra = {}
+    vllm = {"use_vllm": True, "vllm_mode": cfg.vllm_mode, "vllm_max_model_length": cfg.max_context} \
+        if cfg.use_vllm else {}
+    if cfg.use_vllm and cfg.vllm_server_base_url:
+        vllm["vllm_server_base_url"] = cfg.vllm_server_base_url
+    args = Config(
+        output_dir=cfg.output_dir, learning_rate=cfg.learning_rate, max_steps=cfg.max_steps, beta=cfg.beta,
+        num_generations=cfg.num_generations, per_device_train_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=cfg.completions_per_step // cfg.micro_batch_size,
+        max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, bf16=cfg.bf16,
+        gradient_checkpointing=cfg.gradient_checkpointing, seed=cfg.seed, logging_steps=1,
+        report_to=cfg.report_to, **vllm, **extra, **cfg.extra_args,
+    )
+    peft = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
+                      lora_dropout=0.0, task_type="CAUSAL_LM")
+    return Trainer(model=model, reward_funcs=[math_reward], args=args, train_dataset=train_dataset,
+                   processing_class=tok, peft_config=peft, callbacks=list(callbacks))

@@ -1,0 +1,94 @@
+"""SFT warm start of the tiny model, batched sampling, and pass-rate evaluation (plain torch, fixed seeds).
+
+The warm start stops as soon as the sampled pass rate (temperature 1) reaches `target_pass_rate`, so GRPO starts
+from a model that is right some of the time, like the recipe's base model on its Sanity problems.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import torch
+
+from grpo_lab.tasks.rewards import grade, last_boxed
+from grpo_lab.tasks.tiny import completion_for
+
+
+@torch.no_grad()
+def sample(model, tokenizer, problems: list[str], k: int = 1, temperature: float = 1.0, max_new_tokens: int = 8,
+           seed: int = 0, batch_size: int = 4096) -> list[list[str]]:
+    """k sampled completions per problem (problems must tokenize to equal length). Returns texts, [len][k]."""
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    eos = tokenizer.eos_token_id
+    ids = torch.tensor(tokenizer(problems)["input_ids"]).repeat_interleave(k, dim=0)
+    out: list[str] = []
+    for start in range(0, ids.shape[0], batch_size):
+        seq = ids[start:start + batch_size]
+        p_len = seq.shape[1]
+        done = torch.zeros(seq.shape[0], dtype=torch.bool)
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=seq).logits[:, -1, :].float()
+            if temperature > 0:
+                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen).squeeze(1)
+            else:
+                nxt = logits.argmax(-1)
+            nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
+            seq = torch.cat([seq, nxt[:, None]], 1)
+            done |= nxt == eos
+            if bool(done.all()):
+                break
+        out.extend(tokenizer.batch_decode(seq[:, p_len:], skip_special_tokens=True))
+    model.train(was_training)
+    return [out[i * k:(i + 1) * k] for i in range(len(problems))]
+
+
+def pass_rates(model, tokenizer, rows: list[dict], k: int = 8, seed: int = 0, temperature: float = 1.0):
+    """Per-problem fraction of k sampled completions graded correct."""
+    comps = sample(model, tokenizer, [r["problem"] for r in rows], k=k, seed=seed, temperature=temperature)
+    return [sum(grade(last_boxed(c), r["answer"]) for c in cs) / k for cs, r in zip(comps, rows, strict=True)]
+
+
+def sft_warm_start(model, tokenizer, rows: list[dict], *, target_pass_rate: float = 0.4, max_steps: int = 3000,
+                   batch_size: int = 128, lr: float = 3e-3, eval_every: int = 50, eval_problems: int = 256,
+                   seed: int = 0, log=None) -> dict:
+    """Teacher-forced SFT on `problem -> \\boxed{answer}<eos>` until the sampled pass rate reaches the target."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    eos = tokenizer.eos_token_id
+    texts = [r["problem"] + completion_for(r["answer"]) for r in rows]
+    p_len = len(tokenizer(rows[0]["problem"])["input_ids"])
+    enc = [tokenizer(t)["input_ids"] + [eos] for t in texts]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    eval_rows = rows[:eval_problems]
+    history, t0, step, rate = [], time.perf_counter(), 0, 0.0
+    model.train()
+    for step in range(1, max_steps + 1):
+        batch = [enc[rng.randrange(len(enc))] for _ in range(batch_size)]
+        width = max(map(len, batch))
+        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        for i, b in enumerate(batch):
+            ids[i, :len(b)] = torch.tensor(b)
+        labels = ids.clone()
+        labels[:, :p_len] = -100
+        labels[ids == tokenizer.pad_token_id] = -100
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, step / 50)
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % eval_every == 0:
+            rate = sum(pass_rates(model, tokenizer, eval_rows, k=1, seed=seed + step)) / len(eval_rows)
+            history.append({"step": step, "loss": float(loss.detach()), "pass_rate": rate})
+            if log:
+                log(f"SFT step {step}: loss {float(loss.detach()):.3f}, pass rate {rate:.3f}")
+            if rate >= target_pass_rate:
+                break
+    model.eval()
+    return {"steps": step, "pass_rate": rate, "seconds": time.perf_counter() - t0, "history": history,
+            "reached": rate >= target_pass_rate and not math.isnan(rate)}

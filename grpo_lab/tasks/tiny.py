@@ -1,0 +1,71 @@
+r"""The embedded default's task and model: 2-digit addition, a character tokenizer, a ~0.6M-parameter Qwen2.
+
+Problems are `"ab+cd="` (fixed length, so batches need no padding); the answer is written `\boxed{n}` where
+`\boxed{` is one token, so the same math reward grades the tiny model and the real recipe. The pairs are split
+once, by a fixed seed, into a training pool (SFT warm start, Sanity candidates, GRPO) and a held-out pool
+(never trained on).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+BOX = "\\boxed{"
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+CHARS = list("0123456789+-*=?}. ")
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character tokenizer (plus `\\boxed{` as one token) as a fast HF tokenizer TRL can use."""
+    vocab = {t: i for i, t in enumerate(SPECIALS + [BOX] + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\\boxed\{|[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   padding_side="left", truncation_side="left")
+
+
+@dataclass
+class TinyModelConfig:
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 64
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig | None = None, seed: int = 0):
+    """A random-init Qwen2-architecture causal LM sized for the character vocabulary."""
+    cfg = cfg or TinyModelConfig()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id, use_cache=True,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def addition_problems(seed: int = 0, lo: int = 10, hi: int = 99, heldout_frac: float = 0.2):
+    """All pairs a+b with lo<=a,b<=hi, shuffled by `seed` and split into (train_pool, heldout_pool)."""
+    pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
+    random.Random(seed).shuffle(pairs)
+    n_held = int(len(pairs) * heldout_frac)
+    to_rows = lambda ps: [{"problem": f"{a}+{b}=", "answer": str(a + b)} for a, b in ps]  # noqa: E731
+    return to_rows(pairs[n_held:]), to_rows(pairs[:n_held])
+
+
+def completion_for(answer: str) -> str:
+    return f"{BOX}{answer}}}"
