@@ -45,6 +45,7 @@ class CPUReplica:
         self._generate_pool = ThreadPoolExecutor(1, thread_name_prefix="generate")
         self._control_pool = ThreadPoolExecutor(1, thread_name_prefix="control")
         self.started = int(time.time())
+        self.unknown_model_requests = 0  # completions naming a model this replica does not hold
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[self._auth])
@@ -113,6 +114,8 @@ class CPUReplica:
         reg.inc("vllm:request_success_total", "Finished completions", e.requests, model_name=name)
         reg.inc("vllm:generation_tokens_total", "Generated tokens", e.generated_tokens, model_name=name)
         reg.set("vllm:lora_adapters_loaded", "Adapters loaded", len(e.adapters), model_name=name)
+        reg.inc("grpo_replica_unknown_model_total", "Completions naming a model not held here",
+                self.unknown_model_requests)
         reg.set("grpo_replica_prefix_cache_blocks", "Blocks held by the prefix cache", len(e.cache))
         return web.Response(text=reg.render(), content_type="text/plain")
 
@@ -134,6 +137,8 @@ class CPUReplica:
             loop = asyncio.get_running_loop()
             out = await loop.run_in_executor(self._generate_pool, self.engine.generate, model, prompt, params)
         except RequestError as error:
+            if error.kind == "NotFoundError":
+                self.unknown_model_requests += 1
             return _fail(error.status, error.message, error.kind)
         logprobs = {"token_logprobs": out["logprobs"], "tokens": [f"token_id:{t}" for t in out["token_ids"]],
                     "top_logprobs": out["top_logprobs"], "text_offset": [0] * len(out["token_ids"])}

@@ -44,6 +44,14 @@ def _fail(status: int, message: str, kind: str = "RouterError") -> web.Response:
     return web.json_response(error_body(message, status, kind), status=status)
 
 
+def _percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {}
+    ys = sorted(xs)
+    pick = lambda q: ys[min(int(q * len(ys)), len(ys) - 1)] * 1e3
+    return {"n": len(ys), "p50": pick(0.5), "p99": pick(0.99), "max": ys[-1] * 1e3}
+
+
 def _valid_prompt(prompt) -> bool:
     if isinstance(prompt, str):
         return True
@@ -97,7 +105,7 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._session.close()
 
-    async def _json(self, request: web.Request) -> dict:
+    async def _json(self, request: web.Request) -> tuple[dict, bytes]:
         """The request body as a JSON object, or an HTTP 400/413 error with a message."""
         try:
             raw = await request.read()
@@ -158,14 +166,19 @@ class Router:
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def state(self, request: web.Request) -> web.Response:
-        """Human-readable router state (replicas, adapters, routing counts), for notebooks and debugging."""
+        """Router state (replicas, adapters, routing counts, overhead percentiles) for notebooks and benchmarks;
+        `?reset_overhead=1` restarts the overhead sample after reading it (to drop a warm-up)."""
         pool = self.pool
-        return web.json_response({
+        answer = web.json_response({
             "replicas": [{"url": r.url, "state": r.state, "adapters": sorted(r.adapters), "last_error": r.last_error,
                           "in_flight": pool.policy.in_flight[r.index]} for r in pool.replicas],
             "live_adapters": sorted(pool.live_adapters), "paused": pool.paused,
             "routing": dict(pool.policy.counts), "block_size": pool.policy.config.block_size,
+            "overhead_ms": _percentiles(self.overhead_s),
         })
+        if request.query.get("reset_overhead") == "1":
+            self.overhead_s.clear()
+        return answer
 
     async def refuse_nccl(self, request: web.Request) -> web.Response:
         return _fail(501, NCCL_REFUSAL, "NotImplementedError")
