@@ -196,6 +196,7 @@ def main(argv=None):
     p.add_argument("--step-dtypes", default="bf16")
     p.add_argument("--budget-s", type=float, default=2.5, help="timing budget per point")
     p.add_argument("--tune", action="store_true", help="only the tile-config sweep of the grpo_lab head")
+    p.add_argument("--tune-no-refs", action="store_true", help="skip the cuBLAS floor and TRL in --tune")
     args = p.parse_args(argv)
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -204,7 +205,7 @@ def main(argv=None):
     meta = versions()
     os.makedirs(args.out, exist_ok=True)
     if args.tune:
-        return tune(args.out)
+        return tune(args.out, refs=not args.tune_no_refs)
     config = loss_config()
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     rows = []
@@ -244,7 +245,29 @@ def main(argv=None):
     print("\n" + format_table(rows, step_rows, meta))
 
 
-def tune(out_dir):
+A16 = (128, 256, 64, 8, 8, 3)
+TUNE_EXPERIMENTS = {
+    "bf16": [
+        {"cfg": A16, "USE_TMA": True},
+        {"cfg": (128, 256, 64, 8, 8, 4), "USE_TMA": True},
+        {"cfg": (128, 128, 64, 8, 8, 4), "USE_TMA": True},
+        {"cfg": (256, 128, 64, 8, 8, 3), "USE_TMA": True},
+        {"cfg": A16, "USE_TMA": False, "BWD_TOKENS": 8192, "BWD_VOCAB": 4096},
+        {"cfg": A16, "USE_TMA": False, "BWD_TOKENS": 4096, "BWD_VOCAB": 8192},
+        {"cfg": A16, "USE_TMA": False, "BWD_TOKENS": 8192, "BWD_VOCAB": 8192},
+        {"cfg": A16, "USE_TMA": True, "BWD_TOKENS": 8192, "BWD_VOCAB": 8192},
+    ],
+    "fp32": [
+        {"cfg": (128, 128, 32, 8, 8, 3), "USE_TMA": True},
+        {"FP32_MM": "triton", "mm": (128, 128, 32, 8, 8, 3)},
+        {"FP32_MM": "triton", "mm": (128, 64, 32, 8, 4, 3)},
+        {"FP32_MM": "triton", "mm": (64, 128, 32, 8, 4, 4)},
+        {"FP32_MM": "triton", "mm": (128, 128, 32, 8, 8, 3), "BWD_TOKENS": 8192, "BWD_VOCAB": 8192},
+    ],
+}
+
+
+def tune(out_dir, refs=True):
     """Tile-config sweep of the grpo_lab head at B=64 (head only, no loss), against TRL's head and a cuBLAS floor."""
     import triton.testing as tt
 
@@ -261,7 +284,7 @@ def tune(out_dir):
         y = torch.randint(0, V, (n,), device="cuda", generator=gen)
         g = torch.randn(n, device="cuda", generator=gen)
         # cuBLAS floor: the 4 GEMMs on [4096, 4096] tiles, no elementwise work
-        a = h.detach()[:4096]
+        a = h.detach()[:4096] if refs else None
         wt = w.detach()
         buf = torch.empty(4096, 4096, device="cuda", dtype=dtype)
         acc_h = torch.zeros(4096, H, device="cuda")
@@ -274,8 +297,9 @@ def tune(out_dir):
                 F._mm_acc(acc_h, buf, wt[v0:v0 + 4096])
                 F._mm_acc(acc_w, buf.t(), a)
         tiles = (V // 4096) * (n // 4096)
-        ms = tt.do_bench(floor, warmup=50, rep=300, return_mode="median") * (n // 4096) * V / (4096 * (V // 4096))
-        rows.append({"dtype": dname, "what": "cublas_4gemm_floor", "config": "4096x4096 tiles", "ms": ms})
+        ms = float("nan") if not refs else tt.do_bench(floor, warmup=50, rep=300, return_mode="median") * (n // 4096) * V / (4096 * (V // 4096))
+        rows.append({"dtype": dname, "what": "cublas_4gemm_floor", "config": "4096x4096 tiles", "ms": ms,
+                     "fwd_ms": float("nan")})
         print(f"tune {dname} cublas 4-GEMM floor {ms:.1f} ms ({tiles} tiles)", flush=True)
         del buf, acc_h, acc_w
 
@@ -292,39 +316,39 @@ def tune(out_dir):
                 (f()[0] * g).sum().backward()
             return run
 
-        for kind in ("trl",):
+        for kind in ("trl",) if refs else ():
             with torch.no_grad():
                 t_f = tt.do_bench(head(kind), warmup=1, rep=20 if dname == "bf16" else 1, return_mode="median")
             t_fb = tt.do_bench(fwd_bwd(kind), warmup=1, rep=300 if dname == "bf16" else 1,
                                return_mode="median")
             rows.append({"dtype": dname, "what": "trl_head", "config": "chunk 32768", "ms": t_fb, "fwd_ms": t_f})
             print(f"tune {dname} trl head fwd {t_f:.1f} fwd+bwd {t_fb:.1f} ms", flush=True)
-        if dname == "bf16":
-            cands = [(128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4),
-                     (128, 128, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3)]
-            precisions = ["ieee"]
-        else:
-            cands = [(128, 128, 32, 8, 8, 3), (128, 64, 32, 8, 4, 3), (64, 128, 32, 8, 4, 3)]
-            precisions = ["tf32x3"]
-        key = "16" if dname == "bf16" else "32"
-        for prec in precisions:
-            for cfg in cands:
-                F.CONFIGS[f"fwd_{key}"] = cfg
-                F.CONFIGS[f"bwd_{key}"] = cfg
-                if dname == "fp32":
-                    F.FP32_DOT = prec
-                try:
-                    with torch.no_grad():
-                        t_f = tt.do_bench(head("mine"), warmup=1, rep=20 if dname == "bf16" else 1,
-                                          return_mode="median")
-                    t_fb = tt.do_bench(fwd_bwd("mine"), warmup=1, rep=300 if dname == "bf16" else 1,
-                                       return_mode="median")
-                except Exception as err:  # a config that does not fit shared memory
-                    print(f"tune {dname} {cfg} failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
-                    continue
-                rows.append({"dtype": dname, "what": "grpo_lab_head", "config": f"{cfg} {prec}", "ms": t_fb,
-                             "fwd_ms": t_f})
-                print(f"tune {dname} grpo_lab {cfg} {prec} fwd {t_f:.1f} fwd+bwd {t_fb:.1f} ms", flush=True)
+        for exp in TUNE_EXPERIMENTS[dname]:
+            saved = {k: getattr(F, k) for k in ("USE_TMA", "FP32_MM", "FP32_DOT", "BWD_TOKENS", "BWD_VOCAB")}
+            for k, v in exp.items():
+                if k == "cfg":
+                    key = "16" if dname == "bf16" else "32"
+                    F.CONFIGS[f"fwd_{key}"] = F.CONFIGS[f"bwd_{key}"] = v
+                elif k == "mm":
+                    F.CONFIGS["mm_32"] = v
+                else:
+                    setattr(F, k, v)
+            label = " ".join(f"{k}={v}" for k, v in exp.items())
+            try:
+                with torch.no_grad():
+                    t_f = tt.do_bench(head("mine"), warmup=1, rep=20 if dname == "bf16" else 1,
+                                      return_mode="median")
+                t_fb = tt.do_bench(fwd_bwd("mine"), warmup=1, rep=300 if dname == "bf16" else 1,
+                                   return_mode="median")
+            except Exception as err:  # a config that does not compile or fit
+                print(f"tune {dname} {label} failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                t_f = t_fb = float("nan")
+            finally:
+                for k, v in saved.items():
+                    setattr(F, k, v)
+                F.CONFIGS.update(default)
+            rows.append({"dtype": dname, "what": "grpo_lab_head", "config": label, "ms": t_fb, "fwd_ms": t_f})
+            print(f"tune {dname} grpo_lab {label}: fwd {t_f:.1f} fwd+bwd {t_fb:.1f} ms", flush=True)
         F.CONFIGS.update(default)
         del h, w
         gc.collect()

@@ -34,7 +34,12 @@ CONFIGS = {
     "bwd_16": (128, 256, 64, 8, 8, 3),
     "fwd_32": (128, 128, 32, 8, 8, 3),
     "bwd_32": (128, 128, 32, 8, 8, 3),
+    "mm_32": (128, 128, 32, 8, 8, 3),
 }
+# Tensor-descriptor (TMA) loads in the fused kernels where the strides allow; fp32 path's dX/dW GEMMs in Triton
+# ("triton", split-TF32 when FP32_DOT is tf32x3) or cuBLAS ("cublas", plain SGEMM with TF32 off).
+USE_TMA = os.environ.get("GRPO_LAB_TMA", "0") == "1"
+FP32_MM = os.environ.get("GRPO_LAB_FP32_MM", "cublas")
 # Backward tile of the dZ buffer (tokens × vocabulary) and the forward's budget for partial statistics.
 BWD_TOKENS = int(os.environ.get("GRPO_LAB_BWD_TOKENS", 4096))
 BWD_VOCAB = int(os.environ.get("GRPO_LAB_BWD_VOCAB", 4096))
@@ -49,7 +54,8 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 def _tile_logits(h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, stride_w,
                  logit_scale, softcap, inv_t,
                  HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
-                 EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr):
     """fp32 logits z of block (pid_m, pid_n), the vocab offsets, the column / row validity and tanh (softcap)."""
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = v_lo + pid_n * BN + tl.arange(0, BN)
@@ -58,21 +64,28 @@ def _tile_logits(h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, 
     # Out-of-range rows/columns read a valid row instead (no masks in the K loop); their results are never kept.
     safe_m = tl.where(row_ok, offs_m, 0).to(tl.int64)
     safe_n = tl.where(col_ok, offs_n, v_lo).to(tl.int64)
-    rk = tl.arange(0, BK)
-    a_ptrs = h_ptr + safe_m[:, None] * stride_h + rk[None, :]
-    b_ptrs = w_ptr + safe_n[None, :] * stride_w + rk[:, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BK)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = rk + k * BK < K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a.to(COMPUTE), b.to(COMPUTE), acc, input_precision=PRECISION)
-        a_ptrs += BK
-        b_ptrs += BK
+    if USE_TMA:
+        # h_ptr / w_ptr are host-built tensor descriptors: the copy engine zero-fills rows past M or V and the K tail
+        for k in range(0, tl.cdiv(K, BK)):
+            a = h_ptr.load([pid_m * BM, k * BK])
+            b = w_ptr.load([v_lo + pid_n * BN, k * BK])
+            acc = tl.dot(a.to(COMPUTE), b.to(COMPUTE).T, acc, input_precision=PRECISION)
+    else:
+        rk = tl.arange(0, BK)
+        a_ptrs = h_ptr + safe_m[:, None] * stride_h + rk[None, :]
+        b_ptrs = w_ptr + safe_n[None, :] * stride_w + rk[:, None]
+        for k in range(0, tl.cdiv(K, BK)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = rk + k * BK < K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(a.to(COMPUTE), b.to(COMPUTE), acc, input_precision=PRECISION)
+            a_ptrs += BK
+            b_ptrs += BK
     if HAS_BIAS:
         bias = tl.load(b_ptr + safe_n).to(COMPUTE).to(tl.float32)
         acc += bias[None, :]
@@ -101,14 +114,14 @@ def _fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr,
                 logit_scale, softcap, inv_t,
                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
                 HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
-                COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(v_hi - v_lo, BN)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
     z, t, offs_m, offs_n, row_ok, col_ok = _tile_logits(
         h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, stride_w, logit_scale, softcap, inv_t,
-        HAS_BIAS, HAS_SOFTCAP, COMPUTE, PRECISION, EVEN_K, BM, BN, BK)
+        HAS_BIAS, HAS_SOFTCAP, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
     zm = tl.where(col_ok[None, :], z, -float("inf"))
     m = tl.max(zm, axis=1)
     e = tl.exp(zm - m[:, None])
@@ -137,14 +150,14 @@ def _bwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, 
                 M, v_lo, v_hi, K, stride_h, stride_w, stride_dz,
                 logit_scale, softcap, inv_t,
                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_G: tl.constexpr, HAS_GE: tl.constexpr,
-                COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(v_hi - v_lo, BN)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
     z, t, offs_m, offs_n, row_ok, col_ok = _tile_logits(
         h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, stride_w, logit_scale, softcap, inv_t,
-        HAS_BIAS, HAS_SOFTCAP, COMPUTE, PRECISION, EVEN_K, BM, BN, BK)
+        HAS_BIAS, HAS_SOFTCAP, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
     log_z = tl.load(logz_ptr + offs_m, mask=row_ok, other=0.0)
     log_p = z - log_z[:, None]
     p = tl.exp(log_p)
@@ -164,6 +177,45 @@ def _bwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, 
     grad = grad * logit_scale
     ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dz + (offs_n - v_lo)[None, :]
     tl.store(ptrs, grad.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
+               ACC: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               GROUP_M: tl.constexpr):
+    """fp32 C (+)= A @ B with fp32 accumulation (used for the fp32 path's dX and dW with split-TF32 dots)."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + safe_m[:, None] * s_am + rk[None, :] * s_ak
+    b_ptrs = b_ptr + rk[:, None] * s_bk + safe_n[None, :] * s_bn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        k_ok = rk + k * BK < K
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0).to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BK * s_ak
+        b_ptrs += BK * s_bk
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn
+    c_ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if ACC:
+        acc += tl.load(c_ptrs, mask=c_ok, other=0.0)
+    tl.store(c_ptrs, acc, mask=c_ok)
+
+
+def _triton_mm_acc(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """c += a @ b, fp32, Triton with FP32_DOT products (any strides)."""
+    m, k = a.shape
+    n = b.shape[1]
+    bm, bn, bk, group_m, warps, stages = CONFIGS["mm_32"]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _mm_kernel[grid](a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+                     ACC=True, PRECISION=FP32_DOT, BM=bm, BN=bn, BK=bk, GROUP_M=group_m, num_warps=warps,
+                     num_stages=stages)
 
 
 def _config(kind: str, compute: torch.dtype):
@@ -190,6 +242,18 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out.copy_(torch.mm(a, b, out_dtype=torch.float32) if out.dtype == torch.float32 else torch.mm(a, b))
 
 
+def _operands(h, weight, compute, bm, bn, bk):
+    """(h arg, w arg, use_tma): tensor descriptors when TMA is on and the layout allows it, else the tensors."""
+    ok = (USE_TMA and h.dtype == compute and weight.dtype == compute and h.stride(1) == 1 and weight.stride(1) == 1
+          and (h.stride(0) * h.element_size()) % 16 == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0
+          and h.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+    if not ok:
+        return h, weight, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(h, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]), True
+
+
 def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want):
     """Running online-LSE statistics of the valid rows `h` over the whole vocabulary."""
     m_rows, k = h.shape
@@ -210,13 +274,14 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
         nvb = min(per_launch, total_vblocks - vb0)
         v_lo, v_hi = vb0 * bn, min(vocab, (vb0 + nvb) * bn)
         grid = (triton.cdiv(m_rows, bm) * nvb,)
+        h_arg, w_arg, tma = _operands(h, weight, compute, bm, bn, bk)
         _fwd_kernel[grid](
-            h, weight, bias if bias is not None else h, y, part, target_logit,
+            h_arg, w_arg, bias if bias is not None else h, y, part, target_logit,
             m_rows, v_lo, v_hi, k, h.stride(0), weight.stride(0), part.stride(0),
             float(logit_scale), float(softcap or 1.0), float(inv_t),
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=want["entropy"],
             HAS_SQ=want["log_sum_sq_probs"], HAS_MEAN=want["mean_logits"], HAS_TOP1=want["is_top1"],
-            COMPUTE=_TL_DTYPE[compute], PRECISION=_precision(compute), EVEN_K=k % bk == 0,
+            COMPUTE=_TL_DTYPE[compute], PRECISION=_precision(compute), EVEN_K=k % bk == 0, USE_TMA=tma,
             BM=bm, BN=bn, BK=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
         pm = part[0, :nvb]
         new_m = torch.maximum(run_m, pm.amax(0))
@@ -314,9 +379,11 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
             if need_w and n_ttiles > 1 and grad_w.dtype != torch.float32:
                 dw_buf = torch.empty((v_tile, k), device=dev, dtype=torch.float32)
             dummy = log_z
+            tri_mm = (FP32_MM == "triton" and compute == torch.float32 and weight.dtype == torch.float32
+                      and h.dtype == torch.float32)
             for v0 in range(0, vocab, v_tile):
                 v1 = min(v0 + v_tile, vocab)
-                w_c = weight[v0:v1].to(compute)
+                w_c = None if tri_mm else weight[v0:v1].to(compute)
                 if dw_buf is not None:
                     dw_buf.zero_()
                 for t0 in range(0, n_valid, t_tile):
@@ -324,18 +391,24 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
                     rows_t = t1 - t0
                     tile = dz[:rows_t, : v1 - v0]
                     grid = (triton.cdiv(rows_t, bm) * triton.cdiv(v1 - v0, bn),)
+                    h_arg, w_arg, tma = _operands(h[t0:t1], weight, compute, bm, bn, bk)
                     _bwd_kernel[grid](
-                        h[t0:t1], weight, bias if bias is not None else h, y[t0:t1], log_z[t0:t1],
+                        h_arg, w_arg, bias if bias is not None else h, y[t0:t1], log_z[t0:t1],
                         entropy[t0:t1], g[t0:t1] if g is not None else dummy, ge[t0:t1] if ge is not None else dummy,
                         tile, rows_t, v0, v1, k, h.stride(0), weight.stride(0), tile.stride(0),
                         float(logit_scale), float(softcap or 1.0), float(inv_t),
                         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_G=g is not None,
                         HAS_GE=ge is not None, COMPUTE=_TL_DTYPE[compute], PRECISION=_precision(compute),
-                        EVEN_K=k % bk == 0, BM=bm, BN=bn, BK=bk, GROUP_M=group_m, num_warps=warps,
-                        num_stages=stages)
-                    if need_h:
+                        EVEN_K=k % bk == 0, USE_TMA=tma, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
+                        num_warps=warps, num_stages=stages)
+                    if tri_mm:
+                        if need_h:
+                            _triton_mm_acc(grad_h_valid[t0:t1], tile, weight[v0:v1])
+                        if need_w:
+                            _triton_mm_acc(grad_w[v0:v1], tile.t(), h[t0:t1])
+                    if need_h and not tri_mm:
                         _mm_acc(grad_h_valid[t0:t1], tile, w_c)
-                    if need_w:
+                    if need_w and not tri_mm:
                         if n_ttiles == 1:
                             _mm_into(grad_w[v0:v1], tile.t(), h_c[t0:t1])
                         elif dw_buf is None:
