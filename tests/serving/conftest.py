@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny LoRA adapters on disk, a bearer token, and real CPU replica processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import pytest
+import requests
+
+from grpo_lab.serving.metrics import parse_text
+
+TOKEN_ENV = "GRPO_LAB_TEST_UPSTREAM_TOKEN"
+REPLICA_ARGS = ["--served-model-name", "tiny-qwen3", "trl-policy-v0", "--max-loras", "6", "--max-lora-rank", "16",
+                "--max-model-len", "1024"]
+
+
+@pytest.fixture(scope="session")
+def token():
+    value = "tok-" + secrets.token_hex(16)
+    old = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = value
+    yield value
+    if old is None:
+        os.environ.pop(TOKEN_ENV, None)
+    else:
+        os.environ[TOKEN_ENV] = old
+
+
+@pytest.fixture(scope="session")
+def adapters(tmp_path_factory):
+    """Three rank-1 all-linear adapters of tiny-qwen3 with non-zero B, so they change the outputs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_lab.models import build_model
+
+    root = tmp_path_factory.mktemp("adapters")
+    paths = {}
+    for i in range(1, 4):
+        torch.manual_seed(i)
+        model = get_peft_model(build_model("tiny-qwen3"), LoraConfig(r=1, lora_alpha=2, target_modules="all-linear",
+                                                                     init_lora_weights=False))
+        path = root / f"trl-policy-v{i}"
+        model.save_pretrained(path)
+        paths[f"trl-policy-v{i}"] = str(path)
+    return paths
+
+
+def metrics_of(url: str) -> dict[str, float]:
+    return parse_text(requests.get(url + "/metrics", timeout=10).text)
+
+
+def metric(url: str, prefix: str) -> float:
+    return sum(v for k, v in metrics_of(url).items() if k.split("{")[0] == prefix)
+
+
+def trl_payload(model: str, prompt: list[int], seed: int, max_tokens: int = 4) -> dict:
+    """Exactly the fields TRL 1.16's rollout worker sends (`_generate_one_turn`)."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0,
+            "top_k": -1, "repetition_penalty": 1.0, "n": 1, "return_token_ids": True, "logprobs": 0, "seed": seed}
+
+
+async def post_like_trl(session, url: str, payload: dict, timeout: float = 60) -> dict:
+    """What `AsyncRolloutWorker._post` does: POST json, raise on >= 400, parse the body."""
+    import aiohttp
+
+    async with session.post(url + "/v1/completions", json=payload,
+                            timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+        response.raise_for_status()
+        return await response.json()
+
+
+def run_group(url: str, payloads: list[dict], timeout: float = 60) -> list:
+    """Send payloads concurrently (a GRPO group); returns bodies or exceptions."""
+    import asyncio
+
+    import aiohttp
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(post_like_trl(session, url, p, timeout) for p in payloads),
+                                        return_exceptions=True)
+
+    return asyncio.run(asyncio.wait_for(go(), timeout + 10))
