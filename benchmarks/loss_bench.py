@@ -196,6 +196,7 @@ def main(argv=None):
     p.add_argument("--step-dtypes", default="bf16")
     p.add_argument("--budget-s", type=float, default=2.5, help="timing budget per point")
     p.add_argument("--tune", action="store_true", help="only the tile-config sweep of the grpo_lab head")
+    p.add_argument("--autotune", action="store_true", help="sweep grpo_lab settings first, bench with the best")
     p.add_argument("--tune-no-refs", action="store_true", help="skip the cuBLAS floor and TRL in --tune")
     args = p.parse_args(argv)
 
@@ -206,6 +207,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.tune:
         return tune(args.out, refs=not args.tune_no_refs)
+    chosen = autotune(args.out) if args.autotune else {}
+    meta["grpo_lab_setting"] = "; ".join(f"{k}: {v}" for k, v in chosen.items()) or "default"
     config = loss_config()
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     rows = []
@@ -248,23 +251,32 @@ def main(argv=None):
 A16 = (128, 256, 64, 8, 8, 3)
 TUNE_EXPERIMENTS = {
     "bf16": [
-        {"cfg": A16, "USE_TMA": True},
+        {},
+        {"USE_TMA": True},
         {"cfg": (128, 256, 64, 8, 8, 4), "USE_TMA": True},
-        {"cfg": (128, 128, 64, 8, 8, 4), "USE_TMA": True},
-        {"cfg": (256, 128, 64, 8, 8, 3), "USE_TMA": True},
-        {"cfg": A16, "USE_TMA": False, "BWD_TOKENS": 8192, "BWD_VOCAB": 4096},
-        {"cfg": A16, "USE_TMA": False, "BWD_TOKENS": 4096, "BWD_VOCAB": 8192},
-        {"cfg": A16, "USE_TMA": False, "BWD_TOKENS": 8192, "BWD_VOCAB": 8192},
-        {"cfg": A16, "USE_TMA": True, "BWD_TOKENS": 8192, "BWD_VOCAB": 8192},
+        {"BWD_TOKENS": 8192, "BWD_VOCAB": 8192},
+        {"USE_TMA": True, "BWD_TOKENS": 8192, "BWD_VOCAB": 8192},
     ],
     "fp32": [
-        {"cfg": (128, 128, 32, 8, 8, 3), "USE_TMA": True},
+        {},
+        {"USE_TMA": True},
         {"FP32_MM": "triton", "mm": (128, 128, 32, 8, 8, 3)},
         {"FP32_MM": "triton", "mm": (128, 64, 32, 8, 4, 3)},
-        {"FP32_MM": "triton", "mm": (64, 128, 32, 8, 4, 4)},
-        {"FP32_MM": "triton", "mm": (128, 128, 32, 8, 8, 3), "BWD_TOKENS": 8192, "BWD_VOCAB": 8192},
+        {"FP32_MM": "triton", "mm": (128, 128, 32, 8, 8, 3), "USE_TMA": True, "BWD_TOKENS": 8192},
     ],
 }
+TUNABLES = ("USE_TMA", "FP32_MM", "FP32_DOT", "BWD_TOKENS", "BWD_VOCAB")
+
+
+def apply_experiment(F, exp, dname):
+    for k, v in exp.items():
+        if k == "cfg":
+            key = "16" if dname == "bf16" else "32"
+            F.CONFIGS[f"fwd_{key}"] = F.CONFIGS[f"bwd_{key}"] = v
+        elif k == "mm":
+            F.CONFIGS["mm_32"] = v
+        else:
+            setattr(F, k, v)
 
 
 def tune(out_dir, refs=True):
@@ -324,16 +336,9 @@ def tune(out_dir, refs=True):
             rows.append({"dtype": dname, "what": "trl_head", "config": "chunk 32768", "ms": t_fb, "fwd_ms": t_f})
             print(f"tune {dname} trl head fwd {t_f:.1f} fwd+bwd {t_fb:.1f} ms", flush=True)
         for exp in TUNE_EXPERIMENTS[dname]:
-            saved = {k: getattr(F, k) for k in ("USE_TMA", "FP32_MM", "FP32_DOT", "BWD_TOKENS", "BWD_VOCAB")}
-            for k, v in exp.items():
-                if k == "cfg":
-                    key = "16" if dname == "bf16" else "32"
-                    F.CONFIGS[f"fwd_{key}"] = F.CONFIGS[f"bwd_{key}"] = v
-                elif k == "mm":
-                    F.CONFIGS["mm_32"] = v
-                else:
-                    setattr(F, k, v)
-            label = " ".join(f"{k}={v}" for k, v in exp.items())
+            saved = {k: getattr(F, k) for k in TUNABLES}
+            apply_experiment(F, exp, dname)
+            label = " ".join(f"{k}={v}" for k, v in exp.items()) or "default"
             try:
                 with torch.no_grad():
                     t_f = tt.do_bench(head("mine"), warmup=1, rep=20 if dname == "bf16" else 1,
@@ -347,13 +352,33 @@ def tune(out_dir, refs=True):
                 for k, v in saved.items():
                     setattr(F, k, v)
                 F.CONFIGS.update(default)
-            rows.append({"dtype": dname, "what": "grpo_lab_head", "config": label, "ms": t_fb, "fwd_ms": t_f})
+            rows.append({"dtype": dname, "what": "grpo_lab_head", "config": label, "ms": t_fb, "fwd_ms": t_f,
+                         "exp": exp})
             print(f"tune {dname} grpo_lab {label}: fwd {t_f:.1f} fwd+bwd {t_fb:.1f} ms", flush=True)
         F.CONFIGS.update(default)
         del h, w
         gc.collect()
         torch.cuda.empty_cache()
-    write_csv(os.path.join(out_dir, "tune.csv"), rows)
+    write_csv(os.path.join(out_dir, "tune.csv"), [{k: v for k, v in r.items() if k != "exp"} for r in rows])
+    return rows
+
+
+def autotune(out_dir):
+    """Run the sweep, then keep the fastest fwd+bwd setting of each dtype for the rest of this process."""
+    import math
+
+    import grpo_lab.kernels.fused_linear_logprob as F
+
+    rows = tune(out_dir, refs=False)
+    chosen = {}
+    for dname in ("bf16", "fp32"):
+        cands = [r for r in rows if r["dtype"] == dname and "exp" in r and not math.isnan(r["ms"])]
+        if cands:
+            best = min(cands, key=lambda r: r["ms"])
+            chosen[dname] = best["config"]
+            apply_experiment(F, best["exp"], dname)
+    print(f"autotune chose {chosen}", flush=True)
+    return chosen
 
 
 def format_table(rows, step_rows, meta):
