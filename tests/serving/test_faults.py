@@ -1,0 +1,177 @@
+"""Fault tests on real processes: storage lag, a replica killed during a load or mid-generation, a restart."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import pytest
+import requests
+from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+from grpo_lab.serving.processes import ReplicaProcess, restart_on_port
+from grpo_lab.serving.router import start_router
+from grpo_lab.serving.router_config import RouterConfig
+
+from .conftest import REPLICA_ARGS, TOKEN_ENV, metric, run_group, trl_payload
+
+LAG_S = 1.0
+PROMPT = list(range(100, 150))
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def faulty(token):
+    from accelerate import PartialState
+
+    PartialState()
+    env = {"VLLM_API_KEY": token}
+    a = ReplicaProcess(["--port", "0", *REPLICA_ARGS], env)
+    b = ReplicaProcess(["--port", "0", *REPLICA_ARGS, "--storage-lag-s", str(LAG_S)], env)  # a lagging mount
+    a.wait_ready(), b.wait_ready()
+    router = start_router(RouterConfig(replicas=[a.url, b.url], port=0, api_key_env=TOKEN_ENV,
+                                       health_interval_s=0.2, health_timeout_s=2, load_retry_deadline_s=15,
+                                       load_retry_interval_s=0.05, control_timeout_s=30, upstream_timeout_s=60))
+    ns = types.SimpleNamespace(router=router, replicas=[a, b], url=None, env=env, token=token)
+    try:
+        router.wait_ready(2, timeout=60)
+        ns.url = router.url
+        yield ns
+    finally:
+        router.stop()
+        for r in ns.replicas:
+            r.stop()
+
+
+def state(cluster) -> dict:
+    return requests.get(cluster.url + "/router/state", timeout=10).json()
+
+
+def replica_state(cluster, i: int) -> str:
+    return state(cluster)["replicas"][i]["state"]
+
+
+def adapters_on(cluster, i: int) -> set[str]:
+    r = cluster.replicas[i]
+    data = requests.get(r.url + "/v1/models", headers={"Authorization": f"Bearer {cluster.token}"}, timeout=10)
+    return {m["id"] for m in data.json()["data"] if m.get("parent")}
+
+
+def restart(cluster, i: int) -> None:
+    cluster.replicas[i] = restart_on_port(cluster.replicas[i], cluster.env)
+    wait_for(lambda: replica_state(cluster, i) == "in_service", 60, f"replica {i} re-admitted")
+
+
+def test_lagging_storage_is_retried_then_succeeds(faulty, adapters):
+    client = VLLMClient(faulty.url)
+    t0 = time.monotonic()
+    client.load_lora_adapter("trl-policy-v1", adapters["trl-policy-v1"])
+    assert time.monotonic() - t0 >= LAG_S * 0.9  # it waited for the lagging replica
+    retries = metric(faulty.url, "grpo_router_adapter_load_retries_total")
+    assert retries >= 1
+    assert adapters_on(faulty, 0) == adapters_on(faulty, 1) == {"trl-policy-v1"}
+    bodies = run_group(faulty.url, [trl_payload("trl-policy-v1", PROMPT, s) for s in range(4)])
+    assert all(not isinstance(b, Exception) for b in bodies), bodies
+
+
+def test_replica_killed_mid_generation_is_rerouted(faulty):
+    payloads = [trl_payload("trl-policy-v0", list(range(300, 340)), seed=s, max_tokens=600) for s in range(3)]
+    results: list = []
+    runner = threading.Thread(target=lambda: results.extend(run_group(faulty.url, payloads, timeout=90)))
+    t0 = time.monotonic()
+    runner.start()
+    busy = wait_for(lambda: [i for i, r in enumerate(state(faulty)["replicas"]) if r["in_flight"] == 3],
+                    20, "the group in flight on one replica")[0]
+    time.sleep(0.3)  # let generation start (not synchronisation: the kill is valid at any point)
+    faulty.replicas[busy].kill()
+    runner.join(timeout=100)
+    assert not runner.is_alive(), "a request hung after its replica died"
+    assert len(results) == 3 and all(not isinstance(r, Exception) for r in results), results
+    for r in results:  # finished on the other replica
+        choice = r["choices"][0]
+        assert choice["finish_reason"] in ("stop", "length")
+        assert 0 < len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) <= 600
+    assert time.monotonic() - t0 < 90
+    assert replica_state(faulty, busy) == "down"
+    assert metric(faulty.url, "grpo_router_reroutes_total") >= 3
+    assert requests.get(faulty.url + "/health", timeout=10).status_code == 200  # the survivor serves alone
+    restart(faulty, busy)
+    assert adapters_on(faulty, busy) == {"trl-policy-v1"}  # re-admitted with the live adapter
+
+
+def test_replica_killed_during_load_rolls_back(faulty, adapters):
+    client = VLLMClient(faulty.url)
+    before = metric(faulty.url, "grpo_router_adapter_load_retries_total")
+    outcome: dict = {}
+
+    def load():
+        try:
+            client.load_lora_adapter("trl-policy-v2", adapters["trl-policy-v2"])
+            outcome["ok"] = True
+        except Exception as error:  # what the trainer would see
+            outcome["error"] = str(error)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    # replica 1 lags: once it has answered "No adapter found", replica 0 has taken the load
+    wait_for(lambda: metric(faulty.url, "grpo_router_adapter_load_retries_total") > before
+             or "trl-policy-v2" in adapters_on(faulty, 0), 10, "the load in progress")
+    faulty.replicas[1].kill()
+    loader.join(timeout=40)
+    assert not loader.is_alive()
+    assert "error" in outcome, outcome
+    assert "rolled back on 1 replica" in outcome["error"] and faulty.replicas[1].url in outcome["error"]
+    assert "trl-policy-v2" not in adapters_on(faulty, 0)  # rolled back
+    assert "trl-policy-v2" not in state(faulty)["live_adapters"]
+    reply = requests.post(faulty.url + "/v1/completions", json=trl_payload("trl-policy-v2", PROMPT, 1), timeout=30)
+    assert reply.status_code == 404  # never forwarded to a replica that lacks it
+    assert metric(faulty.replicas[0].url, "grpo_replica_unknown_model_total") == 0
+    restart(faulty, 1)
+
+
+def test_restarted_replica_is_readmitted_only_with_live_adapters(faulty, adapters):
+    client = VLLMClient(faulty.url)
+    faulty.replicas[1].kill()
+    wait_for(lambda: replica_state(faulty, 1) == "down", 10, "replica 1 out of routing")
+    client.load_lora_adapter("trl-policy-v3", adapters["trl-policy-v3"])  # while replica 1 is down
+    client.unload_lora_adapter("trl-policy-v1")
+    live = set(state(faulty)["live_adapters"])
+    assert live == {"trl-policy-v3"}
+    stop = threading.Event()
+    errors: list = []
+
+    def traffic():  # rollouts of the newest policy keep flowing while replica 1 rejoins
+        while not stop.is_set():
+            for r in run_group(faulty.url, [trl_payload("trl-policy-v3", PROMPT, s) for s in range(4)]):
+                if isinstance(r, Exception):
+                    errors.append(r)
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    fresh = restart_on_port(faulty.replicas[1], faulty.env)
+    faulty.replicas[1] = fresh
+    wait_for(lambda: replica_state(faulty, 1) == "in_service", 60, "replica 1 re-admitted")
+    assert live <= adapters_on(faulty, 1)  # adapters are only ever added by the router, so this held at admission
+    stop.set()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and not errors, errors
+    assert adapters_on(faulty, 1) == live  # the live set, nothing stale
+    assert metric(fresh.url, "grpo_replica_unknown_model_total") == 0
+    assert metric(faulty.url, "grpo_router_readmissions_total") >= 1
+    # its prefix ownership was cleared on admission, so the first group of a known prompt is not pinned there
+    router = faulty.router.router
+    idx = 1
+    owned = faulty.router.call(lambda: sum(1 for b in router.pool.policy._blocks.values() if (b.served >> idx) & 1))
+    bodies = run_group(faulty.url, [trl_payload("trl-policy-v3", PROMPT, s) for s in range(2)])
+    assert all(not isinstance(b, Exception) for b in bodies)
+    assert owned <= len(PROMPT) // 16  # at most what traffic since admission gave it
