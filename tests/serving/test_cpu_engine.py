@@ -1,0 +1,94 @@
+"""The CPU replica's engine in-process: sampling contract, prefix reuse, adapter lifecycle and status codes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from grpo_lab.serving.generation import Engine, RequestError, SamplingParams
+from grpo_lab.serving.replica_config import CPUReplicaConfig
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(CPUReplicaConfig(served_model_names=["tiny-qwen3", "trl-policy-v0"], max_loras=2, max_lora_rank=8))
+
+
+PROMPT = list(range(5, 45))
+
+
+def test_seeded_sampling_is_reproducible_and_prefix_reuse_is_exact(engine):
+    params = SamplingParams(max_tokens=6, seed=11)
+    first = engine.generate("tiny-qwen3", PROMPT, params)
+    again = engine.generate("tiny-qwen3", PROMPT, params)
+    assert first["cached_tokens"] == 0 and again["cached_tokens"] == 32  # 39 cacheable tokens -> 2 blocks
+    assert first["token_ids"] == again["token_ids"]
+    assert first["logprobs"] == pytest.approx(again["logprobs"], abs=1e-5)
+    other_name = engine.generate("trl-policy-v0", PROMPT, params)  # another namespace: no reuse
+    assert other_name["cached_tokens"] == 0 and other_name["token_ids"] == first["token_ids"]
+
+
+def test_greedy_and_params_validation(engine):
+    out = engine.generate("tiny-qwen3", PROMPT, SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out["token_ids"]) <= 3
+    for body, text in [({"max_tokens": "x"}, "max_tokens"), ({"n": 2}, "n=1"), ({"top_p": 0}, "top_p"),
+                       ({"temperature": True}, "temperature")]:
+        with pytest.raises(RequestError, match=text):
+            SamplingParams.from_request(body)
+    with pytest.raises(RequestError) as err:
+        engine.generate("nope", PROMPT, SamplingParams())
+    assert err.value.status == 404
+
+
+def test_adapter_lifecycle_and_status_codes(engine, adapters, tmp_path):
+    with pytest.raises(RequestError) as err:
+        engine.load_adapter("a", str(tmp_path / "missing"))
+    assert err.value.status == 404 and "No adapter found" in err.value.message
+    engine.load_adapter("v1", adapters["trl-policy-v1"])
+    with pytest.raises(RequestError) as err:
+        engine.load_adapter("v1", adapters["trl-policy-v1"])
+    assert err.value.status == 400 and "already been loaded" in err.value.message
+    engine.load_adapter("v2", adapters["trl-policy-v2"])
+    with pytest.raises(RequestError, match="max_loras"):
+        engine.load_adapter("v3", adapters["trl-policy-v3"])
+    params = SamplingParams(max_tokens=4, seed=3)
+    base = engine.generate("tiny-qwen3", PROMPT, params)
+    v1 = engine.generate("v1", PROMPT, params)
+    assert v1["logprobs"] != base["logprobs"]
+    engine.unload_adapter("v2")
+    engine.unload_adapter("v1")  # the last one: the PEFT wrapper is dropped
+    with pytest.raises(RequestError) as err:
+        engine.unload_adapter("v1")
+    assert err.value.status == 404
+    assert engine.generate("tiny-qwen3", PROMPT, params)["logprobs"] == pytest.approx(base["logprobs"], abs=1e-5)
+    engine.load_adapter("v1", adapters["trl-policy-v1"])  # and can be wrapped again
+    assert engine.generate("v1", PROMPT, SamplingParams(max_tokens=4, seed=3))["token_ids"] == v1["token_ids"]
+    engine.unload_adapter("v1")
+
+
+def test_rank_above_max_is_refused(adapters, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "big"
+    shutil.copytree(adapters["trl-policy-v1"], path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    config["r"] = 64
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    small = Engine(CPUReplicaConfig(max_lora_rank=8, prefix_cache_blocks=0))
+    with pytest.raises(RequestError, match="max_lora_rank"):
+        small.load_adapter("big", str(path))
+
+
+def test_pause_freezes_between_tokens(engine):
+    engine.running.clear()
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(engine.generate("tiny-qwen3", PROMPT,
+                                                                          SamplingParams(max_tokens=3, seed=1))))
+    worker.start()
+    worker.join(timeout=0.5)
+    assert worker.is_alive() and not result  # held while paused
+    engine.running.set()
+    worker.join(timeout=30)
+    assert not worker.is_alive() and len(result["token_ids"]) <= 3
