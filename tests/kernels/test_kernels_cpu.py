@@ -1,0 +1,113 @@
+"""What of the kernel package runs without a GPU: imports, the CPU fallback, and the fused GRPO module."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from grpo_lab.backends.naive import naive_logprobs
+from grpo_lab.loss import grpo_loss
+from grpo_lab.loss_config import GRPOLossConfig
+
+
+def test_kernels_package_imports_without_gpu():
+    kernels = importlib.import_module("grpo_lab.kernels")
+    assert callable(kernels.fused_linear_logprobs)
+    if not torch.cuda.is_available():
+        assert kernels.fused_kernel_available() is False
+
+
+def test_fused_entry_refuses_cpu_tensors_clearly():
+    kernels = importlib.import_module("grpo_lab.kernels")
+    if not kernels.TRITON_AVAILABLE:
+        pytest.skip("triton absent: the ImportError path is covered below")
+    h, w, y = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    with pytest.raises(ValueError, match="CUDA"):
+        kernels.fused_linear_logprobs(h, w, None, y)
+
+
+def test_without_triton_the_entry_raises_import_error(monkeypatch):
+    kernels = importlib.import_module("grpo_lab.kernels")
+    monkeypatch.setattr(kernels, "TRITON_AVAILABLE", False)
+    assert kernels.fused_kernel_available() is False
+    with pytest.raises(ImportError, match="Triton"):
+        kernels.fused_linear_logprobs(torch.randn(2, 4), torch.randn(5, 4), None, torch.zeros(2, dtype=torch.long))
+
+
+def test_dispatch_falls_back_to_torch_path_on_cpu():
+    from grpo_lab.backends.dispatch import grpo_lab_logprobs
+
+    torch.manual_seed(0)
+    h = torch.randn(37, 24, dtype=torch.float64)
+    w = torch.randn(301, 24, dtype=torch.float64)
+    y = torch.randint(0, 301, (37,))
+    y[5] = -100
+    lp, ent, *_ = grpo_lab_logprobs(h, w, None, y, 0.8, None, None, 1.0, ("entropy",))
+    ref_lp, ref_ent, *_ = naive_logprobs(h, w, None, y, 0.8, None, None, 1.0, ("entropy",))
+    valid = y >= 0
+    torch.testing.assert_close(lp[valid], ref_lp[valid].float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[valid], ref_ent[valid].float(), rtol=1e-5, atol=1e-5)
+    assert lp[5] == 0
+
+
+CONFIGS = [
+    GRPOLossConfig(),
+    GRPOLossConfig(loss_type="grpo", beta=0.04),
+    GRPOLossConfig(loss_type="bnpo", importance_sampling_level="sequence", epsilon_high=0.28),
+    GRPOLossConfig(loss_type="dr_grpo", entropy_coef=0.01, max_completion_length=12, temperature=0.7),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.loss_type}-b{c.beta}")
+def test_fused_module_matches_reference_loss_on_naive_logprobs(config):
+    from grpo_lab.fused_grpo_loss import GRPOLabFusedLinearGRPOLoss
+
+    torch.manual_seed(1)
+    b, t, hdim, v = 3, 12, 16, 97
+    hidden = torch.randn(b, t, hdim, dtype=torch.float64)
+    weight = torch.randn(v, hdim, dtype=torch.float64) * 0.5
+    ids = torch.randint(0, v, (b, t))
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[0, 8:] = 0
+    mask[2, 3:] = 0
+    adv = torch.randn(b, dtype=torch.float64)
+    old = torch.randn(b, t, dtype=torch.float64) * 0.1 - 4.0
+    ref = torch.randn(b, t, dtype=torch.float64) * 0.1 - 4.0
+    is_ratio = torch.rand(b, 1, dtype=torch.float64) + 0.5
+    kwargs = dict(old_per_token_logps=old, ref_per_token_logps=ref if config.beta else None)
+
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    module = GRPOLabFusedLinearGRPOLoss(config)
+    loss, metrics = module(h1, w1, ids, mask, adv, vllm_is_ratio=is_ratio, **kwargs)
+    loss.backward()
+
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent, *_ = naive_logprobs(h2.reshape(-1, hdim), w2, None, ids.reshape(-1), config.temperature, None, None,
+                                 1.0, ("entropy",))
+    keep = mask.reshape(-1).to(lp.dtype)
+    lp, ent = (lp * keep).view(b, t), (ent * keep).view(b, t)
+    if not config.entropy_coef:
+        ent = ent.detach()
+    out = grpo_loss(lp.float(), mask.float(), adv.float(), config, old_per_token_logps=old.float(),
+                    ref_per_token_logps=None if not config.beta else ref.float(), entropies=ent.float(),
+                    importance_sampling_ratio=is_ratio.float(), num_items_in_batch=mask.sum())
+    out.loss.backward()
+    torch.testing.assert_close(loss.double(), out.loss.double(), rtol=1e-5, atol=1e-6)
+    assert metrics.keys() == out.metrics.keys()
+    for key in metrics:
+        assert metrics[key] == pytest.approx(out.metrics[key], rel=1e-4, abs=1e-6)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_fused_module_checks_shapes():
+    from grpo_lab.fused_grpo_loss import GRPOLabFusedLinearGRPOLoss
+
+    module = GRPOLabFusedLinearGRPOLoss()
+    with pytest.raises(ValueError, match=r"\[B, T, H\]"):
+        module(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), torch.ones(4), torch.ones(1))
+    with pytest.raises(ValueError, match="selected_token_ids"):
+        module(torch.randn(2, 3, 8), torch.randn(10, 8), torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 3),
+               torch.ones(2))
