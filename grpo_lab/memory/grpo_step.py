@@ -1,0 +1,315 @@
+"""Real TRL GRPO training steps on a random-init model, instrumented for peak memory per phase.
+
+Everything is offline: a word-level tokenizer over `t0 … t{V-1}` built in code, prompts of exactly `prompt_len`
+tokens, and completions of exactly `completion_len` tokens. With `generation="synthetic"` (the default) the
+completions are random tokens handed to TRL through its `rollout_func` hook, so the measured step is TRL's own
+scoring, loss, backward and optimizer step with no `model.generate`; with `generation="model"` TRL generates with
+`model.generate` (EOS suppressed by `min_new_tokens`) and the generation peak is recorded separately.
+
+Phases per optimizer step: `generation` (from step begin to the end of `_generate_and_score_completions`) and `train`
+(loss forward, backward, optimizer step). The meter's peak is reset between them; the reported `train` peak is the
+max over all steps (the first step allocates the AdamW state).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from typing import Any
+
+import torch
+
+from .meter import BudgetExceeded, make_meter, resolve_device
+from .spec import PointSpec
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def build_tokenizer(config):
+    """A fast tokenizer with one word per token id (`t0 … t{V-1}`), specials at the config's ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_size = config.vocab_size
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    eos = config.eos_token_id if config.eos_token_id is not None else vocab_size - 1
+    eos = eos[0] if isinstance(eos, list) else eos
+    pad = config.pad_token_id if config.pad_token_id is not None else eos
+    bos = config.bos_token_id if config.bos_token_id is not None else eos
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{eos}", pad_token=f"t{pad}",
+                                   bos_token=f"t{bos}", unk_token="t0")
+
+
+def _special_ids(tokenizer) -> set[int]:
+    return {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id, 0) if i is not None}
+
+
+def _ordinary_ids(vocab_size: int, specials: set[int], n: int, gen: torch.Generator) -> list[int]:
+    ids = torch.randint(3, vocab_size, (n,), generator=gen).tolist()
+    return [i if i not in specials else 3 + (i % (vocab_size - 3)) for i in ids]
+
+
+def build_dataset(tokenizer, vocab_size: int, prompt_len: int, n_prompts: int, seed: int):
+    from datasets import Dataset
+
+    gen = torch.Generator().manual_seed(seed)
+    specials = _special_ids(tokenizer)
+    prompts = [" ".join(f"t{i}" for i in _ordinary_ids(vocab_size, specials, prompt_len, gen)) for _ in range(n_prompts)]
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def length_reward(completions, completion_ids=None, **kwargs):
+    """A deterministic, content-dependent reward so advantages are non-zero (its value is irrelevant to memory)."""
+    if completion_ids is None:
+        return [float(zlib.crc32(c.encode()) % 5) for c in completions]
+    return [float(sum(ids) % 5) for ids in completion_ids]
+
+
+def synthetic_rollout(completion_len: int, vocab_size: int, specials: set[int], seed: int):
+    """A TRL `rollout_func`: tokenise the prompts and return random completions of exactly `completion_len` tokens.
+
+    Completions depend only on (prompt text, step, seed), so a 2-process run sees the same data as a 1-process run."""
+
+    def rollout(prompts, trainer):
+        tok = trainer.processing_class
+        prompt_ids, completion_ids = [], []
+        counts: dict[str, int] = {}
+        for p in prompts:
+            prompt_ids.append(tok(p, add_special_tokens=False)["input_ids"])
+            k = counts.get(p, 0)
+            counts[p] = k + 1
+            s = zlib.crc32(f"{seed}|{trainer.state.global_step}|{k}|{p}".encode())
+            completion_ids.append(_ordinary_ids(vocab_size, specials, completion_len, torch.Generator().manual_seed(s)))
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+    return rollout
+
+
+def num_generations_for(batch_size: int, world_size: int) -> tuple[int, int]:
+    """(num_generations, gradient_accumulation_steps) so that one micro-step holds exactly `batch_size` sequences.
+
+    GRPO needs groups of >= 2; the smallest divisor >= 2 of the global batch is used (memory does not depend on it).
+    A global batch of 1 uses 2 accumulation micro-steps of 1 sequence each."""
+    total = batch_size * world_size
+    if total == 1:
+        return 2, 2
+    for g in range(2, total + 1):
+        if total % g == 0:
+            return g, 1
+    return total, 1
+
+
+def fsdp_training_args(model_config) -> dict:
+    """TrainingArguments fields for FSDP2 through accelerate, wrapping each decoder layer."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        layer_cls = type(AutoModelForCausalLM.from_config(model_config).model.layers[0]).__name__
+    return {
+        "fsdp": "full_shard",
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "reshard_after_forward": True,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "transformer_layer_cls_to_wrap": [layer_cls],
+            "state_dict_type": "SHARDED_STATE_DICT",
+            "cpu_ram_efficient_loading": False,
+            "activation_checkpointing": False,
+        },
+    }
+
+
+def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbacks=()):
+    """The GRPO trainer for `spec`: `grpo_lab.trl_glue.GRPOLabTrainer` with `loss_backend=spec.backend` when the glue
+    is installed; plain `trl.GRPOTrainer` (backend "trl" only) until then."""
+    from grpo_lab.models import build_model, load_model_config
+
+    try:
+        from grpo_lab.trl_glue import GRPOLabConfig, GRPOLabTrainer  # type: ignore[import-not-found]
+
+        config_cls, trainer_cls, backend_kw = GRPOLabConfig, GRPOLabTrainer, {"loss_backend": spec.backend}
+    except ImportError:
+        if spec.backend != "trl":
+            raise ValueError(f"loss backend {spec.backend!r} needs grpo_lab.trl_glue, which is not installed yet; "
+                             "only 'trl' runs without it.") from None
+        from trl import GRPOConfig, GRPOTrainer
+
+        config_cls, trainer_cls, backend_kw = GRPOConfig, GRPOTrainer, {}
+
+    model_config = load_model_config(spec.model)
+    tokenizer = build_tokenizer(model_config)
+    num_generations, grad_accum = num_generations_for(spec.batch_size, spec.world_size)
+    global_batch = spec.batch_size * spec.world_size * grad_accum
+    n_prompts = max(1, global_batch // num_generations) * (spec.steps + 1)
+    dataset = build_dataset(tokenizer, model_config.vocab_size, spec.prompt_len, n_prompts, spec.seed)
+
+    bf16 = spec.dtype == "bf16"
+    extra: dict[str, Any] = {}
+    if spec.fsdp:
+        extra.update(fsdp_training_args(model_config))
+    if spec.gradient_checkpointing:
+        extra["gradient_checkpointing"] = True
+    if spec.generation == "model":
+        extra["generation_kwargs"] = {"min_new_tokens": spec.completion_len}
+    args = config_cls(
+        output_dir=output_dir,
+        per_device_train_batch_size=spec.batch_size,
+        gradient_accumulation_steps=grad_accum,
+        num_generations=num_generations,
+        max_completion_length=spec.completion_len,
+        max_steps=spec.steps,
+        learning_rate=1e-5,
+        beta=0.0,
+        bf16=bf16,
+        seed=spec.seed,
+        data_seed=spec.seed,
+        logging_strategy="no",
+        save_strategy="no",
+        log_level="error",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=device.type == "cpu",
+        dataloader_num_workers=0,
+        shuffle_dataset=False,
+        **backend_kw,
+        **extra,
+    )
+    # The model is created on its device with its final dtype (no fp32 master copy): the `bf16` points are pure
+    # bf16 training, the `fp32` points pure fp32. Under FSDP each rank builds the full model before sharding.
+    model = build_model(spec.model, dtype=TORCH_DTYPES[spec.dtype], seed=spec.seed,
+                        device=str(device) if not spec.fsdp else ("cpu" if device.type == "cpu" else str(device)))
+    peft_config = None
+    if spec.lora_r > 0:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, target_modules="all-linear",
+                                 lora_dropout=0.0, task_type="CAUSAL_LM")
+    rollout = None
+    if spec.generation == "synthetic":
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        rollout = synthetic_rollout(spec.completion_len, model_config.vocab_size, _special_ids(tokenizer), spec.seed)
+    trainer = trainer_cls(model=model, reward_funcs=length_reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=peft_config, rollout_func=rollout,
+                          callbacks=list(callbacks))
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    return trainer
+
+
+class PhaseRecorder:
+    """Splits each optimizer step into generation and training phases and keeps the peak of each."""
+
+    def __init__(self, meter, budget_bytes: int | None = None):
+        self.meter = meter
+        self.budget = budget_bytes
+        self.gen_peaks: list[dict] = []
+        self.train_peaks: list[dict] = []
+        self.step_times: list[float] = []
+        self.losses: list[float] = []
+        self.grads: dict[str, torch.Tensor] | None = None
+        self.capture_grads = False
+        self._t0 = 0.0
+        self.base = 0
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        rec = self
+
+        class _Cb(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                rec.meter.reset_peak()
+                rec._t0 = time.perf_counter()
+
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+                if rec.capture_grads and rec.grads is None and model is not None:
+                    rec.grads = _collect_lora_grads(model)
+
+            def on_step_end(self, args, state, control, **kw):
+                rec.meter.sync()
+                rec.step_times.append(time.perf_counter() - rec._t0)
+                rec.train_peaks.append(rec.meter.peak())
+                rec._check_budget(rec.train_peaks[-1])
+
+        return _Cb()
+
+    def _check_budget(self, peak: dict):
+        used = peak["peak"] - self.base
+        if self.budget is not None and self.meter.kind == "cpu_rss" and used > self.budget:
+            raise BudgetExceeded(f"peak RSS above baseline {used / 2**30:.3f} GiB over the budget "
+                                 f"{self.budget / 2**30:.3f} GiB")
+
+    def wrap(self, trainer):
+        original_gen = trainer._generate_and_score_completions
+        original_loss = trainer.compute_loss
+
+        def generate_and_score(*a, **k):
+            out = original_gen(*a, **k)
+            self.meter.sync()
+            self.gen_peaks.append(self.meter.peak())
+            self._check_budget(self.gen_peaks[-1])
+            self.meter.reset_peak()
+            return out
+
+        def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = original_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            loss = out[0] if isinstance(out, tuple) else out
+            self.losses.append(float(loss.detach().float().cpu()))
+            return out
+
+        trainer._generate_and_score_completions = generate_and_score
+        trainer.compute_loss = compute_loss
+
+
+def _collect_lora_grads(model) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is None or "lora_" not in name:
+            continue
+        g = p.grad
+        if hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        grads[name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")] = (
+            g.detach().float().cpu().clone())
+    return grads
+
+
+def run_grpo_steps(spec: PointSpec, output_dir: str, capture_grads: bool = False) -> dict:
+    """Build the trainer and run `spec.steps` optimizer steps; return the phase peaks (bytes), times and losses."""
+    device = resolve_device(spec.device)
+    meter = make_meter(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if spec.budget_bytes is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, spec.budget_bytes / total), device)
+    base = meter.current()
+    rec = PhaseRecorder(meter, spec.budget_bytes)
+    rec.capture_grads = capture_grads
+    rec.base = base
+    trainer = make_trainer(spec, output_dir, device, callbacks=[rec.callback()])
+    rec.wrap(trainer)
+    setup_bytes = meter.current()
+    trainer.train()
+    peak_train = max(p["peak"] for p in rec.train_peaks)
+    result = {
+        "peak_bytes": peak_train,
+        "peak_generation_bytes": max(p["peak"] for p in rec.gen_peaks) if rec.gen_peaks else None,
+        "reserved_bytes": max(p.get("reserved", 0) for p in rec.train_peaks) if meter.kind == "cuda_allocated" else None,
+        "base_bytes": base,
+        "setup_bytes": setup_bytes,
+        "step_time_s": min(rec.step_times) if rec.step_times else None,
+        "memory_kind": meter.kind,
+        "steps_done": len(rec.train_peaks),
+        "loss": rec.losses[0] if rec.losses else None,
+        "losses": rec.losses,
+        "phase_reset": getattr(meter, "resettable", True),
+    }
+    if capture_grads:
+        result["grads"] = rec.grads
+    return result

@@ -1,0 +1,91 @@
+"""The loss stage alone: LM-head projection + log-probs (+ entropy) + a GRPO-style loss, forward and backward.
+
+Inputs are the last hidden state `[B*T, H]` and the LM-head weight `[V, H]` of the chosen model, both trainable, so
+the peak includes what the fused heads exist to avoid (the `[N, V]` logits and their gradient). The log-prob
+backends come from `grpo_lab.backends.get_logprob_backend`; `liger` fuses the loss itself, so its point runs
+Liger's `LigerFusedLinearGRPOLoss` on the same tensors.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .grpo_step import TORCH_DTYPES
+from .meter import BudgetExceeded, make_meter, resolve_device
+from .spec import PointSpec
+
+
+def _logprob_fn(backend: str):
+    try:
+        from grpo_lab.backends import get_logprob_backend
+    except ImportError:
+        get_logprob_backend = None
+    if get_logprob_backend is not None:
+        return get_logprob_backend(backend)
+    if backend != "trl":
+        raise ValueError(f"loss backend {backend!r} needs grpo_lab.backends.get_logprob_backend (not installed).")
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    return ChunkedLogProbFunction.apply
+
+
+def run_loss_probe(spec: PointSpec) -> dict:
+    from grpo_lab.models import load_model_config
+
+    device = resolve_device(spec.device)
+    meter = make_meter(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if spec.budget_bytes is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, spec.budget_bytes / total), device)
+    cfg = load_model_config(spec.model)
+    B, T, H, V = spec.batch_size, spec.completion_len, cfg.hidden_size, cfg.vocab_size
+    dtype = TORCH_DTYPES[spec.dtype]
+    gen = torch.Generator(device=device).manual_seed(spec.seed)
+    base = meter.current()
+    hidden = (torch.randn(B, T, H, device=device, dtype=dtype, generator=gen) * 0.5).requires_grad_(True)
+    weight = (torch.randn(V, H, device=device, dtype=dtype, generator=gen) * H**-0.5).requires_grad_(True)
+    targets = torch.randint(0, V, (B, T), device=device, generator=gen)
+    advantages = torch.randn(B, device=device, generator=gen)
+    mask = torch.ones(B, T, device=device, dtype=torch.long)
+
+    if spec.backend == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo", compiled=False)
+
+        def step():
+            out = liger(hidden, weight, targets, mask, advantages)
+            loss = out[0] if isinstance(out, tuple) else out
+            loss.backward()
+    else:
+        fn = _logprob_fn(spec.backend)
+        chunk = spec.chunk_size or 4096
+
+        def step():
+            out = fn(hidden.view(B * T, H), weight, None, targets.view(-1), 1.0, chunk, None, 1.0,
+                     ("log_probs", "entropy"))
+            logprobs = out[0].view(B, T)
+            # dapo-shaped surrogate: on-policy ratio exp(lp - lp.detach()) = 1 with gradient d lp
+            ratio = torch.exp(logprobs - logprobs.detach())
+            loss = -(ratio * advantages[:, None]).sum() / (B * T)
+            if out[1] is not None:
+                loss = loss - 0.0 * out[1].sum()
+            loss.backward()
+
+    step()  # warm-up (Triton autotune, allocator)
+    hidden.grad = weight.grad = None
+    meter.reset_peak()
+    t0 = time.perf_counter()
+    step()
+    meter.sync()
+    elapsed = time.perf_counter() - t0
+    peak = meter.peak()
+    if spec.budget_bytes is not None and meter.kind == "cpu_rss" and peak["peak"] - base > spec.budget_bytes:
+        raise BudgetExceeded("loss probe over the memory budget")
+    return {"peak_bytes": peak["peak"], "reserved_bytes": peak.get("reserved"), "base_bytes": base,
+            "setup_bytes": base, "step_time_s": elapsed, "memory_kind": meter.kind, "peak_generation_bytes": None,
+            "steps_done": 1, "loss": None, "phase_reset": getattr(meter, "resettable", True)}

@@ -1,0 +1,116 @@
+"""Peak-memory meters with a resettable peak, one per device kind.
+
+CUDA: the caching allocator's peak statistics (`max_memory_allocated` / `max_memory_reserved`). CPU: the process's
+peak resident set (Linux `VmHWM`, reset by writing 5 to `/proc/self/clear_refs`); where that reset is unavailable the
+meter falls back to `ru_maxrss`, which cannot be reset (then every phase reports the process-wide peak).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+import torch
+
+GiB = 1024**3
+
+
+def _read_status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class CpuRssMeter:
+    kind = "cpu_rss"
+
+    def __init__(self):
+        self.resettable = self._try_reset()
+
+    @staticmethod
+    def _try_reset() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return _read_status_kib("VmHWM") is not None
+        except OSError:
+            return False
+
+    def current(self) -> int:
+        kib = _read_status_kib("VmRSS")
+        if kib is None:
+            import psutil
+
+            return psutil.Process().memory_info().rss
+        return kib * 1024
+
+    def reset_peak(self) -> None:
+        if self.resettable:
+            self._try_reset()
+
+    def peak(self) -> dict[str, int]:
+        kib = _read_status_kib("VmHWM") if self.resettable else None
+        if kib is None:
+            ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            kib = ru // 1024 if sys.platform == "darwin" else ru
+        return {"peak": kib * 1024}
+
+    def sync(self) -> None:
+        pass
+
+
+class CudaMeter:
+    kind = "cuda_allocated"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def current(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> dict[str, int]:
+        torch.cuda.synchronize(self.device)
+        return {"peak": torch.cuda.max_memory_allocated(self.device),
+                "reserved": torch.cuda.max_memory_reserved(self.device)}
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def make_meter(device: torch.device):
+    return CudaMeter(device) if device.type == "cuda" else CpuRssMeter()
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+class BudgetExceeded(MemoryError):
+    """A CPU probe whose measured peak went over the memory budget: recorded as out-of-memory."""
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """Out-of-memory from any layer: torch's CUDA OOM, a host `MemoryError`, allocator messages, a budget overrun."""
+    if isinstance(exc, MemoryError | BudgetExceeded):
+        return True
+    oom_type = getattr(torch, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    text = str(exc).lower()
+    return any(s in text for s in ("out of memory", "cuda_error_out_of_memory", "can't allocate memory",
+                                   "cannot allocate memory", "defaultcpuallocator: not enough memory"))

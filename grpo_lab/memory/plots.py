@@ -1,0 +1,107 @@
+"""Figures for notebooks 01 and 02 (matplotlib, Agg-safe): peak memory vs batch size, max batch per model size."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+BACKEND_STYLE = {
+    "naive": dict(color="#d62728", marker="o"),
+    "trl": dict(color="#1f77b4", marker="s"),
+    "grpo_lab": dict(color="#2ca02c", marker="^"),
+    "liger": dict(color="#9467bd", marker="D"),
+}
+BACKEND_ORDER = ["naive", "trl", "grpo_lab", "liger"]
+
+
+def _ordered(backends) -> list[str]:
+    backends = list(dict.fromkeys(backends))
+    return [b for b in BACKEND_ORDER if b in backends] + [b for b in backends if b not in BACKEND_ORDER]
+
+
+def _title_suffix(df: pd.DataFrame) -> str:
+    if df.empty:
+        return ""
+    r = df.iloc[0]
+    where = r.get("gpu_name", "")
+    return f"{r['model']} · {where} · {r.get('date', '')}"
+
+
+def plot_memory_vs_batch(df: pd.DataFrame, mode: str = "step", fig=None, dtypes=("fp32", "bf16")):
+    """FP32 and BF16 panels side by side: peak GiB vs batch size per backend; out-of-memory points as ×."""
+    import matplotlib.pyplot as plt
+
+    d = df[df["mode"] == mode] if "mode" in df else df
+    if fig is None:
+        fig = plt.figure(figsize=(11, 4.2))
+    fig.clear()
+    axes = fig.subplots(1, len(dtypes), sharey=False, squeeze=False)[0]
+    unit = "GiB"
+    for ax, dtype in zip(axes, dtypes):
+        part = d[d["dtype"] == dtype]
+        ymax = part["peak_gib"].max() if part["peak_gib"].notna().any() else 1.0
+        for backend in _ordered(part["backend"]):
+            b = part[part["backend"] == backend].sort_values("batch_size")
+            style = BACKEND_STYLE.get(backend, {})
+            ok = b[b["status"] == "ok"]
+            ax.plot(ok["batch_size"], ok["peak_gib"], label=backend, lw=2, ms=5, **style)
+            oom = b[b["status"] == "oom"]
+            if len(oom):
+                ax.scatter(oom["batch_size"], [ymax * 1.06] * len(oom), marker="x", s=60,
+                           color=style.get("color", "k"), zorder=5)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (sequences per step)")
+        kind = part["memory_kind"].iloc[0] if len(part) else ""
+        ax.set_ylabel(f"peak memory ({unit})" + (" — RSS above baseline" if kind == "cpu_rss" else ""))
+        ax.set_title(f"{dtype.upper()}")
+        ax.grid(alpha=0.3)
+        if len(part):
+            ax.set_ylim(0, ymax * 1.12)
+            ax.legend(title="loss backend (× = OOM)", fontsize=8)
+    what = "GRPO training step (fwd+bwd+AdamW)" if mode == "step" else "loss stage alone (fwd+bwd)"
+    fig.suptitle(f"Peak memory vs batch size — {what}\n{_title_suffix(d)}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_max_batch(df: pd.DataFrame, fig=None):
+    """Bars: max per-device batch per model size and backend, labelled with the ratio to naive and to trl."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    if fig is None:
+        fig = plt.figure(figsize=(11, 4.5))
+    fig.clear()
+    ax = fig.subplots()
+    if df.empty:
+        return fig
+    models = list(dict.fromkeys(df["model"]))
+    backends = _ordered(df["backend"])
+    width = 0.8 / max(1, len(backends))
+    x = np.arange(len(models))
+    top = max(1, df["max_batch"].max())
+    for i, backend in enumerate(backends):
+        vals = []
+        for m in models:
+            v = df[(df["model"] == m) & (df["backend"] == backend)]["max_batch"]
+            vals.append(int(v.iloc[0]) if len(v) and pd.notna(v.iloc[0]) else 0)
+        pos = x + (i - (len(backends) - 1) / 2) * width
+        ax.bar(pos, vals, width, label=backend, color=BACKEND_STYLE.get(backend, {}).get("color"))
+        for m, p, v in zip(models, pos, vals):
+            labels = [str(v)]
+            for ref in ("naive", "trl"):
+                r = df[(df["model"] == m) & (df["backend"] == ref)]["max_batch"]
+                if backend != ref and len(r) and pd.notna(r.iloc[0]) and r.iloc[0] > 0:
+                    labels.append(f"{v / r.iloc[0]:.2f}×{ref[0]}")
+            ax.text(p, v + top * 0.01, "\n".join(labels), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, models)
+    ax.set_ylabel("max per-device batch that fits")
+    ax.set_ylim(0, top * 1.3)
+    ax.legend(title="loss backend (×n = vs naive, ×t = vs trl)", fontsize=8)
+    r = df.iloc[0]
+    ax.set_title(f"FSDP2 + LoRA r={r.get('lora_r', '')}: max batch, {r.get('dtype', '')}, "
+                 f"{r.get('prompt_len', '')}+{r.get('completion_len', '')} tokens, world size {r.get('world_size', '')}"
+                 f", budget {r.get('budget_gib', 0):.1f} GiB\n{r.get('gpu_name', '')} · {r.get('date', '')}",
+                 fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig

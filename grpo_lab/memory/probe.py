@@ -1,0 +1,200 @@
+"""Run one memory point in fresh processes, so points cannot leak allocator state or fragmentation into each other.
+
+Each point is one process per rank, forked from a fork server that has already imported torch/transformers/TRL
+(`_preload`; imports only, no CUDA context), so a probe starts in about a second rather than the import time.
+`start_method="spawn"` gives a brand-new interpreter instead. For `world_size > 1` (or `fsdp=True`) every rank gets
+the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and accelerate builds the process group
+(gloo on CPU, NCCL on GPU; NVLink multicast off), so N GPUs of one host need no code change.
+
+Outcomes: `ok`, `oom` (an allocator / host OOM, a CPU budget overrun, or a rank killed by a signal — the kernel's
+OOM killer), and `error`, which `run_point` raises as `ProbeError` with the child's traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+import traceback
+
+from .meter import is_oom_error
+from .spec import PointSpec
+
+NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class ProbeError(RuntimeError):
+    """A probe failed for a reason other than memory: the search or sweep stops and shows it."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(spec: PointSpec, rank: int, port: int, conn, capture_grads: bool) -> None:
+    os.environ.update(NCCL_SAFE_ENV)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    distributed = spec.fsdp or spec.world_size > 1
+    if distributed:
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(spec.world_size),
+                           "LOCAL_WORLD_SIZE": str(spec.world_size), "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port)})
+    else:
+        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(k, None)
+    if spec.device == "cpu" or (spec.device == "auto" and not _cuda_available()):
+        import torch
+
+        # One intra-op thread by default: on small shared CPUs, thread contention costs far more than it gains
+        torch.set_num_threads(int(os.environ.get("GRPO_LAB_PROBE_THREADS", "1")))
+        _return_freed_memory_to_os()
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        with tempfile.TemporaryDirectory(prefix="grpo_lab_probe_") as out:
+            if spec.mode == "loss":
+                from .loss_probe import run_loss_probe
+
+                result = run_loss_probe(spec)
+            else:
+                from .grpo_step import run_grpo_steps
+
+                result = run_grpo_steps(spec, out, capture_grads=capture_grads)
+        conn.send(("ok", result))
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        status = "oom" if is_oom_error(exc) else "error"
+        conn.send((status, f"{type(exc).__name__}: {exc}" if status == "oom" else traceback.format_exc()))
+    finally:
+        conn.close()
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _return_freed_memory_to_os() -> None:
+    """glibc: serve every allocation above 64 KiB with mmap and return it on free, so the process's peak RSS tracks
+    the peak of live tensors instead of what malloc kept cached (CPU probes only)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD (also turns off the dynamic threshold)
+        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+_CONTEXTS: dict[str, mp.context.BaseContext] = {}
+
+
+def _context(start_method: str):
+    if start_method not in _CONTEXTS:
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            ctx.set_forkserver_preload(["grpo_lab.memory._preload"])
+        _CONTEXTS[start_method] = ctx
+    return _CONTEXTS[start_method]
+
+
+def default_start_method() -> str:
+    return os.environ.get("GRPO_LAB_PROBE_START", "forkserver")
+
+
+def run_point(spec: PointSpec, timeout_s: float | None = 900, start_method: str | None = None,
+              capture_grads: bool = False, raise_on_error: bool = True) -> dict:
+    """Measure `spec` in fresh processes; returns the result dict of rank 0 plus `status` (ok | oom | error) and
+    `message`, and for multi-rank runs `per_rank`. Raises `ProbeError` on `error` unless `raise_on_error=False`."""
+    ctx = _context(start_method or default_start_method())
+    port = _free_port()
+    procs, conns = [], []
+    t0 = time.perf_counter()
+    for rank in range(spec.world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(spec, rank, port, child_conn, capture_grads), daemon=False)
+        p.start()
+        child_conn.close()
+        procs.append(p)
+        conns.append(parent_conn)
+
+    results: list[tuple[str, object] | None] = [None] * len(procs)
+    deadline = None if timeout_s is None else t0 + timeout_s
+    grace_deadline = None
+    while True:
+        for i, (p, c) in enumerate(zip(procs, conns)):
+            if results[i] is None:
+                if c.poll(0.05):
+                    try:
+                        results[i] = c.recv()
+                    except EOFError:
+                        results[i] = ("dead", None)
+                elif not p.is_alive():
+                    if c.poll(0.2):
+                        continue
+                    results[i] = ("dead", p.exitcode)
+        done = all(r is not None for r in results)
+        failed = any(r is not None and r[0] != "ok" for r in results)
+        now = time.perf_counter()
+        if done:
+            break
+        if failed and grace_deadline is None:
+            grace_deadline = now + 20  # the other ranks may be stuck in a collective
+        if (grace_deadline is not None and now > grace_deadline) or (deadline is not None and now > deadline):
+            break
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    wall = time.perf_counter() - t0
+
+    statuses = []
+    for i, r in enumerate(results):
+        if r is None:
+            statuses.append(("error" if not any(x and x[0] != "ok" for x in results) else "aborted",
+                             "timed out" if deadline and time.perf_counter() > deadline else "stopped after a peer failed"))
+        elif r[0] == "dead":
+            code = procs[i].exitcode if r[1] is None else r[1]
+            statuses.append(("oom", f"rank {i} killed by signal {-code}") if code is not None and code < 0
+                            else ("error", f"rank {i} exited with code {code} without a result"))
+        else:
+            statuses.append(r)
+    kinds = [s[0] for s in statuses]
+    if "error" in kinds:
+        status = "error"
+    elif "oom" in kinds:
+        status = "oom"
+    elif all(k == "ok" for k in kinds):
+        status = "ok"
+    else:
+        status = "error"
+    out: dict = {"status": status, "wall_s": wall, "message": ""}
+    if status == "ok":
+        out.update(statuses[0][1])
+        if spec.world_size > 1:
+            out["per_rank"] = [s[1] for s in statuses]
+            out["peak_bytes"] = max(s[1]["peak_bytes"] for s in statuses)
+    else:
+        out["message"] = next(str(s[1]) for s in statuses if s[0] == status)
+    if status == "error" and raise_on_error:
+        raise ProbeError(f"probe {spec.as_dict()} failed:\n{out['message']}")
+    return out

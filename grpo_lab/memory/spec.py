@@ -1,0 +1,139 @@
+"""What one memory point is: a validated, picklable description shared by the sweep, the max-batch search and the
+fresh-process probes. Bad input fails here with a plain `ValueError`, before any process is started."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+BACKENDS = ("trl", "grpo_lab", "naive", "liger")
+DTYPES = ("fp32", "bf16")
+MODES = ("step", "loss")  # a real TRL GRPO training step, or the log-prob/loss stage alone
+GENERATIONS = ("synthetic", "model")  # fixed-length random completions via TRL's rollout_func, or model.generate
+
+_DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def known_backends() -> tuple[str, ...]:
+    """The loss backends: `grpo_lab.backends.LOSS_BACKENDS` once the TRL glue is installed, else the planned four."""
+    try:
+        from grpo_lab.backends import LOSS_BACKENDS  # type: ignore[attr-defined]
+
+        return tuple(LOSS_BACKENDS)
+    except ImportError:
+        return BACKENDS
+
+
+def normalize_dtype(dtype: str) -> str:
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPE_ALIASES:
+        raise ValueError(f"Unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}.")
+    return _DTYPE_ALIASES[key]
+
+
+def check_model(name: str) -> str:
+    from grpo_lab.models import known_model_names, load_model_config
+
+    try:
+        load_model_config(name)
+    except ValueError:
+        raise ValueError(f"Unknown model {name!r}: use one of {', '.join(known_model_names())}.") from None
+    return name
+
+
+def check_backend(name: str) -> str:
+    backends = known_backends()
+    if name not in backends:
+        raise ValueError(f"Unknown loss backend {name!r}: use one of {', '.join(backends)}.")
+    return name
+
+
+def check_positive_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        elif isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise ValueError(f"{what} must be a positive integer, got {value!r}.")
+    if value <= 0:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}.")
+    return value
+
+
+def parse_int_list(values, what: str = "batch sizes") -> list[int]:
+    """`"1,2,4"`, `[1, 2, 4]` or `4` → `[1, 2, 4]`; anything not a positive integer is a `ValueError`."""
+    if isinstance(values, str):
+        parts = [p for p in values.replace(" ", ",").split(",") if p]
+    elif isinstance(values, int | float) and not isinstance(values, bool):
+        parts = [values]
+    else:
+        parts = list(values)
+    if not parts:
+        raise ValueError(f"{what}: give at least one positive integer.")
+    out = []
+    for p in parts:
+        if isinstance(p, str):
+            try:
+                p = int(p)
+            except ValueError:
+                raise ValueError(f"{what} must be positive integers, got {p!r}.") from None
+        out.append(check_positive_int(p, what))
+    return out
+
+
+def parse_str_list(values) -> list[str]:
+    if isinstance(values, str):
+        return [p for p in values.replace(" ", ",").split(",") if p]
+    return [str(v) for v in values]
+
+
+@dataclass(frozen=True)
+class PointSpec:
+    """One measurement. `batch_size` is per device: the sequences (prompt + completion) in one training micro-step."""
+
+    model: str = "tiny-qwen3"
+    backend: str = "trl"
+    dtype: str = "fp32"
+    batch_size: int = 2
+    prompt_len: int = 16
+    completion_len: int = 16
+    mode: str = "step"
+    generation: str = "synthetic"
+    steps: int = 2  # optimizer steps; the first one allocates AdamW state, the peak is the max over all of them
+    lora_r: int = 0  # 0 = full fine-tuning; > 0 = LoRA on all linear layers (alpha = 2r)
+    fsdp: bool = False  # FSDP2 through accelerate (needs a process group; set up by the launcher)
+    world_size: int = 1
+    budget_bytes: int | None = None  # CUDA: per-process memory cap; CPU: peak RSS above the baseline over it = OOM
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    chunk_size: int = 0  # loss mode: rows per chunk for the fused backends (0 = the backend's default)
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        check_model(self.model)
+        check_backend(self.backend)
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        for name in ("batch_size", "prompt_len", "completion_len", "steps", "world_size"):
+            object.__setattr__(self, name, check_positive_int(getattr(self, name), name.replace("_", " ")))
+        if self.mode not in MODES:
+            raise ValueError(f"Unknown mode {self.mode!r}: use one of {', '.join(MODES)}.")
+        if self.generation not in GENERATIONS:
+            raise ValueError(f"Unknown generation {self.generation!r}: use one of {', '.join(GENERATIONS)}.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"Unknown device {self.device!r}: use auto, cpu or cuda.")
+        if self.lora_r < 0:
+            raise ValueError(f"lora_r must be >= 0, got {self.lora_r}.")
+        if self.budget_bytes is not None and self.budget_bytes <= 0:
+            raise ValueError(f"budget must be positive, got {self.budget_bytes}.")
+        if self.mode == "step" and self.batch_size * self.world_size < 2 and self.steps < 1:
+            raise ValueError("GRPO needs at least 2 completions per step.")
+
+    def replace(self, **changes) -> PointSpec:
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("extra")
+        return d

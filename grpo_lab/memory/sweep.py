@@ -1,0 +1,169 @@
+"""Peak memory vs batch size: backend × dtype × batch size (× model, lengths), each point in fresh processes.
+
+    python -m grpo_lab.memory.sweep --quick --out results/memory_vs_batch      # CPU, tiny model, ~1 min
+    python -m grpo_lab.memory.sweep --full  --out results/memory_vs_batch      # one H200, ~5 min
+
+Two kinds of point: `step` (real TRL GRPOTrainer steps; generation replaced by fixed-length random completions via
+TRL's rollout_func, so the peak is the training step's) and `loss` (the LM-head + log-prob + loss stage alone). Once a
+backend runs out of memory at some batch size, its larger batch sizes are recorded as OOM without being run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+
+from .probe import ProbeError, run_point
+from .results import environment, make_row, rows_to_frame, write_csv
+from .spec import PointSpec, check_backend, check_model, normalize_dtype, parse_int_list, parse_str_list
+
+FIGURE = "memory_vs_batch"
+
+PRESETS = {
+    # CPU quick mode: a small Qwen3-shaped model whose vocabulary is large enough for the logits to show
+    "quick": dict(model="small-qwen3", backends=["naive", "trl", "grpo_lab"], dtypes=["fp32", "bf16"],
+                  batch_sizes=[2, 4, 8], prompt_len=32, completion_len=64, modes=["step", "loss"],
+                  loss_batch_sizes=[2, 4, 8]),
+    # One H200: Qwen3-0.6B, 256 prompt + 512 completion tokens; past naive's OOM for the fused backends
+    "full": dict(model="Qwen3-0.6B", backends=["naive", "trl", "grpo_lab", "liger"], dtypes=["bf16", "fp32"],
+                 batch_sizes=[4, 8, 16, 32, 48, 64, 96], prompt_len=256, completion_len=512,
+                 modes=["step", "loss"], loss_batch_sizes=[4, 16, 64]),
+}
+
+
+def build_specs(model="tiny-qwen3", backends=("trl",), dtypes=("fp32",), batch_sizes=(2, 4), prompt_len=16,
+                completion_len=16, modes=("step",), loss_batch_sizes=None, steps=2, lora_r=0, device="auto",
+                generation="synthetic", budget_bytes=None) -> list[PointSpec]:
+    """The grid, validated up front (unknown model/backend/dtype or non-positive sizes → ValueError)."""
+    check_model(model)
+    backends = [check_backend(b) for b in parse_str_list(backends)]
+    dtypes = [normalize_dtype(d) for d in parse_str_list(dtypes)]
+    batch_sizes = parse_int_list(batch_sizes, "batch sizes")
+    loss_batch_sizes = parse_int_list(loss_batch_sizes, "loss batch sizes") if loss_batch_sizes else batch_sizes
+    modes = parse_str_list(modes)
+    specs = []
+    for mode, dtype, backend in itertools.product(modes, dtypes, backends):
+        for b in (batch_sizes if mode == "step" else loss_batch_sizes):
+            specs.append(PointSpec(model=model, backend=backend, dtype=dtype, batch_size=b, prompt_len=prompt_len,
+                                   completion_len=completion_len, mode=mode, steps=steps, lora_r=lora_r,
+                                   device=device, generation=generation, budget_bytes=budget_bytes))
+    return specs
+
+
+def _series_key(s: PointSpec):
+    return (s.model, s.backend, s.dtype, s.mode, s.prompt_len, s.completion_len, s.lora_r)
+
+
+def run_sweep(specs: list[PointSpec], out_csv: str | Path | None = None,
+              on_point: Callable[[dict, int, int], None] | None = None, skip_after_oom: bool = True,
+              max_seconds: float | None = None, figure: str = FIGURE) -> pd.DataFrame:
+    """Measure every spec (in order), calling `on_point(row, index, total)` after each; the CSV is rewritten after
+    every point so an interrupted sweep keeps what it measured. Errors other than OOM raise `ProbeError`."""
+    env = environment(specs[0].device if specs else "auto")
+    rows: list[dict] = []
+    oom_at: dict = {}
+    t0 = time.perf_counter()
+    for i, spec in enumerate(specs):
+        key = _series_key(spec)
+        if skip_after_oom and key in oom_at and spec.batch_size > oom_at[key]:
+            result = {"status": "oom", "message": f"not run: batch {oom_at[key]} already out of memory"}
+        elif max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+            result = {"status": "skipped", "message": f"not run: sweep time limit {max_seconds:.0f}s reached"}
+        else:
+            result = run_point(spec)
+            if result["status"] == "oom":
+                oom_at[key] = min(oom_at.get(key, spec.batch_size), spec.batch_size)
+        row = make_row(figure, spec, result, env)
+        rows.append(row)
+        if out_csv is not None:
+            write_csv(rows, out_csv)
+        if on_point is not None:
+            on_point(row, i, len(specs))
+    return rows_to_frame(rows)
+
+
+def _print_point(row: dict, i: int, n: int) -> None:
+    peak = "OOM" if row["status"] == "oom" else (row["status"] if row["peak_gib"] is None else f"{row['peak_gib']:.3f} GiB")
+    print(f"[{i + 1}/{n}] {row['mode']:4s} {row['dtype']} {row['backend']:8s} B={row['batch_size']:<4d} {peak}"
+          f"  ({row['wall_s'] or 0:.1f}s)", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m grpo_lab.memory.sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_true", help="CPU-sized preset (default)")
+    g.add_argument("--full", action="store_true", help="the H200 preset: Qwen3-0.6B, 256+512 tokens, 4 backends")
+    p.add_argument("--out", default="results/memory_vs_batch", help="output folder (CSV + PNG)")
+    p.add_argument("--model")
+    p.add_argument("--backends", help="comma-separated, e.g. naive,trl,grpo_lab,liger")
+    p.add_argument("--dtypes", help="comma-separated: fp32,bf16")
+    p.add_argument("--batch-sizes", help="comma-separated positive ints")
+    p.add_argument("--loss-batch-sizes")
+    p.add_argument("--prompt-len", type=int)
+    p.add_argument("--completion-len", type=int)
+    p.add_argument("--modes", help="step,loss")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-minutes", type=float, default=None, help="stop starting new points after this long")
+    p.add_argument("--name", default=None, help="CSV/PNG base name (default: memory_vs_batch[_quick])")
+    a = p.parse_args(argv)
+    preset = dict(PRESETS["full" if a.full else "quick"])
+    for k in ("model", "backends", "dtypes", "batch_sizes", "loss_batch_sizes", "prompt_len", "completion_len",
+              "modes"):
+        v = getattr(a, k)
+        if v is not None:
+            preset[k] = v
+    try:
+        specs = build_specs(device=a.device, **preset)
+        if "liger" in [s.backend for s in specs]:
+            import importlib.util
+
+            if importlib.util.find_spec("liger_kernel") is None:
+                raise ValueError("backend 'liger' needs liger-kernel (pip install 'grpo-lab[liger]'), or pass "
+                                 "--backends naive,trl,grpo_lab")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = a.name or (FIGURE if a.full else f"{FIGURE}_quick")
+    out = Path(a.out)
+    csv = out / f"{name}.csv"
+    print(f"{len(specs)} points → {csv}", flush=True)
+    try:
+        df = run_sweep(specs, out_csv=csv, on_point=_print_point,
+                       max_seconds=None if a.max_minutes is None else a.max_minutes * 60)
+    except ProbeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    save_figures(df, out, name)
+    from .results import savings_table
+
+    with pd.option_context("display.width", 160, "display.max_columns", 20):
+        print(savings_table(df, "naive").to_string())
+    print(f"wrote {csv} and {out / (name + '.png')}")
+    return 0
+
+
+def save_figures(df: pd.DataFrame, out: Path, name: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from .plots import plot_memory_vs_batch
+
+    paths = []
+    for mode, suffix in (("step", ""), ("loss", "_loss_only")):
+        if (df["mode"] == mode).any():
+            fig = plot_memory_vs_batch(df, mode=mode)
+            path = Path(out) / f"{name}{suffix}.png"
+            fig.savefig(path, dpi=110)
+            paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    sys.exit(main())
