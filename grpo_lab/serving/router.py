@@ -218,10 +218,15 @@ class Router:
                 return _fail(504, f"replica {replica.url} did not answer within {self.config.upstream_timeout_s}s")
             except TRANSPORT_ERRORS as error:
                 policy.finish(decision, ok=False)
+                # a dropped keep-alive connection is not a dead replica: take it out only if it fails a probe too
+                if not await self.client.healthy(replica, min(1.0, self.config.health_timeout_s)):
+                    pool.mark_down(replica, f"completion failed: {type(error).__name__}")
                 upstream_s += time.perf_counter() - t_up
-                pool.mark_down(replica, f"completion failed: {type(error).__name__}")
                 self.metrics.inc("grpo_router_reroutes_total", "Completions re-routed after a replica dropped them")
                 continue
+            except BaseException:  # cancelled: release the claim so the replica's load stays right
+                policy.finish(decision, ok=False)
+                raise
             elapsed = time.perf_counter() - t_up
             upstream_s += elapsed
             self.metrics.observe("grpo_router_upstream_latency_seconds", "Upstream completion latency", elapsed,
