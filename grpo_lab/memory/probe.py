@@ -60,6 +60,8 @@ def _child(spec: PointSpec, rank: int, port: int, conn, capture_grads: bool) -> 
         import transformers
 
         transformers.logging.set_verbosity_error()
+        if spec.extra.get("fail"):  # test hook: a non-memory failure inside the probe
+            raise RuntimeError(f"requested failure: {spec.extra['fail']}")
         with tempfile.TemporaryDirectory(prefix="grpo_lab_probe_") as out:
             if spec.mode == "loss":
                 from .loss_probe import run_loss_probe

@@ -153,6 +153,8 @@ def save_figures(df: pd.DataFrame, out: Path, name: str) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
     from .plots import plot_memory_vs_batch
 
     paths = []
@@ -161,6 +163,7 @@ def save_figures(df: pd.DataFrame, out: Path, name: str) -> list[Path]:
             fig = plot_memory_vs_batch(df, mode=mode)
             path = Path(out) / f"{name}{suffix}.png"
             fig.savefig(path, dpi=110)
+            plt.close(fig)
             paths.append(path)
     return paths
 

@@ -1,0 +1,81 @@
+"""The `grpo-lab` command.
+
+    grpo-lab reproduce --quick            execute every notebook under notebooks/ headless (CPU quick mode) → results/
+    grpo-lab memory --quick|--full ...    peak memory vs batch size (python -m grpo_lab.memory.sweep)
+    grpo-lab max-batch --quick|--full ... FSDP2 + LoRA max-batch search (python -m grpo_lab.memory.max_batch)
+
+Bad input (unknown model or backend, batch sizes that are not positive integers) is reported as one line on stderr
+with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _reproduce(argv) -> int:
+    from .notebook_runner import run_all
+
+    ap = argparse.ArgumentParser(prog="grpo-lab reproduce",
+                                 description="Execute the notebooks headless and write their results/.")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", default=True, help="CPU quick mode (default)")
+    mode.add_argument("--full", action="store_true", help="run the notebooks with their own parameters")
+    ap.add_argument("--notebooks", default="notebooks", help="folder of notebooks (default: notebooks/)")
+    ap.add_argument("--only", nargs="*", default=None, help="run only notebooks whose name contains one of these")
+    ap.add_argument("--executed-dir", default=None, help="where executed copies go (default: a temporary folder)")
+    ap.add_argument("--stop-on-error", action="store_true")
+    a = ap.parse_args(argv)
+    from pathlib import Path
+
+    if not Path(a.notebooks).is_dir():
+        print(f"error: no notebooks folder {a.notebooks!r} (run from the repository root or pass --notebooks)",
+              file=sys.stderr)
+        return 2
+    report = run_all(a.notebooks, executed_dir=a.executed_dir, quick=not a.full, only=a.only,
+                     stop_on_error=a.stop_on_error)
+    if not report:
+        print("error: no notebooks found", file=sys.stderr)
+        return 2
+    bad = [r for r in report if r[1] != "ok"]
+    print(f"{len(report) - len(bad)}/{len(report)} notebooks ok")
+    for nb, status, _ in bad:
+        print(f"FAILED {nb.name}: {status}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"reproduce": _reproduce}
+
+    def memory(args):
+        from .memory.sweep import main as sweep_main
+
+        return sweep_main(args)
+
+    def max_batch(args):
+        from .memory.max_batch import main as max_batch_main
+
+        return max_batch_main(args)
+
+    commands["memory"] = memory
+    commands["max-batch"] = max_batch
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in commands:
+        print(f"error: unknown command {cmd!r}; use one of: {', '.join(commands)}", file=sys.stderr)
+        return 2
+    try:
+        return int(commands[cmd](rest) or 0)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

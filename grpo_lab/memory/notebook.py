@@ -1,0 +1,196 @@
+"""What notebooks 01 and 02 do, as functions (the notebooks stay thin and the tests can call the same code)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from .results import load_reference, rows_to_frame, savings_table, write_csv
+
+
+def repo_root() -> Path | None:
+    """The checkout's root when running from one (notebooks/ executes with cwd = notebooks/)."""
+    for base in (Path.cwd(), *Path.cwd().parents):
+        if (base / "pyproject.toml").is_file() and (base / "grpo_lab").is_dir():
+            return base
+    return None
+
+
+def results_dir(folder: str, out_dir: str | None = None) -> Path:
+    if out_dir:
+        p = Path(out_dir)
+    else:
+        root = repo_root()
+        p = (root / "results" / folder) if root is not None else Path.cwd() / "results" / folder
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _mpl():
+    import matplotlib
+
+    if "MPLBACKEND" not in os.environ and not _in_kernel():
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+
+        return get_ipython() is not None
+    except ImportError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# notebook 01
+# ---------------------------------------------------------------------------------------------------------------
+def reference_memory_vs_batch() -> pd.DataFrame | None:
+    """The committed H200 sweep (results/memory_vs_batch/memory_vs_batch.csv), if it has been committed."""
+    return load_reference("memory_vs_batch", "memory_vs_batch.csv")
+
+
+def run_memory_vs_batch(params: dict, out_dir: str | Path, name: str, board=None):
+    """Run the sweep for `params` (build_specs keywords), updating `board` live; save CSV + PNGs.
+
+    Returns (frame, csv_path, [png paths])."""
+    from .plots import plot_memory_vs_batch
+    from .sweep import build_specs, run_sweep, save_figures
+
+    plt = _mpl()
+    specs = build_specs(**params)
+    out_dir = Path(out_dir)
+    csv = out_dir / f"{name}.csv"
+    rows: list[dict] = []
+    fig = plt.figure(figsize=(11, 4.2))
+    if board is not None:
+        board.set_total(len(specs))
+        board.status(f"{len(specs)} points, each in a fresh process")
+
+    def on_point(row, i, n):
+        rows.append(row)
+        if board is not None:
+            peak = "OOM" if row["status"] == "oom" else f"{row['peak_gib']:.3f} GiB"
+            board.step(f"{row['mode']} {row['dtype']} {row['backend']} B={row['batch_size']}: {peak}")
+            frame = rows_to_frame(rows)
+            mode = row["mode"]
+            plot_memory_vs_batch(frame, mode=mode, fig=fig)
+            board.figure(fig, force=(i + 1 == n))
+
+    df = run_sweep(specs, out_csv=csv, on_point=on_point)
+    plt.close(fig)
+    pngs = save_figures(df, out_dir, name)
+    if board is not None:
+        board.done(f"{len(df)} points → {csv.name}")
+    return df, csv, pngs
+
+
+def savings_tables(df: pd.DataFrame, mode: str = "step") -> dict[str, pd.DataFrame]:
+    d = df[df["mode"] == mode]
+    return {ref: savings_table(d, ref) for ref in ("naive", "trl")}
+
+
+def closing_note_memory(df: pd.DataFrame | None) -> str:
+    """Markdown: the best % saving of each backend vs naive per dtype, next to the seed's "up to 40 %"."""
+    if df is None or df.empty:
+        return "_No committed H200 results yet: run `python -m grpo_lab.memory.sweep --full` on a GPU._"
+    t = savings_table(df[df["mode"] == "step"], "naive")
+    lines = [f"**{df['gpu_name'].iloc[0]}, {df['model'].iloc[0]}, torch {df['torch'].iloc[0]}, "
+             f"trl {df['trl'].iloc[0]} ({df['date'].iloc[0]})** — peak saving vs `naive` on a full GRPO step "
+             "(the seed article: *up to 40 %* lower at large batch):", ""]
+    if t.empty:
+        return "\n".join(lines + ["_no batch size where naive and a fused backend both ran_"])
+    lines.append("| dtype | batch | " + " | ".join(c.replace(" vs naive %", "") for c in t.columns) + " |")
+    lines.append("|---|---|" + "---|" * len(t.columns))
+    for (mode, dtype, b), r in t.iterrows():
+        lines.append(f"| {dtype} | {b} | " + " | ".join("" if pd.isna(v) else f"{v:.0f} %" for v in r) + " |")
+    oom = df[(df["mode"] == "step") & (df["status"] == "oom")]
+    for dtype in sorted(set(df["dtype"])):
+        first = oom[(oom["backend"] == "naive") & (oom["dtype"] == dtype)]["batch_size"]
+        if len(first):
+            fits = df[(df["mode"] == "step") & (df["dtype"] == dtype) & (df["status"] == "ok") &
+                      (df["batch_size"] >= first.min())]
+            extra = ", ".join(f"{b} up to B={int(g['batch_size'].max())}" for b, g in fits.groupby("backend"))
+            lines.append(f"\n{dtype}: `naive` is out of memory from B={int(first.min())}" +
+                         (f"; still running: {extra}." if extra else "."))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# notebook 02
+# ---------------------------------------------------------------------------------------------------------------
+def reference_max_batch() -> pd.DataFrame | None:
+    return load_reference("fsdp_max_batch", "fsdp_max_batch.csv")
+
+
+def run_max_batch(params: dict, out_dir: str | Path, name: str, board=None):
+    """Max-batch search for every model × backend in `params`, live; saves CSV + PNG. Returns (frame, csv, png)."""
+    from .max_batch import build_searches, run_searches
+    from .plots import plot_max_batch
+
+    plt = _mpl()
+    searches = build_searches(**params)
+    out_dir = Path(out_dir)
+    csv = out_dir / f"{name}.csv"
+    fig = plt.figure(figsize=(11, 4.5))
+    if board is not None:
+        board.set_total(len(searches))
+        board.status(f"{len(searches)} searches (model × backend)")
+
+    def on_probe(spec, outcome):
+        if board is not None:
+            board.status(f"{spec.model} {spec.backend}: B={spec.batch_size} → {outcome}")
+
+    def on_search(frame, i, n):
+        if board is not None:
+            r = frame.iloc[-1]
+            board.step(f"{r['model']} {r['backend']}: max batch {r['max_batch']}")
+            plot_max_batch(frame, fig=fig)
+            board.figure(fig, force=(i + 1 == n))
+
+    df = run_searches(searches, out_csv=csv, on_probe=on_probe, on_search=on_search)
+    plot_max_batch(df, fig=fig)
+    png = out_dir / f"{name}.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    if board is not None:
+        board.done(f"{len(df)} searches → {csv.name}")
+    return df, csv, png
+
+
+def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Max batch per model × backend with the ratios to naive and to trl."""
+    if df is None or df.empty:
+        return pd.DataFrame()
+    piv = df.pivot_table(index="model", columns="backend", values="max_batch", aggfunc="max", sort=False)
+    out = piv.copy()
+    for ref in ("naive", "trl"):
+        if ref in piv:
+            for b in piv.columns:
+                if b != ref:
+                    out[f"{b}/{ref}"] = (piv[b] / piv[ref].where(piv[ref] > 0)).round(2)
+    return out
+
+
+def closing_note_max_batch(df: pd.DataFrame | None) -> str:
+    if df is None or df.empty:
+        return "_No committed H200 results yet: run `python -m grpo_lab.memory.max_batch --full` on a GPU._"
+    t = ratio_table(df)
+    r = df.iloc[0]
+    lines = [f"**{r['gpu_name']}, FSDP2 + LoRA r={r['lora_r']}, {r['dtype']}, {r['prompt_len']}+{r['completion_len']} "
+             f"tokens, world size {r['world_size']}, budget {r['budget_gib']:.1f} GiB ({r['date']})** — max per-device "
+             "batch (the seed article: *1.5–1.8×* larger with the chunked loss):", "",
+             "| model | " + " | ".join(map(str, t.columns)) + " |", "|---|" + "---|" * len(t.columns)]
+    for m, row in t.iterrows():
+        lines.append(f"| {m} | " + " | ".join("" if pd.isna(v) else (f"{v:.2f}×" if "/" in str(c) else f"{int(v)}")
+                                               for c, v in row.items()) + " |")
+    return "\n".join(lines)
+
+
+def save_frame(df: pd.DataFrame, path) -> Path:
+    return write_csv(df, path)

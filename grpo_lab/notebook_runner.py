@@ -1,0 +1,107 @@
+"""Execute the notebooks headless (papermill over nbclient), in quick mode by default.
+
+    python -m grpo_lab.notebook_runner notebooks/01_memory_vs_batch.ipynb       # → executed copy + results/
+    grpo-lab reproduce --quick                                                   # every notebook under notebooks/
+
+Each notebook runs with its own folder as the working directory and `QUICK=True` injected after its `parameters`
+cell; the notebooks write their CSV/PNG under results/. The executed copies (with outputs) go to `executed_dir`
+(a temporary folder unless given), never over the committed, output-stripped notebooks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+class NotebookFailed(RuntimeError):
+    pass
+
+
+def find_notebooks(folder: str | Path = "notebooks") -> list[Path]:
+    folder = Path(folder)
+    return sorted(p for p in folder.glob("*.ipynb") if not p.name.startswith((".", "_")) and
+                  ".ipynb_checkpoints" not in p.parts)
+
+
+def has_parameters_cell(path: Path) -> bool:
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    return any("parameters" in c.get("metadata", {}).get("tags", []) for c in nb.cells)
+
+
+def run_notebook(path: str | Path, parameters: dict | None = None, executed_dir: str | Path | None = None,
+                 quick: bool = True, timeout_s: int = 900, kernel_name: str = "python3") -> Path:
+    """Execute one notebook; returns the executed copy's path. Raises `NotebookFailed` with the failing cell."""
+    import papermill as pm
+
+    path = Path(path).resolve()
+    params = {"QUICK": True} if quick else {}
+    params.update(parameters or {})
+    if executed_dir is None:
+        executed_dir = Path(tempfile.mkdtemp(prefix="grpo_lab_executed_"))
+    out = Path(executed_dir) / path.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    inject = params if has_parameters_cell(path) else {}
+    try:
+        pm.execute_notebook(str(path), str(out), parameters=inject, cwd=str(path.parent), kernel_name=kernel_name,
+                            progress_bar=False, execution_timeout=timeout_s, log_output=False)
+    except pm.PapermillExecutionError as e:
+        raise NotebookFailed(f"{path.name}: cell {e.exec_count} failed: {e.ename}: {e.evalue}") from None
+    return out
+
+
+def run_all(folder: str | Path = "notebooks", executed_dir: str | Path | None = None, quick: bool = True,
+            only: list[str] | None = None, stop_on_error: bool = False) -> list[tuple[Path, str, float]]:
+    """Execute every notebook in `folder` (or those whose name contains one of `only`); returns
+    (notebook, "ok" | error message, seconds) per notebook."""
+    notebooks = find_notebooks(folder)
+    if only:
+        notebooks = [p for p in notebooks if any(o in p.name for o in only)]
+    if executed_dir is None:
+        executed_dir = Path(tempfile.mkdtemp(prefix="grpo_lab_executed_"))
+    report = []
+    for nb in notebooks:
+        t0 = time.perf_counter()
+        try:
+            run_notebook(nb, executed_dir=executed_dir, quick=quick)
+            status = "ok"
+        except NotebookFailed as e:
+            status = str(e)
+            if stop_on_error:
+                report.append((nb, status, time.perf_counter() - t0))
+                break
+        report.append((nb, status, time.perf_counter() - t0))
+        print(f"{nb.name}: {status} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    return report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m grpo_lab.notebook_runner", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("notebooks", nargs="*", help="notebook files (default: every notebook under notebooks/)")
+    ap.add_argument("--full", action="store_true", help="do not inject QUICK=True")
+    ap.add_argument("--executed-dir", default=None)
+    a = ap.parse_args(argv)
+    failed = 0
+    paths = [Path(p) for p in a.notebooks] or find_notebooks("notebooks")
+    for p in paths:
+        if not p.is_file():
+            print(f"error: no notebook {p}", file=sys.stderr)
+            return 2
+        t0 = time.perf_counter()
+        try:
+            out = run_notebook(p, executed_dir=a.executed_dir, quick=not a.full)
+            print(f"{p.name}: ok ({time.perf_counter() - t0:.0f}s) → {out}")
+        except NotebookFailed as e:
+            failed += 1
+            print(f"{p.name}: FAILED: {e}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
