@@ -1,0 +1,37 @@
+"""Fresh-process probes on tiny models (CPU): a real TRL GRPO step, the loss alone, OOM as a result, errors raised."""
+
+import pytest
+
+from grpo_lab.memory.probe import ProbeError, run_point
+from grpo_lab.memory.spec import PointSpec
+
+TINY = dict(model="tiny-qwen3", prompt_len=8, completion_len=8, device="cpu")
+
+
+def test_grpo_step_point_runs_in_a_fresh_process():
+    r = run_point(PointSpec(batch_size=2, backend="trl", **TINY))
+    assert r["status"] == "ok", r["message"]
+    assert r["memory_kind"] == "cpu_rss"
+    assert r["steps_done"] == 2
+    assert r["peak_bytes"] > r["base_bytes"] > 0
+    assert r["peak_generation_bytes"] is not None
+
+
+def test_loss_point_and_backends():
+    for backend in ("trl", "naive"):
+        r = run_point(PointSpec(batch_size=4, backend=backend, mode="loss", **TINY))
+        assert r["status"] == "ok", r["message"]
+        assert r["peak_bytes"] > 0
+
+
+def test_over_budget_is_recorded_as_oom():
+    r = run_point(PointSpec(batch_size=2, mode="loss", budget_bytes=1, **TINY))
+    assert r["status"] == "oom"
+    assert "budget" in r["message"]
+
+
+def test_other_errors_stop_with_the_error_shown():
+    with pytest.raises(ProbeError, match="requested failure: boom"):
+        run_point(PointSpec(batch_size=2, extra={"fail": "boom"}, **TINY))
+    r = run_point(PointSpec(batch_size=2, extra={"fail": "boom"}, **TINY), raise_on_error=False)
+    assert r["status"] == "error" and "RuntimeError" in r["message"]

@@ -1,0 +1,53 @@
+"""The sweep: one CSV row per point, machine/version columns, OOM skipping, the CLI's messages."""
+
+import pandas as pd
+
+from grpo_lab.memory import sweep
+from grpo_lab.memory.results import COLUMNS, savings_table
+
+
+def test_sweep_cli_writes_one_row_per_point(tmp_path):
+    rc = sweep.main(["--model", "tiny-qwen3", "--backends", "trl,naive", "--dtypes", "fp32", "--batch-sizes", "2,4",
+                     "--loss-batch-sizes", "2", "--prompt-len", "8", "--completion-len", "8", "--device", "cpu",
+                     "--out", str(tmp_path), "--name", "t"])
+    assert rc == 0
+    df = pd.read_csv(tmp_path / "t.csv")
+    assert list(df.columns) == COLUMNS
+    assert len(df) == 2 * 2 + 2 * 1
+    assert (df["status"] == "ok").all()
+    assert (df["peak_gib"] > 0).all() and (df["peak_gib"] < 8).all()
+    assert df["torch"].notna().all() and df["trl"].notna().all() and df["date"].notna().all()
+    assert (tmp_path / "t.png").is_file() and (tmp_path / "t_loss_only.png").is_file()
+
+
+def test_larger_batches_after_oom_are_recorded_not_run(monkeypatch):
+    calls = []
+
+    def fake_run_point(spec):
+        calls.append(spec.batch_size)
+        if spec.batch_size >= 8:
+            return {"status": "oom", "message": "CUDA out of memory", "wall_s": 0.0}
+        return {"status": "ok", "peak_bytes": spec.batch_size * 2**30, "base_bytes": 0, "memory_kind": "cuda_allocated",
+                "wall_s": 0.0}
+
+    monkeypatch.setattr(sweep, "run_point", fake_run_point)
+    specs = sweep.build_specs(model="tiny-qwen3", backends="naive", batch_sizes="2,4,8,16,32")
+    df = sweep.run_sweep(specs)
+    assert calls == [2, 4, 8]
+    assert list(df["status"]) == ["ok", "ok", "oom", "oom", "oom"]
+    assert df["message"].iloc[-1].startswith("not run")
+
+
+def test_savings_table():
+    df = pd.DataFrame({"mode": "step", "dtype": "bf16", "batch_size": [4, 4], "backend": ["naive", "trl"],
+                       "status": "ok", "peak_gib": [10.0, 6.0]})
+    t = savings_table(df, "naive")
+    assert t["trl vs naive %"].iloc[0] == 40.0
+
+
+def test_bad_input_is_one_line_not_a_traceback(capsys):
+    assert sweep.main(["--model", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Unknown model 'nope'") and "Traceback" not in err
+    assert sweep.main(["--batch-sizes", "4,0"]) == 2
+    assert "positive integer" in capsys.readouterr().err
