@@ -22,22 +22,28 @@ def sample(model, tokenizer, problems: list[str], k: int = 1, temperature: float
     """k sampled completions per problem (problems must tokenize to equal length). Returns texts, [len][k]."""
     was_training = model.training
     model.eval()
-    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     eos = tokenizer.eos_token_id
-    ids = torch.tensor(tokenizer(problems)["input_ids"]).repeat_interleave(k, dim=0)
+    ids = torch.tensor(tokenizer(problems)["input_ids"], device=device).repeat_interleave(k, dim=0)
     out: list[str] = []
     for start in range(0, ids.shape[0], batch_size):
         seq = ids[start:start + batch_size]
         p_len = seq.shape[1]
-        done = torch.zeros(seq.shape[0], dtype=torch.bool)
+        done = torch.zeros(seq.shape[0], dtype=torch.bool, device=device)
+        step_in, cache_kw = seq, {}
         for _ in range(max_new_tokens):
-            logits = model(input_ids=seq).logits[:, -1, :].float()
+            res = model(input_ids=step_in, use_cache=True, **cache_kw)
+            # transformers >= 5.2x returns/accepts `cache`; older versions `past_key_values`
+            cache_kw = {"cache": res["cache"]} if "cache" in res else {"past_key_values": res.past_key_values}
+            logits = res.logits[:, -1, :].float()
             if temperature > 0:
                 nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen).squeeze(1)
             else:
                 nxt = logits.argmax(-1)
             nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
             seq = torch.cat([seq, nxt[:, None]], 1)
+            step_in = nxt[:, None]
             done |= nxt == eos
             if bool(done.all()):
                 break
@@ -65,6 +71,7 @@ def sft_warm_start(model, tokenizer, rows: list[dict], *, target_pass_rate: floa
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     eval_rows = rows[:eval_problems]
     history, t0, step, rate = [], time.perf_counter(), 0, 0.0
+    device = next(model.parameters()).device
     model.train()
     for step in range(1, max_steps + 1):
         batch = [enc[rng.randrange(len(enc))] for _ in range(batch_size)]
@@ -77,7 +84,7 @@ def sft_warm_start(model, tokenizer, rows: list[dict], *, target_pass_rate: floa
         labels[ids == tokenizer.pad_token_id] = -100
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, step / 50)
-        loss = model(input_ids=ids, labels=labels).loss
+        loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -92,3 +99,33 @@ def sft_warm_start(model, tokenizer, rows: list[dict], *, target_pass_rate: floa
     model.eval()
     return {"steps": step, "pass_rate": rate, "seconds": time.perf_counter() - t0, "history": history,
             "reached": rate >= target_pass_rate and not math.isnan(rate)}
+
+
+def main(argv=None):
+    """Regenerate the shipped warm start: `python -m grpo_lab.tasks.sft --out data/mini/tiny_addition_sft.safetensors`"""
+    import argparse
+
+    from safetensors.torch import save_file
+
+    from grpo_lab.tasks.tiny import addition_problems, build_char_tokenizer, build_tiny_model
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", type=float, default=0.4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    a = p.parse_args(argv)
+    torch.manual_seed(a.seed)
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, seed=a.seed)
+    train_pool, _ = addition_problems(seed=a.seed)
+    info = sft_warm_start(model, tok, train_pool, target_pass_rate=a.target, lr=a.lr, seed=a.seed, eval_every=25,
+                          log=lambda s: print(s, flush=True))
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, a.out, metadata={"seed": str(a.seed), "steps": str(info["steps"]),
+                                      "pass_rate": f"{info['pass_rate']:.4f}", "lr": str(a.lr)})
+    print({k: v for k, v in info.items() if k != "history"})
+
+
+if __name__ == "__main__":
+    main()

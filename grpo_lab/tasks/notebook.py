@@ -1,0 +1,97 @@
+"""What notebook 03 calls: quick-mode settings, the committed figures, the tweak-and-rerun controls, tables."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from importlib import resources
+from pathlib import Path
+
+from grpo_lab.tasks.board import BoardCallback, LiveBoard, Series
+from grpo_lab.tasks.reward_curves import BACKENDS, BOARD_SERIES, EmbeddedConfig, run_reward_curves
+
+QUICK = dict(steps=40, prompts_per_step=16, n_candidates=1200, n_heldout=150, eval_k=8)
+
+
+def quick(cfg: EmbeddedConfig) -> EmbeddedConfig:
+    """CI settings: the same pipeline, fewer steps and prompts (a few minutes on a 2-core CPU)."""
+    return replace(cfg, **QUICK, learning_rate=max(cfg.learning_rate, QUICK_LR))
+
+
+QUICK_LR = 3e-3
+
+
+def reference_dir() -> Path:
+    """`results/reward_curves` of the installed package (grpo_lab.reference_results), else of the checkout."""
+    try:
+        p = Path(str(resources.files("grpo_lab.reference_results").joinpath("reward_curves")))
+        if p.is_dir():
+            return p
+    except ModuleNotFoundError:
+        pass
+    return Path(__file__).resolve().parents[2] / "results" / "reward_curves"
+
+
+def summary_table(summary: dict):
+    import pandas as pd
+
+    rows = [{"backend": b} | v for b, v in summary["backends"].items()]
+    return pd.DataFrame(rows).set_index("backend").round(4)
+
+
+def parity_table(summary: dict):
+    import pandas as pd
+
+    return pd.DataFrame([summary["parity"]]).round(6)
+
+
+def committed_figures(folder: Path | None = None) -> list[dict]:
+    """Every committed `<tag>.png` with its summary JSON, as {tag, png, caption, table}."""
+    folder = folder or reference_dir()
+    out = []
+    for png in sorted(folder.glob("*.png")):
+        js = png.with_suffix(".json")
+        summary = json.loads(js.read_text()) if js.exists() else {}
+        env = summary.get("env", {})
+        cap = f"{env.get('device', '?')}, torch {env.get('torch', '?')}, trl {env.get('trl', '?')}, {env.get('date', '')}"
+        if summary.get("parity"):
+            cap += "; " + ", ".join(f"{k} {v:.4f}" for k, v in summary["parity"].items())
+        table = summary_table(summary) if summary.get("backends") else None
+        out.append({"tag": png.stem, "png": png.read_bytes(), "caption": cap, "table": table})
+    return out
+
+
+def board_callback(total_steps: int) -> BoardCallback:
+    board = LiveBoard(BOARD_SERIES, total=total_steps, title="GRPO recipe")
+    return BoardCallback(board, keys={"reward": "reward", "loss": "loss", "entropy": "entropy", "kl": "kl",
+                                      "clip_ratio": "clip_ratio/region_mean", "step_time": "step_time"})
+
+
+def controls(cfg: EmbeddedConfig, out_dir: str = "results/reward_curves"):
+    """Sliders for steps / lr / rank / G / backends and a Run button that reruns the embedded default."""
+    import ipywidgets as w
+    from IPython.display import Image, display
+
+    steps = w.IntSlider(value=cfg.steps, min=10, max=1000, step=10, description="steps")
+    lr = w.FloatLogSlider(value=cfg.learning_rate, base=10, min=-5, max=-1, description="lr")
+    rank = w.Dropdown(options=[1, 2, 4, 8, 16], value=cfg.lora_r, description="LoRA rank")
+    g = w.IntSlider(value=cfg.num_generations, min=2, max=16, description="G")
+    be = w.SelectMultiple(options=list(BACKENDS), value=tuple(cfg.backends), description="backends")
+    button = w.Button(description="Run", button_style="primary")
+    out = w.Output()
+
+    def on_click(_):
+        with out:
+            out.clear_output()
+            new = replace(cfg, steps=steps.value, learning_rate=lr.value, lora_r=rank.value,
+                          num_generations=g.value, backends=tuple(be.value))
+            s = run_reward_curves(new, out_dir, board=True, tag="interactive")
+            display(Image(s["png"]))
+            display(summary_table(s))
+
+    button.on_click(on_click)
+    return w.VBox([w.HBox([steps, lr, rank]), w.HBox([g, be, button]), out])
+
+
+__all__ = ["quick", "committed_figures", "controls", "summary_table", "parity_table", "board_callback",
+           "Series", "LiveBoard"]

@@ -1,0 +1,432 @@
+"""The embedded default of notebook 03: a tiny model trained from scratch, the Sanity construction, GRPO with LoRA.
+
+Pipeline (fixed seeds; runs offline on a CPU in minutes):
+1. a ~0.6M-parameter Qwen2 with a character tokenizer is SFT'd on 2-digit addition until it is right ~40 % of
+   the time (`sft.sft_warm_start`; the default reads the warm start the kit trained and committed in
+   `data/mini/`, `warm_start=None` retrains it from scratch);
+2. the Sanity construction keeps the candidate problems it solves 20-80 % of k=8 samples, split into a GRPO
+   training set and a held-out set drawn from pairs never trained on;
+3. GRPO with LoRA rank 1 (as the recipe) on the kept problems, once per `loss_backend`, from the same seed.
+
+`run_reward_curves` writes a long-format CSV (`backend, step, metric, value` + machine/versions columns), a PNG
+and a JSON summary; `python -m grpo_lab.tasks.reward_curves --variant gpu --out DIR` is the bigger GPU variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+
+import torch
+from transformers.trainer_callback import PrinterCallback
+
+from grpo_lab.tasks.board import BoardCallback, LiveBoard, Series
+from grpo_lab.tasks.rewards import math_reward
+from grpo_lab.tasks.sanity import sanity_filter
+from grpo_lab.tasks.sft import pass_rates, sft_warm_start
+from grpo_lab.tasks.tiny import TinyModelConfig, addition_problems, build_char_tokenizer, build_tiny_model
+
+BACKENDS = ("trl", "grpo_lab", "naive", "liger")
+METRICS = {  # CSV metric name -> TRL log key
+    "reward": "reward", "reward_std": "reward_std", "loss": "loss", "kl": "kl", "entropy": "entropy",
+    "clip_ratio": "clip_ratio/region_mean", "frac_reward_zero_std": "frac_reward_zero_std",
+    "completion_length": "completions/mean_length", "grad_norm": "grad_norm",
+}
+WARM_START_FILE = "tiny_addition_sft.safetensors"
+
+
+@dataclass
+class EmbeddedConfig:
+    """The embedded default (offline, CPU). Every field is a knob of notebook 03."""
+    seed: int = 0
+    model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    device: str = "cpu"
+    # 1. SFT warm start
+    warm_start: str | None = "shipped"   # "shipped" (data/mini), a path, or None = train from scratch now
+    sft_target_pass_rate: float = 0.4
+    sft_max_steps: int = 3000
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 128
+    # 2. Sanity construction
+    n_candidates: int = 3000
+    sanity_k: int = 8
+    sanity_lo: float = 0.2
+    sanity_hi: float = 0.8
+    n_heldout: int = 300
+    # 3. GRPO (LoRA rank 1 as the recipe)
+    steps: int = 300
+    prompts_per_step: int = 32
+    num_generations: int = 8
+    learning_rate: float = 3e-3
+    lora_r: int = 1
+    lora_alpha: int = 2
+    beta: float = 0.0
+    temperature: float = 1.0
+    max_completion_length: int = 8
+    max_context: int = 32
+    backends: tuple[str, ...] = ("trl", "grpo_lab", "naive")
+    eval_k: int = 8
+
+    def validate(self, prompt_lengths: list[int] | None = None):
+        if self.lora_r < 1:
+            raise ValueError(f"lora_r must be >= 1 (got {self.lora_r}); rank 0 is no adapter at all.")
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations (G) must be >= 2 (got {self.num_generations}): GRPO's advantage is "
+                             "the reward minus its group mean, which is always 0 for a group of one.")
+        if self.prompts_per_step < 1 or self.steps < 1:
+            raise ValueError("prompts_per_step and steps must be >= 1.")
+        unknown = [b for b in self.backends if b not in BACKENDS]
+        if unknown or not self.backends:
+            raise ValueError(f"Unknown loss backend(s) {unknown}; choose from {BACKENDS}.")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0 (got {self.learning_rate}).")
+        if self.max_completion_length >= self.max_context:
+            raise ValueError(f"max_completion_length {self.max_completion_length} leaves no room for a prompt in "
+                             f"a context of {self.max_context}.")
+        if prompt_lengths:
+            check_prompt_lengths(prompt_lengths, self.max_context, self.max_completion_length)
+
+
+def check_prompt_lengths(lengths: list[int], max_context: int, max_completion_length: int):
+    longest = max(lengths)
+    if longest + max_completion_length > max_context:
+        raise ValueError(f"A prompt of {longest} tokens plus max_completion_length={max_completion_length} exceeds "
+                         f"the context of {max_context} tokens; raise max_context, shorten completions or drop "
+                         "long prompts.")
+
+
+GPU_VARIANT = dict(  # the bigger variant for one H200 (~5 min): 4x wider model, 2x the prompts per step
+    model=TinyModelConfig(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
+                          intermediate_size=768), warm_start=None, sft_target_pass_rate=0.4, sft_batch_size=512,
+    sft_lr=3e-3, n_candidates=4000, n_heldout=500, steps=300, prompts_per_step=64,
+    backends=("trl", "grpo_lab", "naive", "liger"), device="cuda",
+)
+
+
+@dataclass
+class Prepared:
+    tokenizer: object
+    base_state: dict
+    train_rows: list[dict]
+    heldout_rows: list[dict]
+    info: dict
+
+
+def shipped_warm_start() -> Path:
+    return Path(str(resources.files("grpo_lab.data_files").joinpath("mini", WARM_START_FILE)))
+
+
+def load_warm_start(model, path):
+    """Load a warm start saved without the tied lm_head (safetensors does not store shared tensors twice)."""
+    from safetensors.torch import load_file
+
+    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ValueError(f"Warm start {path} does not match the model: missing {missing}, unexpected {unexpected}")
+
+
+def prepare(cfg: EmbeddedConfig, log=print) -> Prepared:
+    """Steps 1-2: the warm-started tiny model and the Sanity-filtered train/held-out problems."""
+    cfg.validate()
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, cfg.model, seed=cfg.seed).to(cfg.device)
+    train_pool, held_pool = addition_problems(seed=cfg.seed)
+    info: dict = {}
+    t0 = time.perf_counter()
+    src = cfg.warm_start
+    if src == "shipped":
+        src = shipped_warm_start()
+        if not src.exists() or cfg.model != TinyModelConfig() or cfg.seed != 0:
+            src = None
+    if src is not None:
+        load_warm_start(model, src)
+        info["sft"] = {"source": str(Path(src).name)}
+    else:
+        sft = sft_warm_start(model, tok, train_pool, target_pass_rate=cfg.sft_target_pass_rate,
+                             max_steps=cfg.sft_max_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size,
+                             seed=cfg.seed, eval_every=25, log=log)
+        info["sft"] = {k: v for k, v in sft.items() if k != "history"} | {"source": "trained"}
+        if not sft["reached"]:
+            log(f"warning: SFT stopped at pass rate {sft['pass_rate']:.3f} < target {cfg.sft_target_pass_rate}")
+    info["sft"]["seconds"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cands = train_pool[:cfg.n_candidates]
+    kept, stats = sanity_filter(model, tok, cands, k=cfg.sanity_k, lo=cfg.sanity_lo, hi=cfg.sanity_hi,
+                                seed=cfg.seed + 1)
+    held, hstats = sanity_filter(model, tok, held_pool[:cfg.n_heldout * 3], k=cfg.sanity_k, lo=cfg.sanity_lo,
+                                 hi=cfg.sanity_hi, seed=cfg.seed + 2)
+    held = held[:cfg.n_heldout]
+    info["sanity"] = stats | {"seconds": time.perf_counter() - t0, "heldout_kept": len(held)}
+    if len(kept) < cfg.prompts_per_step:
+        raise ValueError(f"The Sanity construction kept only {len(kept)} problems (< prompts_per_step="
+                         f"{cfg.prompts_per_step}); raise n_candidates or widen [sanity_lo, sanity_hi].")
+    cfg.validate([len(tok(r["problem"])["input_ids"]) for r in kept + held])
+    log(f"warm start: {info['sft']}; Sanity construction kept {len(kept)}/{len(cands)} "
+        f"(mean pass rate {stats['mean_pass_rate_kept']:.3f}), held-out {len(held)}")
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return Prepared(tok, state, kept, held, info)
+
+
+def _trainer_classes(backend: str):
+    """GRPOLabTrainer/GRPOLabConfig (the one `loss_backend` switch) when available, else plain TRL for 'trl'."""
+    try:
+        from grpo_lab.trl_glue import GRPOLabConfig, GRPOLabTrainer
+
+        return GRPOLabConfig, GRPOLabTrainer, True
+    except ImportError:
+        if backend == "trl":
+            from trl import GRPOConfig, GRPOTrainer
+
+            return GRPOConfig, GRPOTrainer, False
+        raise RuntimeError(f"loss_backend={backend!r} needs grpo_lab.trl_glue (GRPOLabTrainer), which is not "
+                           "importable here; use backends=('trl',).") from None
+
+
+def available_backends(backends) -> tuple[str, ...]:
+    """Drop 'liger' when liger-kernel is not installed (and say so)."""
+    out = []
+    for b in backends:
+        if b == "liger":
+            try:
+                import liger_kernel  # noqa: F401
+            except ImportError:
+                print("liger-kernel not installed: skipping the 'liger' backend")
+                continue
+        out.append(b)
+    return tuple(out)
+
+
+def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, backend: str, output_dir: str, callbacks=()):
+    """Step 3: a TRL GRPO trainer (LoRA rank cfg.lora_r on all linear layers) on the kept problems."""
+    import datasets
+    from peft import LoraConfig
+
+    Config, Trainer, has_switch = _trainer_classes(backend)
+    model = build_tiny_model(prep.tokenizer, cfg.model, seed=cfg.seed)
+    model.load_state_dict(prep.base_state)
+    model.to(cfg.device)
+    ds = datasets.Dataset.from_list([{"prompt": r["problem"], "answer": r["answer"]} for r in prep.train_rows])
+    extra = {"loss_backend": backend} if has_switch else {}
+    args = Config(
+        output_dir=output_dir, max_steps=cfg.steps, learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
+        warmup_steps=0, per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
+        num_generations=cfg.num_generations, steps_per_generation=1, gradient_accumulation_steps=1,
+        max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, beta=cfg.beta,
+        logging_steps=1, save_strategy="no", report_to="none", seed=cfg.seed, data_seed=cfg.seed,
+        use_cpu=cfg.device == "cpu", bf16=False, gradient_checkpointing=False, dataloader_num_workers=0,
+        disable_tqdm=True, **extra,
+    )
+    peft = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules="all-linear", lora_dropout=0.0,
+                      task_type="CAUSAL_LM")
+    trainer = Trainer(model=model, reward_funcs=[math_reward], args=args, train_dataset=ds,
+                      processing_class=prep.tokenizer, peft_config=peft, callbacks=list(callbacks))
+    trainer.remove_callback(PrinterCallback)  # the board / recorder report progress instead of printed dicts
+    return trainer
+
+
+class _Recorder(BoardCallback):
+    """Collects every logged step (and feeds the board when there is one)."""
+
+    def __init__(self, board: LiveBoard | None):
+        self.rows: list[dict] = []
+        self._board = board
+        self._t = None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "train_runtime" in logs:
+            return
+        rec = {"step": state.global_step} | {m: logs.get(k) for m, k in METRICS.items()}
+        rec["step_time"] = logs.get("step_time", time.perf_counter() - self._t if self._t is not None else None)
+        self.rows.append(rec)
+        if self._board is not None:
+            self._board.update(state.global_step, **{k: v for k, v in rec.items() if k != "step"})
+
+
+def run_grpo(cfg: EmbeddedConfig, prep: Prepared, backend: str, board: LiveBoard | None = None,
+             heldout_start: float | None = None, log=print) -> dict:
+    """One GRPO run; returns per-step records and the held-out pass rate before/after."""
+    rec = _Recorder(board)
+    with tempfile.TemporaryDirectory(prefix="grpo_lab_rc_") as tmp:
+        trainer = build_embedded_trainer(cfg, prep, backend, tmp, callbacks=[rec])
+        t0 = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - t0
+        model = trainer.model
+        held_end = _mean(pass_rates(model, prep.tokenizer, prep.heldout_rows, k=cfg.eval_k, seed=cfg.seed + 7))
+    rewards = [r["reward"] for r in rec.rows if r["reward"] is not None]
+    w = max(1, min(20, len(rewards) // 5))
+    out = {"backend": backend, "rows": rec.rows, "seconds": seconds, "heldout_start": heldout_start,
+           "heldout_end": held_end, "reward_start": _mean(rewards[:w]), "reward_end": _mean(rewards[-w:]),
+           "window": w}
+    log(f"[{backend}] {len(rec.rows)} steps in {seconds:.0f}s: reward {out['reward_start']:.3f} -> "
+        f"{out['reward_end']:.3f} (first/last {w} steps); held-out {heldout_start:.3f} -> {held_end:.3f}")
+    return out
+
+
+def _mean(xs) -> float:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def environment_info(device: str = "cpu") -> dict:
+    import transformers
+    import trl
+
+    dev = platform.processor() or platform.machine()
+    if device.startswith("cuda") and torch.cuda.is_available():
+        dev = torch.cuda.get_device_name(0)
+    return {"machine": f"{platform.node()} ({os.cpu_count()} CPUs)", "device": dev, "torch": torch.__version__,
+            "transformers": transformers.__version__, "trl": trl.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def parity(runs: list[dict], metrics=("reward", "loss")) -> dict:
+    """Largest per-step |difference| of each metric between every backend and the first one."""
+    out = {}
+    ref = {r["step"]: r for r in runs[0]["rows"]}
+    for m in metrics:
+        worst = 0.0
+        for run in runs[1:]:
+            for r in run["rows"]:
+                a, b = r.get(m), ref.get(r["step"], {}).get(m)
+                if a is not None and b is not None:
+                    worst = max(worst, abs(a - b))
+        out[f"max_abs_delta_{m}"] = worst
+    return out
+
+
+BOARD_SERIES = [Series("reward", "reward (rolling mean 10)", rolling=10), Series("loss", "loss"),
+                Series("entropy", "entropy"), Series("kl", "KL (beta=0: not computed)"),
+                Series("clip_ratio", "clipped ratio fraction (ratio = 1 on-policy)"),
+                Series("step_time", "step time [s]")]
+
+
+def run_reward_curves(cfg: EmbeddedConfig, out_dir: str | os.PathLike | None = None, board: bool | str = "auto",
+                      tag: str = "embedded", log=print) -> dict:
+    """Steps 1-3 for every backend; writes `<out_dir>/<tag>.csv`, `.png`, `.json` when out_dir is given."""
+    import pandas as pd
+
+    t_all = time.perf_counter()
+    backends = available_backends(cfg.backends)
+    cfg = replace(cfg, backends=backends)
+    prep = prepare(cfg, log=log)
+    base = build_tiny_model(prep.tokenizer, cfg.model, seed=cfg.seed)
+    base.load_state_dict(prep.base_state)
+    base.to(cfg.device)
+    held_start = _mean(pass_rates(base, prep.tokenizer, prep.heldout_rows, k=cfg.eval_k, seed=cfg.seed + 7))
+    lb = None
+    if board:
+        lb = LiveBoard(BOARD_SERIES, total=cfg.steps * len(backends), title=f"GRPO {tag}",
+                       mode="auto" if board is True or board == "auto" else board)
+    runs = []
+    for b in backends:
+        if lb is not None:
+            lb.set_group(b)
+        runs.append(run_grpo(cfg, prep, b, board=lb, heldout_start=held_start, log=log))
+    env = environment_info(cfg.device)
+    rows = []
+    for run in runs:
+        for r in run["rows"]:
+            for m in list(METRICS) + ["step_time"]:
+                if r.get(m) is not None:
+                    rows.append({"backend": run["backend"], "step": r["step"], "metric": m, "value": r[m]})
+        rows.append({"backend": run["backend"], "step": 0, "metric": "heldout_pass_rate", "value": held_start})
+        rows.append({"backend": run["backend"], "step": cfg.steps, "metric": "heldout_pass_rate",
+                     "value": run["heldout_end"]})
+    df = pd.DataFrame(rows)
+    for k, v in env.items():
+        df[k] = v
+    summary = {
+        "tag": tag, "env": env, "config": _jsonable(asdict(cfg)), "prepare": prep.info,
+        "backends": {r["backend"]: {k: r[k] for k in ("reward_start", "reward_end", "heldout_start", "heldout_end",
+                                                      "seconds", "window")} for r in runs},
+        "parity": parity(runs) if len(runs) > 1 else {}, "total_seconds": time.perf_counter() - t_all,
+    }
+    png = plot_curves(df, title=f"GRPO reward curves ({tag}, LoRA r={cfg.lora_r}, lr {cfg.learning_rate:g})")
+    if lb is not None:
+        lb.close()
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        df.to_csv(out / f"{tag}.csv", index=False)
+        (out / f"{tag}.png").write_bytes(png)
+        (out / f"{tag}.json").write_text(json.dumps(summary, indent=2, default=str))
+        summary["files"] = [str(out / f"{tag}.{e}") for e in ("csv", "png", "json")]
+    summary["df"], summary["png"] = df, png
+    return summary
+
+
+def _jsonable(d):
+    return json.loads(json.dumps(d, default=str))
+
+
+def plot_curves(df, title: str = "", rolling: int = 10, dpi: int = 90) -> bytes:
+    """Reward (raw + rolling mean), loss and entropy per backend, overlaid: the parity figure."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for b, g in df.groupby("backend", sort=False):
+        for ax, m in zip(axes, ("reward", "loss", "entropy"), strict=True):
+            s = g[g.metric == m].sort_values("step")
+            if s.empty:
+                continue
+            line, = ax.plot(s.step, s.value, lw=0.7, alpha=0.5 if m == "reward" else 0.9, label=b)
+            if m == "reward":
+                ax.plot(s.step, s.value.rolling(rolling, min_periods=1).mean(), lw=2, color=line.get_color())
+    for ax, m in zip(axes, ("reward (thin: per step, thick: rolling mean)", "loss", "entropy"), strict=True):
+        ax.set_title(m, fontsize=10)
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Reward curves of the embedded default (CPU) or its GPU variant.")
+    p.add_argument("--variant", choices=["embedded", "gpu", "tiny"], default="embedded",
+                   help="embedded: the CPU default; gpu: the bigger H200 variant; tiny: a seconds-long smoke run")
+    p.add_argument("--out", required=True, help="output folder for <tag>.csv/.png/.json")
+    p.add_argument("--device", default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--backends", default=None, help="comma list of trl,grpo_lab,naive,liger")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--rank", type=int, default=None)
+    p.add_argument("--G", type=int, default=None)
+    p.add_argument("--tag", default=None)
+    a = p.parse_args(argv)
+    cfg = EmbeddedConfig()
+    if a.variant == "gpu":
+        cfg = replace(cfg, **GPU_VARIANT)
+    elif a.variant == "tiny":
+        cfg = replace(cfg, steps=3, prompts_per_step=4, num_generations=4, n_candidates=400, n_heldout=20,
+                      eval_k=4)
+    over = {"device": a.device, "steps": a.steps, "learning_rate": a.lr, "lora_r": a.rank, "num_generations": a.G,
+            "backends": tuple(a.backends.split(",")) if a.backends else None}
+    cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda requested but no CUDA device is visible")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    s = run_reward_curves(cfg, a.out, board=False, tag=a.tag or a.variant)
+    print(json.dumps({k: s[k] for k in ("backends", "parity", "total_seconds", "files")}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
