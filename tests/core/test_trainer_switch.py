@@ -50,7 +50,7 @@ def test_train_logs_agree_across_backends(trainer_factory, reference_run, backen
     assert losses == pytest.approx(ref_losses, abs=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["grpo_lab", "naive"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_peft_lora_model_trains_with_backend(trainer_factory, backend):
     peft_config = LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", task_type="CAUSAL_LM")
     torch.manual_seed(0)
