@@ -1,7 +1,8 @@
 """A fake vLLM replica that answers completions after a fixed delay, to load-test the router without a model.
 
 It serves the endpoints the router probes (`/health`, `/server_info`, `/v1/models`) and `/v1/completions` with a
-canned TRL-shaped answer after `--delay-s` (± `--jitter`, as rollout lengths vary), so with enough clients the router holds hundreds of requests in flight
+canned TRL-shaped answer after `--delay-s` (± `--jitter`, as rollout lengths vary), so with enough clients the
+router holds hundreds of requests in flight
 and its own overhead can be measured.
 
     python -m grpo_lab.serving.fake_replica --ports 0 0 --delay-s 0.2   # prints "READY <port> <port>"

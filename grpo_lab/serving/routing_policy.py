@@ -3,8 +3,9 @@
 GRPO sends G rollouts of one prompt at once, so the win is keeping a group on one replica: its prompt is then
 prefilled once instead of once per replica. The rule (seed 2's proxy, DESIGN.md §4) counts only *prompt-specific*
 blocks: a block is *common* once every in-service replica has served it or once it has been followed by more than
-one distinct block (a shared chat-template prefix; the request being routed counts as one), because such blocks are cached everywhere anyway and would
-otherwise pull every request to whichever replica saw the template first.
+one distinct block (a shared chat-template prefix; the request being routed counts as one), because such
+blocks are cached everywhere anyway and would otherwise pull every request to whichever replica saw the template
+first.
 
 Two things differ from the published proxy:
 - a request's blocks become *owned* by a replica only after that replica answered successfully; while it is in

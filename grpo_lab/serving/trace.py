@@ -1,8 +1,8 @@
 """Synthetic GRPO rollout traces with the shape of seed 2's run, for replaying through the router.
 
 Shape (DESIGN.md §4, §7): N prompts that all start with the same chat-template tokens (23 for the qwen_math
-template), prompt lengths a shifted log-normal with the Sanity set's median 95 / p90 240 / max 1,072 tokens, G rollouts per
-prompt issued together, prompts visited in a fresh random order each epoch. The policy version is not in the
+template), prompt lengths a shifted log-normal with the Sanity set's median 95 / p90 240 / max 1,072 tokens,
+G rollouts per prompt issued together, prompts visited in a fresh random order each epoch. The policy version is not in the
 trace: it bumps when the trainer has consumed enough completions, which only a replay knows.
 """
 
@@ -46,7 +46,8 @@ class TraceConfig:
     def __post_init__(self):
         if self.num_prompts < 1 or self.group_size < 1:
             raise ValueError("num_prompts and group_size must be >= 1")
-        if not self.template_tokens < self.min_prompt_tokens < self.median_prompt_tokens < self.p90_prompt_tokens <= self.max_prompt_tokens:
+        if not (self.template_tokens < self.min_prompt_tokens < self.median_prompt_tokens < self.p90_prompt_tokens
+                <= self.max_prompt_tokens):
             raise ValueError("need template_tokens < min < median < p90 <= max prompt tokens")
 
 
