@@ -73,8 +73,14 @@ class ReplicaPool:
     # -- probing and admission --------------------------------------------------------------------------------
     async def _fetch_info(self, replica: Replica) -> tuple[dict, dict]:
         timeout = self.config.health_timeout_s
-        info = (await self.client.call(replica, "GET", "/server_info", params={"config_format": "json"},
-                                       timeout=timeout)).json()
+        reply = await self.client.call(replica, "GET", "/server_info", params={"config_format": "json"},
+                                       timeout=timeout)
+        if reply.status == 401:
+            raise ValueError("replica answered 401: the bearer token is missing or wrong (set the same VLLM_API_KEY "
+                             "for the router and the replicas)")
+        if reply.status == 404:
+            raise ValueError("replica has no /server_info: start vLLM with VLLM_SERVER_DEV_MODE=1")
+        info = reply.json()
         models = (await self.client.call(replica, "GET", "/v1/models", timeout=timeout)).json()
         if not isinstance(info, dict) or "vllm_config" not in info or not isinstance(models, dict):
             raise ValueError("replica answered /server_info or /v1/models without the vLLM shape")
@@ -193,8 +199,15 @@ class ReplicaPool:
             self.mark_down(replica, f"lost live adapter(s) {missing} (restarted?)")
 
     async def run_health_checks(self, stop: asyncio.Event) -> None:
+        """One loop per replica, so a re-admission waiting for a long adapter load never delays the others' checks."""
+        await asyncio.gather(*(self._watch(r, stop) for r in self.replicas))
+
+    async def _watch(self, replica: Replica, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            await asyncio.gather(*(self.check(r) for r in self.replicas), return_exceptions=True)
+            try:
+                await self.check(replica)
+            except Exception as error:  # a bug in one check must not end the watch
+                log.exception("health check of %s failed: %s", replica.url, self.client.scrub(str(error)))
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.config.health_interval_s)
             except asyncio.TimeoutError:

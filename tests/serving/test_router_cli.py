@@ -63,3 +63,29 @@ def test_router_cli_against_fake_replicas(token, tmp_path):
         fake.wait(timeout=10)
     text = log_path.read_text()
     assert "in service" in text and token not in text
+
+
+def test_wrong_token_keeps_replica_out_with_a_clear_reason(token, adapters, monkeypatch):
+    from grpo_lab.serving.processes import start_cpu_replicas
+    from grpo_lab.serving.router import start_router
+    from grpo_lab.serving.router_config import RouterConfig
+
+    from .conftest import REPLICA_ARGS
+
+    monkeypatch.setenv("GRPO_LAB_TEST_WRONG_TOKEN", "not-" + token)
+    (replica,) = start_cpu_replicas(1, REPLICA_ARGS, env={"VLLM_API_KEY": token})
+    router = start_router(RouterConfig(replicas=[replica.url], port=0, api_key_env="GRPO_LAB_TEST_WRONG_TOKEN",
+                                       health_interval_s=0.1))
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            state = requests.get(router.url + "/router/state", timeout=5).json()["replicas"][0]
+            if state["last_error"]:
+                break
+            time.sleep(0.05)
+        assert state["state"] != "in_service" and "401" in state["last_error"]
+        assert token not in state["last_error"]
+        assert requests.get(router.url + "/health", timeout=5).status_code == 503
+    finally:
+        router.stop()
+        replica.stop()
