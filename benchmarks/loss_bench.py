@@ -251,11 +251,13 @@ def main(argv=None):
 A16 = (128, 256, 64, 8, 8, 3)
 TUNE_EXPERIMENTS = {
     "bf16": [
+        {},
         {"USE_TMA": True},
         {"BWD_TOKENS": 8192, "BWD_VOCAB": 8192},
         {"USE_TMA": True, "BWD_TOKENS": 8192, "BWD_VOCAB": 8192},
     ],
     "fp32": [
+        {},
         {"FP32_MM": "triton", "mm": (128, 128, 32, 8, 8, 3)},
         {"FP32_MM": "triton", "mm": (128, 128, 32, 8, 8, 3), "USE_TMA": True},
     ],
