@@ -45,15 +45,19 @@ def environment() -> dict:
             "aiohttp": aiohttp.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
 
 
-def replay_figures(groups: int, rows: list) -> None:
+def replay_figures(groups: int, rows: list, replicas: int = 2, in_flight: int = 128, sync_steps: int = 1,
+                   arrivals: str = "group", targets: bool = True) -> None:
     trace = generate_trace(TraceConfig(num_groups=groups))
-    sim = SimConfig(num_replicas=2, max_in_flight=128)
+    sim = SimConfig(num_replicas=replicas, max_in_flight=in_flight, completions_per_sync=128 * sync_steps,
+                    arrivals=arrivals)
     prefix = replay(trace, sim, "prefix")
     rr = replay(trace, sim, "round_robin")
-    add = lambda metric, value, target="": rows.append(("replay_2x128", metric, value, target))
+    figure = f"replay_{replicas}x{in_flight}_{arrivals}_sync{sync_steps}"
+    add = lambda metric, value, target="": rows.append((figure, metric, value, target if targets else ""))
     add("rollouts", prefix.requests)
     add("affinity_pct", 100 * prefix.share(AFFINITY), ">= 84.5")
     add("unmatched_pct", 100 * prefix.share(UNMATCHED), "<= 13.0 (floor 12.5)")
+    add("unmatched_floor_pct", 100 * prefix.unmatched_floor, "first request of each (adapter, prompt)")
     add("spilled_pct", 100 * prefix.share(SPILLED), "<= 2")
     add("per_replica_split", "/".join(map(str, prefix.per_replica)))
     for name, r in (("prefix", prefix), ("round_robin", rr)):
@@ -173,7 +177,11 @@ def main(argv=None) -> None:
         args.groups, args.duration_s, args.delay_s = 500, 6.0, 2.0
     rows: list = []
     t0 = time.time()
-    replay_figures(args.groups, rows)
+    replay_figures(args.groups, rows, sync_steps=2)  # the targets' shape: G at a time, version every few steps
+    replay_figures(args.groups, rows, sync_steps=1, targets=False)
+    replay_figures(args.groups, rows, sync_steps=1, arrivals="rollout", targets=False)  # TRL 1.16's worker, exactly
+    replay_figures(args.groups, rows, sync_steps=4, arrivals="rollout", targets=False)
+    replay_figures(args.groups, rows, replicas=4, in_flight=384, arrivals="rollout", targets=False)  # 4 GPUs
     decision_figures(args.groups, rows)
     proxy_figures(args.in_flight, args.duration_s, args.delay_s, rows)
     env = environment()

@@ -1,8 +1,11 @@
 """Replay a GRPO trace through the routing policy against simulated replicas, and score it.
 
 The replay is a discrete-event simulation of the async trainer's rollout loop: up to `max_in_flight` rollouts are
-outstanding, a prompt's G rollouts are issued together as soon as there is room for all of them, and the policy
-version (hence the adapter name that seeds the hash chain) bumps every `completions_per_sync` finished rollouts.
+outstanding, and the policy version (hence the adapter name that seeds the hash chain) bumps every
+`completions_per_sync` finished rollouts. Arrivals are either `"group"` (a prompt's G rollouts arrive together, once
+there is room for all of them: the issue's trace shape) or `"rollout"` (one at a time whenever a slot frees, each
+naming the version current at that moment, as TRL 1.16's worker does; a group can then straddle a version bump, and
+its rollouts after the bump match nothing anywhere, which raises the unmatched floor by about one rollout per sync).
 Each simulated replica keeps an LRU prefix cache of blocks; as in vLLM v1, a request's blocks are cached when it is
 scheduled, so rollouts of one group that reach the same replica share its prefill. Service time is prefill plus
 decode, with decode slowing as a replica's batch grows, so an unbalanced router pays in latency.
@@ -30,11 +33,13 @@ class SimConfig:
     Args:
         num_replicas: R independent replicas.
         max_in_flight: rollouts outstanding at once (the trainer's `max_inflight_tasks`).
-        completions_per_sync: finished rollouts per policy version (one optimizer step of 128 completions).
+        completions_per_sync: finished rollouts per policy version: completions per optimizer step (128 in seed 2)
+            times TRL's `weight_sync_steps` (default 1).
         adapter_prefix: the adapter name is `{adapter_prefix}-v{version}`.
         cache_blocks: prefix-cache capacity of each replica, in blocks.
         prefill_s_per_token, decode_s_per_token: service-time model of one replica at batch size 1.
         batch_slowdown: decode time grows by this factor per request in the batch (memory-bound decode).
+        arrivals: "group" (G rollouts together) or "rollout" (one per free slot, TRL's worker).
     """
 
     num_replicas: int = 2
@@ -45,6 +50,11 @@ class SimConfig:
     prefill_s_per_token: float = 5e-5
     decode_s_per_token: float = 0.01
     batch_slowdown: float = 0.004
+    arrivals: str = "group"
+
+    def __post_init__(self):
+        if self.arrivals not in ("group", "rollout"):
+            raise ValueError(f"arrivals must be 'group' or 'rollout', got {self.arrivals!r}")
 
 
 class _SimReplica:
@@ -82,6 +92,11 @@ class ReplayResult:
     finish_s: float = 0.0  # total time releasing claims
     makespan_s: float = 0.0
     max_in_flight_seen: int = 0
+    first_of_kind: int = 0  # requests whose (adapter, prompt) nobody asked for before: unmatched under any router
+
+    @property
+    def unmatched_floor(self) -> float:
+        return self.first_of_kind / max(self.requests, 1)
 
     @property
     def prefill_tokens(self) -> int:
@@ -117,39 +132,51 @@ def replay(trace: list[TraceGroup], sim: SimConfig | None = None, policy: str = 
     result = ReplayResult(policy, per_replica=[0] * sim.num_replicas)
     candidates = list(range(sim.num_replicas))
     events: list = []  # (finish time, seq, replica, decision)
-    now, seq, finished, rr, next_group, in_flight = 0.0, 0, 0, 0, 0, 0
-    group_size = len(trace[0].completion_tokens) if trace else 0
-    while next_group < len(trace) or events:
-        while next_group < len(trace) and in_flight + group_size <= sim.max_in_flight:
-            group = trace[next_group]
-            next_group += 1
-            name = f"{sim.adapter_prefix}-v{finished // sim.completions_per_sync}"
-            for completion in group.completion_tokens:
-                t0 = time.perf_counter()
-                hashes = block_hashes(group.prompt_ids, name, routing.block_size)
-                if policy == "prefix":
-                    decision = router.route(hashes, candidates)
-                    r = decision.replica
-                    result.kinds[decision.kind] += 1
-                else:
-                    decision, r = None, rr % sim.num_replicas
-                    rr += 1
-                result.decision_s.append(time.perf_counter() - t0)
-                replica = replicas[r]
-                hit = replica.admit(hashes)
-                cached = hit * routing.block_size
-                result.requests += 1
-                result.per_replica[r] += 1
-                result.prompt_tokens += len(group.prompt_ids)
-                result.cacheable_tokens += len(hashes) * routing.block_size
-                result.cached_tokens += cached
-                replica.in_flight += 1
-                in_flight += 1
-                result.max_in_flight_seen = max(result.max_in_flight_seen, in_flight)
-                service = (len(group.prompt_ids) - cached) * sim.prefill_s_per_token + completion * (
-                    sim.decode_s_per_token * (1 + sim.batch_slowdown * replica.in_flight))
-                heapq.heappush(events, (now + service, seq, r, decision))
-                seq += 1
+    now, seq, finished, rr, in_flight = 0.0, 0, 0, 0, 0
+    # TRL's worker walks the groups rollout by rollout and starts one whenever a slot is free, naming the policy
+    # version current at that moment, so a group can straddle a full pipeline or a version bump.
+    stream = [(group, completion) for group in trace for completion in group.completion_tokens]
+    next_request = 0
+    seen: set = set()
+    group_size = len(trace[0].completion_tokens) if trace else 1
+    name = ""
+    while next_request < len(stream) or events:
+        while next_request < len(stream) and in_flight < sim.max_in_flight:
+            group, completion = stream[next_request]
+            starts_group = next_request % group_size == 0
+            if sim.arrivals == "group" and starts_group and in_flight + group_size > sim.max_in_flight:
+                break  # wait until the whole group fits
+            next_request += 1
+            if sim.arrivals == "rollout" or starts_group:
+                name = f"{sim.adapter_prefix}-v{finished // sim.completions_per_sync}"
+            if (name, group.prompt_index) not in seen:
+                seen.add((name, group.prompt_index))
+                result.first_of_kind += 1
+            t0 = time.perf_counter()
+            hashes = block_hashes(group.prompt_ids, name, routing.block_size)
+            if policy == "prefix":
+                decision = router.route(hashes, candidates)
+                r = decision.replica
+                result.kinds[decision.kind] += 1
+            else:
+                decision, r = None, rr % sim.num_replicas
+                rr += 1
+            result.decision_s.append(time.perf_counter() - t0)
+            replica = replicas[r]
+            hit = replica.admit(hashes)
+            cached = hit * routing.block_size
+            result.requests += 1
+            result.per_replica[r] += 1
+            result.prompt_tokens += len(group.prompt_ids)
+            result.cacheable_tokens += len(hashes) * routing.block_size
+            result.cached_tokens += cached
+            replica.in_flight += 1
+            in_flight += 1
+            result.max_in_flight_seen = max(result.max_in_flight_seen, in_flight)
+            service = (len(group.prompt_ids) - cached) * sim.prefill_s_per_token + completion * (
+                sim.decode_s_per_token * (1 + sim.batch_slowdown * replica.in_flight))
+            heapq.heappush(events, (now + service, seq, r, decision))
+            seq += 1
         if not events:
             break
         now, _, r, decision = heapq.heappop(events)

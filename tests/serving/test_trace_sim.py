@@ -29,3 +29,12 @@ def test_replay_beats_round_robin_on_a_small_trace():
     assert rr.cacheable_prefill_tokens > 1.8 * prefix.cacheable_prefill_tokens
     assert prefix.max_in_flight_seen <= 128
     assert abs(prefix.per_replica[0] - prefix.per_replica[1]) < 0.1 * prefix.requests
+
+
+def test_rollout_arrivals_reach_the_unmatched_floor():
+    """With TRL's one-rollout-per-free-slot arrivals, groups straddle version bumps; the router still matches every
+    request that any replica could serve (unmatched == the first request of each adapter+prompt)."""
+    trace = generate_trace(TraceConfig(num_prompts=200, num_groups=400, seed=2))
+    result = replay(trace, SimConfig(max_in_flight=128, arrivals="rollout"), "prefix")
+    assert result.share(UNMATCHED) == result.unmatched_floor > 0.125
+    assert result.share(SPILLED) < 0.02
