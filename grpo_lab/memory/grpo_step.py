@@ -102,26 +102,6 @@ def num_generations_for(batch_size: int, world_size: int) -> tuple[int, int]:
     return total, 1
 
 
-def fsdp_training_args(model_config) -> dict:
-    """TrainingArguments fields for FSDP2 through accelerate, wrapping each decoder layer."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        layer_cls = type(AutoModelForCausalLM.from_config(model_config).model.layers[0]).__name__
-    return {
-        "fsdp": "full_shard",
-        "fsdp_config": {
-            "fsdp_version": 2,
-            "reshard_after_forward": True,
-            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "transformer_layer_cls_to_wrap": [layer_cls],
-            "state_dict_type": "SHARDED_STATE_DICT",
-            "cpu_ram_efficient_loading": False,
-            "activation_checkpointing": False,
-        },
-    }
-
-
 def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbacks=()):
     """The GRPO trainer for `spec`: `grpo_lab.trl_glue.GRPOLabTrainer` with `loss_backend=spec.backend` when the glue
     is installed; plain `trl.GRPOTrainer` (backend "trl" only) until then."""
@@ -148,8 +128,6 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
 
     bf16 = spec.dtype == "bf16"
     extra: dict[str, Any] = {}
-    if spec.fsdp:
-        extra.update(fsdp_training_args(model_config))
     if spec.gradient_checkpointing:
         extra["gradient_checkpointing"] = True
     if spec.generation == "model":
@@ -162,7 +140,8 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
         max_completion_length=spec.completion_len,
         max_steps=spec.steps,
         learning_rate=1e-5,
-        beta=0.0,
+        beta=spec.beta,
+        num_iterations=spec.num_iterations,
         bf16=bf16,
         seed=spec.seed,
         data_seed=spec.seed,
@@ -177,22 +156,25 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
         **backend_kw,
         **extra,
     )
-    # The model is created on its device with its final dtype (no fp32 master copy): the `bf16` points are pure
-    # bf16 training, the `fp32` points pure fp32. Under FSDP each rank builds the full model before sharding.
-    model = build_model(spec.model, dtype=TORCH_DTYPES[spec.dtype], seed=spec.seed,
-                        device=str(device) if not spec.fsdp else ("cpu" if device.type == "cpu" else str(device)))
-    peft_config = None
+    # The model is created on its device in its final dtype (no fp32 master copy): the `bf16` points are pure bf16
+    # training, the `fp32` points pure fp32. LoRA is applied here (not by TRL) so the FSDP2 path can shard the PEFT
+    # model before the trainer wraps it; under FSDP2 every rank builds the full model, then shards it.
+    model = build_model(spec.model, dtype=TORCH_DTYPES[spec.dtype], seed=spec.seed, device=str(device))
     if spec.lora_r > 0:
-        from peft import LoraConfig
+        from .fsdp import apply_lora
 
-        peft_config = LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, target_modules="all-linear",
-                                 lora_dropout=0.0, task_type="CAUSAL_LM")
+        model = apply_lora(model, spec.lora_r)
+    if spec.fsdp:
+        from .fsdp import init_process_group, shard_fsdp2
+
+        init_process_group(device)
+        model = shard_fsdp2(model, device)
     rollout = None
     if spec.generation == "synthetic":
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         rollout = synthetic_rollout(spec.completion_len, model_config.vocab_size, _special_ids(tokenizer), spec.seed)
     trainer = trainer_cls(model=model, reward_funcs=length_reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=peft_config, rollout_func=rollout,
+                          processing_class=tokenizer, rollout_func=rollout,
                           callbacks=list(callbacks))
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -227,7 +209,7 @@ class PhaseRecorder:
                 rec._t0 = time.perf_counter()
 
             def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-                if rec.capture_grads and rec.grads is None and model is not None:
+                if rec.capture_grads and model is not None:  # keeps the last step's
                     rec.grads = _collect_lora_grads(model)
 
             def on_step_end(self, args, state, control, **kw):
@@ -266,7 +248,8 @@ class PhaseRecorder:
         trainer.compute_loss = compute_loss
 
 
-def _collect_lora_grads(model) -> dict[str, torch.Tensor]:
+def _collect_lora_grads(model) -> dict:
+    """LoRA gradients as full (gathered) numpy arrays, keyed by parameter name without wrapper prefixes."""
     grads = {}
     for name, p in model.named_parameters():
         if p.grad is None or "lora_" not in name:
@@ -275,7 +258,7 @@ def _collect_lora_grads(model) -> dict[str, torch.Tensor]:
         if hasattr(g, "full_tensor"):
             g = g.full_tensor()
         grads[name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")] = (
-            g.detach().float().cpu().clone())
+            g.detach().float().cpu().numpy().copy())
     return grads
 
 

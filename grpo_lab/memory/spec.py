@@ -107,6 +107,8 @@ class PointSpec:
     budget_bytes: int | None = None  # CUDA: per-process memory cap; CPU: peak RSS above the baseline over it = OOM
     gradient_checkpointing: bool = False
     seed: int = 0
+    beta: float = 0.0  # KL coefficient (0 = no reference model, TRL's default); > 0 adds the reference forward
+    num_iterations: int = 1  # TRL's mu: > 1 reuses each generation batch (adds the old-log-prob forward)
     device: str = "auto"  # auto | cpu | cuda
     chunk_size: int = 0  # loss mode: rows per chunk for the fused backends (0 = the backend's default)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -125,6 +127,10 @@ class PointSpec:
             raise ValueError(f"Unknown device {self.device!r}: use auto, cpu or cuda.")
         if self.lora_r < 0:
             raise ValueError(f"lora_r must be >= 0, got {self.lora_r}.")
+        check_positive_int(self.num_iterations, "num iterations")
+        if self.fsdp and self.lora_r > 0 and self.beta != 0.0:
+            raise ValueError("beta > 0 with FSDP2 + LoRA is not supported here: TRL would add its reference adapter "
+                             "after the model is sharded.")
         if self.budget_bytes is not None and self.budget_bytes <= 0:
             raise ValueError(f"budget must be positive, got {self.budget_bytes}.")
         if self.mode == "step" and self.batch_size * self.world_size < 2 and self.steps < 1:

@@ -62,30 +62,51 @@ def _series_key(s: PointSpec):
 
 def run_sweep(specs: list[PointSpec], out_csv: str | Path | None = None,
               on_point: Callable[[dict, int, int], None] | None = None, skip_after_oom: bool = True,
-              max_seconds: float | None = None, figure: str = FIGURE) -> pd.DataFrame:
+              max_seconds: float | None = None, figure: str = FIGURE, keep_going: bool = False,
+              append: bool = False) -> pd.DataFrame:
     """Measure every spec (in order), calling `on_point(row, index, total)` after each; the CSV is rewritten after
-    every point so an interrupted sweep keeps what it measured. Errors other than OOM raise `ProbeError`."""
+    every point so an interrupted sweep keeps what it measured. Errors other than OOM raise `ProbeError`; with
+    `keep_going` the point is recorded as `error` (message kept), the rest of its series is not run, and the sweep
+    goes on. With `append`, rows of an existing `out_csv` at other coordinates are kept."""
     env = environment(specs[0].device if specs else "auto")
     rows: list[dict] = []
     oom_at: dict = {}
+    failed: set = set()
+    previous = None
+    if append and out_csv is not None and Path(out_csv).is_file():
+        previous = pd.read_csv(out_csv)
+        new = {(s.model, s.mode, s.dtype, s.backend, s.batch_size) for s in specs}
+        keys = zip(previous["model"], previous["mode"], previous["dtype"], previous["backend"], previous["batch_size"])
+        previous = previous[[k not in new for k in keys]]
     t0 = time.perf_counter()
     for i, spec in enumerate(specs):
         key = _series_key(spec)
         if skip_after_oom and key in oom_at and spec.batch_size > oom_at[key]:
             result = {"status": "oom", "message": f"not run: batch {oom_at[key]} already out of memory"}
+        elif key in failed:
+            result = {"status": "error", "message": "not run: an earlier point of this series failed"}
         elif max_seconds is not None and time.perf_counter() - t0 > max_seconds:
             result = {"status": "skipped", "message": f"not run: sweep time limit {max_seconds:.0f}s reached"}
         else:
-            result = run_point(spec)
+            try:
+                result = run_point(spec)
+            except ProbeError as e:
+                if not keep_going:
+                    raise
+                print(f"error (continuing): {e}", file=sys.stderr, flush=True)
+                result = {"status": "error", "message": str(e)[-300:]}
+                failed.add(key)
             if result["status"] == "oom":
                 oom_at[key] = min(oom_at.get(key, spec.batch_size), spec.batch_size)
         row = make_row(figure, spec, result, env)
         rows.append(row)
         if out_csv is not None:
-            write_csv(rows, out_csv)
+            frame = rows_to_frame(rows)
+            write_csv(frame if previous is None else pd.concat([previous, frame], ignore_index=True), out_csv)
         if on_point is not None:
             on_point(row, i, len(specs))
-    return rows_to_frame(rows)
+    frame = rows_to_frame(rows)
+    return frame if previous is None else pd.concat([previous, frame], ignore_index=True)
 
 
 def _print_point(row: dict, i: int, n: int) -> None:
@@ -112,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-minutes", type=float, default=None, help="stop starting new points after this long")
     p.add_argument("--name", default=None, help="CSV/PNG base name (default: memory_vs_batch[_quick])")
+    p.add_argument("--keep-going", action="store_true", help="record a failing point as an error and go on")
+    p.add_argument("--append", action="store_true", help="keep the other rows of an existing CSV (split runs)")
     a = p.parse_args(argv)
     preset = dict(PRESETS["full" if a.full else "quick"])
     for k in ("model", "backends", "dtypes", "batch_sizes", "loss_batch_sizes", "prompt_len", "completion_len",
@@ -135,7 +158,7 @@ def main(argv=None) -> int:
     csv = out / f"{name}.csv"
     print(f"{len(specs)} points → {csv}", flush=True)
     try:
-        df = run_sweep(specs, out_csv=csv, on_point=_print_point,
+        df = run_sweep(specs, out_csv=csv, on_point=_print_point, keep_going=a.keep_going, append=a.append,
                        max_seconds=None if a.max_minutes is None else a.max_minutes * 60)
     except ProbeError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -146,7 +169,7 @@ def main(argv=None) -> int:
     with pd.option_context("display.width", 160, "display.max_columns", 20):
         print(savings_table(df, "naive").to_string())
     print(f"wrote {csv} and {out / (name + '.png')}")
-    return 0
+    return 1 if (df["status"] == "error").any() else 0
 
 
 def save_figures(df: pd.DataFrame, out: Path, name: str) -> list[Path]:

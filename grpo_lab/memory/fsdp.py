@@ -1,0 +1,69 @@
+"""FSDP2 + LoRA for the TRL GRPO trainer, with torch's `fully_shard` applied before the trainer sees the model.
+
+Why not accelerate's FSDP plugin: accelerate selects FSDP only for GPU-like devices (a CPU multi-process run becomes
+DDP), so the gloo tests could not exercise it. Instead the PEFT model is sharded here — every decoder layer is its own
+FSDP2 group and the PEFT model is the root group, which holds the embeddings, the final norm and the LM head (tied on
+the small Qwen3s: one Parameter, so one shard; untied on 8B+: two). The model is flagged
+`is_distributed_loading_by_transformers`, transformers' contract for a model that already owns its placement and
+gradient reduction: the Trainer then neither moves it nor wraps it in DDP. TRL's fused LM head gathers a DTensor
+head weight (`full_tensor`) when it sees one. The same code runs with gloo on CPU and NCCL on N GPUs of one host.
+
+LoRA adapters are created in the model's dtype (`autocast_adapter_dtype=False`), so each FSDP2 group has one dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def init_process_group(device: torch.device) -> tuple[int, int]:
+    """Join (or create) the default process group from the torchrun-style environment; returns (rank, world)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=backend, rank=int(os.environ.get("RANK", "0")),
+                                world_size=int(os.environ.get("WORLD_SIZE", "1")), **kwargs)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def apply_lora(model, r: int, dropout: float = 0.0):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", lora_dropout=dropout, task_type="CAUSAL_LM")
+    return get_peft_model(model, config, autocast_adapter_dtype=False)
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(base, "model", base), "layers", None)
+    if layers is None:
+        raise ValueError(f"no decoder layers found on {type(base).__name__}")
+    return list(layers)
+
+
+def shard_fsdp2(model, device: torch.device, reshard_after_forward: bool = True):
+    """`fully_shard` each decoder layer, then the whole (PEFT) model as root; returns the same object, sharded."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    # transformers' contract for pre-sharded models: no .to(), no DDP wrap (Trainer._prepare_for_training)
+    model.is_distributed_loading_by_transformers = True
+    return model
+
+
+def lm_head_summary(model) -> dict:
+    """Whether the LM head is tied to the embeddings and whether both are sharded (DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    emb, head = base.get_input_embeddings().weight, base.get_output_embeddings().weight
+    return {"tied": emb is head, "embed_dtensor": isinstance(emb, DTensor), "head_dtensor": isinstance(head, DTensor)}

@@ -1,0 +1,375 @@
+"""The largest per-device GRPO batch that fits, by exponential then binary search, each probe in fresh processes.
+
+    python -m grpo_lab.memory.max_batch --quick --out results/fsdp_max_batch   # CPU, gloo, tiny models
+    python -m grpo_lab.memory.max_batch --full  --out results/fsdp_max_batch   # one H200: Qwen3 0.6B-8B, bf16 LoRA
+
+A probe is `spec.steps` real TRL GRPO optimizer steps (FSDP2 + LoRA, synthetic fixed-length completions, see
+`grpo_step`) at one batch size; it fits when every rank finishes without running out of memory (on CUDA the cap is
+`budget` via `torch.cuda.set_per_process_memory_fraction`; on CPU a peak RSS above the baseline larger than `budget`
+counts as out of memory). Any other failure stops the search with the error shown.
+
+Search: the first probe at `start`; if it fits, a linear memory model (peak ≈ setup + B × per-sequence, from the
+probes so far) proposes where the limit is, and the search gallops from there — steps of max(1, B/32) doubling each
+time, upward while it fits, downward while it does not — until the limit is bracketed; then bisection down to a gap of
+max(1, rel_tol × B). Without a usable memory reading (or with `guess=False`) it is the plain doubling search from
+`start`. `upper` caps the search (reported as `capped`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from .probe import ProbeError, run_point
+from .results import GiB, environment, make_row, write_csv
+from .spec import (PointSpec, check_backend, check_model, check_positive_int, normalize_dtype, parse_int_list,
+                   parse_str_list)
+
+FIGURE = "fsdp_max_batch"
+
+PRESETS = {
+    # CPU, 2 gloo processes, tiny Qwen3s (tied and untied heads); a budget small enough that the limit is reached
+    # CPU: FSDP2 over a 1-process gloo group (the 2-process run is in the tests), LoRA r=8; a budget small enough
+    # that small-qwen3 (vocab 8192) reaches it, tiny-qwen3 is capped at `upper`
+    "quick": dict(models=["tiny-qwen3", "small-qwen3"], backends=["naive", "trl", "grpo_lab"], dtype="fp32",
+                  prompt_len=8, completion_len=24, world_size=1, lora_r=8, budget_gib=0.2, start=8, upper=32,
+                  rel_tol=0.25, steps=1, device="cpu"),
+    # One H200 (world size 1), bf16 LoRA r=16, 256 prompt + 512 completion tokens, the whole GPU as budget
+    "full": dict(models=["Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B", "Qwen3-8B"], backends=["naive", "trl", "grpo_lab",
+                 "liger"], dtype="bf16", prompt_len=256, completion_len=512, world_size=1, lora_r=16,
+                 budget_fraction=None, start=8, upper=1024, rel_tol=0.03, steps=1, device="cuda"),
+}
+
+
+@dataclass
+class SearchResult:
+    max_batch: int  # largest batch that fitted (0: not even 1)
+    first_oom: int | None  # smallest batch that did not fit (None: never hit)
+    capped: bool  # stopped at `upper` with everything fitting
+    probes: list[tuple[int, str]] = field(default_factory=list)  # (batch, ok|oom) in probe order
+    results: dict[int, dict] = field(default_factory=dict)
+
+
+def linear_guess(results: dict[int, dict], budget: float | None) -> int | None:
+    """Largest B with setup + B × per-sequence ≤ budget, from the fitted probes' peaks (None if not estimable)."""
+    if not budget:
+        return None
+    pts = sorted((b, r["peak_bytes"] - r.get("base_bytes", 0), r.get("setup_bytes", 0) - r.get("base_bytes", 0))
+                 for b, r in results.items() if r.get("status") == "ok" and r.get("peak_bytes"))
+    if not pts:
+        return None
+    if len(pts) >= 2 and pts[-1][0] != pts[-2][0]:
+        (b1, p1, _), (b2, p2, _) = pts[-2], pts[-1]
+        per = (p2 - p1) / (b2 - b1)
+        intercept = p2 - per * b2
+    else:
+        b, p, setup = pts[-1]
+        per = (p - setup) / b
+        intercept = setup
+    if per <= 0:
+        return None
+    return max(1, int((budget - intercept) / per))
+
+
+def search_max_batch(fits: Callable[[int], tuple[bool, dict]], start: int = 1, upper: int = 1024,
+                     rel_tol: float = 0.0, budget: float | None = None, guess: bool = True,
+                     on_probe: Callable[[int, bool], None] | None = None) -> SearchResult:
+    """Find the largest batch in [1, upper] for which `fits(b)` is true, assuming fits is monotone (fits at b ⇒ fits
+    below b). `fits` returns (fitted, details); details with `peak_bytes`/`setup_bytes` feed the linear guess."""
+    start = check_positive_int(start, "start")
+    upper = check_positive_int(upper, "upper")
+    start = min(start, upper)
+    res = SearchResult(0, None, False)
+
+    def probe(b: int) -> bool:
+        if b in res.results:
+            return res.results[b]["status"] == "ok"
+        ok, details = fits(b)
+        details = dict(details or {})
+        details["status"] = "ok" if ok else "oom"
+        res.results[b] = details
+        res.probes.append((b, details["status"]))
+        if on_probe is not None:
+            on_probe(b, ok)
+        return ok
+
+    lo, hi = 0, None  # lo fits (0 = nothing yet), hi does not fit
+    if probe(start):
+        lo = start
+        g = linear_guess(res.results, budget) if guess else None
+        if g is not None and g > lo:  # gallop around the predicted limit
+            b = min(upper, g)
+            step = max(1, int(b * max(rel_tol, 1 / 32)))
+            if probe(b):
+                lo = b
+                while lo < upper:
+                    b = min(upper, lo + step)
+                    if probe(b):
+                        lo = b
+                        step *= 2
+                    else:
+                        hi = b
+                        break
+            else:
+                hi = b
+                while True:
+                    b = max(lo + 1, hi - step)
+                    if b >= hi:
+                        break
+                    if probe(b):
+                        lo = b
+                        break
+                    hi = b
+                    step *= 2
+        else:  # plain doubling
+            while lo < upper:
+                b = min(upper, lo * 2)
+                if probe(b):
+                    lo = b
+                else:
+                    hi = b
+                    break
+    else:
+        hi = start
+    if hi is None:
+        res.max_batch, res.capped = lo, True
+        return res
+    while hi - lo > max(1, math.floor(rel_tol * max(lo, 1))):
+        mid = (lo + hi) // 2
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    res.max_batch, res.first_oom = lo, hi
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def _gpu_total_bytes() -> int | None:
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout.split()
+        return int(float(out[0]) * 2**20) if out else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+@dataclass
+class Search:
+    base: PointSpec  # batch_size is replaced by each probe's
+    start: int
+    upper: int
+    rel_tol: float
+
+
+def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prompt_len=256, completion_len=512,
+                   world_size=1, lora_r=16, budget_gib=None, budget_fraction=None, start=8, upper=1024,
+                   rel_tol=0.0, steps=1, device="auto") -> list[Search]:
+    """One search per model × backend, validated up front. The budget: `budget_gib`, or `budget_fraction` of the
+    GPU's memory (CUDA), or the whole GPU; on CPU `budget_gib` is required (there is no device limit to hit)."""
+    models = [check_model(m) for m in parse_str_list(models)]
+    backends = [check_backend(b) for b in parse_str_list(backends)]
+    dtype = normalize_dtype(dtype)
+    for name, v in (("prompt length", prompt_len), ("completion length", completion_len), ("world size", world_size),
+                    ("start", start), ("upper", upper), ("steps", steps)):
+        check_positive_int(v, name)
+    if lora_r is None or int(lora_r) <= 0:
+        raise ValueError("the FSDP max-batch search trains LoRA adapters: lora_r must be a positive integer")
+    budget = None
+    if budget_gib is not None:
+        if float(budget_gib) <= 0:
+            raise ValueError(f"budget must be positive, got {budget_gib}")
+        budget = int(float(budget_gib) * GiB)
+    elif budget_fraction is not None:
+        if not 0 < float(budget_fraction) <= 1:
+            raise ValueError(f"budget fraction must be in (0, 1], got {budget_fraction}")
+        total = _gpu_total_bytes()
+        if total is None:
+            raise ValueError("budget_fraction needs a CUDA GPU; on CPU give budget_gib")
+        budget = int(float(budget_fraction) * total)
+    elif device == "cpu" or (device == "auto" and _gpu_total_bytes() is None):
+        raise ValueError("on CPU give a memory budget (budget_gib): there is no device limit to run into")
+    out = []
+    for model in models:
+        for backend in backends:
+            base = PointSpec(model=model, backend=backend, dtype=dtype, batch_size=start, prompt_len=prompt_len,
+                             completion_len=completion_len, lora_r=int(lora_r), fsdp=True, world_size=world_size,
+                             budget_bytes=budget, steps=steps, device=device)
+            out.append(Search(base, start, upper, float(rel_tol)))
+    return out
+
+
+def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_probe=None, on_search=None,
+                 guess: bool = True, keep_going: bool = False, append: bool = False) -> pd.DataFrame:
+    """Run each search; returns one row per search (max batch, first OOM, probes) and, next to `out_csv`, writes
+    `<name>_probes.csv` with one row per probe (the memory-harness columns).
+
+    A probe failing for a reason other than memory raises `ProbeError`; with `keep_going` the search is recorded
+    with `status="error"` and its message instead, and the next search runs. With `append`, rows already in
+    `out_csv` for other (model, backend) pairs are kept."""
+    env = environment(searches[0].base.device if searches else "auto")
+    rows, probe_rows = [], []
+    previous = previous_probes = None
+    if append and out_csv is not None and Path(out_csv).is_file():
+        previous = pd.read_csv(out_csv)
+        if _probes_path(out_csv).is_file():
+            previous_probes = pd.read_csv(_probes_path(out_csv))
+        done = {(s.base.model, s.base.backend) for s in searches}
+        previous = previous[[(m, b) not in done for m, b in zip(previous["model"], previous["backend"])]]
+        if previous_probes is not None:
+            previous_probes = previous_probes[[(m, b) not in done for m, b in
+                                               zip(previous_probes["model"], previous_probes["backend"])]]
+
+    def merged(frame, old):
+        return frame if old is None or old.empty else pd.concat([old, frame], ignore_index=True)
+
+    total_budget = _gpu_total_bytes()
+    for i, s in enumerate(searches):
+        t0 = time.perf_counter()
+
+        def fits(b, s=s):
+            spec = s.base.replace(batch_size=b)
+            r = run_point(spec)  # raises ProbeError on non-memory failures
+            probe_rows.append(make_row(FIGURE, spec, r, env))
+            if on_probe is not None:
+                on_probe(spec, r["status"])
+            if out_csv is not None:
+                from .results import rows_to_frame
+
+                write_csv(merged(rows_to_frame(probe_rows), previous_probes), _probes_path(out_csv))
+            return r["status"] == "ok", r
+
+        budget = s.base.budget_bytes or (total_budget if env["device"] == "cuda" else None)
+        status, message = "ok", ""
+        try:
+            res = search_max_batch(fits, start=s.start, upper=s.upper, rel_tol=s.rel_tol, budget=budget, guess=guess)
+        except ProbeError as e:
+            if not keep_going:
+                raise
+            print(f"error in {s.base.model} {s.base.backend} (continuing): {e}", file=sys.stderr, flush=True)
+            res, status, message = SearchResult(0, None, False), "error", str(e)[-300:].replace("\n", " ")
+        at_max = res.results.get(res.max_batch, {})
+        peak = at_max.get("peak_bytes")
+        if peak is not None and at_max.get("memory_kind") == "cpu_rss":
+            peak -= at_max.get("base_bytes", 0)
+        rows.append({
+            "figure": FIGURE, "model": s.base.model, "backend": s.base.backend, "dtype": s.base.dtype,
+            "lora_r": s.base.lora_r, "world_size": s.base.world_size, "prompt_len": s.base.prompt_len,
+            "completion_len": s.base.completion_len, "steps": s.base.steps,
+            "budget_gib": (budget or 0) / GiB, "max_batch": res.max_batch,
+            "first_oom": res.first_oom, "capped": res.capped, "rel_tol": s.rel_tol,
+            "peak_gib_at_max": None if peak is None else peak / GiB, "n_probes": len(res.probes),
+            "probes": " ".join(f"{b}:{st}" for b, st in res.probes), "search_s": time.perf_counter() - t0,
+            "status": status, "message": message,
+            **{k: env[k] for k in ("device", "gpu_name", "torch", "trl", "transformers", "peft", "accelerate",
+                                   "liger_kernel", "date", "host")},
+        })
+        df = pd.DataFrame(rows)
+        if out_csv is not None:
+            write_csv(merged(df, previous), out_csv)
+        if on_search is not None:
+            on_search(df, i, len(searches))
+    return merged(pd.DataFrame(rows), previous)
+
+
+def _probes_path(out_csv) -> Path:
+    p = Path(out_csv)
+    return p.with_name(p.stem + "_probes.csv")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m grpo_lab.memory.max_batch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_true", help="CPU preset: 2 gloo processes, tiny models (default)")
+    g.add_argument("--full", action="store_true", help="H200 preset: Qwen3 0.6B/1.7B/4B/8B, bf16 LoRA, world size 1")
+    p.add_argument("--out", default="results/fsdp_max_batch")
+    p.add_argument("--models")
+    p.add_argument("--backends")
+    p.add_argument("--dtype")
+    p.add_argument("--prompt-len", type=int)
+    p.add_argument("--completion-len", type=int)
+    p.add_argument("--world-size", type=int, help="processes (GPUs of one host); probes launch them")
+    p.add_argument("--lora-r", type=int)
+    p.add_argument("--budget-gib", type=float)
+    p.add_argument("--budget-fraction", type=float, help="fraction of the GPU's memory (CUDA)")
+    p.add_argument("--start", type=int)
+    p.add_argument("--upper", type=int)
+    p.add_argument("--rel-tol", type=float)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--name")
+    p.add_argument("--keep-going", action="store_true", help="record a failing search as an error and go on")
+    p.add_argument("--append", action="store_true", help="keep the other (model, backend) rows of an existing CSV")
+    a = p.parse_args(argv)
+    preset = dict(PRESETS["full" if a.full else "quick"])
+    for k in ("models", "backends", "dtype", "prompt_len", "completion_len", "world_size", "lora_r", "budget_gib",
+              "budget_fraction", "start", "upper", "rel_tol", "steps", "device"):
+        v = getattr(a, k)
+        if v is not None:
+            preset[k] = v
+            if k == "budget_gib":
+                preset["budget_fraction"] = None
+            if k == "budget_fraction":
+                preset["budget_gib"] = None
+    try:
+        if "liger" in parse_str_list(preset["backends"]):
+            import importlib.util
+
+            if importlib.util.find_spec("liger_kernel") is None:
+                raise ValueError("backend 'liger' needs liger-kernel (pip install 'grpo-lab[liger]'), or pass "
+                                 "--backends naive,trl,grpo_lab")
+        searches = build_searches(**preset)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = a.name or (FIGURE if a.full else f"{FIGURE}_quick")
+    out = Path(a.out)
+    csv = out / f"{name}.csv"
+    print(f"{len(searches)} searches → {csv}", flush=True)
+
+    def on_probe(spec, status):
+        print(f"  {spec.model} {spec.backend} B={spec.batch_size}: {status}", flush=True)
+
+    def on_search(df, i, n):
+        r = df.iloc[-1]
+        print(f"[{i + 1}/{n}] {r['model']} {r['backend']}: max batch {r['max_batch']} "
+              f"({r['n_probes']} probes, {r['search_s']:.0f}s)", flush=True)
+
+    try:
+        df = run_searches(searches, out_csv=csv, on_probe=on_probe, on_search=on_search, keep_going=a.keep_going,
+                          append=a.append)
+    except ProbeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    from .notebook import ratio_table
+    from .plots import plot_max_batch
+
+    fig = plot_max_batch(df)
+    fig.savefig(out / f"{name}.png", dpi=110)
+    plt.close(fig)
+    with pd.option_context("display.width", 160):
+        print(ratio_table(df).to_string())
+    print(f"wrote {csv}, {_probes_path(csv)} and {out / (name + '.png')}")
+    return 1 if (df.get("status") == "error").any() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

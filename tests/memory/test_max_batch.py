@@ -1,0 +1,82 @@
+"""The max-batch search finds the right answer against a known memory model; the CLI validates its input."""
+
+import pandas as pd
+import pytest
+
+from grpo_lab.memory import max_batch
+from grpo_lab.memory.max_batch import build_searches, run_searches, search_max_batch
+
+GiB = 2**30
+
+
+def known_model(limit, setup=100.0, per=10.0, noise=0.0):
+    """peak(B) = setup + per·B (+ a small non-linear term): fits iff B ≤ limit."""
+    calls = []
+
+    def fits(b):
+        calls.append(b)
+        return b <= limit, {"peak_bytes": setup + per * b + noise * b * b, "setup_bytes": setup, "base_bytes": 0}
+
+    return fits, calls
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2, 3, 7, 8, 9, 31, 100, 129, 1000])
+@pytest.mark.parametrize("guess", [True, False])
+def test_exact_answer_against_known_memory_model(limit, guess):
+    fits, calls = known_model(limit, noise=0.05)
+    res = search_max_batch(fits, start=8, upper=1024, budget=100 + 10 * limit + 5, guess=guess)
+    assert res.max_batch == limit
+    assert res.first_oom == limit + 1
+    assert not res.capped
+    assert len(calls) == len(set(calls)), "no batch size is probed twice"
+    if guess and limit >= 9:
+        assert len(calls) <= 10  # vs ~2·log2(limit) for plain doubling + bisection
+
+
+def test_capped_and_tolerance():
+    fits, _ = known_model(5000)
+    res = search_max_batch(fits, start=8, upper=256, budget=1e9)
+    assert res.capped and res.max_batch == 256 and res.first_oom is None
+    fits, _ = known_model(300)
+    res = search_max_batch(fits, start=8, upper=1024, rel_tol=0.05, guess=False)
+    assert res.max_batch <= 300 < res.first_oom and res.first_oom - res.max_batch <= 0.05 * res.max_batch + 1
+
+
+def test_budget_so_that_a_known_batch_fits_and_the_next_does_not(monkeypatch):
+    """Through the probe pipeline: a fake probe whose peak is 1 GiB + B × 0.25 GiB, against a 5.1 GiB budget."""
+    def fake_run_point(spec):
+        peak = (1 + 0.25 * spec.batch_size) * GiB
+        ok = peak <= spec.budget_bytes
+        return {"status": "ok" if ok else "oom", "peak_bytes": peak if ok else None, "base_bytes": 0,
+                "setup_bytes": 1 * GiB, "memory_kind": "cuda_allocated", "wall_s": 0.0,
+                "message": "" if ok else "CUDA out of memory"}
+
+    monkeypatch.setattr(max_batch, "run_point", fake_run_point)
+    searches = build_searches(models="tiny-qwen3", backends="trl,naive", dtype="bf16", prompt_len=8,
+                              completion_len=8, lora_r=4, budget_gib=5.1, start=2, upper=512, device="cpu")
+    df = run_searches(searches)
+    assert list(df["max_batch"]) == [16, 16]
+    assert list(df["first_oom"]) == [17, 17]
+    assert (df["budget_gib"].round(2) == 5.1).all()
+
+
+def test_real_probes_on_cpu_find_a_limit(tmp_path):
+    """Real FSDP2 + LoRA probes (1-process gloo group): the largest fitting batch fits, the next one does not."""
+    searches = build_searches(models="tiny-qwen3", backends="trl", dtype="fp32", prompt_len=8, completion_len=8,
+                              lora_r=4, budget_gib=0.5, start=4, upper=8, device="cpu", world_size=1)
+    df = run_searches(searches, out_csv=tmp_path / "mb.csv")
+    row = df.iloc[0]
+    assert row["status"] == "ok" and 1 <= row["max_batch"] <= 8
+    probes = pd.read_csv(tmp_path / "mb_probes.csv")
+    assert len(probes) == row["n_probes"] and (probes["fsdp"]).all()
+
+
+def test_cli_bad_input(capsys):
+    assert max_batch.main(["--models", "Qwen3-99B"]) == 2
+    assert "Unknown model 'Qwen3-99B'" in capsys.readouterr().err
+    assert max_batch.main(["--backends", "trl,fastest"]) == 2
+    assert "Unknown loss backend 'fastest'" in capsys.readouterr().err
+    assert max_batch.main(["--start", "0"]) == 2
+    assert "positive integer" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="budget"):
+        build_searches(models="tiny-qwen3", device="cpu")
