@@ -9,7 +9,8 @@ aiohttp):
 - `replica_pool`, `adapter_fanout`, `upstream`, `metrics`: health and re-admission, all-or-nothing adapter loads,
   authenticated upstream calls, Prometheus text
 - `replica_config`, `generation`, `prefix_kv_cache`, `cpu_replica`: the CPU replica
-  (`python -m grpo_lab.serving.cpu_replica`), `processes`: start replicas as subprocesses
+  (`python -m grpo_lab.serving.cpu_replica`), `processes`: start replicas as subprocesses, `local_cluster`:
+  N CPU replicas + a router in one call (notebooks)
 - `vllm_launcher`: the `vllm serve` command line and environment for GPU replicas
 - `trace`, `routing_sim`, `fake_replica`: GRPO traces, the replay simulator and a fake replica for benchmarks
 """

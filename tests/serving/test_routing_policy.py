@@ -110,3 +110,51 @@ def test_launcher_builds_the_vllm_contract():
     assert "secret" not in " ".join(cmd) and "secret" not in spec.shell_line()
     specs = replica_specs("m", 2, base_port=9001)
     assert router_command(specs).endswith("--replica http://127.0.0.1:9001 --replica http://127.0.0.1:9002 --port 8000")
+
+
+def test_pool_refuses_inconsistent_or_data_parallel_replicas():
+    from grpo_lab.serving.metrics import Registry
+    from grpo_lab.serving.replica_pool import ReplicaPool
+    from grpo_lab.serving.router_config import RouterConfig
+
+    pool = ReplicaPool(RouterConfig(replicas=["http://127.0.0.1:1", "http://127.0.0.1:2"]), client=None,
+                       metrics=Registry())
+    info = {"model_config": {"model": "m", "max_model_len": 4096, "dtype": "torch.bfloat16"},
+            "cache_config": {"block_size": 16}, "parallel_config": {"data_parallel_size": 1},
+            "lora_config": {"max_lora_rank": 8, "max_loras": 6}}
+    assert pool._inconsistency(info) is None
+    pool.reference_info = info
+    assert pool._inconsistency(info) is None
+    other = {**info, "lora_config": {"max_lora_rank": 8, "max_loras": 4}}
+    assert "lora_config.max_loras" in pool._inconsistency(other)
+    dp = {**info, "parallel_config": {"data_parallel_size": 2}}
+    assert "data_parallel_size" in pool._inconsistency(dp)
+
+
+def test_router_config_validation_and_token_sources(tmp_path, monkeypatch):
+    from grpo_lab.serving.router_config import RouterConfig
+
+    with pytest.raises(ValueError, match="at least one replica"):
+        RouterConfig(replicas=[])
+    with pytest.raises(ValueError, match="http"):
+        RouterConfig(replicas=["127.0.0.1:8001"])
+    with pytest.raises(ValueError, match="duplicate"):
+        RouterConfig(replicas=["http://a:1", "http://a:1/"])
+    monkeypatch.setenv("SOME_TOKEN_ENV", "abc")
+    config = RouterConfig(replicas=["http://a:1"], api_key_env="SOME_TOKEN_ENV")
+    assert config.read_api_key() == "abc" and "abc" not in repr(config)
+    (tmp_path / "t").write_text("fromfile\n")
+    assert RouterConfig(replicas=["http://a:1"], api_key_file=str(tmp_path / "t")).read_api_key() == "fromfile"
+
+
+def test_metrics_text_format():
+    from grpo_lab.serving.metrics import Registry, parse_text
+
+    reg = Registry()
+    reg.inc("x_total", "help", replica='a"b')
+    reg.observe("lat_seconds", "help", 0.02, buckets=(0.01, 0.1))
+    text = reg.render()
+    assert '# TYPE x_total counter' in text and 'x_total{replica="a\\"b"} 1' in text
+    values = parse_text(text)
+    assert values['lat_seconds_bucket{le="0.01"}'] == 0 and values['lat_seconds_bucket{le="+Inf"}'] == 1
+    assert values["lat_seconds_count"] == 1

@@ -14,11 +14,9 @@ import pytest
 import requests
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
-from grpo_lab.serving.processes import start_cpu_replicas
-from grpo_lab.serving.router import start_router
-from grpo_lab.serving.router_config import RouterConfig
+from grpo_lab.serving.local_cluster import LocalCluster
 
-from .conftest import REPLICA_ARGS, TOKEN_ENV, metric
+from .conftest import TOKEN_ENV, metric
 from .trl_helpers import char_tokenizer, length_reward
 
 
@@ -45,12 +43,12 @@ def test_trl_rollout_worker_through_the_router(token, adapters, monkeypatch):
     # The worker refuses to start without vllm installed, but only checks for it: it talks HTTP and never imports it.
     monkeypatch.setattr(async_rollout_worker, "is_vllm_available", lambda *a, **k: True)
     PartialState()
-    replicas = start_cpu_replicas(2, REPLICA_ARGS, env={"VLLM_API_KEY": token})
-    router = start_router(RouterConfig(replicas=[r.url for r in replicas], port=0, api_key_env=TOKEN_ENV,
-                                       health_interval_s=0.3, control_timeout_s=30, upstream_timeout_s=60))
+    cluster = LocalCluster(2, env={"VLLM_API_KEY": token},
+                           router=dict(api_key_env=TOKEN_ENV, health_interval_s=0.3, control_timeout_s=30,
+                                       upstream_timeout_s=60)).start(timeout=120)
+    router, replicas = cluster.router, cluster.replicas
     worker = None
     try:
-        router.wait_ready(2, timeout=60)
         dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {i} + {i}? Think."}]
                                                 for i in range(12)]})
         worker = AsyncRolloutWorker(
@@ -77,6 +75,4 @@ def test_trl_rollout_worker_through_the_router(token, adapters, monkeypatch):
     finally:
         if worker is not None:
             worker.stop()
-        router.stop()
-        for r in replicas:
-            r.stop()
+        cluster.stop()

@@ -1,0 +1,60 @@
+"""N CPU replicas and a router on loopback in one call, for notebooks and quick experiments.
+
+    with LocalCluster(replicas=2) as cluster:
+        trainer_args = AsyncGRPOConfig(vllm_server_base_url=cluster.url, ...)
+"""
+
+from __future__ import annotations
+
+from .processes import ReplicaProcess, start_cpu_replicas
+from .router import RouterHandle, start_router
+from .router_config import RouterConfig
+
+
+class LocalCluster:
+    """Start `replicas` CPU replica subprocesses (`python -m grpo_lab.serving.cpu_replica`) and an in-process router.
+
+    Args:
+        replicas: how many CPU replicas.
+        model: the replicas' model (a `grpo_lab.models` name or a local directory).
+        max_staleness: sets `--max-loras max_staleness + 2`, as AsyncGRPOTrainer requires.
+        max_lora_rank: the replicas' `--max-lora-rank`.
+        replica_args: extra `cpu_replica` arguments.
+        env: extra environment for the replicas (e.g. `{"VLLM_API_KEY": token}`).
+        router: keyword arguments for `RouterConfig` (port defaults to 0, a free port).
+    """
+
+    def __init__(self, replicas: int = 2, model: str = "tiny-qwen3", max_staleness: int = 4, max_lora_rank: int = 16,
+                 replica_args: list[str] | None = None, env: dict | None = None, router: dict | None = None):
+        self.args = ["--model", model, "--served-model-name", model, "trl-policy-v0",
+                     "--max-loras", str(max_staleness + 2), "--max-lora-rank", str(max_lora_rank),
+                     *(replica_args or [])]
+        self.n, self.env, self.router_kwargs = replicas, env, {"port": 0, **(router or {})}
+        self.replicas: list[ReplicaProcess] = []
+        self.router: RouterHandle | None = None
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    def start(self, timeout: float = 120.0) -> "LocalCluster":
+        self.replicas = start_cpu_replicas(self.n, self.args, self.env, ready_timeout=timeout)
+        try:
+            self.router = start_router(RouterConfig(replicas=[r.url for r in self.replicas], **self.router_kwargs))
+            self.router.wait_ready(timeout=timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+        for r in self.replicas:
+            r.stop()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
