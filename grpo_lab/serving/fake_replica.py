@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
+import os
 import random
 
 from aiohttp import web
@@ -27,7 +29,16 @@ def make_app(delay_s: float, jitter: float = 0.0, model: str = "fake") -> web.Ap
                             "cache_config": {"block_size": 16}, "parallel_config": {"data_parallel_size": 1},
                             "lora_config": {"max_lora_rank": 16, "max_loras": 6}}}
     models = {"object": "list", "data": [{"id": model, "root": model, "parent": None, "max_model_len": 4096}]}
-    app = web.Application(client_max_size=16 * 1024 * 1024)
+    token = os.environ.get("VLLM_API_KEY", "").strip()
+
+    @web.middleware
+    async def auth(request, handler):  # like vLLM's --api-key: everything but /health needs the bearer token
+        given = request.headers.get("Authorization", "").encode()
+        if token and request.path != "/health" and not hmac.compare_digest(given, f"Bearer {token}".encode()):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[auth])
     served = {"n": 0}
 
     async def completions(request):
@@ -41,7 +52,7 @@ def make_app(delay_s: float, jitter: float = 0.0, model: str = "fake") -> web.Ap
     app.router.add_get("/health", lambda r: _ok(""))
     app.router.add_get("/server_info", lambda r: _ok(json.dumps(info), "application/json"))
     app.router.add_get("/v1/models", lambda r: _ok(json.dumps(models), "application/json"))
-    app.router.add_get("/served", lambda r: _ok(json.dumps(served), "application/json"))
+    app.router.add_get("/served", lambda r: _ok(json.dumps(served), "application/json"))  # test hook
     app.router.add_post("/v1/completions", completions)
     return app
 

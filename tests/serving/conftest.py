@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import types
 
 import pytest
 import requests
 
 from grpo_lab.serving.metrics import parse_text
+from grpo_lab.serving.processes import start_cpu_replicas
+from grpo_lab.serving.router import start_router
+from grpo_lab.serving.router_config import RouterConfig
 
 TOKEN_ENV = "GRPO_LAB_TEST_UPSTREAM_TOKEN"
 REPLICA_ARGS = ["--served-model-name", "tiny-qwen3", "trl-policy-v0", "--max-loras", "6", "--max-lora-rank", "16",
@@ -83,3 +88,41 @@ def run_group(url: str, payloads: list[dict], timeout: float = 60) -> list:
                                         return_exceptions=True)
 
     return asyncio.run(asyncio.wait_for(go(), timeout + 10))
+
+
+@pytest.fixture(scope="session")
+def cluster(token, log_lines):
+    """Two CPU replica processes behind an in-process router, shared by the e2e and TRL-worker tests."""
+    from accelerate import PartialState
+
+    PartialState()  # TRL's VLLMClient logs through accelerate, as inside a trainer
+    replicas = start_cpu_replicas(2, REPLICA_ARGS, env={"VLLM_API_KEY": token})
+    router = start_router(RouterConfig(replicas=[r.url for r in replicas], port=0, api_key_env=TOKEN_ENV,
+                                       health_interval_s=0.2, load_retry_deadline_s=10, control_timeout_s=30,
+                                       upstream_timeout_s=60, max_body_bytes=1024 * 1024))
+    try:
+        router.wait_ready(2, timeout=60)
+        yield types.SimpleNamespace(router=router, replicas=replicas, url=router.url)
+    finally:
+        router.stop()
+        for r in replicas:
+            r.stop()
+
+
+@pytest.fixture(scope="session")
+def log_lines():
+    """Capture every log record from here on (router, aiohttp, TRL) to check the token never appears."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(self.format(record))
+
+    handler = Keep(level=logging.DEBUG)
+    root = logging.getLogger()
+    old = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    yield records
+    root.removeHandler(handler)
+    root.setLevel(old)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -18,9 +19,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_fake(token: str, *ports: str) -> subprocess.Popen:
+    """Fake replicas that demand `token`, as vLLM does with VLLM_API_KEY set."""
+    return subprocess.Popen([sys.executable, "-m", "grpo_lab.serving.fake_replica", "--ports", *ports,
+                             "--delay-s", "0.01"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "VLLM_API_KEY": token})
+
+
 def test_router_cli_against_fake_replicas(token, tmp_path):
-    fake = subprocess.Popen([sys.executable, "-m", "grpo_lab.serving.fake_replica", "--ports", "0", "0",
-                             "--delay-s", "0.01"], stdout=subprocess.PIPE, text=True)
+    fake = start_fake(token, "0", "0")
     log_path = tmp_path / "router.log"
     token_file = tmp_path / "token"
     token_file.write_text(token + "\n")
@@ -51,7 +58,8 @@ def test_router_cli_against_fake_replicas(token, tmp_path):
         for seed in range(8):
             reply = requests.post(url + "/v1/completions", json=trl_payload("fake", list(range(64)), seed), timeout=10)
             assert reply.status_code == 200
-        served = [requests.get(f"http://127.0.0.1:{p}/served", timeout=5).json()["n"] for p in ports]
+        auth = {"Authorization": f"Bearer {token}"}
+        served = [requests.get(f"http://127.0.0.1:{p}/served", headers=auth, timeout=5).json()["n"] for p in ports]
         assert sorted(served) == [0, 8]
         state = requests.get(url + "/router/state", timeout=5).json()
         assert state["routing"] == {"affinity": 7, "spilled": 0, "unmatched": 1}
@@ -65,18 +73,17 @@ def test_router_cli_against_fake_replicas(token, tmp_path):
     assert "in service" in text and token not in text
 
 
-def test_wrong_token_keeps_replica_out_with_a_clear_reason(token, adapters, monkeypatch):
-    from grpo_lab.serving.processes import start_cpu_replicas
+def test_wrong_token_keeps_replica_out_with_a_clear_reason(token, monkeypatch):
     from grpo_lab.serving.router import start_router
     from grpo_lab.serving.router_config import RouterConfig
 
-    from .conftest import REPLICA_ARGS
-
     monkeypatch.setenv("GRPO_LAB_TEST_WRONG_TOKEN", "not-" + token)
-    (replica,) = start_cpu_replicas(1, REPLICA_ARGS, env={"VLLM_API_KEY": token})
-    router = start_router(RouterConfig(replicas=[replica.url], port=0, api_key_env="GRPO_LAB_TEST_WRONG_TOKEN",
-                                       health_interval_s=0.1))
+    fake = start_fake(token, "0")
+    router = None
     try:
+        port = fake.stdout.readline().split()[1]
+        router = start_router(RouterConfig(replicas=[f"http://127.0.0.1:{port}"], port=0,
+                                           api_key_env="GRPO_LAB_TEST_WRONG_TOKEN", health_interval_s=0.1))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             state = requests.get(router.url + "/router/state", timeout=5).json()["replicas"][0]
@@ -87,5 +94,7 @@ def test_wrong_token_keeps_replica_out_with_a_clear_reason(token, adapters, monk
         assert token not in state["last_error"]
         assert requests.get(router.url + "/health", timeout=5).status_code == 503
     finally:
-        router.stop()
-        replica.stop()
+        if router is not None:
+            router.stop()
+        fake.terminate()
+        fake.wait(timeout=10)

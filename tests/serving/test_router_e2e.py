@@ -2,57 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 import types
 
 import pytest
 import requests
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
-from grpo_lab.serving.processes import start_cpu_replicas
-from grpo_lab.serving.router import start_router
-from grpo_lab.serving.router_config import RouterConfig
-
-from .conftest import REPLICA_ARGS, TOKEN_ENV, metric, run_group, trl_payload
+from .conftest import metric, run_group, trl_payload
 
 PROMPT = list(range(10, 60))  # 50 tokens: 3 cacheable blocks
-
-
-@pytest.fixture(scope="module")
-def cluster(token, caplog_module):
-    from accelerate import PartialState
-
-    PartialState()  # TRL's VLLMClient logs through accelerate, as inside a trainer
-    replicas = start_cpu_replicas(2, REPLICA_ARGS, env={"VLLM_API_KEY": token})
-    router = start_router(RouterConfig(replicas=[r.url for r in replicas], port=0, api_key_env=TOKEN_ENV,
-                                       health_interval_s=0.2, load_retry_deadline_s=10, control_timeout_s=30,
-                                       upstream_timeout_s=60, max_body_bytes=1024 * 1024))
-    try:
-        router.wait_ready(2, timeout=60)
-        yield types.SimpleNamespace(router=router, replicas=replicas, url=router.url)
-    finally:
-        router.stop()
-        for r in replicas:
-            r.stop()
-
-
-@pytest.fixture(scope="module")
-def caplog_module():
-    """Capture every log record of the module (router, aiohttp) to check the token never appears."""
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(self.format(record))
-
-    handler = Keep(level=logging.DEBUG)
-    root = logging.getLogger()
-    old = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG)
-    yield records
-    root.removeHandler(handler)
-    root.setLevel(old)
 
 
 def test_trl_client_sees_one_adapter_capable_server(cluster, adapters):
@@ -148,7 +106,7 @@ def test_bad_requests_get_4xx_and_router_keeps_serving(cluster):
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 4
 
 
-def test_token_is_added_upstream_and_never_leaks(cluster, token, caplog_module):
+def test_token_is_added_upstream_and_never_leaks(cluster, token, log_lines):
     replica = cluster.replicas[0]
     assert requests.get(replica.url + "/v1/models", timeout=10).status_code == 401  # replicas demand the token
     assert requests.get(cluster.url + "/v1/models", timeout=10).status_code == 200  # so the router sends it
@@ -159,7 +117,7 @@ def test_token_is_added_upstream_and_never_leaks(cluster, token, caplog_module):
     seen.append(requests.post(cluster.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"},
                               timeout=30).text)
     assert all(token not in text for text in seen)
-    assert caplog_module and all(token not in line for line in caplog_module)
+    assert log_lines and all(token not in line for line in log_lines)
     for r in cluster.replicas:
         assert all(token not in line for line in r.output)
     assert token not in repr(cluster.router.config)
