@@ -98,7 +98,7 @@ def cluster(token, log_lines):
     PartialState()  # TRL's VLLMClient logs through accelerate, as inside a trainer
     replicas = start_cpu_replicas(2, REPLICA_ARGS, env={"VLLM_API_KEY": token})
     router = start_router(RouterConfig(replicas=[r.url for r in replicas], port=0, api_key_env=TOKEN_ENV,
-                                       health_interval_s=0.2, load_retry_deadline_s=10, control_timeout_s=30,
+                                       health_interval_s=0.2, load_retry_deadline_s=3, control_timeout_s=30,
                                        upstream_timeout_s=60, max_body_bytes=1024 * 1024))
     try:
         router.wait_ready(2, timeout=60)

@@ -86,7 +86,7 @@ def test_lagging_storage_is_retried_then_succeeds(faulty, adapters):
 
 def test_replica_killed_mid_generation_is_rerouted(faulty):
     # ignore_eos keeps every rollout long enough to be cut; the rest is TRL's payload
-    payloads = [{**trl_payload("trl-policy-v0", list(range(300, 340)), seed=s, max_tokens=400), "ignore_eos": True}
+    payloads = [{**trl_payload("trl-policy-v0", list(range(300, 340)), seed=s, max_tokens=200), "ignore_eos": True}
                 for s in range(3)]
     results: list = []
     tokens_before = [metric(r.url, "vllm:generation_tokens_total") for r in faulty.replicas]
@@ -104,7 +104,7 @@ def test_replica_killed_mid_generation_is_rerouted(faulty):
     for r in results:  # finished on the other replica
         choice = r["choices"][0]
         assert choice["finish_reason"] in ("stop", "length")
-        assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) == 400
+        assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) == 200
     assert time.monotonic() - t0 < 90
     assert replica_state(faulty, busy) == "down"
     assert metric(faulty.url, "grpo_router_reroutes_total") >= 3
