@@ -197,7 +197,10 @@ class Router:
         pool, policy = self.pool, self.pool.policy
         if not pool.known_model(model):
             return _fail(404, f"The model `{model}` does not exist.", "NotFoundError")
-        hashes = policy.hashes_for(prompt, model) if isinstance(prompt, list) else []
+        try:
+            hashes = policy.hashes_for(prompt, model) if isinstance(prompt, list) else []
+        except ValueError as error:
+            return _fail(400, f"'prompt': {error}")
         tried: set[int] = set()
         upstream_s = 0.0
         for _ in range(self.config.max_reroutes + 1):
