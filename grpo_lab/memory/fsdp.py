@@ -9,6 +9,11 @@ gradient reduction: the Trainer then neither moves it nor wraps it in DDP. TRL's
 head weight (`full_tensor`) when it sees one. The same code runs with gloo on CPU and NCCL on N GPUs of one host.
 
 LoRA adapters are created in the model's dtype (`autocast_adapter_dtype=False`), so each FSDP2 group has one dtype.
+
+`replicate_root=True` keeps the root-level parameters (embeddings, final norm, LM head — all frozen under LoRA)
+as plain replicated tensors (`ignored_params`) and shards only the decoder layers: for a loss that runs the backbone
+and reads the head weight outside the root's forward (the `liger` backend's `_compute_loss`). At world size 1 this
+changes nothing in memory; at world size N each rank holds the full embeddings/head.
 """
 
 from __future__ import annotations
@@ -45,16 +50,23 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def shard_fsdp2(model, device: torch.device, reshard_after_forward: bool = True):
+def shard_fsdp2(model, device: torch.device, reshard_after_forward: bool = True, replicate_root: bool = False):
     """`fully_shard` each decoder layer, then the whole (PEFT) model as root; returns the same object, sharded."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    ignored = None
+    if replicate_root:  # found before the layers are sharded (sharding replaces their Parameter objects)
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        ignored = {p for p in model.parameters() if id(p) not in in_layers}
+        if any(p.requires_grad for p in ignored):
+            raise ValueError("replicate_root needs the root-level parameters frozen (LoRA)")
+    for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
     # transformers' contract for pre-sharded models: no .to(), no DDP wrap (Trainer._prepare_for_training)
     model.is_distributed_loading_by_transformers = True
     return model

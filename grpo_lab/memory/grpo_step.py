@@ -168,7 +168,8 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
         from .fsdp import init_process_group, shard_fsdp2
 
         init_process_group(device)
-        model = shard_fsdp2(model, device)
+        # Liger's loss runs the backbone and reads the head weight outside the root forward: keep those replicated
+        model = shard_fsdp2(model, device, replicate_root=spec.backend == "liger")
     rollout = None
     if spec.generation == "synthetic":
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
