@@ -92,7 +92,7 @@ def test_bad_requests_get_4xx_and_router_keeps_serving(cluster):
         (b'{"model": "trl-policy-v0", "prompt": [1, 2, 3], "max_tokens": "many"}', 400, "max_tokens"),
         (b'{"model": "trl-policy-v0", "prompt": [1, 2, 3], "max_tokens": 5000}', 400, "maximum context length"),
         (b'{"model": "trl-policy-v0", "prompt": [1, 99999]}', 400, "token ids"),
-        (b'{"model": "trl-policy-v0", "prompt": [' + b"1, " * 40 + b'1180591620717411303424]}', 400, "64-bit"),
+        (b'{"model": "trl-policy-v0", "prompt": [1180591620717411303424, ' + b"1, " * 40 + b'1]}', 400, "64-bit"),
         (b'{"model": "trl-policy-v0", "prompt": [1, 2], "temperature": -1}', 400, "temperature"),
     ]
     for body, status, text in cases:
