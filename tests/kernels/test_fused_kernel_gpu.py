@@ -9,13 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+# Deselected on CPU machines by the default `-m 'not gpu'`; `pytest -m gpu` without a GPU reports them skipped.
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-if not torch.cuda.is_available():  # pragma: no cover - CPU machines deselect these anyway
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-
-from grpo_lab.backends.naive import naive_logprobs  # noqa: E402
-from grpo_lab.kernels import fused_linear_logprobs  # noqa: E402
+from grpo_lab.backends.naive import naive_logprobs
+from grpo_lab.kernels import fused_linear_logprobs
 
 ALL = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 # (log-prob / entropy tolerance, gradient tolerance) by input dtype
