@@ -212,13 +212,15 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
 
 
 def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_probe=None, on_search=None,
-                 guess: bool = True, keep_going: bool = False, append: bool = False) -> pd.DataFrame:
+                 guess: bool = True, keep_going: bool = False, append: bool = False,
+                 max_seconds: float | None = None) -> pd.DataFrame:
     """Run each search; returns one row per search (max batch, first OOM, probes) and, next to `out_csv`, writes
     `<name>_probes.csv` with one row per probe (the memory-harness columns).
 
     A probe failing for a reason other than memory raises `ProbeError`; with `keep_going` the search is recorded
     with `status="error"` and its message instead, and the next search runs. With `append`, rows already in
-    `out_csv` for other (model, backend) pairs are kept."""
+    `out_csv` for other (model, backend) pairs are kept. Searches not started within `max_seconds` are recorded as
+    `skipped`."""
     env = environment(searches[0].base.device if searches else "auto")
     rows, probe_rows = [], []
     previous = previous_probes = None
@@ -236,6 +238,7 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
         return frame if old is None or old.empty else pd.concat([old, frame], ignore_index=True)
 
     total_budget = _gpu_total_bytes()
+    t_start = time.perf_counter()
     for i, s in enumerate(searches):
         t0 = time.perf_counter()
 
@@ -254,7 +257,11 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
         budget = s.base.budget_bytes or (total_budget if env["device"] == "cuda" else None)
         status, message = "ok", ""
         try:
-            res = search_max_batch(fits, start=s.start, upper=s.upper, rel_tol=s.rel_tol, budget=budget, guess=guess)
+            if max_seconds is not None and t0 - t_start > max_seconds:
+                res, status, message = SearchResult(0, None, False), "skipped", f"not run: {max_seconds:.0f}s limit"
+            else:
+                res = search_max_batch(fits, start=s.start, upper=s.upper, rel_tol=s.rel_tol, budget=budget,
+                                       guess=guess)
         except ProbeError as e:
             if not keep_going:
                 raise
@@ -313,6 +320,7 @@ def main(argv=None) -> int:
     p.add_argument("--name")
     p.add_argument("--keep-going", action="store_true", help="record a failing search as an error and go on")
     p.add_argument("--append", action="store_true", help="keep the other (model, backend) rows of an existing CSV")
+    p.add_argument("--max-minutes", type=float, default=None, help="start no new search after this long")
     a = p.parse_args(argv)
     preset = dict(PRESETS["full" if a.full else "quick"])
     for k in ("models", "backends", "dtype", "prompt_len", "completion_len", "world_size", "lora_r", "budget_gib",
@@ -350,7 +358,7 @@ def main(argv=None) -> int:
 
     try:
         df = run_searches(searches, out_csv=csv, on_probe=on_probe, on_search=on_search, keep_going=a.keep_going,
-                          append=a.append)
+                          append=a.append, max_seconds=None if a.max_minutes is None else a.max_minutes * 60)
     except ProbeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -75,7 +75,8 @@ def run_memory_vs_batch(params: dict, out_dir: str | Path, name: str, board=None
     def on_point(row, i, n):
         rows.append(row)
         if board is not None:
-            peak = "OOM" if row["status"] == "oom" else f"{row['peak_gib']:.3f} GiB"
+            peak = (f"{row['peak_gib']:.3f} GiB" if row["status"] == "ok" and row["peak_gib"] is not None
+                    else row["status"].upper())
             board.step(f"{row['mode']} {row['dtype']} {row['backend']} B={row['batch_size']}: {peak}")
             frame = rows_to_frame(rows)
             mode = row["mode"]
@@ -167,6 +168,8 @@ def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
     """Max batch per model × backend with the ratios to naive and to trl."""
     if df is None or df.empty:
         return pd.DataFrame()
+    if "status" in df:
+        df = df[df["status"] == "ok"]
     piv = df.pivot_table(index="model", columns="backend", values="max_batch", aggfunc="max", sort=False)
     out = piv.copy()
     for ref in ("naive", "trl"):

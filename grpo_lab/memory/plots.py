@@ -76,18 +76,29 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
         return fig
     models = list(dict.fromkeys(df["model"]))
     backends = _ordered(df["backend"])
+    if "status" in df:
+        failed = df[df["status"] != "ok"]
+        df = df[df["status"] == "ok"]
+    else:
+        failed = df.iloc[0:0]
     width = 0.8 / max(1, len(backends))
     x = np.arange(len(models))
     top = max(1, df["max_batch"].max())
     for i, backend in enumerate(backends):
-        vals = []
+        vals, capped = [], []
         for m in models:
-            v = df[(df["model"] == m) & (df["backend"] == backend)]["max_batch"]
+            sel = df[(df["model"] == m) & (df["backend"] == backend)]
+            v = sel["max_batch"]
             vals.append(int(v.iloc[0]) if len(v) and pd.notna(v.iloc[0]) else 0)
+            capped.append(bool(sel["capped"].iloc[0]) if len(sel) and "capped" in sel else False)
         pos = x + (i - (len(backends) - 1) / 2) * width
         ax.bar(pos, vals, width, label=backend, color=BACKEND_STYLE.get(backend, {}).get("color"))
-        for m, p, v in zip(models, pos, vals):
-            labels = [str(v)]
+        for m, p, v, cap in zip(models, pos, vals, capped):
+            f = failed[(failed["model"] == m) & (failed["backend"] == backend)]
+            if len(f):
+                ax.text(p, top * 0.01, str(f["status"].iloc[0]), ha="center", va="bottom", fontsize=7, rotation=90)
+                continue
+            labels = [f"≥{v}" if cap else str(v)]
             for ref in ("naive", "trl"):
                 r = df[(df["model"] == m) & (df["backend"] == ref)]["max_batch"]
                 if backend != ref and len(r) and pd.notna(r.iloc[0]) and r.iloc[0] > 0:

@@ -125,8 +125,22 @@ def default_start_method() -> str:
 def run_point(spec: PointSpec, timeout_s: float | None = 900, start_method: str | None = None,
               capture_grads: bool = False, raise_on_error: bool = True) -> dict:
     """Measure `spec` in fresh processes; returns the result dict of rank 0 plus `status` (ok | oom | error) and
-    `message`, and for multi-rank runs `per_rank`. Raises `ProbeError` on `error` unless `raise_on_error=False`."""
-    ctx = _context(start_method or default_start_method())
+    `message`, and for multi-rank runs `per_rank`. Raises `ProbeError` on `error` unless `raise_on_error=False`.
+
+    Should a forked probe ever find CUDA initialised by the fork server, the probe is retried once with "spawn", which
+    then becomes the default for this process."""
+    method = start_method or default_start_method()
+    out = _run_point(spec, timeout_s, method, capture_grads)
+    if out["status"] == "error" and method != "spawn" and "re-initialize CUDA in forked subprocess" in out["message"]:
+        os.environ["GRPO_LAB_PROBE_START"] = "spawn"
+        out = _run_point(spec, timeout_s, "spawn", capture_grads)
+    if out["status"] == "error" and raise_on_error:
+        raise ProbeError(f"probe {spec.as_dict()} failed:\n{out['message']}")
+    return out
+
+
+def _run_point(spec: PointSpec, timeout_s, start_method: str, capture_grads: bool) -> dict:
+    ctx = _context(start_method)
     port = _free_port()
     procs, conns = [], []
     t0 = time.perf_counter()
@@ -197,6 +211,4 @@ def run_point(spec: PointSpec, timeout_s: float | None = 900, start_method: str 
             out["peak_bytes"] = max(s[1]["peak_bytes"] for s in statuses)
     else:
         out["message"] = next(str(s[1]) for s in statuses if s[0] == status)
-    if status == "error" and raise_on_error:
-        raise ProbeError(f"probe {spec.as_dict()} failed:\n{out['message']}")
     return out

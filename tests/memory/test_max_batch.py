@@ -80,3 +80,22 @@ def test_cli_bad_input(capsys):
     assert "positive integer" in capsys.readouterr().err
     with pytest.raises(ValueError, match="budget"):
         build_searches(models="tiny-qwen3", device="cpu")
+
+
+def test_full_command_runs_on_cpu_in_a_tiny_setting(tmp_path):
+    """`--full` as the integrator runs it, shrunk to a tiny model on CPU (the preset's 4 backends, bf16, LoRA)."""
+    rc = max_batch.main(["--full", "--models", "tiny-qwen3", "--device", "cpu", "--budget-gib", "0.5", "--upper", "4",
+                         "--start", "2", "--prompt-len", "8", "--completion-len", "8", "--out", str(tmp_path),
+                         "--keep-going"])
+    df = pd.read_csv(tmp_path / "fsdp_max_batch.csv")
+    assert rc == 0, df[["backend", "status", "message"]]
+    assert list(df["backend"]) == max_batch.PRESETS["full"]["backends"]
+    assert (df["dtype"] == "bf16").all() and (df["lora_r"] == 16).all() and (df["max_batch"] >= 2).all()
+    assert (tmp_path / "fsdp_max_batch.png").is_file()
+    # --append with another model keeps the rows of the first run
+    rc = max_batch.main(["--full", "--models", "tiny-qwen3-untied", "--backends", "trl", "--device", "cpu",
+                         "--budget-gib", "0.5", "--upper", "2", "--start", "2", "--prompt-len", "8",
+                         "--completion-len", "8", "--out", str(tmp_path), "--append"])
+    assert rc == 0
+    df = pd.read_csv(tmp_path / "fsdp_max_batch.csv")
+    assert len(df) == len(max_batch.PRESETS["full"]["backends"]) + 1

@@ -51,3 +51,21 @@ def test_bad_input_is_one_line_not_a_traceback(capsys):
     assert err.startswith("error: Unknown model 'nope'") and "Traceback" not in err
     assert sweep.main(["--batch-sizes", "4,0"]) == 2
     assert "positive integer" in capsys.readouterr().err
+
+
+def test_full_command_runs_on_cpu_in_a_tiny_setting(tmp_path):
+    """`--full` as the integrator runs it (4 backends, fp32 + bf16, step + loss), shrunk to a tiny model on CPU."""
+    rc = sweep.main(["--full", "--model", "tiny-qwen3", "--batch-sizes", "2", "--loss-batch-sizes", "2",
+                     "--prompt-len", "8", "--completion-len", "8", "--device", "cpu", "--out", str(tmp_path),
+                     "--keep-going"])
+    df = pd.read_csv(tmp_path / "memory_vs_batch.csv")
+    assert rc == 0, df[["backend", "status", "message"]]
+    full = sweep.PRESETS["full"]
+    assert len(df) == len(full["backends"]) * len(full["dtypes"]) * 2
+    assert set(df["backend"]) == set(full["backends"]) and (df["status"] == "ok").all()
+    # a split run: --append keeps the other rows
+    rc = sweep.main(["--full", "--model", "tiny-qwen3", "--backends", "trl", "--dtypes", "fp32", "--batch-sizes", "4",
+                     "--modes", "step", "--prompt-len", "8", "--completion-len", "8", "--device", "cpu",
+                     "--out", str(tmp_path), "--append"])
+    assert rc == 0
+    assert len(pd.read_csv(tmp_path / "memory_vs_batch.csv")) == len(df) + 1
