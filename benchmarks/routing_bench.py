@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -42,7 +43,8 @@ def environment() -> dict:
         pass
     return {"machine": f"{platform.node()} ({os.cpu_count()} cores)", "cpu": cpu,
             "python": platform.python_version(), "torch": torch.__version__, "trl": trl.__version__,
-            "aiohttp": aiohttp.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+            "aiohttp": aiohttp.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "load_avg_1m": f"{os.getloadavg()[0]:.2f}"}  # other work on the machine skews the timings
 
 
 def replay_figures(groups: int, rows: list, replicas: int = 2, in_flight: int = 128, sync_steps: int = 1,
@@ -122,11 +124,17 @@ def _start(cmd: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, line
 
 
-def proxy_figures(in_flight: int, duration_s: float, delay_s: float, rows: list) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proxy_figures(in_flight: int, duration_s: float, delay_s: float, rows: list, figure: str | None = None) -> None:
     fake, line = _start([sys.executable, "-m", "grpo_lab.serving.fake_replica", "--ports", "0", "0",
                          "--delay-s", str(delay_s)])
     ports = line.split()[1:]
-    router_port = 18431
+    router_port = _free_port()
     router = subprocess.Popen([sys.executable, "-m", "grpo_lab.serving.router", "--port", str(router_port),
                                "--log-level", "WARNING", *sum((["--replica", f"http://127.0.0.1:{p}"] for p in ports),
                                                               [])],
@@ -144,7 +152,7 @@ def proxy_figures(in_flight: int, duration_s: float, delay_s: float, rows: list)
                 pass
             time.sleep(0.2)
         trace = generate_trace(TraceConfig(num_groups=2000, seed=11))
-        latencies = asyncio.run(_drive(url, trace, in_flight, duration_s, warmup_s=2 * delay_s))
+        latencies = asyncio.run(_drive(url, trace, in_flight, duration_s, warmup_s=max(2 * delay_s, 1.0)))
         state = requests.get(url + "/router/state", timeout=10).json()
     finally:
         router.terminate()
@@ -153,7 +161,9 @@ def proxy_figures(in_flight: int, duration_s: float, delay_s: float, rows: list)
         fake.wait(10)
     lat = sorted(latencies)
     pick = lambda q: lat[min(int(q * len(lat)), len(lat) - 1)]
-    add = lambda metric, value, target="": rows.append((f"http_router_{in_flight}_in_flight", metric, value, target))
+    main = figure is None
+    figure = figure or f"http_router_{in_flight}_in_flight"
+    add = lambda metric, value, target="": rows.append((figure, metric, value, target if main else ""))
     add("requests", len(lat))
     add("throughput_req_per_s", len(lat) / duration_s)
     add("router_overhead_p50_ms", state["overhead_ms"]["p50"])
@@ -184,12 +194,14 @@ def main(argv=None) -> None:
     replay_figures(args.groups, rows, replicas=4, in_flight=384, arrivals="rollout", targets=False)  # 4 GPUs
     decision_figures(args.groups, rows)
     proxy_figures(args.in_flight, args.duration_s, args.delay_s, rows)
+    # instant fakes: the HTTP stack's ceiling on this machine (client, router and fakes share the cores)
+    proxy_figures(64, 8.0, 0.0, rows, figure="http_router_saturation")
     env = environment()
     width = max(len(r[1]) for r in rows)
     for figure, metric, value, target in rows:
         shown = f"{value:.3f}" if isinstance(value, float) else str(value)
         print(f"{figure:28s} {metric:{width}s} {shown:>14s}  {target}")
-    print(f"({time.time() - t0:.0f} s on {env['machine']}, {env['cpu']})")
+    print(f"({time.time() - t0:.0f} s on {env['machine']}, {env['cpu']}, load average {env['load_avg_1m']})")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w", newline="") as f:
         w = csv.writer(f)
