@@ -84,6 +84,7 @@ def test_lagging_storage_is_retried_then_succeeds(faulty, adapters):
     assert all(not isinstance(b, Exception) for b in bodies), bodies
 
 
+@pytest.mark.slow
 def test_replica_killed_mid_generation_is_rerouted(faulty):
     # ignore_eos keeps every rollout long enough to be cut; the rest is TRL's payload
     payloads = [{**trl_payload("trl-policy-v0", list(range(300, 340)), seed=s, max_tokens=200), "ignore_eos": True}
@@ -143,6 +144,7 @@ def test_replica_killed_during_load_rolls_back(faulty, adapters):
     restart(faulty, 1)
 
 
+@pytest.mark.slow
 def test_restarted_replica_is_readmitted_only_with_live_adapters(faulty, adapters):
     client = VLLMClient(faulty.url)
     faulty.replicas[1].kill()
