@@ -50,7 +50,24 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def shard_fsdp2(model, device: torch.device, reshard_after_forward: bool = True, replicate_root: bool = False):
+def keep_trainer_from_rewrapping(trainer, model) -> None:
+    """Make `trainer.accelerator` prepare the pre-sharded `model` without DDP and without moving it.
+
+    transformers >= 5.19 does this itself for models flagged `is_distributed_loading_by_transformers`; older releases
+    (the H200 image has 5.17) would wrap the DTensor model in DDP. This gives every version the same behaviour."""
+    accelerator = trainer.accelerator
+    original = accelerator.prepare_model
+
+    def prepare_model(obj, device_placement=None, evaluation_mode=False):
+        if obj is model:
+            return original(obj, device_placement=False, evaluation_mode=True)
+        return original(obj, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    accelerator.prepare_model = prepare_model
+
+
+def shard_fsdp2(model, device: torch.device, reshard_after_forward: bool = True, replicate_root: bool = False,
+                flag: bool = True):
     """`fully_shard` each decoder layer, then the whole (PEFT) model as root; returns the same object, sharded."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -67,8 +84,10 @@ def shard_fsdp2(model, device: torch.device, reshard_after_forward: bool = True,
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
-    # transformers' contract for pre-sharded models: no .to(), no DDP wrap (Trainer._prepare_for_training)
-    model.is_distributed_loading_by_transformers = True
+    # transformers' contract for pre-sharded models: no .to(), no DDP wrap (Trainer._prepare_for_training, >= 5.19);
+    # `keep_trainer_from_rewrapping` covers older releases
+    if flag:
+        model.is_distributed_loading_by_transformers = True
     return model
 
 

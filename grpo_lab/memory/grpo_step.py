@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .meter import BudgetExceeded, make_meter, resolve_device
+from .meter import BudgetExceeded, device_info, make_meter, resolve_device
 from .spec import PointSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -169,7 +169,8 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
 
         init_process_group(device)
         # Liger's loss runs the backbone and reads the head weight outside the root forward: keep those replicated
-        model = shard_fsdp2(model, device, replicate_root=spec.backend == "liger")
+        model = shard_fsdp2(model, device, replicate_root=spec.backend == "liger",
+                            flag=not spec.extra.get("without_transformers_flag", False))
     rollout = None
     if spec.generation == "synthetic":
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -177,6 +178,10 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
     trainer = trainer_cls(model=model, reward_funcs=length_reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, rollout_func=rollout,
                           callbacks=list(callbacks))
+    if spec.fsdp:
+        from .fsdp import keep_trainer_from_rewrapping
+
+        keep_trainer_from_rewrapping(trainer, model)
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     trainer.remove_callback(PrinterCallback)
@@ -293,6 +298,7 @@ def run_grpo_steps(spec: PointSpec, output_dir: str, capture_grads: bool = False
         "loss": rec.losses[0] if rec.losses else None,
         "losses": rec.losses,
         "phase_reset": getattr(meter, "resettable", True),
+        **device_info(device),
     }
     if capture_grads:
         result["grads"] = rec.grads

@@ -13,7 +13,7 @@ import time
 import torch
 
 from .grpo_step import TORCH_DTYPES
-from .meter import BudgetExceeded, make_meter, resolve_device
+from .meter import BudgetExceeded, device_info, make_meter, resolve_device
 from .spec import PointSpec
 
 
@@ -88,4 +88,4 @@ def run_loss_probe(spec: PointSpec) -> dict:
         raise BudgetExceeded("loss probe over the memory budget")
     return {"peak_bytes": peak["peak"], "reserved_bytes": peak.get("reserved"), "base_bytes": base,
             "setup_bytes": base, "step_time_s": elapsed, "memory_kind": meter.kind, "peak_generation_bytes": None,
-            "steps_done": 1, "loss": None, "phase_reset": getattr(meter, "resettable", True)}
+            "steps_done": 1, "loss": None, "phase_reset": getattr(meter, "resettable", True), **device_info(device)}

@@ -18,6 +18,7 @@ max(1, rel_tol × B). Without a usable memory reading (or with `guess=False`) it
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
@@ -152,16 +153,22 @@ def search_max_batch(fits: Callable[[int], tuple[bool, dict]], start: int = 1, u
 
 
 # ---------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
 def _gpu_total_bytes() -> int | None:
+    """GPU 0's memory, asked of nvidia-smi or of a short-lived child (this process never initialises CUDA)."""
     import shutil
     import subprocess
 
-    if not shutil.which("nvidia-smi"):
-        return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout.split()
-        return int(float(out[0]) * 2**20) if out else None
+        if shutil.which("nvidia-smi"):
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=30).stdout.split()
+            if out:
+                return int(float(out[0]) * 2**20)
+        code = ("import torch; print(torch.cuda.get_device_properties(0).total_memory "
+                "if torch.cuda.is_available() else '')")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.strip()
+        return int(out) if out else None
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
 
@@ -237,7 +244,8 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
     def merged(frame, old):
         return frame if old is None or old.empty else pd.concat([old, frame], ignore_index=True)
 
-    total_budget = _gpu_total_bytes()
+    total_budget = _gpu_total_bytes() if env["device"] == "cuda" or any(
+        x.base.device == "cuda" for x in searches) else None
     t_start = time.perf_counter()
     for i, s in enumerate(searches):
         t0 = time.perf_counter()
@@ -245,7 +253,10 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
         def fits(b, s=s):
             spec = s.base.replace(batch_size=b)
             r = run_point(spec)  # raises ProbeError on non-memory failures
-            probe_rows.append(make_row(FIGURE, spec, r, env))
+            row = make_row(FIGURE, spec, r, env)
+            probe_rows.append(row)
+            if r.get("device_total_bytes"):
+                row["_device_total"] = r["device_total_bytes"]
             if on_probe is not None:
                 on_probe(spec, r["status"])
             if out_csv is not None:
@@ -254,7 +265,9 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
                 write_csv(merged(rows_to_frame(probe_rows), previous_probes), _probes_path(out_csv))
             return r["status"] == "ok", r
 
-        budget = s.base.budget_bytes or (total_budget if env["device"] == "cuda" else None)
+        budget = s.base.budget_bytes or total_budget
+        if budget is None and probe_rows:  # no nvidia-smi: the GPU size the earlier probes reported
+            budget = next((r.get("_device_total") for r in probe_rows if r.get("_device_total")), None)
         status, message = "ok", ""
         try:
             if max_seconds is not None and t0 - t_start > max_seconds:
@@ -268,6 +281,7 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
             print(f"error in {s.base.model} {s.base.backend} (continuing): {e}", file=sys.stderr, flush=True)
             res, status, message = SearchResult(0, None, False), "error", str(e)[-300:].replace("\n", " ")
         at_max = res.results.get(res.max_batch, {})
+        gpu = next((r["gpu_name"] for r in reversed(probe_rows) if r.get("_device_total")), None)
         peak = at_max.get("peak_bytes")
         if peak is not None and at_max.get("memory_kind") == "cpu_rss":
             peak -= at_max.get("base_bytes", 0)
@@ -282,6 +296,7 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
             "status": status, "message": message,
             **{k: env[k] for k in ("device", "gpu_name", "torch", "trl", "transformers", "peft", "accelerate",
                                    "liger_kernel", "date", "host")},
+            **({"device": "cuda", "gpu_name": gpu} if gpu else {}),
         })
         df = pd.DataFrame(rows)
         if out_csv is not None:

@@ -114,3 +114,13 @@ def is_oom_error(exc: BaseException) -> bool:
     text = str(exc).lower()
     return any(s in text for s in ("out of memory", "cuda_error_out_of_memory", "can't allocate memory",
                                    "cannot allocate memory", "defaultcpuallocator: not enough memory"))
+
+
+def device_info(device: torch.device) -> dict:
+    """What the probe itself sees: the accelerator's name and total memory (CPU: the machine)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"device_name": props.name, "device_total_bytes": props.total_memory}
+    import platform
+
+    return {"device_name": "", "device_total_bytes": None, "host_cpu": platform.machine()}

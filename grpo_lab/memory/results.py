@@ -110,6 +110,8 @@ def make_row(figure: str, spec, result: dict, env: dict) -> dict:
         "message": (result.get("message") or "")[:300].replace("\n", " "),
     }
     row.update({k: env.get(k, "") for k in ENV_COLUMNS})
+    if result.get("device_name"):  # the probe's own view wins (the parent never initialises CUDA)
+        row["device"], row["gpu_name"] = "cuda", result["device_name"]
     return row
 
 
