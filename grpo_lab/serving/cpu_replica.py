@@ -17,6 +17,8 @@ import asyncio
 import hmac
 import logging
 import os
+import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -210,7 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage-lag-s", type=float, default=d.storage_lag_s)
     p.add_argument("--torch-threads", type=int, default=d.torch_threads)
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="exit when stdin closes, so a crashed parent (test, notebook) leaves no replica behind")
     return p
+
+
+def _exit_on_stdin_eof() -> None:
+    sys.stdin.read()  # returns when the parent closes the pipe or dies
+    os._exit(0)
 
 
 async def _serve(replica: CPUReplica) -> None:
@@ -226,6 +235,8 @@ async def _serve(replica: CPUReplica) -> None:
 def main(argv=None) -> None:
     args = vars(build_parser().parse_args(argv))
     logging.basicConfig(level=args.pop("log_level"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.pop("exit_with_parent"):
+        threading.Thread(target=_exit_on_stdin_eof, daemon=True).start()
     config = CPUReplicaConfig(**{k: v for k, v in args.items() if v is not None})
     replica = CPUReplica(config)
     try:

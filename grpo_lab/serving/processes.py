@@ -18,9 +18,11 @@ class ReplicaProcess:
         self.args = list(args)
         self.port: int | None = None
         self.output: list[str] = []  # everything the child printed (stdout and stderr)
-        cmd = [sys.executable, "-u", "-m", "grpo_lab.serving.cpu_replica", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        cmd = [sys.executable, "-u", "-m", "grpo_lab.serving.cpu_replica", "--exit-with-parent", *self.args]
+        # its own process group (kill() takes its children too), and a stdin pipe it watches: if this process
+        # dies without stopping it, the pipe closes and the replica exits instead of lingering
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env={**os.environ, **(env or {})}, start_new_session=True)
         ready: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, args=(ready,), daemon=True)
         self._reader.start()

@@ -98,3 +98,23 @@ def test_wrong_token_keeps_replica_out_with_a_clear_reason(token, monkeypatch):
             router.stop()
         fake.terminate()
         fake.wait(timeout=10)
+
+
+def test_replicas_do_not_outlive_a_crashed_parent():
+    """A test or notebook that dies without stopping its replicas must not leave them running."""
+    script = ("import os, sys\n"
+              "from grpo_lab.serving.processes import start_cpu_replicas\n"
+              "(r,) = start_cpu_replicas(1)\n"
+              "print(r.proc.pid, flush=True)\n"
+              "os._exit(1)\n")  # crash: no stop(), no cleanup
+    parent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    pid = int(parent.stdout.split()[-1])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    raise AssertionError("the replica outlived its parent")
