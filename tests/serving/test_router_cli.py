@@ -118,3 +118,12 @@ def test_replicas_do_not_outlive_a_crashed_parent():
         time.sleep(0.05)
     os.kill(pid, 9)
     raise AssertionError("the replica outlived its parent")
+
+
+def test_python_dash_m_grpo_lab_router_is_the_router_cli():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "grpo_lab.router", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "--replica" in out.stdout

@@ -1,0 +1,9 @@
+"""`python -m grpo_lab.router ...`: the prefix-aware multi-replica proxy (see `grpo_lab.serving.router`)."""
+
+from grpo_lab.serving.router import main, start_router
+from grpo_lab.serving.router_config import RouterConfig
+
+__all__ = ["RouterConfig", "main", "start_router"]
+
+if __name__ == "__main__":
+    main()
