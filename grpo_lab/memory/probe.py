@@ -113,6 +113,8 @@ def _context(start_method: str):
     if start_method not in _CONTEXTS:
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
+            # the fork server inherits this: `torch.cuda.is_available()` then asks NVML and leaves CUDA uninitialised
+            os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
             ctx.set_forkserver_preload(["grpo_lab.memory._preload"])
         _CONTEXTS[start_method] = ctx
     return _CONTEXTS[start_method]
