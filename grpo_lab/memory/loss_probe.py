@@ -63,7 +63,12 @@ def run_loss_probe(spec: PointSpec) -> dict:
             loss.backward()
     else:
         fn = _logprob_fn(spec.backend)
-        chunk = spec.chunk_size or 4096
+        # the vocabulary tile TRL's trainer passes to every backend (trl/trainer/utils.py), unless overridden
+        try:
+            from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as trl_chunk
+        except ImportError:
+            trl_chunk = 32768
+        chunk = spec.chunk_size or trl_chunk
 
         def step():
             out = fn(hidden.view(B * T, H), weight, None, targets.view(-1), 1.0, chunk, None, 1.0,
