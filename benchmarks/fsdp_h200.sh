@@ -4,6 +4,6 @@
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${1:-results/fsdp_max_batch}"
-python -m grpo_lab.memory.max_batch --full --models Qwen3-0.6B,Qwen3-1.7B --backends naive,trl,grpo_lab --keep-going --out "$OUT"
-python -m grpo_lab.memory.max_batch --full --models Qwen3-4B,Qwen3-8B --backends naive,trl,grpo_lab --append --keep-going --out "$OUT"
-python -m grpo_lab.memory.max_batch --full --backends liger --append --keep-going --max-minutes 5 --out "$OUT"
+python -m grpo_lab.memory.max_batch --full --models Qwen3-0.6B,Qwen3-1.7B --backends naive,trl,grpo_lab --keep-going --max-minutes 5.5 --out "$OUT"
+python -m grpo_lab.memory.max_batch --full --models Qwen3-4B,Qwen3-8B --backends naive,trl,grpo_lab --append --keep-going --max-minutes 5.5 --out "$OUT"
+python -m grpo_lab.memory.max_batch --full --backends liger --append --keep-going --max-minutes 5.5 --out "$OUT"

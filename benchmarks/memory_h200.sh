@@ -4,5 +4,5 @@
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${1:-results/memory_vs_batch}"
-python -m grpo_lab.memory.sweep --full --backends naive,trl,grpo_lab --keep-going --out "$OUT"
-python -m grpo_lab.memory.sweep --full --backends liger --append --keep-going --out "$OUT"
+python -m grpo_lab.memory.sweep --full --backends naive,trl,grpo_lab --keep-going --max-minutes 5.5 --out "$OUT"
+python -m grpo_lab.memory.sweep --full --backends liger --append --keep-going --max-minutes 5.5 --out "$OUT"

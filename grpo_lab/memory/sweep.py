@@ -33,7 +33,7 @@ PRESETS = {
     # One H200: Qwen3-0.6B, 256 prompt + 512 completion tokens; past naive's OOM for the fused backends
     "full": dict(model="Qwen3-0.6B", backends=["naive", "trl", "grpo_lab", "liger"], dtypes=["bf16", "fp32"],
                  batch_sizes=[4, 8, 16, 32, 48, 64, 96], prompt_len=256, completion_len=512,
-                 modes=["step", "loss"], loss_batch_sizes=[4, 16, 64]),
+                 modes=["loss", "step"], loss_batch_sizes=[4, 16, 64]),  # the cheap loss-alone points first
 }
 
 
