@@ -10,7 +10,7 @@ from pathlib import Path
 from grpo_lab.tasks.board import BoardCallback, LiveBoard, Series
 from grpo_lab.tasks.reward_curves import BACKENDS, BOARD_SERIES, EmbeddedConfig, run_reward_curves
 
-QUICK = dict(steps=40, prompts_per_step=16, n_candidates=1200, n_heldout=150, eval_k=8)
+QUICK = dict(steps=60, prompts_per_step=16, n_candidates=1200, n_heldout=150, eval_k=8)
 
 
 def quick(cfg: EmbeddedConfig) -> EmbeddedConfig:

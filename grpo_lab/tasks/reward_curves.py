@@ -71,7 +71,7 @@ class EmbeddedConfig:
     temperature: float = 1.0
     max_completion_length: int = 8
     max_context: int = 32
-    backends: tuple[str, ...] = ("trl", "grpo_lab", "naive")
+    backends: tuple[str, ...] = ("trl", "grpo_lab", "naive", "liger")   # liger skipped when not installed
     eval_k: int = 8
 
     def validate(self, prompt_lengths: list[int] | None = None):
@@ -102,10 +102,11 @@ def check_prompt_lengths(lengths: list[int], max_context: int, max_completion_le
                          "long prompts.")
 
 
-GPU_VARIANT = dict(  # the bigger variant for one H200 (~5 min): 4x wider model, 2x the prompts per step
-    model=TinyModelConfig(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
-                          intermediate_size=768), warm_start=None, sft_target_pass_rate=0.4, sft_batch_size=512,
-    sft_lr=3e-3, n_candidates=4000, n_heldout=500, steps=300, prompts_per_step=64,
+GPU_VARIANT = dict(  # the bigger variant for one H200 (~5 min): 2x wider model (~2.3M), SFT from scratch,
+    # 2x the prompts per step (64 x 8 = 512 completions), all four backends
+    model=TinyModelConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=512), warm_start=None, sft_target_pass_rate=0.4, sft_batch_size=128,
+    sft_lr=3e-3, sft_max_steps=4000, n_candidates=4000, n_heldout=500, steps=300, prompts_per_step=64,
     backends=("trl", "grpo_lab", "naive", "liger"), device="cuda",
 )
 
@@ -342,8 +343,8 @@ def run_reward_curves(cfg: EmbeddedConfig, out_dir: str | os.PathLike | None = N
         rows.append({"backend": run["backend"], "step": cfg.steps, "metric": "heldout_pass_rate",
                      "value": run["heldout_end"]})
     df = pd.DataFrame(rows)
-    for k, v in env.items():
-        df[k] = v
+    df["device"] = env["device"]                       # full machine/versions/date: the JSON sidecar
+    df["versions"] = f"torch {env['torch']} transformers {env['transformers']} trl {env['trl']}"
     summary = {
         "tag": tag, "env": env, "config": _jsonable(asdict(cfg)), "prepare": prep.info,
         "backends": {r["backend"]: {k: r[k] for k in ("reward_start", "reward_end", "heldout_start", "heldout_end",
@@ -356,7 +357,7 @@ def run_reward_curves(cfg: EmbeddedConfig, out_dir: str | os.PathLike | None = N
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        df.to_csv(out / f"{tag}.csv", index=False)
+        df.to_csv(out / f"{tag}.csv", index=False, float_format="%.7g")
         (out / f"{tag}.png").write_bytes(png)
         (out / f"{tag}.json").write_text(json.dumps(summary, indent=2, default=str))
         summary["files"] = [str(out / f"{tag}.{e}") for e in ("csv", "png", "json")]
@@ -410,6 +411,10 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--rank", type=int, default=None)
     p.add_argument("--G", type=int, default=None)
+    p.add_argument("--prompts-per-step", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None, help="model width (the CPU default: 128)")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--sft-max-steps", type=int, default=None)
     p.add_argument("--tag", default=None)
     a = p.parse_args(argv)
     cfg = EmbeddedConfig()
@@ -420,7 +425,12 @@ def main(argv=None):
                       eval_k=4)
     over = {"device": a.device, "steps": a.steps, "learning_rate": a.lr, "lora_r": a.rank, "num_generations": a.G,
             "backends": tuple(a.backends.split(",")) if a.backends else None}
+    over |= {"prompts_per_step": a.prompts_per_step, "sft_max_steps": a.sft_max_steps}
     cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
+    if a.hidden or a.layers:
+        h = a.hidden or cfg.model.hidden_size
+        cfg = replace(cfg, model=replace(cfg.model, hidden_size=h, intermediate_size=2 * h,
+                                         num_hidden_layers=a.layers or cfg.model.num_hidden_layers))
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but no CUDA device is visible")
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -1,0 +1,48 @@
+"""Notebook 03 runs headless in quick mode (papermill) and its CSV shows learning and backend parity."""
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "03_sanity_reward_curves.ipynb"
+
+# The stated margins (docs/reward_curves.md): measured on this pipeline, quick mode, seed 0.
+REWARD_MARGIN = 0.05      # mean reward of the last 10 steps minus the first 10, every backend
+HELDOUT_MARGIN = 0.03     # held-out pass rate (k=8 samples per problem) after minus before, every backend
+STEP_TOLERANCE = 0.05     # largest per-step |reward difference| between any backend and "trl" (measured: 0)
+LOSS_TOLERANCE = 2e-3      # largest per-step |loss difference| (losses are ~1e-2; measured: 3.6e-8, liger)
+FIRST_STEP_LOSS_ATOL = 1e-5
+
+
+@pytest.mark.slow
+def test_notebook03_quick_mode(tmp_path):
+    import papermill as pm
+
+    out_nb = tmp_path / "03.ipynb"
+    pm.execute_notebook(str(NOTEBOOK), str(out_nb), parameters={"QUICK": True, "OUT_DIR": str(tmp_path)},
+                        kernel_name="python3", cwd=str(tmp_path), progress_bar=False)
+    df = pd.read_csv(tmp_path / "quick.csv")
+    summary = json.loads((tmp_path / "quick.json").read_text())
+    backends = list(summary["backends"])
+    assert {"trl", "grpo_lab", "naive"} <= set(backends)
+    rew = df[df.metric == "reward"].pivot(index="step", columns="backend", values="value").sort_index()
+    loss = df[df.metric == "loss"].pivot(index="step", columns="backend", values="value").sort_index()
+    assert len(rew) == summary["config"]["steps"]
+    for b in backends:
+        gain = rew[b].iloc[-10:].mean() - rew[b].iloc[:10].mean()
+        assert gain >= REWARD_MARGIN, (b, gain)
+        held = df[(df.backend == b) & (df.metric == "heldout_pass_rate")].sort_values("step").value.tolist()
+        assert held[1] - held[0] >= HELDOUT_MARGIN, (b, held)
+        assert rew[b].min() > 0.3  # no collapse
+    for b in backends:
+        assert (rew[b] - rew["trl"]).abs().max() <= STEP_TOLERANCE, b
+        assert (loss[b] - loss["trl"]).abs().max() <= LOSS_TOLERANCE, b
+        assert abs(loss[b].iloc[0] - loss["trl"].iloc[0]) <= FIRST_STEP_LOSS_ATOL, b
+        assert rew[b].iloc[0] == rew["trl"].iloc[0]  # same weights, same seed: the same first rollouts
+    assert (tmp_path / "quick.png").stat().st_size > 10_000
+    # the committed curves are shown at once (default parameters)
+    nb = json.loads(out_nb.read_text())
+    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+               for c in nb["cells"] for o in c.get("outputs", []))
