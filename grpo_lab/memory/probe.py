@@ -6,7 +6,7 @@ Each point is one process per rank, forked from a fork server that has already i
 the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and accelerate builds the process group
 (gloo on CPU, NCCL on GPU; NVLink multicast off), so N GPUs of one host need no code change.
 
-Outcomes: `ok`, `oom` (an allocator / host OOM, a CPU budget overrun, or a rank killed by a signal — the kernel's
+Outcomes: `ok`, `oom` (an allocator / host OOM, a CPU budget overrun, or a rank killed by SIGKILL — the kernel's
 OOM killer), and `error`, which `run_point` raises as `ProbeError` with the child's traceback.
 """
 
@@ -124,13 +124,15 @@ def default_start_method() -> str:
     return os.environ.get("GRPO_LAB_PROBE_START", "forkserver")
 
 
-def run_point(spec: PointSpec, timeout_s: float | None = 900, start_method: str | None = None,
+def run_point(spec: PointSpec, timeout_s: float | None = None, start_method: str | None = None,
               capture_grads: bool = False, raise_on_error: bool = True) -> dict:
     """Measure `spec` in fresh processes; returns the result dict of rank 0 plus `status` (ok | oom | error) and
     `message`, and for multi-rank runs `per_rank`. Raises `ProbeError` on `error` unless `raise_on_error=False`.
 
     Should a forked probe ever find CUDA initialised by the fork server, the probe is retried once with "spawn", which
     then becomes the default for this process."""
+    if timeout_s is None:  # a hung probe (e.g. a rank stuck in a collective) is an error after this long
+        timeout_s = float(os.environ.get("GRPO_LAB_PROBE_TIMEOUT", "600"))
     method = start_method or default_start_method()
     out = _run_point(spec, timeout_s, method, capture_grads)
     if out["status"] == "error" and method != "spawn" and "re-initialize CUDA in forked subprocess" in out["message"]:
@@ -192,8 +194,10 @@ def _run_point(spec: PointSpec, timeout_s, start_method: str, capture_grads: boo
                              "timed out" if deadline and time.perf_counter() > deadline else "stopped after a peer failed"))
         elif r[0] == "dead":
             code = procs[i].exitcode if r[1] is None else r[1]
-            statuses.append(("oom", f"rank {i} killed by signal {-code}") if code is not None and code < 0
-                            else ("error", f"rank {i} exited with code {code} without a result"))
+            if code == -9:  # SIGKILL: the kernel's OOM killer (nothing else here sends it to a running probe)
+                statuses.append(("oom", f"rank {i} killed by signal 9 (out of host memory)"))
+            else:
+                statuses.append(("error", f"rank {i} exited with code {code} without a result"))
         else:
             statuses.append(r)
     kinds = [s[0] for s in statuses]
