@@ -119,7 +119,12 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
 
         config_cls, trainer_cls, backend_kw = GRPOConfig, GRPOTrainer, {}
 
-    model_config = load_model_config(spec.model)
+    if spec.pretrained:  # real weights (memory is the same as random init of the same config)
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(spec.model)
+    else:
+        model_config = load_model_config(spec.model)
     tokenizer = build_tokenizer(model_config)
     num_generations, grad_accum = num_generations_for(spec.batch_size, spec.world_size)
     global_batch = spec.batch_size * spec.world_size * grad_accum
@@ -159,7 +164,13 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
     # The model is created on its device in its final dtype (no fp32 master copy): the `bf16` points are pure bf16
     # training, the `fp32` points pure fp32. LoRA is applied here (not by TRL) so the FSDP2 path can shard the PEFT
     # model before the trainer wraps it; under FSDP2 every rank builds the full model, then shards it.
-    model = build_model(spec.model, dtype=TORCH_DTYPES[spec.dtype], seed=spec.seed, device=str(device))
+    if spec.pretrained:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=TORCH_DTYPES[spec.dtype],
+                                                     attn_implementation="sdpa").to(device)
+    else:
+        model = build_model(spec.model, dtype=TORCH_DTYPES[spec.dtype], seed=spec.seed, device=str(device))
     if spec.lora_r > 0:
         from .fsdp import apply_lora
 

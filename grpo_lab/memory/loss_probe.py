@@ -41,7 +41,12 @@ def run_loss_probe(spec: PointSpec) -> dict:
         if spec.budget_bytes is not None:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, spec.budget_bytes / total), device)
-    cfg = load_model_config(spec.model)
+    if spec.pretrained:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(spec.model)
+    else:
+        cfg = load_model_config(spec.model)
     B, T, H, V = spec.batch_size, spec.completion_len, cfg.hidden_size, cfg.vocab_size
     dtype = TORCH_DTYPES[spec.dtype]
     gen = torch.Generator(device=device).manual_seed(spec.seed)

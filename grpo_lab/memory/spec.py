@@ -110,11 +110,18 @@ class PointSpec:
     beta: float = 0.0  # KL coefficient (0 = no reference model, TRL's default); > 0 adds the reference forward
     num_iterations: int = 1  # TRL's mu: > 1 reuses each generation batch (adds the old-log-prob forward)
     device: str = "auto"  # auto | cpu | cuda
-    chunk_size: int = 0  # loss mode: rows per chunk for the fused backends (0 = the backend's default)
+    chunk_size: int = 0  # loss mode: vocabulary tile for the log-prob backends (0 = TRL's, as in training)
+    pretrained: bool = False  # load real weights with from_pretrained(model) (a hub id online, or a local folder)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
-        check_model(self.model)
+        if self.pretrained:
+            import os
+
+            if not (os.path.isdir(self.model) or self.model.count("/") == 1):
+                raise ValueError(f"pretrained=True needs a hub id (org/name) or a local folder, got {self.model!r}.")
+        else:
+            check_model(self.model)
         check_backend(self.backend)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         for name in ("batch_size", "prompt_len", "completion_len", "steps", "world_size"):

@@ -39,9 +39,11 @@ PRESETS = {
 
 def build_specs(model="tiny-qwen3", backends=("trl",), dtypes=("fp32",), batch_sizes=(2, 4), prompt_len=16,
                 completion_len=16, modes=("step",), loss_batch_sizes=None, steps=2, lora_r=0, device="auto",
-                generation="synthetic", budget_bytes=None) -> list[PointSpec]:
-    """The grid, validated up front (unknown model/backend/dtype or non-positive sizes → ValueError)."""
-    check_model(model)
+                generation="synthetic", budget_bytes=None, pretrained=False) -> list[PointSpec]:
+    """The grid, validated up front (unknown model/backend/dtype or non-positive sizes → ValueError).
+    `pretrained=True` loads real weights with `from_pretrained(model)` (a hub id online, or a local folder)."""
+    if not pretrained:
+        check_model(model)
     backends = [check_backend(b) for b in parse_str_list(backends)]
     dtypes = [normalize_dtype(d) for d in parse_str_list(dtypes)]
     batch_sizes = parse_int_list(batch_sizes, "batch sizes")
@@ -52,7 +54,8 @@ def build_specs(model="tiny-qwen3", backends=("trl",), dtypes=("fp32",), batch_s
         for b in (batch_sizes if mode == "step" else loss_batch_sizes):
             specs.append(PointSpec(model=model, backend=backend, dtype=dtype, batch_size=b, prompt_len=prompt_len,
                                    completion_len=completion_len, mode=mode, steps=steps, lora_r=lora_r,
-                                   device=device, generation=generation, budget_bytes=budget_bytes))
+                                   device=device, generation=generation, budget_bytes=budget_bytes,
+                                   pretrained=pretrained))
     return specs
 
 
@@ -131,6 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--completion-len", type=int)
     p.add_argument("--modes", help="step,loss")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--pretrained", action="store_true", help="load real weights: --model is a hub id or a folder")
     p.add_argument("--max-minutes", type=float, default=None, help="stop starting new points after this long")
     p.add_argument("--name", default=None, help="CSV/PNG base name (default: memory_vs_batch[_quick])")
     p.add_argument("--keep-going", action="store_true", help="record a failing point as an error and go on")
@@ -143,7 +147,7 @@ def main(argv=None) -> int:
         if v is not None:
             preset[k] = v
     try:
-        specs = build_specs(device=a.device, **preset)
+        specs = build_specs(device=a.device, pretrained=a.pretrained, **preset)
         if "liger" in [s.backend for s in specs]:
             import importlib.util
 

@@ -35,3 +35,15 @@ def test_other_errors_stop_with_the_error_shown():
         run_point(PointSpec(batch_size=2, extra={"fail": "boom"}, **TINY))
     r = run_point(PointSpec(batch_size=2, extra={"fail": "boom"}, **TINY), raise_on_error=False)
     assert r["status"] == "error" and "RuntimeError" in r["message"]
+
+
+def test_pretrained_weights_from_a_local_folder(tmp_path):
+    """Real weights stay possible (a hub id online; here a saved local folder, offline)."""
+    from grpo_lab.models import build_model
+
+    build_model("tiny-qwen3").save_pretrained(tmp_path / "m")
+    r = run_point(PointSpec(model=str(tmp_path / "m"), pretrained=True, batch_size=2, prompt_len=8, completion_len=8,
+                            device="cpu"))
+    assert r["status"] == "ok", r["message"]
+    with pytest.raises(ValueError, match="hub id"):
+        PointSpec(model="not-a-hub-id", pretrained=True)
