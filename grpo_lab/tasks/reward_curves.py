@@ -351,16 +351,23 @@ def run_reward_curves(cfg: EmbeddedConfig, out_dir: str | os.PathLike | None = N
                                                       "seconds", "window")} for r in runs},
         "parity": parity(runs) if len(runs) > 1 else {}, "total_seconds": time.perf_counter() - t_all,
     }
-    png = plot_curves(df, title=f"GRPO reward curves ({tag}, LoRA r={cfg.lora_r}, lr {cfg.learning_rate:g})")
+    title = f"GRPO reward curves ({tag}, LoRA r={cfg.lora_r}, lr {cfg.learning_rate:g})"
+    try:
+        png = plot_curves(df, title=title)
+    except ImportError:  # e.g. a GPU box without matplotlib: replot later with --replot
+        png = None
+        log("matplotlib not installed: no PNG written; render it later with "
+            "`python -m grpo_lab.tasks.reward_curves --replot <csv>`")
     if lb is not None:
         lb.close()
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         df.to_csv(out / f"{tag}.csv", index=False, float_format="%.7g")
-        (out / f"{tag}.png").write_bytes(png)
+        if png is not None:
+            (out / f"{tag}.png").write_bytes(png)
         (out / f"{tag}.json").write_text(json.dumps(summary, indent=2, default=str))
-        summary["files"] = [str(out / f"{tag}.{e}") for e in ("csv", "png", "json")]
+        summary["files"] = [str(out / f"{tag}.{e}") for e in ("csv", "png", "json") if png is not None or e != "png"]
     summary["df"], summary["png"] = df, png
     return summary
 
@@ -404,7 +411,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Reward curves of the embedded default (CPU) or its GPU variant.")
     p.add_argument("--variant", choices=["embedded", "gpu", "tiny"], default="embedded",
                    help="embedded: the CPU default; gpu: the bigger H200 variant; tiny: a seconds-long smoke run")
-    p.add_argument("--out", required=True, help="output folder for <tag>.csv/.png/.json")
+    p.add_argument("--out", help="output folder for <tag>.csv/.png/.json")
+    p.add_argument("--replot", default=None, help="only render <csv>'s PNG next to it (no training)")
     p.add_argument("--device", default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--backends", default=None, help="comma list of trl,grpo_lab,naive,liger")
@@ -417,6 +425,18 @@ def main(argv=None):
     p.add_argument("--sft-max-steps", type=int, default=None)
     p.add_argument("--tag", default=None)
     a = p.parse_args(argv)
+    if a.replot:
+        import pandas as pd
+
+        csv = Path(a.replot)
+        summary = json.loads(csv.with_suffix(".json").read_text()) if csv.with_suffix(".json").exists() else {}
+        c = summary.get("config", {})
+        title = f"GRPO reward curves ({csv.stem}, LoRA r={c.get('lora_r', '?')}, lr {c.get('learning_rate', '?')})"
+        csv.with_suffix(".png").write_bytes(plot_curves(pd.read_csv(csv), title=title))
+        print("wrote", csv.with_suffix(".png"))
+        return
+    if not a.out:
+        p.error("--out is required")
     cfg = EmbeddedConfig()
     if a.variant == "gpu":
         cfg = replace(cfg, **GPU_VARIANT)

@@ -90,4 +90,8 @@ def test_gpu_script_runs_tiny_on_cpu(tmp_path):
     df = pd.read_csv(tmp_path / "tiny.csv")
     assert set(df.metric) >= {"reward", "loss", "heldout_pass_rate"} and (tmp_path / "tiny.png").stat().st_size > 1000
     summary = json.loads((tmp_path / "tiny.json").read_text())
-    assert summary["backends"]["trl"]["reward_start"] >= 0
+    assert summary["backends"]["trl"]["reward_start"] >= 0 and summary["env"]["trl"]
+    (tmp_path / "tiny.png").unlink()
+    r = subprocess.run([sys.executable, "-m", "grpo_lab.tasks.reward_curves", "--replot", str(tmp_path / "tiny.csv")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and (tmp_path / "tiny.png").stat().st_size > 1000, r.stderr[-2000:]
