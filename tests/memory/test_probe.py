@@ -47,3 +47,9 @@ def test_pretrained_weights_from_a_local_folder(tmp_path):
     assert r["status"] == "ok", r["message"]
     with pytest.raises(ValueError, match="hub id"):
         PointSpec(model="not-a-hub-id", pretrained=True)
+
+
+def test_generation_by_the_model_is_measured_separately():
+    r = run_point(PointSpec(batch_size=2, generation="model", **TINY))
+    assert r["status"] == "ok", r["message"]
+    assert r["peak_generation_bytes"] > r["base_bytes"]
