@@ -336,7 +336,21 @@ def main(argv=None) -> int:
     p.add_argument("--keep-going", action="store_true", help="record a failing search as an error and go on")
     p.add_argument("--append", action="store_true", help="keep the other (model, backend) rows of an existing CSV")
     p.add_argument("--max-minutes", type=float, default=None, help="start no new search after this long")
+    p.add_argument("--replot", metavar="CSV", help="only redraw the PNG of an existing CSV (next to it)")
     a = p.parse_args(argv)
+    if a.replot:
+        csv = Path(a.replot)
+        if not csv.is_file():
+            print(f"error: no CSV {csv}", file=sys.stderr)
+            return 2
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        from .plots import plot_max_batch
+
+        plot_max_batch(pd.read_csv(csv)).savefig(csv.with_suffix(".png"), dpi=110)
+        print(f"wrote {csv.with_suffix('.png')}")
+        return 0
     preset = dict(PRESETS["full" if a.full else "quick"])
     for k in ("models", "backends", "dtype", "prompt_len", "completion_len", "world_size", "lora_r", "budget_gib",
               "budget_fraction", "start", "upper", "rel_tol", "steps", "device"):
@@ -377,17 +391,21 @@ def main(argv=None) -> int:
     except ProbeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
     from .notebook import ratio_table
-    from .plots import plot_max_batch
 
-    fig = plot_max_batch(df)
-    fig.savefig(out / f"{name}.png", dpi=110)
-    plt.close(fig)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        from .plots import plot_max_batch
+
+        fig = plot_max_batch(df)
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+    except ImportError as e:  # a GPU box without matplotlib: the CSV is the result, plot it elsewhere
+        print(f"note: no PNG ({e}); the CSV is written", file=sys.stderr)
     with pd.option_context("display.width", 160):
         print(ratio_table(df).to_string())
     print(f"wrote {csv}, {_probes_path(csv)} and {out / (name + '.png')}")

@@ -139,7 +139,16 @@ def main(argv=None) -> int:
     p.add_argument("--name", default=None, help="CSV/PNG base name (default: memory_vs_batch[_quick])")
     p.add_argument("--keep-going", action="store_true", help="record a failing point as an error and go on")
     p.add_argument("--append", action="store_true", help="keep the other rows of an existing CSV (split runs)")
+    p.add_argument("--replot", metavar="CSV", help="only redraw the PNGs of an existing CSV (next to it)")
     a = p.parse_args(argv)
+    if a.replot:
+        csv = Path(a.replot)
+        if not csv.is_file():
+            print(f"error: no CSV {csv}", file=sys.stderr)
+            return 2
+        paths = save_figures(pd.read_csv(csv), csv.parent, csv.stem)
+        print("wrote " + ", ".join(map(str, paths)))
+        return 0
     preset = dict(PRESETS["full" if a.full else "quick"])
     for k in ("model", "backends", "dtypes", "batch_sizes", "loss_batch_sizes", "prompt_len", "completion_len",
               "modes"):
@@ -167,7 +176,10 @@ def main(argv=None) -> int:
     except ProbeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    save_figures(df, out, name)
+    try:
+        save_figures(df, out, name)
+    except ImportError as e:  # a GPU box without matplotlib: the CSV is the result, plot it elsewhere
+        print(f"note: no PNG ({e}); the CSV is written", file=sys.stderr)
     from .results import savings_table
 
     with pd.option_context("display.width", 160, "display.max_columns", 20):

@@ -69,3 +69,13 @@ def test_full_command_runs_on_cpu_in_a_tiny_setting(tmp_path):
                      "--out", str(tmp_path), "--append"])
     assert rc == 0
     assert len(pd.read_csv(tmp_path / "memory_vs_batch.csv")) == len(df) + 1
+
+
+def test_replot_from_a_csv(tmp_path):
+    rc = sweep.main(["--model", "tiny-qwen3", "--batch-sizes", "2", "--modes", "loss", "--loss-batch-sizes", "2",
+                     "--completion-len", "8", "--device", "cpu", "--out", str(tmp_path), "--name", "r"])
+    assert rc == 0
+    (tmp_path / "r_loss_only.png").unlink()
+    assert sweep.main(["--replot", str(tmp_path / "r.csv")]) == 0
+    assert (tmp_path / "r_loss_only.png").is_file()
+    assert sweep.main(["--replot", str(tmp_path / "missing.csv")]) == 2
