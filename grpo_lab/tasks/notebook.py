@@ -10,11 +10,12 @@ from pathlib import Path
 from grpo_lab.tasks.board import BoardCallback, LiveBoard, Series
 from grpo_lab.tasks.reward_curves import BACKENDS, BOARD_SERIES, EmbeddedConfig, run_reward_curves
 
-QUICK = dict(steps=60, prompts_per_step=16, n_candidates=1200, n_heldout=150, eval_k=8)
+QUICK = dict(steps=60, prompts_per_step=16, n_candidates=1200, n_heldout=150, eval_k=8, cpu_threads=1)
 
 
 def quick(cfg: EmbeddedConfig) -> EmbeddedConfig:
-    """CI settings: the same pipeline, fewer steps and prompts (a few minutes on a 2-core CPU)."""
+    """CI settings: the same pipeline, fewer steps and prompts, one torch thread (a few minutes on a shared 2-core
+    CPU: with 2 threads and other jobs on the box, OpenMP oversubscription made steps ~8x slower, measured)."""
     return replace(cfg, **QUICK, learning_rate=max(cfg.learning_rate, QUICK_LR))
 
 

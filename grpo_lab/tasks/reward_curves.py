@@ -73,6 +73,7 @@ class EmbeddedConfig:
     max_context: int = 32
     backends: tuple[str, ...] = ("trl", "grpo_lab", "naive", "liger")   # liger skipped when not installed
     eval_k: int = 8
+    cpu_threads: int | None = None   # torch CPU threads for the run (1 avoids OpenMP oversubscription on a shared box)
 
     def validate(self, prompt_lengths: list[int] | None = None):
         if self.lora_r < 1:
@@ -290,7 +291,8 @@ def environment_info(device: str = "cpu") -> dict:
 
 
 def parity(runs: list[dict], metrics=("reward", "loss")) -> dict:
-    """Largest per-step |difference| of each metric between every backend and the first one."""
+    """Largest per-step |difference| of each metric between every backend and the first one, and the first step
+    at which any backend's reward differs (where the sampled rollouts stop being the same), None if never."""
     out = {}
     ref = {r["step"]: r for r in runs[0]["rows"]}
     for m in metrics:
@@ -301,6 +303,15 @@ def parity(runs: list[dict], metrics=("reward", "loss")) -> dict:
                 if a is not None and b is not None:
                     worst = max(worst, abs(a - b))
         out[f"max_abs_delta_{m}"] = worst
+    diverged = [r["step"] for run in runs[1:] for r in run["rows"]
+                if r.get("reward") is not None and r["reward"] != ref.get(r["step"], {}).get("reward")]
+    out["first_divergent_step"] = min(diverged) if diverged else None
+    same = [r["step"] for r in runs[0]["rows"] if out["first_divergent_step"] is None
+            or r["step"] < out["first_divergent_step"]]
+    out["max_abs_delta_loss_before_divergence"] = max(
+        [abs(r["loss"] - ref[r["step"]]["loss"]) for run in runs[1:] for r in run["rows"]
+         if r["step"] in same and r.get("loss") is not None and ref.get(r["step"], {}).get("loss") is not None],
+        default=0.0)
     return out
 
 
@@ -315,6 +326,13 @@ def run_reward_curves(cfg: EmbeddedConfig, out_dir: str | os.PathLike | None = N
     """Steps 1-3 for every backend; writes `<out_dir>/<tag>.csv`, `.png`, `.json` when out_dir is given."""
     import pandas as pd
 
+    if cfg.cpu_threads:
+        old = torch.get_num_threads()
+        torch.set_num_threads(cfg.cpu_threads)
+        try:
+            return run_reward_curves(replace(cfg, cpu_threads=None), out_dir, board, tag, log)
+        finally:
+            torch.set_num_threads(old)
     t_all = time.perf_counter()
     backends = available_backends(cfg.backends)
     cfg = replace(cfg, backends=backends)
@@ -423,8 +441,12 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=None, help="model width (the CPU default: 128)")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--sft-max-steps", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (1 is far faster on a shared 2-core box: no OpenMP oversubscription)")
     p.add_argument("--tag", default=None)
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if a.replot:
         import pandas as pd
 

@@ -11,9 +11,13 @@ NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "03_sanity_reward
 # The stated margins (docs/reward_curves.md): measured on this pipeline, quick mode, seed 0.
 REWARD_MARGIN = 0.05      # mean reward of the last 10 steps minus the first 10, every backend
 HELDOUT_MARGIN = 0.03     # held-out pass rate (k=8 samples per problem) after minus before, every backend
-STEP_TOLERANCE = 0.05     # largest per-step |reward difference| between any backend and "trl" (measured: 0)
-LOSS_TOLERANCE = 2e-3      # largest per-step |loss difference| (losses are ~1e-2; measured: 3.6e-8, liger)
-FIRST_STEP_LOSS_ATOL = 1e-5
+# Parity. Same seed, same warm start: the backends sample the same rollouts until a rounding difference flips one
+# sampled token (measured: never within 40 steps with 2 threads; at step 95 of 150 with 1 thread); from there the
+# curves differ by sampling noise only. So: while the rollouts are the same, the losses agree to LOSS_ATOL; over
+# the whole run the rolling mean of the reward stays within ROLLING_TOLERANCE (the std of a 10-step mean of the
+# difference of two 128-rollout means is ~0.018).
+LOSS_ATOL = 1e-5           # |loss difference| on every step before the first divergent step (measured <= 6e-8)
+ROLLING_TOLERANCE = 0.05   # max |difference of 10-step rolling mean reward| vs trl (measured <= 0.01)
 
 
 @pytest.mark.slow
@@ -36,11 +40,15 @@ def test_notebook03_quick_mode(tmp_path):
         held = df[(df.backend == b) & (df.metric == "heldout_pass_rate")].sort_values("step").value.tolist()
         assert held[1] - held[0] >= HELDOUT_MARGIN, (b, held)
         assert rew[b].min() > 0.3  # no collapse
+    par = summary["parity"]
+    first_div = par["first_divergent_step"] or len(rew) + 1
+    assert first_div > 1  # same weights, same seed: the same first rollouts
+    assert par["max_abs_delta_loss_before_divergence"] <= LOSS_ATOL
+    roll = rew.rolling(10, min_periods=1).mean()
     for b in backends:
-        assert (rew[b] - rew["trl"]).abs().max() <= STEP_TOLERANCE, b
-        assert (loss[b] - loss["trl"]).abs().max() <= LOSS_TOLERANCE, b
-        assert abs(loss[b].iloc[0] - loss["trl"].iloc[0]) <= FIRST_STEP_LOSS_ATOL, b
-        assert rew[b].iloc[0] == rew["trl"].iloc[0]  # same weights, same seed: the same first rollouts
+        same = loss.index < first_div
+        assert (loss[b][same] - loss["trl"][same]).abs().max() <= LOSS_ATOL, b
+        assert (roll[b] - roll["trl"]).abs().max() <= ROLLING_TOLERANCE, b
     assert (tmp_path / "quick.png").stat().st_size > 10_000
     # the committed curves are shown at once (default parameters)
     nb = json.loads(out_nb.read_text())
