@@ -103,21 +103,11 @@ def num_generations_for(batch_size: int, world_size: int) -> tuple[int, int]:
 
 
 def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbacks=()):
-    """The GRPO trainer for `spec`: `grpo_lab.trl_glue.GRPOLabTrainer` with `loss_backend=spec.backend` when the glue
-    is installed; plain `trl.GRPOTrainer` (backend "trl" only) until then."""
+    """The GRPO trainer for `spec`: `grpo_lab.trl_glue.GRPOLabTrainer` with `loss_backend=spec.backend`."""
     from grpo_lab.models import build_model, load_model_config
+    from grpo_lab.trl_glue import GRPOLabConfig, GRPOLabTrainer
 
-    try:
-        from grpo_lab.trl_glue import GRPOLabConfig, GRPOLabTrainer  # type: ignore[import-not-found]
-
-        config_cls, trainer_cls, backend_kw = GRPOLabConfig, GRPOLabTrainer, {"loss_backend": spec.backend}
-    except ImportError:
-        if spec.backend != "trl":
-            raise ValueError(f"loss backend {spec.backend!r} needs grpo_lab.trl_glue, which is not installed yet; "
-                             "only 'trl' runs without it.") from None
-        from trl import GRPOConfig, GRPOTrainer
-
-        config_cls, trainer_cls, backend_kw = GRPOConfig, GRPOTrainer, {}
+    config_cls, trainer_cls, backend_kw = GRPOLabConfig, GRPOLabTrainer, {"loss_backend": spec.backend}
 
     if spec.pretrained:  # real weights (memory is the same as random init of the same config)
         from transformers import AutoConfig
