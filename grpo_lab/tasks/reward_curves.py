@@ -178,21 +178,6 @@ def prepare(cfg: EmbeddedConfig, log=print) -> Prepared:
     return Prepared(tok, state, kept, held, info)
 
 
-def _trainer_classes(backend: str):
-    """GRPOLabTrainer/GRPOLabConfig (the one `loss_backend` switch) when available, else plain TRL for 'trl'."""
-    try:
-        from grpo_lab.trl_glue import GRPOLabConfig, GRPOLabTrainer
-
-        return GRPOLabConfig, GRPOLabTrainer, True
-    except ImportError:
-        if backend == "trl":
-            from trl import GRPOConfig, GRPOTrainer
-
-            return GRPOConfig, GRPOTrainer, False
-        raise RuntimeError(f"loss_backend={backend!r} needs grpo_lab.trl_glue (GRPOLabTrainer), which is not "
-                           "importable here; use backends=('trl',).") from None
-
-
 def available_backends(backends) -> tuple[str, ...]:
     """Drop 'liger' when liger-kernel is not installed (and say so)."""
     out = []
@@ -212,12 +197,12 @@ def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, backend: str, ou
     import datasets
     from peft import LoraConfig
 
-    Config, Trainer, has_switch = _trainer_classes(backend)
+    from grpo_lab.trl_glue import GRPOLabConfig as Config, GRPOLabTrainer as Trainer
+
     model = build_tiny_model(prep.tokenizer, cfg.model, seed=cfg.seed)
     model.load_state_dict(prep.base_state)
     model.to(cfg.device)
     ds = datasets.Dataset.from_list([{"prompt": r["problem"], "answer": r["answer"]} for r in prep.train_rows])
-    extra = {"loss_backend": backend} if has_switch else {}
     args = Config(
         output_dir=output_dir, max_steps=cfg.steps, learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
         warmup_steps=0, per_device_train_batch_size=cfg.prompts_per_step * cfg.num_generations,
@@ -225,7 +210,7 @@ def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, backend: str, ou
         max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, beta=cfg.beta,
         logging_steps=1, save_strategy="no", report_to="none", seed=cfg.seed, data_seed=cfg.seed,
         use_cpu=cfg.device == "cpu", bf16=False, gradient_checkpointing=False, dataloader_num_workers=0,
-        disable_tqdm=True, **extra,
+        disable_tqdm=True, loss_backend=backend,
     )
     peft = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules="all-linear", lora_dropout=0.0,
                       task_type="CAUSAL_LM")
