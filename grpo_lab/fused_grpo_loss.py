@@ -10,7 +10,6 @@ reference implementation, `grpo_lab.loss.grpo_loss`, with TRL 1.16 semantics and
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from .backends import get_logprob_backend

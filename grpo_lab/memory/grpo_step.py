@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .meter import BudgetExceeded, device_info, make_meter, resolve_device
+from .meter import BudgetExceeded, device_info, prepare_probe_device
 from .spec import PointSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -271,13 +271,7 @@ def _collect_lora_grads(model) -> dict:
 
 def run_grpo_steps(spec: PointSpec, output_dir: str, capture_grads: bool = False) -> dict:
     """Build the trainer and run `spec.steps` optimizer steps; return the phase peaks (bytes), times and losses."""
-    device = resolve_device(spec.device)
-    meter = make_meter(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        if spec.budget_bytes is not None:
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, spec.budget_bytes / total), device)
+    device, meter = prepare_probe_device(spec.device, spec.budget_bytes)
     base = meter.current()
     rec = PhaseRecorder(meter, spec.budget_bytes)
     rec.capture_grads = capture_grads

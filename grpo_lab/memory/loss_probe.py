@@ -13,7 +13,7 @@ import time
 import torch
 
 from .grpo_step import TORCH_DTYPES
-from .meter import BudgetExceeded, device_info, make_meter, resolve_device
+from .meter import BudgetExceeded, device_info, prepare_probe_device
 from .spec import PointSpec
 
 
@@ -34,13 +34,7 @@ def _logprob_fn(backend: str):
 def run_loss_probe(spec: PointSpec) -> dict:
     from grpo_lab.models import load_model_config
 
-    device = resolve_device(spec.device)
-    meter = make_meter(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        if spec.budget_bytes is not None:
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, spec.budget_bytes / total), device)
+    device, meter = prepare_probe_device(spec.device, spec.budget_bytes)
     if spec.pretrained:
         from transformers import AutoConfig
 

@@ -30,7 +30,7 @@ import pandas as pd
 
 from .probe import ProbeError, run_point
 from .results import GiB, environment, make_row, write_csv
-from .spec import (PointSpec, check_backend, check_model, check_positive_int, normalize_dtype, parse_int_list,
+from .spec import (PointSpec, check_backend, check_model, check_positive_int, normalize_dtype,
                    parse_str_list)
 
 FIGURE = "fsdp_max_batch"

@@ -124,3 +124,16 @@ def device_info(device: torch.device) -> dict:
     import platform
 
     return {"device_name": "", "device_total_bytes": None, "host_cpu": platform.machine()}
+
+
+def prepare_probe_device(spec_device: str, budget_bytes: int | None):
+    """The probe's device and meter; on CUDA the allocator is capped at `budget_bytes`, so an over-budget point
+    fails as a real out-of-memory rather than by a check after the fact."""
+    device = resolve_device(spec_device)
+    meter = make_meter(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if budget_bytes is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+    return device, meter
