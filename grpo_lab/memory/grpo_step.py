@@ -89,10 +89,11 @@ def synthetic_rollout(completion_len: int, vocab_size: int, specials: set[int], 
 
 
 def num_generations_for(batch_size: int, world_size: int) -> tuple[int, int]:
-    """(num_generations, gradient_accumulation_steps) so that one micro-step holds exactly `batch_size` sequences.
+    """(num_generations, steps_per_generation) so that one optimizer step holds exactly `batch_size` sequences.
 
     GRPO needs groups of >= 2; the smallest divisor >= 2 of the global batch is used (memory does not depend on it).
-    A global batch of 1 uses 2 accumulation micro-steps of 1 sequence each."""
+    A global batch of 1 generates a group of 2 and trains on it over 2 optimizer steps of 1 sequence (never gradient
+    accumulation, whose no-sync path transformers only supports for models it sharded itself)."""
     total = batch_size * world_size
     if total == 1:
         return 2, 2
@@ -116,8 +117,8 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
     else:
         model_config = load_model_config(spec.model)
     tokenizer = build_tokenizer(model_config)
-    num_generations, grad_accum = num_generations_for(spec.batch_size, spec.world_size)
-    global_batch = spec.batch_size * spec.world_size * grad_accum
+    num_generations, steps_per_generation = num_generations_for(spec.batch_size, spec.world_size)
+    global_batch = spec.batch_size * spec.world_size * steps_per_generation
     n_prompts = max(1, global_batch // num_generations) * (spec.steps + 1)
     dataset = build_dataset(tokenizer, model_config.vocab_size, spec.prompt_len, n_prompts, spec.seed)
 
@@ -130,7 +131,8 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
     args = config_cls(
         output_dir=output_dir,
         per_device_train_batch_size=spec.batch_size,
-        gradient_accumulation_steps=grad_accum,
+        gradient_accumulation_steps=1,
+        steps_per_generation=steps_per_generation,
         num_generations=num_generations,
         max_completion_length=spec.completion_len,
         max_steps=spec.steps,

@@ -53,3 +53,12 @@ def test_generation_by_the_model_is_measured_separately():
     r = run_point(PointSpec(batch_size=2, generation="model", **TINY))
     assert r["status"] == "ok", r["message"]
     assert r["peak_generation_bytes"] > r["base_bytes"]
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_a_single_sequence_batch_trains(fsdp):
+    """B=1 needs a group of 2 spread over 2 optimizer steps; under FSDP2 it must not take the no-sync path that
+    transformers only supports for models it sharded itself (a search that lands on B=1 used to crash there)."""
+    r = run_point(PointSpec(batch_size=1, backend="grpo_lab", lora_r=4 if fsdp else 0, fsdp=fsdp, **TINY))
+    assert r["status"] == "ok", r["message"]
+    assert r["steps_done"] == 2
