@@ -38,9 +38,10 @@ FIGURE = "fsdp_max_batch"
 PRESETS = {
     # CPU, 2 gloo processes, tiny Qwen3s (tied and untied heads); a budget small enough that the limit is reached
     # CPU: FSDP2 over a 1-process gloo group (the 2-process run is in the tests), LoRA r=8, small-qwen3 (vocab
-    # 8192, so the logits matter); a budget small enough that the limit is reached at a few sequences
+    # 8192, so the logits matter); a budget 0.03 GiB above what one sequence needs, so the limit is reached at a few
+    # sequences whatever fixed RSS the Python environment adds (measured: 0.11 GiB in one venv, 0.15 in another)
     "quick": dict(models=["small-qwen3"], backends=["naive", "trl", "grpo_lab"], dtype="fp32",
-                  prompt_len=8, completion_len=24, world_size=1, lora_r=8, budget_gib=0.13, start=4, upper=32,
+                  prompt_len=8, completion_len=24, world_size=1, lora_r=8, budget_above_one_gib=0.03, start=4, upper=32,
                   rel_tol=0.25, steps=1, device="cpu"),
     # One H200 (world size 1), bf16 LoRA r=16, 256 prompt + 512 completion tokens, the whole GPU as budget
     "full": dict(models=["Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B", "Qwen3-8B"], backends=["naive", "trl", "grpo_lab",
@@ -183,9 +184,11 @@ class Search:
 
 def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prompt_len=256, completion_len=512,
                    world_size=1, lora_r=16, budget_gib=None, budget_fraction=None, start=8, upper=1024,
-                   rel_tol=0.0, steps=1, device="auto") -> list[Search]:
+                   rel_tol=0.0, steps=1, device="auto", budget_above_one_gib=None) -> list[Search]:
     """One search per model × backend, validated up front. The budget: `budget_gib`, or `budget_fraction` of the
-    GPU's memory (CUDA), or the whole GPU; on CPU `budget_gib` is required (there is no device limit to hit)."""
+    GPU's memory (CUDA), or `budget_above_one_gib` more than a one-sequence probe of the first model and backend
+    needs (measured here, for budgets that mean the same in every environment), or the whole GPU; on CPU one of
+    `budget_gib` / `budget_above_one_gib` is required (there is no device limit to hit)."""
     models = [check_model(m) for m in parse_str_list(models)]
     backends = [check_backend(b) for b in parse_str_list(backends)]
     dtype = normalize_dtype(dtype)
@@ -206,6 +209,15 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
         if total is None:
             raise ValueError("budget_fraction needs a CUDA GPU; on CPU give budget_gib")
         budget = int(float(budget_fraction) * total)
+    elif budget_above_one_gib is not None:
+        if float(budget_above_one_gib) <= 0:
+            raise ValueError(f"budget_above_one_gib must be positive, got {budget_above_one_gib}")
+        one = PointSpec(model=models[0], backend=backends[0], dtype=dtype, batch_size=1, prompt_len=prompt_len,
+                        completion_len=completion_len, lora_r=int(lora_r), fsdp=True, world_size=world_size,
+                        steps=steps, device=device)
+        r = run_point(one)
+        used = r["peak_bytes"] - (r.get("base_bytes", 0) if r.get("memory_kind") == "cpu_rss" else 0)
+        budget = int(used + float(budget_above_one_gib) * GiB)
     elif device == "cpu" or (device == "auto" and _gpu_total_bytes() is None):
         raise ValueError("on CPU give a memory budget (budget_gib): there is no device limit to run into")
     out = []
@@ -357,10 +369,9 @@ def main(argv=None) -> int:
         v = getattr(a, k)
         if v is not None:
             preset[k] = v
-            if k == "budget_gib":
-                preset["budget_fraction"] = None
-            if k == "budget_fraction":
-                preset["budget_gib"] = None
+            if k in ("budget_gib", "budget_fraction"):
+                preset.pop("budget_above_one_gib", None)
+                preset["budget_fraction" if k == "budget_gib" else "budget_gib"] = None
     try:
         if "liger" in parse_str_list(preset["backends"]):
             import importlib.util
