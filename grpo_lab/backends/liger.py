@@ -75,10 +75,11 @@ def _last_hidden_state(model, input_ids, attention_mask, logits_to_keep):
 
 def liger_compute_loss(trainer, model, inputs):
     """`GRPOTrainer._compute_loss` with Liger's fused linear GRPO loss (same normalisers as TRL 1.16)."""
-    config = GRPOLossConfig.from_trl_args(trainer.args)
-    if getattr(trainer, "_grpo_lab_liger_loss", None) is None:
-        device = trainer.accelerator.device
-        trainer._grpo_lab_liger_loss = make_liger_loss(config, compiled=device.type == "cuda")
+    liger_loss = getattr(trainer, "_grpo_lab_liger_loss", None)
+    if liger_loss is None:  # built once: the trainer's loss options do not change during training
+        liger_loss = make_liger_loss(GRPOLossConfig.from_trl_args(trainer.args),
+                                     compiled=trainer.accelerator.device.type == "cuda")
+        trainer._grpo_lab_liger_loss = liger_loss
     prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
@@ -94,15 +95,15 @@ def liger_compute_loss(trainer, model, inputs):
         num_items = num_items * accumulation / trainer.args.steps_per_generation
     is_ratio = inputs.get("importance_sampling_ratio") if (
         trainer.use_vllm and trainer.vllm_importance_sampling_correction) else None
-    loss, metrics = trainer._grpo_lab_liger_loss(
+    loss, metrics = liger_loss(
         _input=hidden, lin_weight=head.weight, selected_token_ids=completion_ids, attention_mask=mask,
         advantages=inputs["advantages"], bias=head.bias, old_per_token_logps=inputs.get("old_per_token_logps"),
         ref_per_token_logps=inputs.get("ref_per_token_logps"), vllm_is_ratio=is_ratio,
         num_items_in_batch=num_items,
     )
-    if config.loss_type not in ("dapo", "cispo", "vespo"):
+    if liger_loss.loss_type not in ("dapo", "cispo", "vespo"):
         loss = loss / accumulation  # TRL scales these for gradient accumulation; Liger does not
-    if config.beta != 0.0:
+    if liger_loss.beta != 0.0:
         trainer._metrics[mode]["kl"].append(trainer.accelerator.gather(metrics[0]).mean().item())
     trainer._metrics[mode]["clip_ratio/region_mean"].append(trainer.accelerator.gather(metrics[-1]).mean().item())
     return loss
