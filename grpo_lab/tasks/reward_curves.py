@@ -311,8 +311,6 @@ BOARD_SERIES = [Series("reward", "reward (rolling mean 10)", rolling=10), Series
 def run_reward_curves(cfg: EmbeddedConfig, out_dir: str | os.PathLike | None = None, board: bool | str = "auto",
                       tag: str = "embedded", log=print) -> dict:
     """Steps 1-3 for every backend; writes `<out_dir>/<tag>.csv`, `.png`, `.json` when out_dir is given."""
-    import pandas as pd
-
     if cfg.cpu_threads:
         old = torch.get_num_threads()
         torch.set_num_threads(cfg.cpu_threads)
@@ -333,10 +331,24 @@ def run_reward_curves(cfg: EmbeddedConfig, out_dir: str | os.PathLike | None = N
         lb = LiveBoard(BOARD_SERIES, total=cfg.steps * len(backends), title=f"GRPO {tag}",
                        mode="auto" if board is True or board == "auto" else board)
     runs = []
+    summary: dict = {}
     for b in backends:
         if lb is not None:
             lb.set_group(b)
         runs.append(run_grpo(cfg, prep, b, board=lb, heldout_start=held_start, log=log))
+        # written after every backend, so a run cut short (a time-limited GPU call) keeps what it finished
+        summary = _summarise(cfg, prep, runs, held_start, tag, t_all, out_dir, plot=b == backends[-1], log=log)
+    if lb is not None:
+        lb.close()
+    return summary
+
+
+def _summarise(cfg: EmbeddedConfig, prep: Prepared, runs: list[dict], held_start: float, tag: str, t_all: float,
+               out_dir, plot: bool = True, log=print) -> dict:
+    """The long-format curves, the JSON summary and (when `plot`) the figure of the runs so far; written when
+    out_dir is given."""
+    import pandas as pd
+
     env = environment_info(cfg.device)
     rows = []
     for run in runs:
@@ -355,16 +367,16 @@ def run_reward_curves(cfg: EmbeddedConfig, out_dir: str | os.PathLike | None = N
         "backends": {r["backend"]: {k: r[k] for k in ("reward_start", "reward_end", "heldout_start", "heldout_end",
                                                       "seconds", "window")} for r in runs},
         "parity": parity(runs) if len(runs) > 1 else {}, "total_seconds": time.perf_counter() - t_all,
+        "complete": len(runs) == len(cfg.backends),
     }
-    title = f"GRPO reward curves ({tag}, LoRA r={cfg.lora_r}, lr {cfg.learning_rate:g})"
-    try:
-        png = plot_curves(df, title=title)
-    except ImportError:  # e.g. a GPU box without matplotlib: replot later with --replot
-        png = None
-        log("matplotlib not installed: no PNG written; render it later with "
-            "`python -m grpo_lab.tasks.reward_curves --replot <csv>`")
-    if lb is not None:
-        lb.close()
+    png = None
+    if plot:
+        title = f"GRPO reward curves ({tag}, LoRA r={cfg.lora_r}, lr {cfg.learning_rate:g})"
+        try:
+            png = plot_curves(df, title=title)
+        except ImportError:  # e.g. a GPU box without matplotlib: replot later with --replot
+            log("matplotlib not installed: no PNG written; render it later with "
+                "`python -m grpo_lab.tasks.reward_curves --replot <csv>`")
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
