@@ -63,6 +63,14 @@ def plot_memory_vs_batch(df: pd.DataFrame, mode: str = "step", fig=None, dtypes=
     return fig
 
 
+def _bound_kind(row) -> str:
+    """'' for an exact max batch, 'capped' when the search hit its upper bound, 'incomplete' when it was cut short
+    with the limit bracketed (max_batch fits, first_oom does not)."""
+    if row.get("status") == "incomplete" and pd.notna(row.get("first_oom")):
+        return "incomplete"
+    return "capped" if bool(row.get("capped", False)) else ""
+
+
 def plot_max_batch(df: pd.DataFrame, fig=None):
     """Bars: max per-device batch per model size and backend, labelled with the ratio to naive and to trl."""
     import matplotlib.pyplot as plt
@@ -76,33 +84,46 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
         return fig
     models = list(dict.fromkeys(df["model"]))
     backends = _ordered(df["backend"])
-    if "status" in df:
-        failed = df[df["status"] != "ok"]
-        df = df[df["status"] == "ok"]
+    if "status" in df:  # "incomplete": a search cut short with a bracket; drawn as its lower bound, hatched
+        drawn = df["status"].isin(["ok", "incomplete"])
+        failed, df = df[~drawn], df[drawn]
     else:
         failed = df.iloc[0:0]
     width = 0.8 / max(1, len(backends))
     x = np.arange(len(models))
     top = max(1, df["max_batch"].max())
     for i, backend in enumerate(backends):
-        vals, capped = [], []
+        vals, bounds = [], []
         for m in models:
             sel = df[(df["model"] == m) & (df["backend"] == backend)]
             v = sel["max_batch"]
             vals.append(int(v.iloc[0]) if len(v) and pd.notna(v.iloc[0]) else 0)
-            capped.append(bool(sel["capped"].iloc[0]) if len(sel) and "capped" in sel else False)
+            bounds.append(_bound_kind(sel.iloc[0]) if len(sel) else "")
         pos = x + (i - (len(backends) - 1) / 2) * width
-        ax.bar(pos, vals, width, label=backend, color=BACKEND_STYLE.get(backend, {}).get("color"))
-        for m, p, v, cap in zip(models, pos, vals, capped):
+        color = BACKEND_STYLE.get(backend, {}).get("color")
+        bars = ax.bar(pos, vals, width, label=backend, color=color)
+        for bar, kind in zip(bars, bounds):
+            if kind == "incomplete":
+                bar.set_hatch("//")
+                bar.set_facecolor("none")
+                bar.set_edgecolor(color)
+        for m, p, v, kind in zip(models, pos, vals, bounds):
             f = failed[(failed["model"] == m) & (failed["backend"] == backend)]
             if len(f):
                 ax.text(p, top * 0.01, str(f["status"].iloc[0]), ha="center", va="bottom", fontsize=7, rotation=90)
                 continue
-            labels = [f"≥{v}" if cap else str(v)]
+            sel = df[(df["model"] == m) & (df["backend"] == backend)]
+            if sel.empty:  # this backend was not searched for this model
+                continue
+            labels = [f"≥{v}" if kind == "capped" else f"{v}–{int(sel['first_oom'].iloc[0]) - 1}"
+                      if kind == "incomplete" else str(v)]
             for ref in ("naive", "trl"):
-                r = df[(df["model"] == m) & (df["backend"] == ref)]["max_batch"]
-                if backend != ref and len(r) and pd.notna(r.iloc[0]) and r.iloc[0] > 0:
-                    labels.append(f"{v / r.iloc[0]:.2f}×{ref[0]}")
+                rr = df[(df["model"] == m) & (df["backend"] == ref)]
+                if backend == ref or not len(rr) or not pd.notna(rr["max_batch"].iloc[0]) or rr["max_batch"].iloc[0] <= 0:
+                    continue
+                if _bound_kind(rr.iloc[0]):  # a lower bound over a lower bound says nothing
+                    continue
+                labels.append(f"{'≥' if kind else ''}{v / rr['max_batch'].iloc[0]:.2f}×{ref[0]}")
             ax.text(p, v + top * 0.01, "\n".join(labels), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x, models)
     ax.set_ylabel("max per-device batch that fits")

@@ -215,6 +215,7 @@ def _run_point(spec: PointSpec, timeout_s, start_method: str, capture_grads: boo
         if spec.world_size > 1:
             out["per_rank"] = [s[1] for s in statuses]
             out["peak_bytes"] = max(s[1]["peak_bytes"] for s in statuses)
+            out["reserved_bytes"] = max((s[1].get("reserved_bytes") or 0 for s in statuses), default=0) or None
     else:
         out["message"] = next(str(s[1]) for s in statuses if s[0] == status)
     return out

@@ -33,6 +33,49 @@ def test_exact_answer_against_known_memory_model(limit, guess):
         assert len(calls) <= 10  # vs ~2·log2(limit) for plain doubling + bisection
 
 
+@pytest.mark.parametrize("per_seq_gib", [0.09, 0.43, 1.2, 14.0])
+def test_reserved_footprint_finds_the_limit_in_a_few_probes(per_seq_gib):
+    """As on the H200: the reserved peak (what must fit) sits ~15 % above the allocated one and moves in 2 GiB
+    segments. The search reads it and needs a handful of probes, where the earlier gallop from an allocated-peak
+    guess took 9-11 (Qwen3-1.7B/8B, trl/grpo_lab)."""
+    import math
+
+    setup, budget, seg = 18.5 * GiB, 140.4 * GiB, 2 * GiB
+    calls = []
+
+    def reserved(b):
+        return math.ceil((setup + per_seq_gib * GiB * b) / seg) * seg
+
+    def fits(b):
+        calls.append(b)
+        r = reserved(b)
+        return r <= budget, {"peak_bytes": setup + 0.87 * per_seq_gib * GiB * b, "reserved_bytes": r,
+                             "setup_bytes": setup - 1.3 * GiB, "base_bytes": 0}
+
+    limit = max(b for b in range(1, 5000) if reserved(b) <= budget)
+    res = search_max_batch(fits, start=8, upper=4096, rel_tol=0.03, budget=budget)
+    assert res.max_batch <= limit < res.first_oom
+    assert res.first_oom - res.max_batch <= max(1, 0.03 * res.max_batch)
+    assert len(calls) <= 6, res.probes
+    assert len(calls) == len(set(calls))
+
+
+@pytest.mark.parametrize("limit", [3, 50, 300])
+def test_a_misleading_memory_reading_still_gives_the_exact_answer(limit):
+    """Peaks that say nothing true about the limit (flat, or growing much faster than it): the guided probes are
+    bounded and bisection finishes the job."""
+    for peak in (lambda b: 1.0, lambda b: 100.0 * b * b):
+        calls = []
+
+        def fits(b, peak=peak):
+            calls.append(b)
+            return b <= limit, {"peak_bytes": peak(b), "setup_bytes": 0.5, "base_bytes": 0}
+
+        res = search_max_batch(fits, start=8, upper=1024, budget=1e4)
+        assert (res.max_batch, res.first_oom) == (limit, limit + 1)
+        assert len(calls) <= 2 * 11 + 3
+
+
 def test_capped_and_tolerance():
     fits, _ = known_model(5000)
     res = search_max_batch(fits, start=8, upper=256, budget=1e9)
@@ -99,3 +142,24 @@ def test_full_command_runs_on_cpu_in_a_tiny_setting(tmp_path):
     assert rc == 0
     df = pd.read_csv(tmp_path / "fsdp_max_batch.csv")
     assert len(df) == len(max_batch.PRESETS["full"]["backends"]) + 1
+
+
+def test_figure_marks_lower_bounds_and_searches_that_did_not_run():
+    """An exact bar, a capped one (≥), a search cut short with a bracket (hatched, 'lo–hi'), a skipped one (named,
+    no bar) and a backend not searched for a model (nothing)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from grpo_lab.memory.plots import plot_max_batch
+
+    rows = [("m1", "naive", 100, 103, False, "ok"), ("m1", "trl", 1024, None, True, "ok"),
+            ("m2", "naive", 76, 78, False, "ok"), ("m2", "trl", 286, 291, False, "ok"),
+            ("m2", "grpo_lab", 246, 326, False, "incomplete"), ("m3", "naive", 0, None, False, "skipped")]
+    df = pd.DataFrame(rows, columns=["model", "backend", "max_batch", "first_oom", "capped", "status"])
+    ax = plot_max_batch(df).axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    assert "≥1024\n≥10.24×n" in texts
+    assert "246–325\n≥3.24×n\n≥0.86×t" in texts
+    assert "skipped" in texts
+    hatched = [p for p in ax.patches if p.get_hatch()]
+    assert len(hatched) == 1 and hatched[0].get_height() == 246
