@@ -109,6 +109,8 @@ def closing_note_memory(df: pd.DataFrame | None) -> str:
     lines.append("| dtype | batch | " + " | ".join(c.replace(" vs naive %", "") for c in t.columns) + " |")
     lines.append("|---|---|" + "---|" * len(t.columns))
     for (mode, dtype, b), r in t.iterrows():
+        if r.isna().all():  # naive did not run there: said below
+            continue
         lines.append(f"| {dtype} | {b} | " + " | ".join("" if pd.isna(v) else f"{v:.0f} %" for v in r) + " |")
     oom = df[(df["mode"] == "step") & (df["status"] == "oom")]
     for dtype in sorted(set(df["dtype"])):
@@ -119,6 +121,10 @@ def closing_note_memory(df: pd.DataFrame | None) -> str:
             extra = ", ".join(f"{b} up to B={int(g['batch_size'].max())}" for b, g in fits.groupby("backend"))
             lines.append(f"\n{dtype}: `naive` is out of memory from B={int(first.min())}" +
                          (f"; still running: {extra}." if extra else "."))
+    skipped = df[df["status"].isin(["skipped", "error"])]
+    if len(skipped):
+        lines.append("\nNot measured: " + ", ".join(f"{r['mode']} {r['dtype']} {r['backend']} B={r['batch_size']} "
+                                                   f"({r['status']})" for _, r in skipped.iterrows()) + ".")
     return "\n".join(lines)
 
 
@@ -165,18 +171,40 @@ def run_max_batch(params: dict, out_dir: str | Path, name: str, board=None):
 
 
 def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Max batch per model × backend with the ratios to naive and to trl."""
+    """Max batch per model × backend with the ratios to naive and to trl, as display strings: "≥1024" where the
+    search hit its cap, "246–325" where it was cut short with the limit bracketed (ratios then "≥"), and no ratio
+    over a reference that is itself only a lower bound."""
+    from .plots import _bound_kind
+
     if df is None or df.empty:
         return pd.DataFrame()
     if "status" in df:
-        df = df[df["status"] == "ok"]
-    piv = df.pivot_table(index="model", columns="backend", values="max_batch", aggfunc="max", sort=False)
-    out = piv.copy()
+        df = df[df["status"].isin(["ok", "incomplete"])]
+    models = list(dict.fromkeys(df["model"]))
+    backends = list(dict.fromkeys(df["backend"]))
+    cell = {(r["model"], r["backend"]): r for _, r in df.iterrows()}
+
+    def label(r):
+        kind, v = _bound_kind(r), int(r["max_batch"])
+        return f"≥{v}" if kind == "capped" else f"{v}–{int(r['first_oom']) - 1}" if kind == "incomplete" else str(v)
+
+    out = pd.DataFrame(index=pd.Index(models, name="model"))
+    for b in backends:
+        out[b] = [label(cell[(m, b)]) if (m, b) in cell else "" for m in models]
     for ref in ("naive", "trl"):
-        if ref in piv:
-            for b in piv.columns:
-                if b != ref:
-                    out[f"{b}/{ref}"] = (piv[b] / piv[ref].where(piv[ref] > 0)).round(2)
+        if ref not in backends:
+            continue
+        for b in backends:
+            if b == ref:
+                continue
+            col = []
+            for m in models:
+                num, den = cell.get((m, b)), cell.get((m, ref))
+                if num is None or den is None or _bound_kind(den) or not den["max_batch"] > 0:
+                    col.append("")
+                else:
+                    col.append(f"{'≥' if _bound_kind(num) else ''}{num['max_batch'] / den['max_batch']:.2f}×")
+            out[f"{b}/{ref}"] = col
     return out
 
 
@@ -190,8 +218,11 @@ def closing_note_max_batch(df: pd.DataFrame | None) -> str:
              "batch (the seed article: *1.5–1.8×* larger with the chunked loss):", "",
              "| model | " + " | ".join(map(str, t.columns)) + " |", "|---|" + "---|" * len(t.columns)]
     for m, row in t.iterrows():
-        lines.append(f"| {m} | " + " | ".join("" if pd.isna(v) else (f"{v:.2f}×" if "/" in str(c) else f"{int(v)}")
-                                               for c, v in row.items()) + " |")
+        lines.append(f"| {m} | " + " | ".join(str(v) for v in row) + " |")
+    missing = df[~df["status"].isin(["ok", "incomplete"])] if "status" in df else df.iloc[0:0]
+    if len(missing):
+        lines += ["", "Not run: " + ", ".join(f"{r['model']} {r['backend']} ({r['status']})"
+                                              for _, r in missing.iterrows()) + "."]
     return "\n".join(lines)
 
 

@@ -163,3 +163,24 @@ def test_figure_marks_lower_bounds_and_searches_that_did_not_run():
     assert "skipped" in texts
     hatched = [p for p in ax.patches if p.get_hatch()]
     assert len(hatched) == 1 and hatched[0].get_height() == 246
+
+
+def test_ratio_table_says_which_figures_are_bounds():
+    from grpo_lab.memory.notebook import closing_note_max_batch, ratio_table
+
+    rows = [("m1", "naive", 100, 103, False, "ok"), ("m1", "trl", 1024, None, True, "ok"),
+            ("m1", "grpo_lab", 1024, None, True, "ok"),
+            ("m2", "naive", 76, 78, False, "ok"), ("m2", "trl", 286, 291, False, "ok"),
+            ("m2", "grpo_lab", 246, 326, False, "incomplete"), ("m3", "naive", 86, 88, False, "ok"),
+            ("m3", "grpo_lab", 0, None, False, "skipped")]
+    df = pd.DataFrame(rows, columns=["model", "backend", "max_batch", "first_oom", "capped", "status"])
+    t = ratio_table(df)
+    assert t.loc["m1", "trl"] == "≥1024" and t.loc["m1", "trl/naive"] == "≥10.24×"
+    assert t.loc["m1", "grpo_lab/trl"] == ""  # a bound over a bound
+    assert t.loc["m2", "grpo_lab"] == "246–325" and t.loc["m2", "grpo_lab/trl"] == "≥0.86×"
+    assert t.loc["m2", "trl/naive"] == "3.76×"
+    assert t.loc["m3", "grpo_lab"] == ""
+    df = df.assign(gpu_name="GPU", lora_r=16, dtype="bf16", prompt_len=256, completion_len=512, world_size=1,
+                   budget_gib=140.0, date="2026-12-02")
+    note = closing_note_max_batch(df)
+    assert "| m2 | 76 | 286 | 246–325 |" in note and "Not run: m3 grpo_lab (skipped)." in note

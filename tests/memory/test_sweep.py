@@ -79,3 +79,16 @@ def test_replot_from_a_csv(tmp_path):
     assert sweep.main(["--replot", str(tmp_path / "r.csv")]) == 0
     assert (tmp_path / "r_loss_only.png").is_file()
     assert sweep.main(["--replot", str(tmp_path / "missing.csv")]) == 2
+
+
+def test_memory_closing_note_on_the_committed_h200_sweep():
+    """The note reads the committed CSV: savings where naive ran, naive's OOM point, and what was not measured."""
+    from grpo_lab.memory import notebook as nb
+
+    df = nb.reference_memory_vs_batch()
+    note = nb.closing_note_memory(df)
+    assert "| bf16 | 64 | 89 % | 89 % | 89 % |" in note
+    assert "| bf16 | 96 |" not in note  # naive out of memory there: in the sentence, not as an empty row
+    assert "bf16: `naive` is out of memory from B=96" in note
+    skipped = df[df["status"] == "skipped"]
+    assert len(skipped) == 1 and "Not measured: step fp32 liger B=96 (skipped)." in note
