@@ -87,8 +87,13 @@ def test_memory_closing_note_on_the_committed_h200_sweep():
 
     df = nb.reference_memory_vs_batch()
     note = nb.closing_note_memory(df)
-    assert "| bf16 | 64 | 89 % | 89 % | 89 % |" in note
-    assert "| bf16 | 96 |" not in note  # naive out of memory there: in the sentence, not as an empty row
-    assert "bf16: `naive` is out of memory from B=96" in note
-    skipped = df[df["status"] == "skipped"]
-    assert len(skipped) == 1 and "Not measured: step fp32 liger B=96 (skipped)." in note
+    step = df[df["mode"] == "step"]
+    for dtype in ("bf16", "fp32"):
+        naive = step[(step["backend"] == "naive") & (step["dtype"] == dtype)]
+        first_oom = int(naive[naive["status"] == "oom"]["batch_size"].min())
+        assert f"{dtype}: `naive` is out of memory from B={first_oom}" in note
+        assert f"| {dtype} | {first_oom} |" not in note  # no empty row where naive did not run
+        for b in naive[naive["status"] == "ok"]["batch_size"]:
+            assert f"| {dtype} | {b} |" in note
+    for _, r in df[df["status"] == "skipped"].iterrows():
+        assert f"{r['mode']} {r['dtype']} {r['backend']} B={r['batch_size']} (skipped)" in note
