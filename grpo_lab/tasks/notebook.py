@@ -56,7 +56,10 @@ def committed_figures(folder: Path | None = None) -> list[dict]:
         env = summary.get("env", {})
         cap = f"{env.get('device', '?')}, torch {env.get('torch', '?')}, trl {env.get('trl', '?')}, {env.get('date', '')}"
         if summary.get("parity"):
-            cap += "; " + ", ".join(f"{k} {v:.4f}" for k, v in summary["parity"].items())
+            cap += "; " + ", ".join(f"{k} {'none' if v is None else f'{v:.4g}'}" for k, v in summary["parity"].items())
+        unfinished = [b for b in summary.get("config", {}).get("backends", []) if b not in summary.get("backends", {})]
+        if unfinished:
+            cap += f"; not finished: {', '.join(unfinished)}"
         table = summary_table(summary) if summary.get("backends") else None
         out.append({"tag": png.stem, "png": png.read_bytes(), "caption": cap, "table": table})
     return out

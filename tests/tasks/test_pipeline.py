@@ -95,3 +95,31 @@ def test_gpu_script_runs_tiny_on_cpu(tmp_path):
     r = subprocess.run([sys.executable, "-m", "grpo_lab.tasks.reward_curves", "--replot", str(tmp_path / "tiny.csv")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and (tmp_path / "tiny.png").stat().st_size > 1000, r.stderr[-2000:]
+
+
+def test_a_run_cut_short_keeps_the_backends_it_finished(tmp_path, monkeypatch):
+    """The files are written after every backend (a time-limited GPU call keeps what it finished), and the
+    notebook's committed-figure caption names the backends that did not finish."""
+    import pandas as pd
+
+    from grpo_lab.tasks import notebook as nb03, reward_curves as rc
+
+    real = rc.run_grpo
+
+    def run_grpo(cfg, prep, backend, **kw):
+        if backend == "naive":
+            raise KeyboardInterrupt("the call's time limit")
+        return real(cfg, prep, backend, **kw)
+
+    monkeypatch.setattr(rc, "run_grpo", run_grpo)
+    cfg = replace(EmbeddedConfig(), steps=2, prompts_per_step=4, num_generations=4, n_candidates=300, n_heldout=10,
+                  eval_k=4, backends=("trl", "naive"))
+    with pytest.raises(KeyboardInterrupt):
+        rc.run_reward_curves(cfg, tmp_path, board=False, tag="cut")
+    df = pd.read_csv(tmp_path / "cut.csv")
+    assert set(df["backend"]) == {"trl"} and (df["metric"] == "reward").sum() == 2
+    summary = json.loads((tmp_path / "cut.json").read_text())
+    assert summary["complete"] is False and list(summary["backends"]) == ["trl"]
+    (tmp_path / "cut.png").write_bytes(rc.plot_curves(df))
+    fig, = nb03.committed_figures(tmp_path)
+    assert "not finished: naive" in fig["caption"] and list(fig["table"].index) == ["trl"]
