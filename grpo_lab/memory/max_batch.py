@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from .probe import ProbeError, run_point
@@ -55,8 +56,10 @@ class SearchResult:
     max_batch: int  # largest batch that fitted (0: not even 1)
     first_oom: int | None  # smallest batch that did not fit (None: never hit)
     capped: bool  # stopped at `upper` with everything fitting
-    probes: list[tuple[int, str]] = field(default_factory=list)  # (batch, ok|oom) in probe order
+    probes: list[tuple[int, str]] = field(default_factory=list)  # (batch, ok|oom) in probe order, resumed ones first
     results: dict[int, dict] = field(default_factory=dict)
+    incomplete: bool = False  # stopped by `out_of_time` before the gap was closed (max_batch, first_oom: the bracket)
+    resumed: int = 0  # earlier probes it started from
 
 
 def _footprint(r: dict) -> float:
@@ -93,7 +96,8 @@ def linear_guess(results: dict[int, dict], budget: float | None) -> int | None:
 
 def search_max_batch(fits: Callable[[int], tuple[bool, dict]], start: int = 1, upper: int = 1024,
                      rel_tol: float = 0.0, budget: float | None = None, guess: bool = True,
-                     on_probe: Callable[[int, bool], None] | None = None) -> SearchResult:
+                     on_probe: Callable[[int, bool], None] | None = None, known: dict[int, dict] | None = None,
+                     out_of_time: Callable[[], bool] | None = None) -> SearchResult:
     """Find the largest batch in [1, upper] for which `fits(b)` is true, assuming fits is monotone (fits at b ⇒ fits
     below b), to within a gap of max(1, rel_tol × B). `fits` returns (fitted, details); details with `peak_bytes`
     (and `reserved_bytes`, `setup_bytes`) feed the linear guess.
@@ -102,7 +106,11 @@ def search_max_batch(fits: Callable[[int], tuple[bool, dict]], start: int = 1, u
     [lo + gap, hi − gap] so every probe narrows it by at least a gap (at most two such probes once bracketed, then
     bisection); a probe that fits while the line says the limit is already passed moves up by a step that doubles
     each time. Without a guess (no budget or memory reading, or `guess=False`) it is doubling from `start`, then
-    bisection. On a linear memory model this takes 3-5 probes
+    bisection.
+
+    `known`: earlier probes ({batch: details with "status" ok|oom}) to start from instead of `start` (a search
+    resumed after a time limit). `out_of_time`: asked before each new probe; when it says so the search stops and
+    returns its bracket with `incomplete=True`. On a linear memory model this takes 3-5 probes
     (the H200 runs: 11 with the previous gallop)."""
     start = check_positive_int(start, "start")
     upper = check_positive_int(upper, "upper")
@@ -122,10 +130,22 @@ def search_max_batch(fits: Callable[[int], tuple[bool, dict]], start: int = 1, u
         return ok
 
     lo, hi = 0, None  # lo fits (0 = nothing yet), hi does not fit
-    if not probe(start):
-        hi = start
-    else:
-        lo = start
+    for b, details in sorted((known or {}).items()):
+        if details.get("status") in ("ok", "oom") and 1 <= b <= upper:
+            res.results[b] = dict(details)
+            res.probes.append((b, details["status"]))
+            res.resumed += 1
+    fitted = [b for b, r in res.results.items() if r["status"] == "ok"]
+    lo = max(fitted, default=0)
+    hi = min((b for b, r in res.results.items() if r["status"] == "oom" and b > lo), default=None)
+    if not res.results:
+        if out_of_time is not None and out_of_time():
+            res.incomplete = True
+            return res
+        if not probe(start):
+            hi = start
+        else:
+            lo = start
     climb = 0  # probes in a row that fitted although the line had put the limit at or below them
     bracket_guesses = 2  # guided probes allowed once bracketed; then bisection (a wrong line cannot crawl)
     while True:
@@ -151,6 +171,9 @@ def search_max_batch(fits: Callable[[int], tuple[bool, dict]], start: int = 1, u
         else:
             b = (lo + hi) // 2
         b = max(lo + 1, b) if hi is None else min(max(lo + 1, b), hi - 1)
+        if out_of_time is not None and out_of_time():
+            res.incomplete = True
+            break
         if probe(b):
             lo = b
         else:
@@ -238,14 +261,18 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
 
 def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_probe=None, on_search=None,
                  guess: bool = True, keep_going: bool = False, append: bool = False,
-                 max_seconds: float | None = None) -> pd.DataFrame:
+                 max_seconds: float | None = None, resume: bool = False) -> pd.DataFrame:
     """Run each search; returns one row per search (max batch, first OOM, probes) and, next to `out_csv`, writes
     `<name>_probes.csv` with one row per probe (the memory-harness columns).
 
     A probe failing for a reason other than memory raises `ProbeError`; with `keep_going` the search is recorded
     with `status="error"` and its message instead, and the next search runs. With `append`, rows already in
-    `out_csv` for other (model, backend) pairs are kept. Searches not started within `max_seconds` are recorded as
-    `skipped`."""
+    `out_csv` for other (model, backend) pairs are kept. After `max_seconds` no new probe starts: the search under way
+    is recorded as `incomplete` (its bracket in max_batch / first_oom) and the ones not started as `skipped`. With
+    `resume` (implies `append`), a search starts from the probes already in `<name>_probes.csv` for the same
+    model, backend, dtype, lengths, LoRA rank, world size and budget, so a search cut short goes on where it
+    stopped."""
+    append = append or resume
     env = environment(searches[0].base.device if searches else "auto")
     rows, probe_rows = [], []
     previous = previous_probes = None
@@ -256,8 +283,15 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
         done = {(s.base.model, s.base.backend) for s in searches}
         previous = previous[[(m, b) not in done for m, b in zip(previous["model"], previous["backend"])]]
         if previous_probes is not None:
-            previous_probes = previous_probes[[(m, b) not in done for m, b in
-                                               zip(previous_probes["model"], previous_probes["backend"])]]
+            if resume:
+                reusable = np.zeros(len(previous_probes), dtype=bool)
+                for s in searches:
+                    reusable |= _same_search(previous_probes, s)
+            else:
+                reusable = np.zeros(len(previous_probes), dtype=bool)
+            others = np.array([(m, b) not in done for m, b in
+                               zip(previous_probes["model"], previous_probes["backend"])], dtype=bool)
+            previous_probes = previous_probes[others | reusable]
 
     def merged(frame, old):
         return frame if old is None or old.empty else pd.concat([old, frame], ignore_index=True)
@@ -287,12 +321,24 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
         if budget is None and probe_rows:  # no nvidia-smi: the GPU size the earlier probes reported
             budget = next((r.get("_device_total") for r in probe_rows if r.get("_device_total")), None)
         status, message = "ok", ""
+        known = _known_probes(previous_probes, s) if resume and previous_probes is not None else {}
+
+        def out_of_time():
+            return max_seconds is not None and time.perf_counter() - t_start > max_seconds
+
         try:
-            if max_seconds is not None and t0 - t_start > max_seconds:
+            if out_of_time():
                 res, status, message = SearchResult(0, None, False), "skipped", f"not run: {max_seconds:.0f}s limit"
             else:
                 res = search_max_batch(fits, start=s.start, upper=s.upper, rel_tol=s.rel_tol, budget=budget,
-                                       guess=guess)
+                                       guess=guess, known=known, out_of_time=out_of_time)
+                if res.incomplete:
+                    status = "incomplete"
+                    message = (f"stopped by the {max_seconds:.0f}s limit: fits at {res.max_batch}, "
+                               + (f"out of memory at {res.first_oom}" if res.first_oom else "no OOM yet")
+                               + "; rerun with --resume to go on")
+                if res.resumed:
+                    message = (message + "; " if message else "") + f"resumed from {res.resumed} earlier probes"
         except ProbeError as e:
             if not keep_going:
                 raise
@@ -324,6 +370,33 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
     return merged(pd.DataFrame(rows), previous)
 
 
+def _same_search(probes: pd.DataFrame, s: Search) -> np.ndarray:
+    """Rows of a probes CSV that are probes of search `s` (same coordinates; a budget of the whole GPU is NaN)."""
+    b = s.base
+    same = np.ones(len(probes), dtype=bool)
+    for col, v in (("model", b.model), ("backend", b.backend), ("dtype", b.dtype), ("prompt_len", b.prompt_len),
+                   ("completion_len", b.completion_len), ("lora_r", b.lora_r), ("world_size", b.world_size)):
+        same &= (probes[col] == v).to_numpy()
+    budget = probes["budget_gib"].to_numpy(dtype=float)
+    if b.budget_bytes is None:
+        same &= np.isnan(budget)
+    else:
+        same &= np.isclose(budget, b.budget_bytes / GiB, rtol=1e-3)
+    return same & probes["status"].isin(["ok", "oom"]).to_numpy()
+
+
+def _known_probes(probes: pd.DataFrame, s: Search) -> dict[int, dict]:
+    """The earlier probes of search `s` as search results (peaks back in bytes)."""
+    out = {}
+    for _, r in probes[_same_search(probes, s)].iterrows():
+        d = {"status": r["status"], "memory_kind": r.get("memory_kind")}
+        for col, key in (("peak_raw_gib", "peak_bytes"), ("reserved_gib", "reserved_bytes"), ("base_gib", "base_bytes")):
+            if col in r and pd.notna(r[col]):
+                d[key] = float(r[col]) * GiB
+        out[int(r["batch_size"])] = d
+    return out
+
+
 def _probes_path(out_csv) -> Path:
     p = Path(out_csv)
     return p.with_name(p.stem + "_probes.csv")
@@ -353,7 +426,11 @@ def main(argv=None) -> int:
     p.add_argument("--name")
     p.add_argument("--keep-going", action="store_true", help="record a failing search as an error and go on")
     p.add_argument("--append", action="store_true", help="keep the other (model, backend) rows of an existing CSV")
-    p.add_argument("--max-minutes", type=float, default=None, help="start no new search after this long")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="start no new probe after this long: the search under way is recorded as incomplete (its "
+                        "bracket), the rest as skipped")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from the probes already in <name>_probes.csv for the same setting (implies --append)")
     p.add_argument("--replot", metavar="CSV", help="only redraw the PNG of an existing CSV (next to it)")
     a = p.parse_args(argv)
     if a.replot:
@@ -404,7 +481,8 @@ def main(argv=None) -> int:
 
     try:
         df = run_searches(searches, out_csv=csv, on_probe=on_probe, on_search=on_search, keep_going=a.keep_going,
-                          append=a.append, max_seconds=None if a.max_minutes is None else a.max_minutes * 60)
+                          append=a.append, max_seconds=None if a.max_minutes is None else a.max_minutes * 60,
+                          resume=a.resume)
     except ProbeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -64,10 +64,11 @@ def plot_memory_vs_batch(df: pd.DataFrame, mode: str = "step", fig=None, dtypes=
 
 
 def _bound_kind(row) -> str:
-    """'' for an exact max batch, 'capped' when the search hit its upper bound, 'incomplete' when it was cut short
-    with the limit bracketed (max_batch fits, first_oom does not)."""
-    if row.get("status") == "incomplete" and pd.notna(row.get("first_oom")):
-        return "incomplete"
+    """'' for an exact max batch; 'capped' (a lower bound: "≥B") when the search hit its upper bound or was cut
+    short before any OOM; 'incomplete' when it was cut short with the limit bracketed (max_batch fits, first_oom
+    does not)."""
+    if row.get("status") == "incomplete":
+        return "incomplete" if pd.notna(row.get("first_oom")) else "capped"
     return "capped" if bool(row.get("capped", False)) else ""
 
 

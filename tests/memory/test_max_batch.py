@@ -184,3 +184,69 @@ def test_ratio_table_says_which_figures_are_bounds():
                    budget_gib=140.0, date="2026-12-02")
     note = closing_note_max_batch(df)
     assert "| m2 | 76 | 286 | 246–325 |" in note and "Not run: m3 grpo_lab (skipped)." in note
+
+
+@pytest.mark.parametrize("limit", [1, 37, 290, 700])
+@pytest.mark.parametrize("cut_after", [0, 1, 2, 3])
+def test_a_search_cut_short_returns_its_bracket_and_resumes_to_the_same_answer(limit, cut_after):
+    fits, calls = known_model(limit)
+    budget = 100 + 10 * limit + 5
+    whole = search_max_batch(fits, start=8, upper=1024, rel_tol=0.03, budget=budget)
+    fits, calls = known_model(limit)
+    cut = search_max_batch(fits, start=8, upper=1024, rel_tol=0.03, budget=budget,
+                           out_of_time=lambda: len(calls) >= cut_after)
+    assert len(calls) == min(cut_after, len(whole.probes))
+    if cut.incomplete:
+        assert cut.max_batch <= limit and (cut.first_oom is None or cut.first_oom > limit)
+    first = list(calls)
+    resumed = search_max_batch(fits, start=8, upper=1024, rel_tol=0.03, budget=budget, known=cut.results)
+    assert not resumed.incomplete and resumed.resumed == len(first)
+    assert resumed.max_batch <= limit < resumed.first_oom
+    assert resumed.first_oom - resumed.max_batch <= max(1, 0.03 * resumed.max_batch)
+    assert len(calls) == len(set(calls)), "a resumed search does not probe again what it already knows"
+    assert [b for b, _ in resumed.probes[:len(first)]] == sorted(first)
+
+
+def test_run_searches_records_a_cut_search_as_incomplete_and_resume_finishes_it(tmp_path, monkeypatch):
+    """Through the probe pipeline and the CSVs: a time limit hit mid-search leaves status `incomplete` with the
+    bracket; `resume` starts from the probes CSV, probes nothing twice, and ends at the exact limit (16)."""
+    calls, clock = [], [0.0]
+
+    def fake_run_point(spec):
+        calls.append(spec.batch_size)
+        clock[0] += 60.0  # each probe takes a minute
+        peak = (1 + 0.25 * spec.batch_size) * GiB
+        ok = peak <= spec.budget_bytes
+        return {"status": "ok" if ok else "oom", "peak_bytes": peak if ok else None, "base_bytes": 0,
+                "reserved_bytes": peak if ok else None, "setup_bytes": 1 * GiB, "memory_kind": "cuda_allocated",
+                "wall_s": 60.0, "message": "" if ok else "CUDA out of memory"}
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+    monkeypatch.setattr(max_batch, "run_point", fake_run_point)
+    monkeypatch.setattr(max_batch, "time", FakeTime)
+    searches = build_searches(models="tiny-qwen3", backends="trl,naive", dtype="bf16", prompt_len=8,
+                              completion_len=8, lora_r=4, budget_gib=5.1, start=1, upper=512, device="cpu",
+                              rel_tol=0.0)
+    csv = tmp_path / "mb.csv"
+    df = run_searches(searches, out_csv=csv, max_seconds=90.0, guess=False)
+    assert list(df["status"]) == ["incomplete", "skipped"]
+    cut = df.iloc[0]
+    assert cut["max_batch"] == 2 and pd.isna(cut["first_oom"]) and cut["n_probes"] == 2
+    first = list(calls)
+    df = run_searches(searches, out_csv=csv, resume=True, guess=False)
+    assert list(df["status"]) == ["ok", "ok"] and list(df["max_batch"]) == [16, 16]
+    assert "resumed from 2 earlier probes" in df.iloc[0]["message"]
+    assert not set(first) & set(calls[len(first):len(first) + int(df.iloc[0]["n_probes"]) - 2])
+    probes = pd.read_csv(tmp_path / "mb_probes.csv")
+    assert len(probes) == df["n_probes"].sum()
+    assert not probes.duplicated(["model", "backend", "batch_size"]).any()
+    # probes of another setting (here: another budget) are not reused
+    other = build_searches(models="tiny-qwen3", backends="trl", dtype="bf16", prompt_len=8, completion_len=8,
+                           lora_r=4, budget_gib=6.1, start=1, upper=512, device="cpu", rel_tol=0.0)
+    df = run_searches(other, out_csv=csv, resume=True, guess=False)
+    row = df[df["backend"] == "trl"].iloc[0]
+    assert row["max_batch"] == 20 and "resumed" not in str(row["message"])
