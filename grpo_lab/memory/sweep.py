@@ -66,11 +66,14 @@ def _series_key(s: PointSpec):
 def run_sweep(specs: list[PointSpec], out_csv: str | Path | None = None,
               on_point: Callable[[dict, int, int], None] | None = None, skip_after_oom: bool = True,
               max_seconds: float | None = None, figure: str = FIGURE, keep_going: bool = False,
-              append: bool = False) -> pd.DataFrame:
+              append: bool = False, resume: bool = False) -> pd.DataFrame:
     """Measure every spec (in order), calling `on_point(row, index, total)` after each; the CSV is rewritten after
     every point so an interrupted sweep keeps what it measured. Errors other than OOM raise `ProbeError`; with
     `keep_going` the point is recorded as `error` (message kept), the rest of its series is not run, and the sweep
-    goes on. With `append`, rows of an existing `out_csv` at other coordinates are kept."""
+    goes on. With `append`, rows of an existing `out_csv` at other coordinates are kept. With `resume` (implies
+    `append`), points the CSV already holds as ok or oom (same lengths) are not measured again, and its OOMs stop
+    their series as if measured now: rerunning a sweep cut by `max_seconds` measures only what is missing."""
+    append = append or resume
     env = environment(specs[0].device if specs else "auto")
     rows: list[dict] = []
     oom_at: dict = {}
@@ -78,6 +81,8 @@ def run_sweep(specs: list[PointSpec], out_csv: str | Path | None = None,
     previous = None
     if append and out_csv is not None and Path(out_csv).is_file():
         previous = pd.read_csv(out_csv)
+        if resume:
+            specs, oom_at = _unmeasured(specs, previous)
         new = {(s.model, s.mode, s.dtype, s.backend, s.batch_size) for s in specs}
         keys = zip(previous["model"], previous["mode"], previous["dtype"], previous["backend"], previous["batch_size"])
         previous = previous[[k not in new for k in keys]]
@@ -112,6 +117,26 @@ def run_sweep(specs: list[PointSpec], out_csv: str | Path | None = None,
     return frame if previous is None else pd.concat([previous, frame], ignore_index=True)
 
 
+def _unmeasured(specs: list[PointSpec], previous: pd.DataFrame) -> tuple[list[PointSpec], dict]:
+    """The specs `previous` does not hold as ok/oom at the same lengths, and the OOM batch per series it holds."""
+    done = previous[previous["status"].isin(["ok", "oom"])]
+    measured = {(m, mo, d, b, int(bs), int(pl), int(cl)) for m, mo, d, b, bs, pl, cl in zip(
+        done["model"], done["mode"], done["dtype"], done["backend"], done["batch_size"], done["prompt_len"],
+        done["completion_len"])}
+    left, oom_at = [], {}
+    for s in specs:
+        if (s.model, s.mode, s.dtype, s.backend, s.batch_size, s.prompt_len, s.completion_len) in measured:
+            row = done[(done["model"] == s.model) & (done["mode"] == s.mode) & (done["dtype"] == s.dtype) &
+                       (done["backend"] == s.backend) & (done["batch_size"] == s.batch_size) &
+                       (done["prompt_len"] == s.prompt_len) & (done["completion_len"] == s.completion_len)]
+            if (row["status"] == "oom").any():
+                key = _series_key(s)
+                oom_at[key] = min(oom_at.get(key, s.batch_size), s.batch_size)
+        else:
+            left.append(s)
+    return left, oom_at
+
+
 def _print_point(row: dict, i: int, n: int) -> None:
     peak = "OOM" if row["status"] == "oom" else (row["status"] if row["peak_gib"] is None else f"{row['peak_gib']:.3f} GiB")
     print(f"[{i + 1}/{n}] {row['mode']:4s} {row['dtype']} {row['backend']:8s} B={row['batch_size']:<4d} {peak}"
@@ -139,6 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--name", default=None, help="CSV/PNG base name (default: memory_vs_batch[_quick])")
     p.add_argument("--keep-going", action="store_true", help="record a failing point as an error and go on")
     p.add_argument("--append", action="store_true", help="keep the other rows of an existing CSV (split runs)")
+    p.add_argument("--resume", action="store_true",
+                   help="measure only the points the CSV does not hold yet as ok/oom (implies --append)")
     p.add_argument("--replot", metavar="CSV", help="only redraw the PNGs of an existing CSV (next to it)")
     a = p.parse_args(argv)
     if a.replot:
@@ -172,7 +199,7 @@ def main(argv=None) -> int:
     print(f"{len(specs)} points → {csv}", flush=True)
     try:
         df = run_sweep(specs, out_csv=csv, on_point=_print_point, keep_going=a.keep_going, append=a.append,
-                       max_seconds=None if a.max_minutes is None else a.max_minutes * 60)
+                       max_seconds=None if a.max_minutes is None else a.max_minutes * 60, resume=a.resume)
     except ProbeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
