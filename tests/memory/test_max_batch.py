@@ -207,27 +207,22 @@ def test_a_search_cut_short_returns_its_bracket_and_resumes_to_the_same_answer(l
     assert [b for b, _ in resumed.probes[:len(first)]] == sorted(first)
 
 
-def test_run_searches_records_a_cut_search_as_incomplete_and_resume_finishes_it(tmp_path, monkeypatch):
+def test_run_searches_records_a_cut_search_as_incomplete_and_resume_finishes_it(tmp_path, monkeypatch, fake_clock):
     """Through the probe pipeline and the CSVs: a time limit hit mid-search leaves status `incomplete` with the
     bracket; `resume` starts from the probes CSV, probes nothing twice, and ends at the exact limit (16)."""
-    calls, clock = [], [0.0]
+    calls = []
 
     def fake_run_point(spec):
         calls.append(spec.batch_size)
-        clock[0] += 60.0  # each probe takes a minute
+        fake_clock.advance(60.0)  # each probe takes a minute
         peak = (1 + 0.25 * spec.batch_size) * GiB
         ok = peak <= spec.budget_bytes
         return {"status": "ok" if ok else "oom", "peak_bytes": peak if ok else None, "base_bytes": 0,
                 "reserved_bytes": peak if ok else None, "setup_bytes": 1 * GiB, "memory_kind": "cuda_allocated",
                 "wall_s": 60.0, "message": "" if ok else "CUDA out of memory"}
 
-    class FakeTime:
-        @staticmethod
-        def perf_counter():
-            return clock[0]
-
     monkeypatch.setattr(max_batch, "run_point", fake_run_point)
-    monkeypatch.setattr(max_batch, "time", FakeTime)
+    monkeypatch.setattr(max_batch, "time", fake_clock)
     searches = build_searches(models="tiny-qwen3", backends="trl,naive", dtype="bf16", prompt_len=8,
                               completion_len=8, lora_r=4, budget_gib=5.1, start=1, upper=512, device="cpu",
                               rel_tol=0.0)

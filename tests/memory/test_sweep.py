@@ -99,26 +99,21 @@ def test_memory_closing_note_on_the_committed_h200_sweep():
         assert f"{r['mode']} {r['dtype']} {r['backend']} B={r['batch_size']} (skipped)" in note
 
 
-def test_resume_measures_only_what_a_cut_sweep_left(tmp_path, monkeypatch):
+def test_resume_measures_only_what_a_cut_sweep_left(tmp_path, monkeypatch, fake_clock):
     """A sweep stopped by its time limit, rerun with resume: the points already ok/oom are not measured again, an
     OOM already recorded still stops its series, and the CSV ends with one row per point."""
-    calls, clock = [], [0.0]
+    calls = []
 
     def fake_run_point(spec):
         calls.append((spec.backend, spec.batch_size))
-        clock[0] += 10.0
+        fake_clock.advance(10.0)
         if spec.backend == "naive" and spec.batch_size >= 8:
             return {"status": "oom", "message": "CUDA out of memory", "wall_s": 10.0}
         return {"status": "ok", "peak_bytes": spec.batch_size * 2**30, "base_bytes": 0,
                 "memory_kind": "cuda_allocated", "wall_s": 10.0}
 
-    class FakeTime:
-        @staticmethod
-        def perf_counter():
-            return clock[0]
-
     monkeypatch.setattr(sweep, "run_point", fake_run_point)
-    monkeypatch.setattr(sweep, "time", FakeTime)
+    monkeypatch.setattr(sweep, "time", fake_clock)
     specs = sweep.build_specs(model="tiny-qwen3", backends="naive,trl", batch_sizes="2,4,8,16", modes="step",
                               dtypes="fp32")
     csv = tmp_path / "m.csv"
