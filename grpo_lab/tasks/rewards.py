@@ -18,6 +18,7 @@ from functools import lru_cache
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _INT_RE = re.compile(r"^[+-]?\d+$")
+_THOUSANDS_RE = re.compile(r"^[+-]?\d{1,3}(,\d{3})+$")  # 30,951 (a list of answers, "1,3", is not an integer)
 
 
 def last_boxed(text: str) -> str | None:
@@ -68,8 +69,11 @@ def _parse_cached(latex: str, main_thread: bool):
 
 
 def _int_or_none(s: str) -> int | None:
-    s = s.strip().replace(",", "").replace(" ", "")
+    """The integer `s` spells (plain, or with thousands separators), else None: the fast path of `grade`."""
+    s = s.strip().replace(" ", "")
     s = s[1:-1] if len(s) > 1 and s[0] == "$" and s[-1] == "$" else s
+    if _THOUSANDS_RE.match(s):
+        s = s.replace(",", "")
     return int(s) if _INT_RE.match(s) else None
 
 

@@ -78,3 +78,10 @@ def test_verl_layout_normalised(tmp_path):
     verl.save_to_disk(str(tmp_path / "v"))
     ds = load_sanity(tmp_path / "v")
     assert ds[0] == {"problem": "What is 1+1?", "answer": "2"}
+
+
+def test_a_list_of_answers_is_not_read_as_one_integer():
+    """The integer fast path drops only thousands separators: '1,3' (two solutions) is not 13."""
+    assert grade("13", "1,3") == 0.0 and grade("-18", "-1, 8") == 0.0 and grade("-21", "-2,1") == 0.0
+    assert grade("1,3", "1,3") == 1.0
+    assert grade("30951", "30,951") == 1.0 and grade("1,000,000", "1000000") == 1.0
