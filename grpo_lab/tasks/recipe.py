@@ -64,6 +64,9 @@ class RecipeConfig:
         if self.num_generations < 2:
             raise ValueError(f"num_generations (G) must be >= 2 (got {self.num_generations}): the group-relative "
                              "advantage of a group of one is always 0.")
+        if self.completions_per_step < 1 or self.micro_batch_size < 1:
+            raise ValueError(f"completions_per_step ({self.completions_per_step}) and micro_batch_size "
+                             f"({self.micro_batch_size}) must be >= 1.")
         if self.completions_per_step % self.num_generations:
             raise ValueError(f"completions_per_step={self.completions_per_step} must be a multiple of "
                              f"num_generations={self.num_generations}.")

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -83,9 +84,16 @@ class EmbeddedConfig:
                              "the reward minus its group mean, which is always 0 for a group of one.")
         if self.prompts_per_step < 1 or self.steps < 1:
             raise ValueError("prompts_per_step and steps must be >= 1.")
+        if not self.backends:
+            raise ValueError(f"No loss backend to run; choose from {BACKENDS} ('liger' is dropped when "
+                             "liger-kernel is not installed).")
         unknown = [b for b in self.backends if b not in BACKENDS]
-        if unknown or not self.backends:
+        if unknown:
             raise ValueError(f"Unknown loss backend(s) {unknown}; choose from {BACKENDS}.")
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"Each backend once (got {list(self.backends)}): the curves are keyed by backend name.")
+        if self.eval_k < 1:
+            raise ValueError(f"eval_k must be >= 1 (got {self.eval_k}): samples per held-out problem.")
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0 (got {self.learning_rate}).")
         if self.max_completion_length >= self.max_context:
@@ -255,8 +263,9 @@ def run_grpo(cfg: EmbeddedConfig, prep: Prepared, backend: str, board: LiveBoard
     out = {"backend": backend, "rows": rec.rows, "seconds": seconds, "heldout_start": heldout_start,
            "heldout_end": held_end, "reward_start": _mean(rewards[:w]), "reward_end": _mean(rewards[-w:]),
            "window": w}
+    held = f"{heldout_start:.3f}" if heldout_start is not None else "?"
     log(f"[{backend}] {len(rec.rows)} steps in {seconds:.0f}s: reward {out['reward_start']:.3f} -> "
-        f"{out['reward_end']:.3f} (first/last {w} steps); held-out {heldout_start:.3f} -> {held_end:.3f}")
+        f"{out['reward_end']:.3f} (first/last {w} steps); held-out {held} -> {held_end:.3f}")
     return out
 
 
@@ -274,6 +283,7 @@ def environment_info(device: str = "cpu") -> dict:
         dev = torch.cuda.get_device_name(0)
     return {"machine": f"{platform.node()} ({os.cpu_count()} CPUs)", "device": dev, "torch": torch.__version__,
             "transformers": transformers.__version__, "trl": trl.__version__,
+            "torch_threads": torch.get_num_threads(),  # the CPU curves depend on it (summation order)
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
@@ -337,7 +347,7 @@ def run_reward_curves(cfg: EmbeddedConfig, out_dir: str | os.PathLike | None = N
             lb.set_group(b)
         runs.append(run_grpo(cfg, prep, b, board=lb, heldout_start=held_start, log=log))
         # written after every backend, so a run cut short (a time-limited GPU call) keeps what it finished
-        summary = _summarise(cfg, prep, runs, held_start, tag, t_all, out_dir, plot=b == backends[-1], log=log)
+        summary = _summarise(cfg, prep, runs, held_start, tag, t_all, out_dir, log=log)
     if lb is not None:
         lb.close()
     return summary
@@ -380,13 +390,34 @@ def _summarise(cfg: EmbeddedConfig, prep: Prepared, runs: list[dict], held_start
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        df.to_csv(out / f"{tag}.csv", index=False, float_format="%.7g")
+        # each file replaced whole (written aside, then renamed): a run killed mid-write leaves the last good one
+        _write_atomic(out / f"{tag}.csv", df.to_csv(index=False, float_format="%.7g").encode())
         if png is not None:
-            (out / f"{tag}.png").write_bytes(png)
-        (out / f"{tag}.json").write_text(json.dumps(summary, indent=2, default=str))
+            _write_atomic(out / f"{tag}.png", png)
+        else:  # no matplotlib: drop a figure of an earlier run rather than leave it beside these curves
+            (out / f"{tag}.png").unlink(missing_ok=True)
+        _write_atomic(out / f"{tag}.json", json.dumps(summary, indent=2, default=str).encode())
         summary["files"] = [str(out / f"{tag}.{e}") for e in ("csv", "png", "json") if png is not None or e != "png"]
     summary["df"], summary["png"] = df, png
     return summary
+
+
+def _write_atomic(path: Path, data: bytes):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def read_summary(csv_or_json: str | os.PathLike) -> dict:
+    """The JSON sidecar of a curves CSV, or {} when it is missing or unreadable (said on stderr)."""
+    js = Path(csv_or_json).with_suffix(".json")
+    if not js.exists():
+        return {}
+    try:
+        return json.loads(js.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        print(f"warning: ignoring unreadable {js} ({e})", file=sys.stderr)
+        return {}
 
 
 def _jsonable(d):
@@ -450,8 +481,9 @@ def main(argv=None):
         import pandas as pd
 
         csv = Path(a.replot)
-        summary = json.loads(csv.with_suffix(".json").read_text()) if csv.with_suffix(".json").exists() else {}
-        c = summary.get("config", {})
+        if not csv.is_file():
+            p.error(f"no CSV {csv}")
+        c = read_summary(csv).get("config", {})
         title = f"GRPO reward curves ({csv.stem}, LoRA r={c.get('lora_r', '?')}, lr {c.get('learning_rate', '?')})"
         csv.with_suffix(".png").write_bytes(plot_curves(pd.read_csv(csv), title=title))
         print("wrote", csv.with_suffix(".png"))
@@ -465,7 +497,7 @@ def main(argv=None):
         cfg = replace(cfg, steps=3, prompts_per_step=4, num_generations=4, n_candidates=400, n_heldout=20,
                       eval_k=4)
     over = {"device": a.device, "steps": a.steps, "learning_rate": a.lr, "lora_r": a.rank, "num_generations": a.G,
-            "backends": tuple(a.backends.split(",")) if a.backends else None}
+            "backends": tuple(b.strip() for b in a.backends.split(",") if b.strip()) if a.backends else None}
     over |= {"prompts_per_step": a.prompts_per_step, "sft_max_steps": a.sft_max_steps}
     cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
     if a.hidden or a.layers:
@@ -475,7 +507,11 @@ def main(argv=None):
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but no CUDA device is visible")
     torch.backends.cuda.matmul.allow_tf32 = False
-    s = run_reward_curves(cfg, a.out, board=False, tag=a.tag or a.variant)
+    try:
+        cfg.validate()
+        s = run_reward_curves(cfg, a.out, board=False, tag=a.tag or a.variant)
+    except ValueError as e:  # a bad setting is a one-line message, not a traceback
+        p.error(str(e))
     print(json.dumps({k: s[k] for k in ("backends", "parity", "total_seconds", "files")}, indent=2, default=str))
 
 

@@ -63,6 +63,9 @@ def test_shipped_warm_start_and_sanity_construction():
     (dict(num_generations=1), r"num_generations \(G\) must be >= 2"),
     (dict(backends=("fast",)), "Unknown loss backend"),
     (dict(max_completion_length=40), "no room for a prompt"),
+    (dict(backends=()), "No loss backend to run"),
+    (dict(backends=("trl", "trl")), "Each backend once"),
+    (dict(eval_k=0), "eval_k must be >= 1"),
 ])
 def test_bad_embedded_configs(change, match):
     with pytest.raises(ValueError, match=match):
@@ -120,6 +123,43 @@ def test_a_run_cut_short_keeps_the_backends_it_finished(tmp_path, monkeypatch):
     assert set(df["backend"]) == {"trl"} and (df["metric"] == "reward").sum() == 2
     summary = json.loads((tmp_path / "cut.json").read_text())
     assert summary["complete"] is False and list(summary["backends"]) == ["trl"]
-    (tmp_path / "cut.png").write_bytes(rc.plot_curves(df))
+    assert (tmp_path / "cut.png").stat().st_size > 1000  # the figure of what finished, not of an earlier run
+    assert not list(tmp_path.glob("*.tmp"))
     fig, = nb03.committed_figures(tmp_path)
     assert "not finished: naive" in fig["caption"] and list(fig["table"].index) == ["trl"]
+
+
+def test_cli_bad_settings_are_one_line_errors(tmp_path):
+    for args, msg in ((["--backends", "trl, fast"], "Unknown loss backend(s) ['fast']"),
+                      (["--rank", "0"], "lora_r must be"), (["--backends", " , "], "No loss backend to run")):
+        r = subprocess.run([sys.executable, "-m", "grpo_lab.tasks.reward_curves", "--variant", "tiny", "--device",
+                            "cpu", "--out", str(tmp_path), *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "grpo_lab.tasks.reward_curves", "--replot", str(tmp_path / "no.csv")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no CSV" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_unreadable_summary_does_not_hide_the_other_figures(tmp_path, capsys):
+    from grpo_lab.tasks import notebook as nb03
+    from grpo_lab.tasks.reward_curves import plot_curves
+
+    import pandas as pd
+
+    df = pd.DataFrame({"backend": ["trl", "trl"], "step": [1, 2], "metric": ["reward", "reward"], "value": [0.1, 0.2]})
+    for tag in ("good", "broken"):
+        (tmp_path / f"{tag}.png").write_bytes(plot_curves(df))
+    (tmp_path / "good.json").write_text(json.dumps({"env": {"device": "cpu"}, "backends": {}}))
+    (tmp_path / "broken.json").write_text('{"env": {"dev')  # a write cut short
+    figs = nb03.committed_figures(tmp_path)
+    assert [f["tag"] for f in figs] == ["broken", "good"]
+    assert "unreadable" in capsys.readouterr().err
+
+
+def test_controls_start_at_the_parameters_cell_values():
+    from grpo_lab.tasks.notebook import controls
+
+    box = controls(replace(EmbeddedConfig(), lora_r=3, steps=2000, learning_rate=0.5, num_generations=32))
+    steps, lr, rank = box.children[0].children
+    g = box.children[1].children[0]
+    assert (steps.value, lr.value, rank.value, g.value) == (2000, 0.5, 3, 32)

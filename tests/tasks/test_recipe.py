@@ -25,6 +25,8 @@ def test_recipe_defaults_are_the_seed_recipe():
     (dict(completions_per_step=100), "multiple of num_generations"),
     (dict(max_completion_length=5000), "no room for a prompt"),
     (dict(loss_backend="fast"), "Unknown loss_backend"),
+    (dict(micro_batch_size=0), "must be >= 1"),
+    (dict(completions_per_step=0), "must be >= 1"),
 ])
 def test_bad_recipe_configs(change, match):
     with pytest.raises(ValueError, match=match):
