@@ -270,25 +270,27 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
     `out_csv` for other (model, backend) pairs are kept. After `max_seconds` no new probe starts: the search under way
     is recorded as `incomplete` (its bracket in max_batch / first_oom) and the ones not started as `skipped`. With
     `resume` (implies `append`), a search starts from the probes already in `<name>_probes.csv` for the same
-    model, backend, dtype, lengths, LoRA rank, world size and budget, so a search cut short goes on where it
+    model, backend, dtype, lengths, LoRA rank, world size, steps and budget, so a search cut short goes on where it
     stopped."""
     append = append or resume
     env = environment(searches[0].base.device if searches else "auto")
     rows, probe_rows = [], []
     previous = previous_probes = None
-    if append and out_csv is not None and Path(out_csv).is_file():
-        previous = pd.read_csv(out_csv)
+    if append and out_csv is not None and (Path(out_csv).is_file() or _probes_path(out_csv).is_file()):
+        # the probes CSV is written after every probe, the main one after every search: a job killed during its
+        # first search leaves only the former, and resume must still find it
+        previous = pd.read_csv(out_csv) if Path(out_csv).is_file() else None
         if _probes_path(out_csv).is_file():
             previous_probes = pd.read_csv(_probes_path(out_csv))
         done = {(s.base.model, s.base.backend) for s in searches}
-        previous = previous[[(m, b) not in done for m, b in zip(previous["model"], previous["backend"])]]
+        if previous is not None:
+            previous = previous[[(m, b) not in done for m, b in zip(previous["model"], previous["backend"])]]
         if previous_probes is not None:
-            if resume:
-                reusable = np.zeros(len(previous_probes), dtype=bool)
+            reusable = np.zeros(len(previous_probes), dtype=bool)
+            if resume:  # a budget measured again (budget_above_one_gib) differs by RSS noise: adopt the recorded one
+                searches = [_with_recorded_budget(previous_probes, s) for s in searches]
                 for s in searches:
                     reusable |= _same_search(previous_probes, s)
-            else:
-                reusable = np.zeros(len(previous_probes), dtype=bool)
             others = np.array([(m, b) not in done for m, b in
                                zip(previous_probes["model"], previous_probes["backend"])], dtype=bool)
             previous_probes = previous_probes[others | reusable]
@@ -327,7 +329,7 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
             return max_seconds is not None and time.perf_counter() - t_start > max_seconds
 
         try:
-            if out_of_time():
+            if out_of_time() and not known:  # with known probes the search may finish without a new one
                 res, status, message = SearchResult(0, None, False), "skipped", f"not run: {max_seconds:.0f}s limit"
             else:
                 res = search_max_batch(fits, start=s.start, upper=s.upper, rel_tol=s.rel_tol, budget=budget,
@@ -370,19 +372,34 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
     return merged(pd.DataFrame(rows), previous)
 
 
-def _same_search(probes: pd.DataFrame, s: Search) -> np.ndarray:
-    """Rows of a probes CSV that are probes of search `s` (same coordinates; a budget of the whole GPU is NaN)."""
+def _same_search(probes: pd.DataFrame, s: Search, budget_rtol: float = 1e-3) -> np.ndarray:
+    """Rows of a probes CSV that are probes of search `s` (same coordinates; a budget of the whole GPU is NaN;
+    CSVs written before the `steps` column existed held one-step probes)."""
     b = s.base
     same = np.ones(len(probes), dtype=bool)
     for col, v in (("model", b.model), ("backend", b.backend), ("dtype", b.dtype), ("prompt_len", b.prompt_len),
                    ("completion_len", b.completion_len), ("lora_r", b.lora_r), ("world_size", b.world_size)):
         same &= (probes[col] == v).to_numpy()
+    steps = probes["steps"].fillna(1) if "steps" in probes else pd.Series(1, index=probes.index)
+    same &= (steps == b.steps).to_numpy()
     budget = probes["budget_gib"].to_numpy(dtype=float)
     if b.budget_bytes is None:
         same &= np.isnan(budget)
     else:
-        same &= np.isclose(budget, b.budget_bytes / GiB, rtol=1e-3)
+        same &= np.isclose(budget, b.budget_bytes / GiB, rtol=budget_rtol)
     return same & probes["status"].isin(["ok", "oom"]).to_numpy()
+
+
+def _with_recorded_budget(probes: pd.DataFrame, s: Search) -> Search:
+    """`s` with the budget its earlier probes ran under, when that is within 2 % of its own (a budget measured
+    again at run time, `budget_above_one_gib`, moves by RSS noise); else `s` unchanged."""
+    if s.base.budget_bytes is None or _same_search(probes, s).any():
+        return s
+    near = probes[_same_search(probes, s, budget_rtol=0.02)]
+    if near.empty:
+        return s
+    recorded = int(round(float(near["budget_gib"].iloc[-1]) * GiB))
+    return Search(s.base.replace(budget_bytes=recorded), s.start, s.upper, s.rel_tol)
 
 
 def _known_probes(probes: pd.DataFrame, s: Search) -> dict[int, dict]:
@@ -390,7 +407,8 @@ def _known_probes(probes: pd.DataFrame, s: Search) -> dict[int, dict]:
     out = {}
     for _, r in probes[_same_search(probes, s)].iterrows():
         d = {"status": r["status"], "memory_kind": r.get("memory_kind")}
-        for col, key in (("peak_raw_gib", "peak_bytes"), ("reserved_gib", "reserved_bytes"), ("base_gib", "base_bytes")):
+        for col, key in (("peak_raw_gib", "peak_bytes"), ("reserved_gib", "reserved_bytes"), ("base_gib", "base_bytes"),
+                         ("setup_gib", "setup_bytes")):
             if col in r and pd.notna(r[col]):
                 d[key] = float(r[col]) * GiB
         out[int(r["batch_size"])] = d

@@ -85,6 +85,7 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
         return fig
     models = list(dict.fromkeys(df["model"]))
     backends = _ordered(df["backend"])
+    title_row = df.iloc[0]
     if "status" in df:  # "incomplete": a search cut short with a bracket; drawn as its lower bound, hatched
         drawn = df["status"].isin(["ok", "incomplete"])
         failed, df = df[~drawn], df[drawn]
@@ -92,7 +93,7 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
         failed = df.iloc[0:0]
     width = 0.8 / max(1, len(backends))
     x = np.arange(len(models))
-    top = max(1, df["max_batch"].max())
+    top = max(1, df["max_batch"].max()) if len(df) else 1
     for i, backend in enumerate(backends):
         vals, bounds = [], []
         for m in models:
@@ -131,7 +132,7 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
     ax.set_ylim(0, top * 1.3)
     ax.legend(title="loss backend (×n = vs naive, ×t = vs trl)", fontsize=8, loc="upper left",
               bbox_to_anchor=(1.0, 1.0))
-    r = df.iloc[0]
+    r = title_row
     ax.set_title(f"FSDP2 + LoRA r={r.get('lora_r', '')}: max batch, {r.get('dtype', '')}, "
                  f"{r.get('prompt_len', '')}+{r.get('completion_len', '')} tokens, world size {r.get('world_size', '')}"
                  f", budget {r.get('budget_gib', 0):.3g} GiB\n{r.get('gpu_name', '')} · {r.get('date', '')}",

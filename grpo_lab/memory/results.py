@@ -18,9 +18,9 @@ import pandas as pd
 GiB = 1024**3
 
 POINT_COLUMNS = ["figure", "model", "backend", "dtype", "mode", "generation", "batch_size", "prompt_len",
-                 "completion_len", "lora_r", "fsdp", "world_size", "budget_gib", "status", "peak_gib",
-                 "peak_generation_gib", "reserved_gib", "peak_raw_gib", "base_gib", "step_time_s", "wall_s",
-                 "memory_kind"]
+                 "completion_len", "lora_r", "fsdp", "world_size", "steps", "budget_gib", "status", "peak_gib",
+                 "peak_generation_gib", "reserved_gib", "peak_raw_gib", "base_gib", "setup_gib", "step_time_s",
+                 "wall_s", "memory_kind"]
 ENV_COLUMNS = ["device", "gpu_name", "torch", "trl", "transformers", "peft", "accelerate", "liger_kernel", "date",
                "host"]
 COLUMNS = POINT_COLUMNS + ENV_COLUMNS + ["message"]
@@ -101,10 +101,11 @@ def make_row(figure: str, spec, result: dict, env: dict) -> dict:
         "figure": figure, "model": spec.model, "backend": spec.backend, "dtype": spec.dtype, "mode": spec.mode,
         "generation": spec.generation if spec.mode == "step" else "none", "batch_size": spec.batch_size,
         "prompt_len": spec.prompt_len if spec.mode == "step" else 0, "completion_len": spec.completion_len,
-        "lora_r": spec.lora_r, "fsdp": spec.fsdp, "world_size": spec.world_size,
+        "lora_r": spec.lora_r, "fsdp": spec.fsdp, "world_size": spec.world_size, "steps": spec.steps,
         "budget_gib": gib(spec.budget_bytes), "status": result["status"], "peak_gib": gib(peak),
         "peak_generation_gib": gib(gen), "reserved_gib": gib(result.get("reserved_bytes")) if ok else None,
         "peak_raw_gib": gib(raw) if ok else None, "base_gib": gib(base) if ok else None,
+        "setup_gib": gib(result.get("setup_bytes")) if ok else None,  # model + optimizer before the step
         "step_time_s": result.get("step_time_s") if ok else None, "wall_s": result.get("wall_s"),
         "memory_kind": kind or ("cuda_allocated" if env.get("device") == "cuda" else "cpu_rss"),
         "message": (result.get("message") or "")[:300].replace("\n", " "),

@@ -125,10 +125,11 @@ def _unmeasured(specs: list[PointSpec], previous: pd.DataFrame) -> tuple[list[Po
         done["completion_len"])}
     left, oom_at = [], {}
     for s in specs:
-        if (s.model, s.mode, s.dtype, s.backend, s.batch_size, s.prompt_len, s.completion_len) in measured:
+        prompt_len = s.prompt_len if s.mode == "step" else 0  # how make_row records a loss-alone point
+        if (s.model, s.mode, s.dtype, s.backend, s.batch_size, prompt_len, s.completion_len) in measured:
             row = done[(done["model"] == s.model) & (done["mode"] == s.mode) & (done["dtype"] == s.dtype) &
                        (done["backend"] == s.backend) & (done["batch_size"] == s.batch_size) &
-                       (done["prompt_len"] == s.prompt_len) & (done["completion_len"] == s.completion_len)]
+                       (done["prompt_len"] == prompt_len) & (done["completion_len"] == s.completion_len)]
             if (row["status"] == "oom").any():
                 key = _series_key(s)
                 oom_at[key] = min(oom_at.get(key, s.batch_size), s.batch_size)

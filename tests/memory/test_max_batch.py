@@ -245,3 +245,75 @@ def test_run_searches_records_a_cut_search_as_incomplete_and_resume_finishes_it(
     df = run_searches(other, out_csv=csv, resume=True, guess=False)
     row = df[df["backend"] == "trl"].iloc[0]
     assert row["max_batch"] == 20 and "resumed" not in str(row["message"])
+
+
+def _linear_fake_probe(calls, per_gib=0.25, interrupt_at=None):
+    """A probe whose peak is 1 GiB + B × per_gib against spec.budget_bytes; raises KeyboardInterrupt (a job killed)
+    when asked for `interrupt_at`."""
+    def fake_run_point(spec):
+        if spec.batch_size == interrupt_at:
+            raise KeyboardInterrupt
+        calls.append((spec.backend, spec.batch_size, spec.budget_bytes))
+        peak = (1 + per_gib * spec.batch_size) * GiB
+        ok = peak <= spec.budget_bytes
+        return {"status": "ok" if ok else "oom", "peak_bytes": peak if ok else None, "base_bytes": 0,
+                "reserved_bytes": peak if ok else None, "setup_bytes": 1 * GiB, "memory_kind": "cuda_allocated",
+                "wall_s": 1.0, "message": "" if ok else "CUDA out of memory"}
+
+    return fake_run_point
+
+
+def _tiny_searches(backends="trl", budget_gib=5.1, steps=1):
+    return build_searches(models="tiny-qwen3", backends=backends, dtype="bf16", prompt_len=8, completion_len=8,
+                          lora_r=4, budget_gib=budget_gib, start=1, upper=512, device="cpu", rel_tol=0.0,
+                          steps=steps)
+
+
+def test_resume_after_a_job_killed_in_its_first_search(tmp_path, monkeypatch):
+    """Killed before any search ended, only the probes CSV exists; resume still starts from it."""
+    calls = []
+    csv = tmp_path / "mb.csv"
+    monkeypatch.setattr(max_batch, "run_point", _linear_fake_probe(calls, interrupt_at=4))
+    with pytest.raises(KeyboardInterrupt):
+        run_searches(_tiny_searches(), out_csv=csv, guess=False)
+    assert not csv.exists() and len(pd.read_csv(tmp_path / "mb_probes.csv")) == 2
+    calls.clear()
+    monkeypatch.setattr(max_batch, "run_point", _linear_fake_probe(calls))
+    df = run_searches(_tiny_searches(), out_csv=csv, resume=True, guess=False)
+    assert df.iloc[0]["max_batch"] == 16 and "resumed from 2" in df.iloc[0]["message"]
+    assert [b for _, b, _ in calls][:1] == [4]  # went on from B=2, did not start again at 1
+
+
+def test_resume_adopts_a_budget_measured_again_and_skips_other_step_counts(tmp_path, monkeypatch):
+    calls = []
+    csv = tmp_path / "mb.csv"
+    monkeypatch.setattr(max_batch, "run_point", _linear_fake_probe(calls))
+    run_searches(_tiny_searches(budget_gib=5.1), out_csv=csv, max_seconds=None, guess=False)
+    n_first = len(calls)
+    # the same setting with a budget that moved by 1 % (budget_above_one_gib is measured anew on every run)
+    df = run_searches(_tiny_searches(budget_gib=5.151), out_csv=csv, resume=True, guess=False)
+    assert len(calls) == n_first and round(df.iloc[0]["budget_gib"], 3) == 5.1
+    assert "resumed" in df.iloc[0]["message"]
+    # another number of optimizer steps per probe is another measurement: nothing reused
+    df = run_searches(_tiny_searches(budget_gib=5.1, steps=2), out_csv=csv, resume=True, guess=False)
+    assert len(calls) > n_first and "resumed" not in str(df.iloc[0]["message"])
+
+
+def test_resume_under_a_spent_time_limit_keeps_a_finished_search(tmp_path, monkeypatch, fake_clock):
+    calls = []
+    csv = tmp_path / "mb.csv"
+    monkeypatch.setattr(max_batch, "run_point", _linear_fake_probe(calls))
+    run_searches(_tiny_searches("trl,naive"), out_csv=csv, guess=False)
+    monkeypatch.setattr(max_batch, "time", fake_clock)
+    fake_clock.advance(1e6)
+    df = run_searches(_tiny_searches("trl,naive"), out_csv=csv, resume=True, max_seconds=1.0, guess=False)
+    assert list(df["status"]) == ["ok", "ok"] and list(df["max_batch"]) == [16, 16]
+
+
+def test_cli_with_every_search_skipped_prints_its_table(tmp_path, capsys):
+    """--max-minutes 0: nothing runs, the figure and table are still written (no traceback)."""
+    rc = max_batch.main(["--quick", "--backends", "naive", "--budget-gib", "0.5", "--max-minutes", "0",
+                         "--out", str(tmp_path)])
+    df = pd.read_csv(tmp_path / "fsdp_max_batch_quick.csv")
+    assert rc == 0 and list(df["status"]) == ["skipped"]
+    assert (tmp_path / "fsdp_max_batch_quick.png").is_file()

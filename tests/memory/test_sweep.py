@@ -125,5 +125,12 @@ def test_resume_measures_only_what_a_cut_sweep_left(tmp_path, monkeypatch, fake_
     assert calls == [("trl", 2), ("trl", 4), ("trl", 8), ("trl", 16)]
     df = pd.read_csv(csv)
     assert len(df) == 8 and not df.duplicated(["backend", "batch_size"]).any()
-    assert (df[df["backend"] == "trl"]["status"] == "ok").all()
-    assert list(df[df["backend"] == "naive"]["status"]) == ["ok", "ok", "oom", "oom"]
+    # loss-alone points are recorded with prompt_len 0: a resume finds them too
+    loss = sweep.build_specs(model="tiny-qwen3", backends="trl", loss_batch_sizes="2,4", modes="loss", dtypes="fp32")
+    sweep.run_sweep(loss, out_csv=csv, resume=True)
+    calls.clear()
+    sweep.run_sweep(loss, out_csv=csv, resume=True)
+    assert calls == []
+    step = df[df["mode"] == "step"]
+    assert (step[step["backend"] == "trl"]["status"] == "ok").all()
+    assert list(step[step["backend"] == "naive"]["status"]) == ["ok", "ok", "oom", "oom"]
