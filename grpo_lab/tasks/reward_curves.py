@@ -300,8 +300,11 @@ def parity(runs: list[dict], metrics=("reward", "loss")) -> dict:
                 if a is not None and b is not None:
                     worst = max(worst, abs(a - b))
         out[f"max_abs_delta_{m}"] = worst
+    # rollouts differ once any statistic of them does: a flipped token can swap one wrong answer for another
+    # (same reward) but rarely leaves the reward spread and the completion length unchanged too
+    rollout_stats = ("reward", "reward_std", "completion_length")
     diverged = [r["step"] for run in runs[1:] for r in run["rows"]
-                if r.get("reward") is not None and r["reward"] != ref.get(r["step"], {}).get("reward")]
+                if r.get("reward") is not None and any(r.get(k) != ref.get(r["step"], {}).get(k) for k in rollout_stats)]
     out["first_divergent_step"] = min(diverged) if diverged else None
     same = [r["step"] for r in runs[0]["rows"] if out["first_divergent_step"] is None
             or r["step"] < out["first_divergent_step"]]

@@ -81,6 +81,12 @@ def test_prompt_longer_than_context():
 def test_parity_helper():
     runs = [{"rows": [{"step": 1, "reward": 0.5, "loss": 0.1}]}, {"rows": [{"step": 1, "reward": 0.4, "loss": 0.1}]}]
     assert parity(runs)["max_abs_delta_reward"] == pytest.approx(0.1)
+    # same mean reward, other rollouts (a different completion length): still a divergence
+    row = {"reward": 0.5, "reward_std": 0.2, "completion_length": 6.0, "loss": 0.1}
+    runs = [{"rows": [{"step": 1} | row, {"step": 2} | row]},
+            {"rows": [{"step": 1} | row, {"step": 2} | row | {"completion_length": 6.5}]}]
+    assert parity(runs)["first_divergent_step"] == 2
+    assert parity([runs[0], runs[0]])["first_divergent_step"] is None
 
 
 def test_gpu_script_runs_tiny_on_cpu(tmp_path):
