@@ -107,7 +107,8 @@ def grpo_loss(
     adaptive controller passes the coefficient in force). Without `old_per_token_logps` the step is on-policy.
     """
     _check_inputs(per_token_logps, completion_mask, advantages, config, old_per_token_logps, ref_per_token_logps,
-                  entropies, importance_sampling_ratio, num_items_in_batch)
+                  entropies, importance_sampling_ratio, num_items_in_batch,
+                  getattr(config, "entropy_coef", 0.0) if entropy_coef is None else entropy_coef)
     mask = completion_mask.to(per_token_logps.dtype)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
@@ -134,8 +135,9 @@ def grpo_loss(
         per_token_loss = -torch.clamp(coef_1, max=eps_high).detach() * advantages * per_token_logps
     elif config.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
         coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
-        capped = coef_1 if config.delta is None else torch.clamp(coef_1, max=config.delta)
-        per_token_loss = -torch.min(capped * advantages, coef_2 * advantages)
+        if config.delta is not None:  # TRL clamps coef_1 itself, so its clip metrics below see the clamped ratio
+            coef_1 = torch.clamp(coef_1, max=config.delta)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
     elif config.loss_type == "sapo":
         temps = torch.where(advantages > 0, config.sapo_temperature_pos, config.sapo_temperature_neg)
         per_token_loss = -torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps * advantages
@@ -211,7 +213,7 @@ def _nan_reduce(x: torch.Tensor, reduce) -> float:
     return float("nan") if x.numel() == 0 else reduce(x).item()
 
 
-def _check_inputs(logps, mask, advantages, config, old, ref, entropies, is_ratio, num_items):
+def _check_inputs(logps, mask, advantages, config, old, ref, entropies, is_ratio, num_items, entropy_coef):
     if not isinstance(config, GRPOLossConfig):
         raise TypeError(f"config must be a GRPOLossConfig, got {type(config).__name__}.")
     if logps.dim() != 2:
@@ -227,7 +229,7 @@ def _check_inputs(logps, mask, advantages, config, old, ref, entropies, is_ratio
         raise ValueError(f"importance_sampling_ratio must be (B, T) or (B, 1), got {tuple(is_ratio.shape)}.")
     if config.beta != 0.0 and ref is None:
         raise ValueError("beta != 0 needs ref_per_token_logps.")
-    if (config.top_entropy_quantile < 1.0 or config.entropy_coef != 0.0) and entropies is None:
+    if (config.top_entropy_quantile < 1.0 or entropy_coef != 0.0) and entropies is None:
         raise ValueError("top_entropy_quantile < 1 and the entropy bonus need entropies.")
     if config.loss_type in ("cispo", "dapo", "vespo") and num_items is None:
         raise ValueError(f"loss_type={config.loss_type!r} normalises by num_items_in_batch; pass it.")

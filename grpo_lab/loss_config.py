@@ -84,7 +84,7 @@ class GRPOLossConfig:
     vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO lambda, non-negative advantages."})
     vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO k, negative advantages."})
     vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO lambda, negative advantages."})
-    max_completion_length: int = field(default=256, metadata={"help": "dr_grpo normaliser."})
+    max_completion_length: int = field(default=512, metadata={"help": "dr_grpo normaliser (TRL's default 512)."})
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -106,8 +106,8 @@ class GRPOLossConfig:
                 and lo is None and hi is None):
             raise ValueError("At least one of vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max "
                              "must be set when vllm_importance_sampling_mode is a *_truncate mode.")
-        if not 0.0 < self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}.")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:  # 0 keeps only the highest-entropy token (as TRL)
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}.")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}.")
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):

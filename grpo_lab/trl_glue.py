@@ -79,14 +79,17 @@ def set_loss_backend(trainer, name: str):
     Calling it again switches backends; `trl` restores TRL's own behaviour. Returns the trainer.
     """
     check_backend_name(name)
+    if name == "liger":  # refuse before touching the trainer: a failed switch leaves it as it was
+        from .backends.liger import check_liger_supports
+
+        check_liger_supports(trainer)
     for attr in (*_SCOPED_METHODS, "_compute_loss"):
         current = trainer.__dict__.get(attr)
         if current is not None and hasattr(current, "_grpo_lab_original"):
             del trainer.__dict__[attr]  # back to the class's own method
     if name == "liger":
-        from .backends.liger import liger_compute_loss, check_liger_supports
+        from .backends.liger import liger_compute_loss
 
-        check_liger_supports(trainer)
         trainer._compute_loss = _mark(functools.partial(liger_compute_loss, trainer))
     elif name != "trl":
         for attr in _SCOPED_METHODS:

@@ -450,6 +450,7 @@ def fused_linear_logprobs(hidden, weight, bias, targets, temperature=1.0, chunk_
         raise TypeError(f"unsupported compute dtype {compute}")
     weight_c = weight if weight.stride(-1) == 1 else weight.contiguous()
     hidden_c = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()  # the kernels index it densely
     with torch.autocast("cuda", enabled=False):
         return FusedLinearLogProbFunction.apply(hidden_c, weight_c, bias, targets.long(), float(temperature),
                                                 chunk_size, softcap, float(logit_scale), tuple(outputs), compute)

@@ -32,7 +32,26 @@ def unsupported_liger_options(config: GRPOLossConfig, *, use_adaptive_entropy: b
     if config.loss_type == "luspo" and config.importance_sampling_level == "token":
         problems.append("loss_type='luspo' with token-level importance sampling: Liger's luspo normaliser is the "
                         "sequence-level one")
+    if config.loss_type == "luspo" and config.beta != 0.0:
+        problems.append("loss_type='luspo' with beta != 0: Liger normalises the KL term differently")
+    if config.importance_sampling_level == "sequence" and config.loss_type in ("cispo", "sapo", "vespo"):
+        problems.append(f"loss_type={config.loss_type!r} with sequence-level importance sampling: Liger refuses it")
     return problems
+
+
+def head_logit_transform(model) -> tuple[float | None, float]:
+    """(softcap, logit scale) the model's LM head applies to its logits, read from the text config under the names
+    TRL 1.16's fused head reads (final_logit_softcapping; logit_scale, output_multiplier, lm_head_multiplier, or
+    logits_scaling, a divisor except on HyperCLOVA X)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    softcap = getattr(config, "final_logit_softcapping", None)
+    scale = next((getattr(config, k) for k in ("logit_scale", "output_multiplier", "lm_head_multiplier")
+                  if getattr(config, k, None) is not None), None)
+    divisor = getattr(config, "logits_scaling", None)
+    if scale is None and divisor is not None:
+        scale = divisor if getattr(config, "model_type", "") == "hyperclovax" else 1 / divisor
+    return softcap, 1.0 if scale is None else float(scale)
 
 
 def check_liger_supports(trainer) -> None:
@@ -46,6 +65,9 @@ def check_liger_supports(trainer) -> None:
                                                                               False))
     if getattr(trainer, "aux_loss_enabled", False):
         problems.append("the MoE router aux loss")
+    softcap, scale = head_logit_transform(trainer.model)
+    if softcap is not None or scale != 1.0:  # Liger's loss projects with the plain weight (and bias) only
+        problems.append(f"the model's logit transform (final_logit_softcapping={softcap}, logit scale {scale:g})")
     if problems:
         raise ValueError("loss_backend='liger' cannot express: " + "; ".join(problems) + ". Use 'grpo_lab' instead.")
 

@@ -10,5 +10,6 @@ from .base import check_logprob_inputs
 def trl_logprobs(hidden, weight, bias, targets, temperature=1.0, chunk_size=4096, softcap=None, logit_scale=1.0,
                  outputs=("log_probs",)):
     check_logprob_inputs(hidden, weight, bias, targets, temperature, outputs)
+    chunk_size = chunk_size or 4096  # callers pass None for "the backend's default"; TRL's function needs an int
     return ChunkedLogProbFunction.apply(hidden, weight, bias, targets.clamp(min=0), temperature, chunk_size, softcap,
                                         logit_scale, tuple(outputs))

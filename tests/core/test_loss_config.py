@@ -36,7 +36,8 @@ def test_vespo_with_sequence_vllm_is_rejected_like_trl(trainer_factory):
         (dict(loss_type="ppo"), "Unknown loss_type 'ppo'"),
         (dict(importance_sampling_level="batch"), "importance_sampling_level"),
         (dict(vllm_importance_sampling_mode="clip"), "vllm_importance_sampling_mode"),
-        (dict(top_entropy_quantile=0.0), "top_entropy_quantile"),
+        (dict(top_entropy_quantile=1.5), "top_entropy_quantile"),
+        (dict(top_entropy_quantile=-0.1), "top_entropy_quantile"),
         (dict(temperature=0.0), "temperature"),
     ],
 )
@@ -73,3 +74,17 @@ def test_grpo_loss_bad_input(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         grpo_loss(base.pop("per_token_logps"), base.pop("completion_mask"), base.pop("advantages"),
                   base.pop("config"), **base)
+
+
+def test_defaults_are_trls():
+    """Every field shared with TRL's GRPOConfig has TRL's default (a loss built directly equals the trainer's)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    trl_defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    ours = {f.name: f.default for f in dataclasses.fields(GRPOLossConfig)}
+    shared = sorted(set(trl_defaults) & set(ours))
+    assert len(shared) >= 15, shared
+    assert {k: ours[k] for k in shared} == {k: trl_defaults[k] for k in shared}
+    assert GRPOLossConfig(top_entropy_quantile=0.0).top_entropy_quantile == 0.0  # TRL's range is [0, 1]

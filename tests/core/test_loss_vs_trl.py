@@ -54,12 +54,14 @@ def grads_of(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def compare(trainer_factory, seed=0, accumulation=1, use_vllm=False, **config):
+def compare(trainer_factory, seed=0, accumulation=1, use_vllm=False, edit_inputs=None, **config):
     trainer = trainer_factory(temperature=0.9, **config)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = accumulation
     cfg = GRPOLossConfig.from_trl_args(trainer.args)
     inputs = make_inputs(trainer, seed, with_ref=cfg.beta != 0, with_vllm=use_vllm, config=cfg)
+    if edit_inputs is not None:
+        edit_inputs(inputs)
     trainer.use_vllm = use_vllm
     if use_vllm:
         trainer.vllm_importance_sampling_correction = True
@@ -109,6 +111,13 @@ def test_kl_with_and_without_bias_correction(trainer_factory, loss_type, bias_co
 
 def test_two_sided_clipping_delta(trainer_factory):
     compare(trainer_factory, loss_type="grpo", delta=1.05)
+
+    def far_off_policy(inputs):  # ratios ~e^0.8 with positive advantages: above 1 + epsilon, clamped by delta
+        inputs["old_per_token_logps"] = inputs["old_per_token_logps"] - 0.8
+        inputs["advantages"] = inputs["advantages"].abs()
+
+    out = compare(trainer_factory, loss_type="grpo", delta=1.05, edit_inputs=far_off_policy)
+    assert out.metrics["clip_ratio/high_mean"] == 0.0  # TRL's metric sees the clamped ratio, 1.05 < 1.2
 
 
 VLLM_CASES = [(mode, "dapo") for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")]

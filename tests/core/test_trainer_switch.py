@@ -131,3 +131,31 @@ def test_liger_compute_loss_matches_trl(trainer_factory, loss_type):
     torch.testing.assert_close(liger_loss.detach(), trl_loss.detach(), atol=1e-5, rtol=1e-4)
     for name, grad in grads_of(trainer.model).items():
         torch.testing.assert_close(grad, trl_grads[name], atol=1e-5, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.04), "beta != 0"),
+        (dict(loss_type="cispo", importance_sampling_level="sequence"), "sequence-level"),
+        (dict(loss_type="sapo", importance_sampling_level="sequence"), "sequence-level"),
+    ],
+)
+def test_liger_refuses_more_it_cannot_express(trainer_factory, config, match):
+    with pytest.raises(ValueError, match=match):
+        trainer_factory(trainer_cls=GRPOLabTrainer, args_cls=GRPOLabConfig, loss_backend="liger", **config)
+
+
+@pytest.mark.parametrize("field, value", [("final_logit_softcapping", 2.0), ("logit_scale", 0.5),
+                                          ("logits_scaling", 4.0)])
+def test_liger_refuses_a_head_with_a_logit_transform_and_a_failed_switch_changes_nothing(trainer_factory, field,
+                                                                                          value):
+    """Liger projects with the plain weight: a softcapped or scaled head would train on another loss. The refusal
+    comes before the trainer is touched, so it keeps its backend."""
+    trainer = trainer_factory(max_steps=1)
+    set_loss_backend(trainer, "naive")
+    setattr(trainer.model.config, field, value)
+    with pytest.raises(ValueError, match="logit transform"):
+        set_loss_backend(trainer, "liger")
+    assert trainer.loss_backend == "naive" and hasattr(trainer.compute_loss, "_grpo_lab_original")
+    assert "_compute_loss" not in trainer.__dict__

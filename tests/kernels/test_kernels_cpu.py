@@ -110,3 +110,29 @@ def test_fused_module_checks_shapes():
     with pytest.raises(ValueError, match="selected_token_ids"):
         module(torch.randn(2, 3, 8), torch.randn(10, 8), torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 3),
                torch.ones(2))
+
+
+@pytest.mark.parametrize("backend", ["trl", "naive", "grpo_lab"])
+def test_fused_module_runs_on_every_logprob_backend(backend):
+    """The module offers the other backends for side-by-side comparisons: each gives the same loss."""
+    from grpo_lab.fused_grpo_loss import GRPOLabFusedLinearGRPOLoss
+
+    torch.manual_seed(2)
+    hidden, weight = torch.randn(2, 5, 16), torch.randn(33, 16) * 0.5
+    ids, mask, adv = torch.randint(0, 33, (2, 5)), torch.ones(2, 5), torch.tensor([0.5, -1.0])
+    old = torch.randn(2, 5) * 0.1 - 3.0
+    ref_loss, _ = GRPOLabFusedLinearGRPOLoss(backend="naive")(hidden, weight, ids, mask, adv, old_per_token_logps=old)
+    loss, _ = GRPOLabFusedLinearGRPOLoss(backend=backend)(hidden, weight, ids, mask, adv, old_per_token_logps=old)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_an_entropy_bonus_without_entropies_is_a_clear_error():
+    from grpo_lab.fused_grpo_loss import GRPOLabFusedLinearGRPOLoss
+
+    logps, mask, adv = torch.randn(2, 4), torch.ones(2, 4), torch.ones(2)
+    with pytest.raises(ValueError, match="need entropies"):
+        grpo_loss(logps, mask, adv, GRPOLossConfig(), entropy_coef=0.1)
+    module = GRPOLabFusedLinearGRPOLoss(compute_entropy=False)
+    with pytest.raises(ValueError, match="need entropies"):
+        module(torch.randn(2, 4, 8), torch.randn(10, 8), torch.zeros(2, 4, dtype=torch.long), mask, adv,
+               entropy_coef=0.1)
