@@ -4,13 +4,16 @@ TRL loads each new policy once (`POST /v1/load_lora_adapter`) and then names it 
 router reports as done must be done on every replica in service, or on none. A replica that answers "No adapter
 found" usually just cannot see the new directory yet (shared storage lag) and is retried until a deadline; any
 other failure rolls the load back on the replicas that took it, and the caller gets the upstream's error. An
-already-loaded name counts as loaded when the replica reports the same path for it.
+already-loaded name counts as loaded when the replica reports the same path for it. The rollback runs whatever
+went wrong (an unexpected error on one replica, or the load being cancelled), and a replica whose rollback fails
+is reported, because it may still serve an adapter the router says nobody has.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .upstream import TRANSPORT_ERRORS, Replica, UpstreamClient, now
@@ -32,6 +35,8 @@ class Outcome:
     newly_loaded: bool = False
     retries: int = 0
     transport_error: bool = False
+    uncertain: bool = False  # the call broke off: the replica may or may not have loaded the adapter
+    left_loaded: bool = False  # its rollback unload failed: the replica may still serve the adapter
 
 
 async def _path_loaded_as(client: UpstreamClient, replica: Replica, name: str, timeout: float) -> str | None:
@@ -50,7 +55,7 @@ async def load_one(client: UpstreamClient, replica: Replica, name: str, path: st
     while True:
         try:
             reply = await client.call(replica, "POST", "/v1/load_lora_adapter", json_body=body, timeout=timeout_s)
-        except (*TRANSPORT_ERRORS, asyncio.TimeoutError) as error:
+        except TRANSPORT_ERRORS as error:
             return Outcome(replica, False, 502, f"{type(error).__name__}: {error}", retries=retries,
                            transport_error=True)
         text = client.scrub(reply.text())
@@ -59,7 +64,7 @@ async def load_one(client: UpstreamClient, replica: Replica, name: str, path: st
         if reply.status == 400 and ALREADY_MARK in text:
             try:
                 loaded = await _path_loaded_as(client, replica, name, timeout_s)
-            except (*TRANSPORT_ERRORS, asyncio.TimeoutError) as error:
+            except TRANSPORT_ERRORS as error:
                 return Outcome(replica, False, 502, f"{type(error).__name__}: {error}", retries=retries,
                                transport_error=True)
             if loaded is not None and loaded.rstrip("/") == path.rstrip("/"):
@@ -79,32 +84,79 @@ async def unload_one(client: UpstreamClient, replica: Replica, name: str, timeou
     try:
         reply = await client.call(replica, "POST", "/v1/unload_lora_adapter", json_body={"lora_name": name},
                                   timeout=timeout_s)
-    except (*TRANSPORT_ERRORS, asyncio.TimeoutError) as error:
+    except TRANSPORT_ERRORS as error:
         return Outcome(replica, False, 502, f"{type(error).__name__}: {error}", transport_error=True)
     ok = reply.status in (200, 404)
     return Outcome(replica, ok, reply.status, client.scrub(reply.text()))
 
 
+OnStale = Callable[[Replica, str], None]
+
+
 async def load_everywhere(client: UpstreamClient, replicas: list[Replica], name: str, path: str, *,
-                          deadline_s: float, interval_s: float, timeout_s: float) -> tuple[bool, list[Outcome]]:
-    """Load on every replica or on none. Returns (success, per-replica outcomes)."""
-    outcomes = await asyncio.gather(*(load_one(client, r, name, path, deadline_s=deadline_s,
-                                               interval_s=interval_s, timeout_s=timeout_s) for r in replicas))
+                          deadline_s: float, interval_s: float, timeout_s: float,
+                          on_stale: OnStale | None = None) -> tuple[bool, list[Outcome]]:
+    """Load on every replica or on none. Returns (success, per-replica outcomes).
+
+    `on_stale(replica, reason)` is called for each replica whose rollback failed, also when this is cancelled."""
+    tasks = [asyncio.ensure_future(load_one(client, r, name, path, deadline_s=deadline_s, interval_s=interval_s,
+                                            timeout_s=timeout_s)) for r in replicas]
+    try:
+        if tasks:
+            await asyncio.wait(tasks)
+    except BaseException:  # cancelled: stop the loads, then undo whatever they may have done, even if cancelled again
+        await asyncio.shield(_abandon(client, tasks, replicas, name, timeout_s, on_stale))
+        raise
+    outcomes = [_settled(client, task, replica) for task, replica in zip(tasks, replicas)]
     if all(o.ok for o in outcomes):
         for o in outcomes:
             o.replica.adapters[name] = path
-        return True, list(outcomes)
-    taken = [o.replica for o in outcomes if o.ok and o.newly_loaded]
-    if taken:
-        log.warning("adapter %s failed on some replica; rolling back on %d replica(s)", name, len(taken))
-        undone = await asyncio.gather(*(unload_one(client, r, name, timeout_s) for r in taken))
-        for o in undone:
-            if not o.ok:
-                log.error("rollback of %s on %s failed: %s %s", name, o.replica.url, o.status, o.message)
+        return True, outcomes
+    await asyncio.shield(_roll_back(client, outcomes, name, timeout_s, on_stale))  # a cancel must not cut it short
     for o in outcomes:
         if o.ok and not o.newly_loaded:
             o.replica.adapters[name] = path  # it was there before this call and stays
-    return False, list(outcomes)
+    return False, outcomes
+
+
+def _settled(client: UpstreamClient, task: asyncio.Future, replica: Replica) -> Outcome:
+    """A finished load task as an outcome; one that raised or was cancelled may have loaded the adapter or not."""
+    if task.cancelled():
+        return Outcome(replica, False, 503, "load interrupted", uncertain=True)
+    error = task.exception()
+    if error is None:
+        return task.result()
+    log.error("loading on %s raised %s", replica.url, client.scrub(f"{type(error).__name__}: {error}"))
+    return Outcome(replica, False, 502, client.scrub(f"{type(error).__name__}: {error}"), uncertain=True,
+                   transport_error=isinstance(error, TRANSPORT_ERRORS))
+
+
+async def _abandon(client: UpstreamClient, tasks: list[asyncio.Future], replicas: list[Replica], name: str,
+                   timeout_s: float, on_stale: OnStale | None) -> None:
+    """Cancel the loads still running, then roll back every replica that took the load or may have."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await _roll_back(client, [_settled(client, t, r) for t, r in zip(tasks, replicas)], name, timeout_s, on_stale)
+
+
+async def _roll_back(client: UpstreamClient, outcomes: list[Outcome], name: str, timeout_s: float,
+                     on_stale: OnStale | None) -> None:
+    """Unload `name` where this call loaded it or may have; flag (and report) each replica where that fails."""
+    taken = [o for o in outcomes if (o.ok and o.newly_loaded) or o.uncertain]
+    if not taken:
+        return
+    log.warning("adapter %s failed on some replica; rolling back on %d replica(s)", name, len(taken))
+    undone = await asyncio.gather(*(unload_one(client, o.replica, name, timeout_s) for o in taken),
+                                  return_exceptions=True)
+    for o, u in zip(taken, undone):
+        if isinstance(u, Outcome) and u.ok:
+            continue
+        why = f"{u.status} {u.message}" if isinstance(u, Outcome) else client.scrub(f"{type(u).__name__}: {u}")
+        o.left_loaded = True
+        log.error("rollback of %s on %s failed: %s", name, o.replica.url, why)
+        if on_stale is not None:
+            on_stale(o.replica, f"rollback unload of adapter {name} failed ({why}); it may still hold it")
 
 
 async def broadcast(client: UpstreamClient, replicas: list[Replica], method: str, path: str, *, timeout_s: float,
@@ -114,7 +166,7 @@ async def broadcast(client: UpstreamClient, replicas: list[Replica], method: str
     async def one(replica: Replica) -> Outcome:
         try:
             reply = await client.call(replica, method, path, params=params, json_body=json_body, timeout=timeout_s)
-        except (*TRANSPORT_ERRORS, asyncio.TimeoutError) as error:
+        except TRANSPORT_ERRORS as error:
             return Outcome(replica, False, 502, f"{type(error).__name__}: {error}", transport_error=True)
         return Outcome(replica, reply.status == 200, reply.status, client.scrub(reply.text()))
 

@@ -20,7 +20,7 @@ class PrefixKVCache:
         self.capacity = capacity_blocks
         self.block_size = block_size
         self._blocks: OrderedDict[int, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
-        self._by_namespace: dict[str, set[int]] = {}
+        self._by_namespace: dict[str, set[int]] = {}  # only blocks still cached, so it stays bounded too
         self._lock = threading.Lock()
         self.query_tokens = 0
         self.hit_tokens = 0
@@ -46,7 +46,6 @@ class PrefixKVCache:
             return
         bs = self.block_size
         with self._lock:
-            names = self._by_namespace.setdefault(namespace, set())
             for i in range(start_block, len(hashes)):
                 h = hashes[i]
                 if h in self._blocks:
@@ -54,9 +53,20 @@ class PrefixKVCache:
                     continue
                 self._blocks[h] = [(k[:, :, i * bs:(i + 1) * bs].clone(), v[:, :, i * bs:(i + 1) * bs].clone())
                                    for k, v in layers_kv]
-                names.add(h)
+                self._by_namespace.setdefault(namespace, set()).add(h)
                 while len(self._blocks) > self.capacity:
-                    self._blocks.popitem(last=False)
+                    self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        """Drop the least recently used block, and its hash from its namespace (a handful of namespaces: the base
+        model and the live adapters)."""
+        h, _ = self._blocks.popitem(last=False)
+        for namespace, names in list(self._by_namespace.items()):
+            if h in names:
+                names.discard(h)
+                if not names:
+                    del self._by_namespace[namespace]
+                break
 
     def drop_namespace(self, namespace: str) -> None:
         """Forget an unloaded adapter's blocks, so a later adapter of the same name cannot reuse them."""

@@ -1,16 +1,18 @@
 """The router's replicas: health checks, taking failed ones out of routing, and re-admitting them safely.
 
 A replica is routed to only while it is *in service*. The published proxy kept routing to dead replicas (they
-looked least loaded); here a failed health check, a dropped connection or a replica that lost a live adapter takes
-it out at once. It comes back only after it is healthy again, matches the other replicas' `/server_info`, holds
-every live adapter (loaded by the router, with the same storage-lag retry as a normal load), has dropped adapters
-that are no longer live, is paused if the others are, and has had its prefix ownership cleared (its KV cache is
-gone after a restart).
+looked least loaded); here a failed health check, a dropped connection or malformed answer, a replica that lost a
+live adapter, or one still holding an adapter that is not live (an unload or rollback there failed) takes it out at
+once. It comes back only after it is healthy again, matches the other replicas' `/server_info`, holds every live
+adapter (loaded by the router, with the same storage-lag retry as a normal load), has dropped adapters that are no
+longer live, is paused if the others are, and has had its prefix ownership cleared (its KV cache is gone after a
+restart).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from .adapter_fanout import load_one, unload_one
@@ -44,6 +46,7 @@ class ReplicaPool:
         self.paused = False
         self.reference_info: dict | None = None
         self.control_lock = asyncio.Lock()  # loads, unloads, pause/resume and admissions never interleave
+        self.control_ops = 0  # control operations begun so far; see `control`
         self._block_size_set = False
 
     # -- state ---------------------------------------------------------------------------------------------------
@@ -55,6 +58,14 @@ class ReplicaPool:
 
     def known_model(self, model: str) -> bool:
         return model in self.live_adapters or any(model in r.base_models for r in self.replicas)
+
+    @contextlib.asynccontextmanager
+    async def control(self):
+        """Hold the control lock for one operation, counted, so an adapter check whose upstream call overlapped
+        an operation (even one that began and ended during it) can tell its answer may be out of date."""
+        async with self.control_lock:
+            self.control_ops += 1
+            yield
 
     def mark_down(self, replica: Replica, reason: str) -> None:
         if replica.state == DOWN:
@@ -101,12 +112,12 @@ class ReplicaPool:
 
     async def try_admit(self, replica: Replica) -> bool:
         """Bring a healthy replica into service (under the control lock). False if not (yet) possible."""
-        async with self.control_lock:
+        async with self.control():
             if replica.serving:
                 return True
             try:
                 info, models = await self._fetch_info(replica)
-            except (*TRANSPORT_ERRORS, asyncio.TimeoutError, ValueError) as error:
+            except (*TRANSPORT_ERRORS, ValueError) as error:
                 replica.last_error = self.client.scrub(f"{type(error).__name__}: {error}")
                 return False
             problem = self._inconsistency(info)
@@ -125,9 +136,7 @@ class ReplicaPool:
                 self._adopt_block_size(info)
             ok = await self._sync_adapters(replica, present, adopt=first and not self.live_adapters)
             if ok and self.paused:
-                reply = await self.client.call(replica, "POST", "/pause", params={"mode": "keep"},
-                                               timeout=self.config.control_timeout_s)
-                ok = reply.status == 200
+                ok = await self._pause(replica)
             if not ok:
                 return False
             replica.info = info
@@ -140,6 +149,18 @@ class ReplicaPool:
             log.info("replica %s in service (%d live adapters)", replica.url, len(self.live_adapters))
             self.publish_states()
             return True
+
+    async def _pause(self, replica: Replica) -> bool:
+        """Pause a replica joining while the others are paused."""
+        try:
+            reply = await self.client.call(replica, "POST", "/pause", params={"mode": "keep"},
+                                           timeout=self.config.control_timeout_s)
+        except TRANSPORT_ERRORS as error:
+            replica.last_error = self.client.scrub(f"/pause: {type(error).__name__}: {error}")
+            return False
+        if reply.status != 200:
+            replica.last_error = f"/pause answered {reply.status}"
+        return reply.status == 200
 
     def _adopt_block_size(self, info: dict) -> None:
         block = _field(info, "cache_config", "block_size")
@@ -180,23 +201,38 @@ class ReplicaPool:
         if replica.serving:
             if not healthy:
                 self.mark_down(replica, "health check failed")
-            elif self.live_adapters and not self.control_lock.locked():
+            elif not self.control_lock.locked():
                 await self._check_adapters(replica)
         elif healthy:
             await self.try_admit(replica)
 
     async def _check_adapters(self, replica: Replica) -> None:
-        """A replica restarted between two health checks is healthy but has lost its adapters."""
-        before = set(self.live_adapters)  # a load finishing during the call below must not count as missing
+        """Take a replica out whose adapters are not the live set: restarted between two health checks (healthy,
+        but its adapters are gone), or holding one that is not live (an unload there failed, or a load rolled back
+        raced it), which uses up a `max_loras` slot. Re-admission then makes it hold exactly the live adapters."""
+        ops = self.control_ops
         try:
             reply = await self.client.call(replica, "GET", "/v1/models", timeout=self.config.health_timeout_s)
-        except (*TRANSPORT_ERRORS, asyncio.TimeoutError):
+        except TRANSPORT_ERRORS:
             self.mark_down(replica, "/v1/models failed")
             return
-        names = {e.get("id") for e in (reply.json() or {}).get("data", [])}
-        missing = sorted(n for n in before if n not in names and n in self.live_adapters)
-        if missing and replica.serving:
+        if self.control_lock.locked() or self.control_ops != ops or not replica.serving:
+            return  # a load or unload overlapped the call, so the answer may predate it
+        body = reply.json()
+        entries = body.get("data") if isinstance(body, dict) else None
+        if reply.status != 200 or not isinstance(entries, list):
+            self.mark_down(replica, f"/v1/models answered {reply.status} without the vLLM shape")
+            return
+        entries = [e for e in entries if isinstance(e, dict)]
+        names = {e.get("id") for e in entries}
+        missing = sorted(n for n in self.live_adapters if n not in names)
+        extra = sorted(str(e.get("id")) for e in entries
+                       if e.get("parent") and e.get("id") not in self.live_adapters)
+        if missing:
             self.mark_down(replica, f"lost live adapter(s) {missing} (restarted?)")
+        elif extra:
+            self.mark_down(replica, f"holds adapter(s) {extra} that are not live (a failed unload?); "
+                                    "re-admission unloads them")
 
     async def run_health_checks(self, stop: asyncio.Event) -> None:
         """One loop per replica, so a re-admission waiting for a long adapter load never delays the others' checks."""

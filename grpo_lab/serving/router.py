@@ -67,6 +67,7 @@ class Router:
         self._api_key = config.read_api_key()
         self.pool: ReplicaPool | None = None
         self.client: UpstreamClient | None = None
+        self._session: aiohttp.ClientSession | None = None
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.overhead_s: list[float] = []  # router-side time per completion (parse, route, bookkeeping), last 10k
@@ -103,7 +104,8 @@ class Router:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._session.close()
+        if self._session is not None:
+            await self._session.close()
 
     async def _json(self, request: web.Request) -> tuple[dict, bytes]:
         """The request body as a JSON object, or an HTTP 400/413 error with a message."""
@@ -142,7 +144,7 @@ class Router:
             try:
                 reply = await self.client.call(replica, "GET", path, params=params,
                                                timeout=self.config.health_timeout_s)
-            except (*TRANSPORT_ERRORS, asyncio.TimeoutError) as error:
+            except TRANSPORT_ERRORS as error:
                 self.pool.mark_down(replica, f"{path}: {type(error).__name__}")
                 continue
             return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
@@ -264,7 +266,7 @@ class Router:
         if body.get("load_inplace"):
             return _fail(400, "load_inplace is not supported by the router: publish each policy under a new name")
         pool = self.pool
-        async with pool.control_lock:
+        async with pool.control():
             if name in pool.live_adapters:
                 if pool.live_adapters[name].rstrip("/") == path.rstrip("/"):
                     return web.Response(text=f"Success: LoRA adapter '{name}' is already loaded.")
@@ -275,7 +277,8 @@ class Router:
                 return _fail(503, "no replica in service to load the adapter on")
             ok, outcomes = await load_everywhere(
                 self.client, targets, name, path, deadline_s=self.config.load_retry_deadline_s,
-                interval_s=self.config.load_retry_interval_s, timeout_s=self.config.control_timeout_s)
+                interval_s=self.config.load_retry_interval_s, timeout_s=self.config.control_timeout_s,
+                on_stale=pool.mark_down)  # re-admission unloads what a failed rollback left there
             for o in outcomes:
                 if o.retries:
                     self.metrics.inc("grpo_router_adapter_load_retries_total", "Load retries on 'No adapter found'",
@@ -288,12 +291,22 @@ class Router:
                 pool.live_adapters[name] = path
                 log.info("adapter %s loaded on %d replica(s)", name, len(targets))
                 return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
-            bad = next(o for o in outcomes if not o.ok)
-            rolled = sum(1 for o in outcomes if o.ok and o.newly_loaded)
-            message = (f"loading adapter '{name}' failed on {bad.replica.url}: {bad.status} {bad.message}; "
-                       f"rolled back on {rolled} replica(s), so no replica serves it")
-            log.warning(message)
-            return _fail(bad.status if 400 <= bad.status < 600 else 502, message, "AdapterLoadError")
+            return self._load_failed(name, outcomes)
+
+    def _load_failed(self, name: str, outcomes: list) -> web.Response:
+        """The failed load's error; it names the replicas whose rollback failed (now out of routing)."""
+        bad = next(o for o in outcomes if not o.ok)
+        rolled = sum(1 for o in outcomes if o.ok and o.newly_loaded and not o.left_loaded)
+        stale = [o.replica.url for o in outcomes if o.left_loaded]
+        message = f"loading adapter '{name}' failed on {bad.replica.url}: {bad.status} {bad.message}; " \
+                  f"rolled back on {rolled} replica(s)"
+        if stale:
+            message += (f"; the rollback failed on {', '.join(stale)} (out of routing until re-admission unloads "
+                        "it there), so no replica in service serves it")
+        else:
+            message += ", so no replica serves it"
+        log.warning(message)
+        return _fail(bad.status if 400 <= bad.status < 600 else 502, message, "AdapterLoadError")
 
     async def unload_adapter(self, request: web.Request) -> web.Response:
         body, _ = await self._json(request)
@@ -301,24 +314,26 @@ class Router:
         if not isinstance(name, str) or not name:
             return _fail(400, "'lora_name' must be a non-empty string")
         pool = self.pool
-        async with pool.control_lock:
+        async with pool.control():
             pool.live_adapters.pop(name, None)  # first, so no new completion is routed to it
             targets = [r for r in pool.in_service() if name in r.adapters]
             outcomes = await asyncio.gather(*(unload_one(self.client, r, name, self.config.control_timeout_s)
                                               for r in targets))
-            for o in outcomes:
-                o.replica.adapters.pop(name, None)
             bad = [o for o in outcomes if not o.ok]
-            for o in bad:
-                if o.transport_error:
-                    pool.mark_down(o.replica, f"adapter unload failed: {o.message}")
+            for o in outcomes:
+                if o.ok:
+                    o.replica.adapters.pop(name, None)
+                else:  # it may still hold the adapter: re-admission unloads it, so its slot is not lost for good
+                    pool.mark_down(o.replica, f"unload of adapter {name} failed: {o.status} {o.message}")
             if bad:
-                return _fail(bad[0].status, f"unloading '{name}' failed on {bad[0].replica.url}: {bad[0].message}")
+                status = bad[0].status if 400 <= bad[0].status < 600 else 502
+                return _fail(status, f"unloading '{name}' failed on {bad[0].replica.url}: {bad[0].status} "
+                                     f"{bad[0].message}; taken out of routing until it has unloaded it")
             return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def _broadcast_control(self, path: str, params=None) -> web.Response:
         pool = self.pool
-        async with pool.control_lock:
+        async with pool.control():
             targets = pool.in_service()
             if not targets:
                 return _fail(503, f"no replica in service for {path}")
@@ -350,6 +365,7 @@ class RouterHandle:
         self.router = Router(config)
         self.port: int | None = None
         self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="grpo-router", daemon=True)
@@ -366,14 +382,25 @@ class RouterHandle:
             site = web.TCPSite(self._runner, self.config.host, self.config.port)
             self._loop.run_until_complete(site.start())
             self.port = site._server.sockets[0].getsockname()[1]
-        except BaseException as error:  # surfaced to the caller of start()
+        except BaseException as error:  # surfaced to the caller of start(), once everything is released
             self._error = error
-            self._ready.set()
+            try:
+                self._shut_down()
+            finally:
+                self._ready.set()
             return
         self._ready.set()
         self._loop.run_forever()
-        self._loop.run_until_complete(self._runner.cleanup())
-        self._loop.close()
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Stop the health checks, close the upstream session, close the loop. Also after a failed start (port
+        taken): setup has already started the health checks and opened the session by then."""
+        try:
+            if self._runner is not None:
+                self._loop.run_until_complete(self._runner.cleanup())
+        finally:
+            self._loop.close()
 
     def start(self, timeout: float = 30.0) -> "RouterHandle":
         self._thread.start()

@@ -12,7 +12,8 @@ Two things differ from the published proxy:
   flight they are only a *pending claim*, enough to keep the rest of its group together, and dropped on failure;
 - only replicas the caller marks eligible (in service and holding the adapter) are candidates, so a dead replica
   can never look least loaded, and `forget_replica` clears a replica's ownership when it is re-admitted.
-Memory is bounded: block records live in an LRU of `max_blocks` entries.
+Memory is bounded: block records live in an LRU of `max_blocks` entries, which drops a prompt's tail blocks
+before its root.
 """
 
 from __future__ import annotations
@@ -155,18 +156,20 @@ class PrefixAffinityPolicy:
     def _claim(self, decision: Decision) -> None:
         r = decision.replica
         self.in_flight[r] += 1
-        previous = None
-        for h in decision.hashes:
-            block = self._touch(h)
+        # Touched tail first, so a prompt's root is its most recently used record: the LRU then evicts a chain from
+        # its tail, and what is left still matches as a prefix (evicting the root first would orphan the rest).
+        hashes = decision.hashes
+        blocks = [self._touch(h) for h in reversed(hashes)][::-1]
+        for i, block in enumerate(blocks):
             if block.pending is None:
                 block.pending = {}
             block.pending[r] = block.pending.get(r, 0) + 1
-            if previous is not None:
+            if i:
+                previous = blocks[i - 1]
                 if previous.successor is None:
-                    previous.successor = h
-                elif previous.successor != h:
+                    previous.successor = hashes[i]
+                elif previous.successor != hashes[i]:
                     previous.branches = True
-            previous = block
 
     def finish(self, decision: Decision, ok: bool) -> None:
         """Release the claim; on success the replica now owns the blocks. Safe to call twice."""

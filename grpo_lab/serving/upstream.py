@@ -11,7 +11,10 @@ import aiohttp
 
 IN_SERVICE, DOWN, STARTING, INCONSISTENT = "in_service", "down", "starting", "inconsistent"
 STATES = (IN_SERVICE, DOWN, STARTING, INCONSISTENT)
-TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError, OSError)
+# Anything that means "no usable HTTP answer": a refused or dropped connection, a timeout, and also a malformed
+# response (`aiohttp.ClientResponseError`), all under `aiohttp.ClientError`. A replica answering like that is
+# treated as unreachable (marked down, rerouted around) rather than surfacing as a router error.
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, OSError)
 
 
 @dataclass
@@ -77,7 +80,7 @@ class UpstreamClient:
         try:
             reply = await self.call(replica, "GET", "/health", timeout=timeout)
             return reply.status == 200
-        except (*TRANSPORT_ERRORS, asyncio.TimeoutError):
+        except TRANSPORT_ERRORS:
             return False
 
 

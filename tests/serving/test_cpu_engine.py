@@ -92,3 +92,20 @@ def test_pause_freezes_between_tokens(engine):
     engine.running.set()
     worker.join(timeout=30)
     assert not worker.is_alive() and len(result["token_ids"]) <= 3
+
+
+def test_prefix_cache_namespace_index_holds_only_cached_blocks():
+    import torch
+
+    from grpo_lab.serving.prefix_hash import block_hashes
+    from grpo_lab.serving.prefix_kv_cache import PrefixKVCache
+
+    cache = PrefixKVCache(capacity_blocks=8, block_size=2)
+    kv = [(torch.zeros(1, 1, 6, 1), torch.zeros(1, 1, 6, 1))]
+    for p in range(200):  # two blocks per prompt, in two namespaces: far more than the cache holds
+        for namespace in ("tiny-qwen3", "trl-policy-v1"):
+            cache.store(namespace, block_hashes([p, p + 1, p + 2, 7, 7], namespace, 2), kv, 0)
+    indexed = [h for names in cache._by_namespace.values() for h in names]
+    assert len(cache) == 8 and sorted(indexed) == sorted(cache._blocks)  # evicted blocks are forgotten too
+    cache.drop_namespace("trl-policy-v1")
+    assert set(cache._by_namespace) == {"tiny-qwen3"} and len(cache) == len(cache._by_namespace["tiny-qwen3"])

@@ -82,6 +82,17 @@ def test_lru_bounds_memory():
     assert policy.num_blocks <= 50
 
 
+def test_lru_evicts_a_prompt_from_its_tail_so_its_prefix_still_matches():
+    policy = PrefixAffinityPolicy(2, RoutingConfig(max_blocks=6))
+    tokens = list(range(1000, 1000 + 16 * 4 + 1))  # 4 full blocks
+    first = policy.route(h(tokens), [0, 1])
+    policy.finish(first, ok=True)
+    for q in range(3):  # three one-block prompts: 7 records for 6 slots, so one of the prompt's is evicted
+        policy.finish(policy.route(h([q] * 17), [0, 1]), ok=True)
+    again = policy.route(h(tokens), [0, 1])
+    assert (again.kind, again.replica, again.matched_blocks) == (AFFINITY, first.replica, 3)
+
+
 def test_versions_do_not_share_blocks():
     policy = PrefixAffinityPolicy(2)
     policy.finish(policy.route(h(prompt(1), "v1"), [0, 1]), ok=True)
