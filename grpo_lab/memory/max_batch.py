@@ -64,7 +64,7 @@ class SearchResult:
 
 def _footprint(r: dict) -> float:
     """What a probe needed from the device: the allocator's reserved peak when known (that is what must fit; it
-    sits 5-25 % above the allocated peak at large batch from fragmentation), else the allocated/RSS peak."""
+    sat 7-35 % above the allocated peak of the fused backends at large batch on the H200), else the allocated/RSS peak."""
     return max(r.get("reserved_bytes") or 0, r["peak_bytes"]) - r.get("base_bytes", 0)
 
 

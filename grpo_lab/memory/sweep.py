@@ -1,7 +1,7 @@
 """Peak memory vs batch size: backend × dtype × batch size (× model, lengths), each point in fresh processes.
 
     python -m grpo_lab.memory.sweep --quick --out results/memory_vs_batch      # CPU, tiny model, ~1 min
-    python -m grpo_lab.memory.sweep --full  --out results/memory_vs_batch      # one H200, ~5 min
+    python -m grpo_lab.memory.sweep --full  --out results/memory_vs_batch      # one H200, ~10 min of probes
 
 Two kinds of point: `step` (real TRL GRPOTrainer steps; generation replaced by fixed-length random completions via
 TRL's rollout_func, so the peak is the training step's) and `loss` (the LM-head + log-prob + loss stage alone). Once a
