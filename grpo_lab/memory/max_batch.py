@@ -110,8 +110,8 @@ def search_max_batch(fits: Callable[[int], tuple[bool, dict]], start: int = 1, u
 
     `known`: earlier probes ({batch: details with "status" ok|oom}) to start from instead of `start` (a search
     resumed after a time limit). `out_of_time`: asked before each new probe; when it says so the search stops and
-    returns its bracket with `incomplete=True`. On a linear memory model this takes 3-5 probes
-    (the H200 runs: 11 with the previous gallop)."""
+    returns its bracket with `incomplete=True`. Replayed on memory models fitted to the H200 probes it takes 4-6
+    probes per search where the previous gallop took up to 11 (`benchmarks/search_replay.py`)."""
     start = check_positive_int(start, "start")
     upper = check_positive_int(upper, "upper")
     start = min(start, upper)
