@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from .probe import ProbeError, run_point
-from .results import GiB, environment, make_row, write_csv
+from .results import GiB, environment, make_row, output_problem, write_csv
 from .spec import (PointSpec, check_backend, check_model, check_positive_int, normalize_dtype,
                    parse_str_list)
 
@@ -218,12 +218,14 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
     GPU's memory (CUDA), or `budget_above_one_gib` more than a one-sequence probe of the first model and backend
     needs (measured here, for budgets that mean the same in every environment), or the whole GPU; on CPU one of
     `budget_gib` / `budget_above_one_gib` is required (there is no device limit to hit)."""
-    models = [check_model(m) for m in parse_str_list(models)]
-    backends = [check_backend(b) for b in parse_str_list(backends)]
+    models = [check_model(m) for m in parse_str_list(models, "models")]
+    backends = [check_backend(b) for b in parse_str_list(backends, "backends")]
     dtype = normalize_dtype(dtype)
     for name, v in (("prompt length", prompt_len), ("completion length", completion_len), ("world size", world_size),
                     ("start", start), ("upper", upper), ("steps", steps)):
         check_positive_int(v, name)
+    if not 0 <= float(rel_tol) < 1:
+        raise ValueError(f"rel_tol must be in [0, 1), got {rel_tol}: the search's gap as a fraction of the batch")
     if lora_r is None or int(lora_r) <= 0:
         raise ValueError("the FSDP max-batch search trains LoRA adapters: lora_r must be a positive integer")
     budget = None
@@ -447,6 +449,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-minutes", type=float, default=None,
                    help="start no new probe after this long: the search under way is recorded as incomplete (its "
                         "bracket), the rest as skipped")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing CSV (refused otherwise)")
     p.add_argument("--resume", action="store_true",
                    help="go on from the probes already in <name>_probes.csv for the same setting (implies --append)")
     p.add_argument("--replot", metavar="CSV", help="only redraw the PNG of an existing CSV (next to it)")
@@ -487,6 +490,10 @@ def main(argv=None) -> int:
     name = a.name or (FIGURE if a.full else f"{FIGURE}_quick")
     out = Path(a.out)
     csv = out / f"{name}.csv"
+    problem = output_problem(csv, keep=a.append or a.resume, overwrite=a.overwrite)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     print(f"{len(searches)} searches → {csv}", flush=True)
 
     def on_probe(spec, status):

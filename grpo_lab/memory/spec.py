@@ -4,6 +4,7 @@ fresh-process probes. Bad input fails here with a plain `ValueError`, before any
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 
 BACKENDS = ("trl", "grpo_lab", "naive", "liger")
@@ -34,6 +35,8 @@ def normalize_dtype(dtype: str) -> str:
 def check_model(name: str) -> str:
     from grpo_lab.models import known_model_names, load_model_config
 
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model must be a name, got {name!r}: use one of {', '.join(known_model_names())}.")
     try:
         load_model_config(name)
     except ValueError:
@@ -49,6 +52,8 @@ def check_backend(name: str) -> str:
 
 
 def check_positive_int(value, what: str) -> int:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)  # numpy and other integer types, as pandas and papermill hand them over
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, str) and value.strip().isdigit():
             value = int(value)
@@ -65,8 +70,10 @@ def parse_int_list(values, what: str = "batch sizes") -> list[int]:
     """`"1,2,4"`, `[1, 2, 4]` or `4` → `[1, 2, 4]`; anything not a positive integer is a `ValueError`."""
     if isinstance(values, str):
         parts = [p for p in values.replace(" ", ",").split(",") if p]
-    elif isinstance(values, int | float) and not isinstance(values, bool):
+    elif isinstance(values, numbers.Real) and not isinstance(values, bool):
         parts = [values]
+    elif values is None or not hasattr(values, "__iter__"):
+        raise ValueError(f"{what}: give a list of positive integers, got {values!r}.")
     else:
         parts = list(values)
     if not parts:
@@ -82,10 +89,15 @@ def parse_int_list(values, what: str = "batch sizes") -> list[int]:
     return out
 
 
-def parse_str_list(values) -> list[str]:
-    if isinstance(values, str):
-        return [p for p in values.replace(" ", ",").split(",") if p]
-    return [str(v) for v in values]
+def parse_str_list(values, what: str = "list") -> list[str]:
+    """`"a,b"` or `["a", "b"]` → `["a", "b"]`; an empty or missing list is a `ValueError` (it would measure nothing)."""
+    if values is None or not isinstance(values, str | list | tuple):
+        raise ValueError(f"{what}: give comma-separated names, got {values!r}.")
+    out = ([p for p in values.replace(" ", ",").split(",") if p] if isinstance(values, str)
+           else [str(v) for v in values])
+    if not out:
+        raise ValueError(f"{what}: give at least one.")
+    return out
 
 
 @dataclass(frozen=True)

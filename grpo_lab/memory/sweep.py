@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from .probe import ProbeError, run_point
-from .results import environment, make_row, rows_to_frame, write_csv
+from .results import environment, make_row, output_problem, rows_to_frame, write_csv
 from .spec import PointSpec, check_backend, check_model, normalize_dtype, parse_int_list, parse_str_list
 
 FIGURE = "memory_vs_batch"
@@ -44,11 +44,11 @@ def build_specs(model="tiny-qwen3", backends=("trl",), dtypes=("fp32",), batch_s
     `pretrained=True` loads real weights with `from_pretrained(model)` (a hub id online, or a local folder)."""
     if not pretrained:
         check_model(model)
-    backends = [check_backend(b) for b in parse_str_list(backends)]
-    dtypes = [normalize_dtype(d) for d in parse_str_list(dtypes)]
+    backends = [check_backend(b) for b in parse_str_list(backends, "backends")]
+    dtypes = [normalize_dtype(d) for d in parse_str_list(dtypes, "dtypes")]
     batch_sizes = parse_int_list(batch_sizes, "batch sizes")
     loss_batch_sizes = parse_int_list(loss_batch_sizes, "loss batch sizes") if loss_batch_sizes else batch_sizes
-    modes = parse_str_list(modes)
+    modes = parse_str_list(modes, "modes")
     specs = []
     for mode, dtype, backend in itertools.product(modes, dtypes, backends):
         for b in (batch_sizes if mode == "step" else loss_batch_sizes):
@@ -167,6 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--append", action="store_true", help="keep the other rows of an existing CSV (split runs)")
     p.add_argument("--resume", action="store_true",
                    help="measure only the points the CSV does not hold yet as ok/oom (implies --append)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing CSV (refused otherwise)")
     p.add_argument("--replot", metavar="CSV", help="only redraw the PNGs of an existing CSV (next to it)")
     a = p.parse_args(argv)
     if a.replot:
@@ -183,6 +184,8 @@ def main(argv=None) -> int:
         v = getattr(a, k)
         if v is not None:
             preset[k] = v
+    if a.batch_sizes is not None and a.loss_batch_sizes is None:  # one list given: it is meant for both kinds
+        preset["loss_batch_sizes"] = a.batch_sizes
     try:
         specs = build_specs(device=a.device, pretrained=a.pretrained, **preset)
         if "liger" in [s.backend for s in specs]:
@@ -197,6 +200,10 @@ def main(argv=None) -> int:
     name = a.name or (FIGURE if a.full else f"{FIGURE}_quick")
     out = Path(a.out)
     csv = out / f"{name}.csv"
+    problem = output_problem(csv, keep=a.append or a.resume, overwrite=a.overwrite)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     print(f"{len(specs)} points → {csv}", flush=True)
     try:
         df = run_sweep(specs, out_csv=csv, on_point=_print_point, keep_going=a.keep_going, append=a.append,

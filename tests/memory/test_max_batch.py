@@ -317,3 +317,13 @@ def test_cli_with_every_search_skipped_prints_its_table(tmp_path, capsys):
     df = pd.read_csv(tmp_path / "fsdp_max_batch_quick.csv")
     assert rc == 0 and list(df["status"]) == ["skipped"]
     assert (tmp_path / "fsdp_max_batch_quick.png").is_file()
+
+
+def test_search_settings_are_checked(tmp_path, capsys):
+    assert max_batch.main(["--rel-tol", "-1", "--out", str(tmp_path)]) == 2
+    assert "rel_tol" in capsys.readouterr().err
+    assert max_batch.main(["--models", "", "--out", str(tmp_path)]) == 2
+    assert "models" in capsys.readouterr().err
+    (tmp_path / "fsdp_max_batch_quick.csv").write_text("x\n")
+    assert max_batch.main(["--budget-gib", "0.5", "--out", str(tmp_path)]) == 2
+    assert "--overwrite" in capsys.readouterr().err and (tmp_path / "fsdp_max_batch_quick.csv").read_text() == "x\n"

@@ -134,3 +134,34 @@ def test_resume_measures_only_what_a_cut_sweep_left(tmp_path, monkeypatch, fake_
     step = df[df["mode"] == "step"]
     assert (step[step["backend"] == "trl"]["status"] == "ok").all()
     assert list(step[step["backend"] == "naive"]["status"]) == ["ok", "ok", "oom", "oom"]
+
+
+def test_an_existing_csv_is_not_replaced_unasked(tmp_path, capsys):
+    (tmp_path / "memory_vs_batch_quick.csv").write_text("committed,results\n")
+    rc = sweep.main(["--model", "tiny-qwen3", "--backends", "trl", "--dtypes", "fp32", "--batch-sizes", "2",
+                     "--modes", "loss", "--out", str(tmp_path)])
+    assert rc == 2 and "--overwrite" in capsys.readouterr().err
+    assert (tmp_path / "memory_vs_batch_quick.csv").read_text() == "committed,results\n"
+    (tmp_path / "afile").write_text("")
+    assert sweep.main(["--out", str(tmp_path / "afile")]) == 2 and "is a file" in capsys.readouterr().err
+
+
+def test_inputs_of_the_wrong_kind_are_clear_errors():
+    import numpy as np
+    import pytest
+
+    for kwargs, match in ((dict(model=None), "model must be a name"), (dict(batch_sizes=None), "batch sizes"),
+                          (dict(modes=""), "modes: give at least one"), (dict(backends=[]), "backends")):
+        with pytest.raises(ValueError, match=match):
+            sweep.build_specs(**kwargs)
+    specs = sweep.build_specs(batch_sizes=[np.int64(4)], modes="step")
+    assert [s.batch_size for s in specs] == [4] and type(specs[0].batch_size) is int
+
+
+def test_batch_sizes_alone_apply_to_loss_points_too(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(sweep, "run_point", lambda spec: seen.append((spec.mode, spec.batch_size)) or
+                        {"status": "ok", "peak_bytes": 2**30, "base_bytes": 0, "memory_kind": "cpu_rss", "wall_s": 0})
+    assert sweep.main(["--model", "tiny-qwen3", "--backends", "trl", "--dtypes", "fp32", "--batch-sizes", "2",
+                       "--modes", "loss", "--out", str(tmp_path)]) == 0
+    assert seen == [("loss", 2)]
