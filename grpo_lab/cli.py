@@ -21,7 +21,9 @@ def _reproduce(argv) -> int:
                                  description="Execute the notebooks headless and write their results/.")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", default=True, help="CPU quick mode (default)")
-    mode.add_argument("--full", action="store_true", help="run the notebooks with their own parameters")
+    mode.add_argument("--full", action="store_true",
+                      help="execute with the notebooks' own parameters (as committed they show the H200 results; "
+                           "measuring needs RUN_HERE=True in a notebook and a GPU)")
     ap.add_argument("--notebooks", default="notebooks", help="folder of notebooks (default: notebooks/)")
     ap.add_argument("--only", nargs="*", default=None, help="run only notebooks whose name contains one of these")
     ap.add_argument("--executed-dir", default=None, help="where executed copies go (default: a temporary folder)")
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
         return 2
     try:
         return int(commands[cmd](rest) or 0)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad input, a path that is a file, a folder that cannot be written
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

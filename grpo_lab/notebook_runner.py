@@ -44,14 +44,27 @@ def run_notebook(path: str | Path, parameters: dict | None = None, executed_dir:
     params.update(parameters or {})
     if executed_dir is None:
         executed_dir = Path(tempfile.mkdtemp(prefix="grpo_lab_executed_"))
-    out = Path(executed_dir) / path.name
+    out = Path(executed_dir).resolve() / path.name
+    if out == path:
+        raise NotebookFailed(f"{path.name}: the executed copy would replace the notebook itself; give another "
+                             "executed_dir")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise NotebookFailed(f"{path.name}: executed_dir {out.parent} is a file, not a folder")
     out.parent.mkdir(parents=True, exist_ok=True)
-    inject = params if has_parameters_cell(path) else {}
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
     try:
+        inject = params if has_parameters_cell(path) else {}
         pm.execute_notebook(str(path), str(out), parameters=inject, cwd=str(path.parent), kernel_name=kernel_name,
                             progress_bar=False, execution_timeout=timeout_s, log_output=False)
     except pm.PapermillExecutionError as e:
         raise NotebookFailed(f"{path.name}: cell {e.exec_count} failed: {e.ename}: {e.evalue}") from None
+    except CellTimeoutError:
+        raise NotebookFailed(f"{path.name}: a cell ran longer than {timeout_s}s") from None
+    except DeadKernelError as e:
+        raise NotebookFailed(f"{path.name}: the kernel died ({e})") from None
+    except (ValueError, OSError) as e:  # not a notebook (bad JSON / nbformat), unreadable file
+        raise NotebookFailed(f"{path.name}: could not be run: {type(e).__name__}: {e}") from None
     return out
 
 
@@ -64,6 +77,8 @@ def run_all(folder: str | Path = "notebooks", executed_dir: str | Path | None = 
         notebooks = [p for p in notebooks if any(o in p.name for o in only)]
     if executed_dir is None:
         executed_dir = Path(tempfile.mkdtemp(prefix="grpo_lab_executed_"))
+    if notebooks:
+        print(f"executed copies (with outputs) → {executed_dir}", flush=True)
     report = []
     for nb in notebooks:
         t0 = time.perf_counter()

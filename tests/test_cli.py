@@ -38,6 +38,26 @@ def test_reproduce_reports_a_failing_notebook(tmp_path, capsys):
     assert "broken cell" in capsys.readouterr().err
 
 
+def test_reproduce_survives_a_dead_kernel_and_never_writes_over_a_notebook(tmp_path, capsys):
+    """A kernel that dies is that notebook's failure (the next one still runs); an executed copy that would land on
+    the notebook itself is refused; the executed folder is printed."""
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    _tiny_notebook(folder / "01_dies.ipynb", "import os; os._exit(1)")
+    _tiny_notebook(folder / "02_ok.ipynb", "x = 1")
+    before = (folder / "02_ok.ipynb").read_bytes()
+    assert cli.main(["reproduce", "--notebooks", str(folder), "--executed-dir", str(tmp_path / "ex")]) == 1
+    out, err = capsys.readouterr()
+    assert "kernel died" in err and "1/2 notebooks ok" in out and str(tmp_path / "ex") in out
+    assert cli.main(["reproduce", "--notebooks", str(folder), "--only", "02", "--executed-dir", str(folder)]) == 1
+    assert "replace the notebook itself" in capsys.readouterr().err
+    assert (folder / "02_ok.ipynb").read_bytes() == before
+    (tmp_path / "afile").write_text("")
+    assert cli.main(["reproduce", "--notebooks", str(folder), "--only", "02", "--executed-dir",
+                     str(tmp_path / "afile")]) == 1
+    assert "is a file" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["memory", "--model", "Qwen3-99B"], "Unknown model 'Qwen3-99B'"),
     (["memory", "--backends", "trl,turbo"], "Unknown loss backend 'turbo'"),
