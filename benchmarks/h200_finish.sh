@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# What the committed H200 results still lack (as of 2026-12-02), one step per device call of <= 10 minutes, most
+# important first. Run from the repo root on the GPU box after `source benchmarks/h200_prelude.sh` (which leaves
+# the shell in /root/run with the repo in $REPO), e.g.
+#     source benchmarks/h200_prelude.sh && bash $REPO/benchmarks/h200_finish.sh fsdp $OUT
+# Each step copies the committed CSVs into OUT first and resumes from them, so OUT ends up holding the complete
+# files to commit back into results/ (and a step cut by its time limit can simply be run again). Written after the
+# second session's device time was spent: each command was run on the CPU in its quick form, not yet on the H200.
+set -uo pipefail
+STEP="${1:?step: kernels | fsdp | sweep | liger-fsdp | liger-curves}"
+OUT="${2:?output folder}"
+REPO="${REPO:-$(cd "$(dirname "$0")/.." && pwd)}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+
+case "$STEP" in
+  kernels)  # the GPU tests with the final kernel defaults (TMA loads, 8192² dZ), then the loss benchmark
+    mkdir -p "$OUT/kernels"
+    timeout 300 python3 -m pytest -q -m gpu "$REPO/tests/kernels" --rootdir "$REPO" -p no:cacheprovider \
+      2>&1 | tail -40 | tee "$OUT/kernels/gpu_tests.txt"
+    timeout 270 python3 "$REPO/benchmarks/loss_bench.py" --backends trl,grpo_lab --step-batches '' \
+      --out "$OUT/kernels" 2>&1 | tail -40  # a regression check of the two fast heads, side by side
+    ;;
+  fsdp)  # notebook 02: grpo_lab on Qwen3-4B, and the end of its Qwen3-8B search (4 probes from the committed ones)
+    mkdir -p "$OUT/fsdp" && cp "$REPO"/results/fsdp_max_batch/fsdp_max_batch{,_probes}.csv "$OUT/fsdp/"
+    python3 -m grpo_lab.memory.max_batch --full --models Qwen3-8B,Qwen3-4B --backends grpo_lab --resume \
+      --keep-going --max-minutes 8 --out "$OUT/fsdp" 2>&1 | grep -v Warning | tail -40
+    ;;
+  sweep)  # notebook 01: the one preset point not measured (liger fp32 B=96)
+    mkdir -p "$OUT/mem" && cp "$REPO"/results/memory_vs_batch/memory_vs_batch.csv "$OUT/mem/"
+    python3 -m grpo_lab.memory.sweep --full --backends liger --resume --keep-going --max-minutes 8 \
+      --out "$OUT/mem" 2>&1 | grep -v Warning | tail -30
+    ;;
+  liger-fsdp)  # notebook 02's liger bars (all four sizes; rerun to continue if cut)
+    mkdir -p "$OUT/fsdp" && cp "$REPO"/results/fsdp_max_batch/fsdp_max_batch{,_probes}.csv "$OUT/fsdp/"
+    python3 -m grpo_lab.memory.max_batch --full --backends liger --resume --keep-going --max-minutes 8 \
+      --out "$OUT/fsdp" 2>&1 | grep -v Warning | tail -40
+    ;;
+  liger-curves)  # notebook 03: the liger curve of the GPU variant (its own tag; merge with h200.csv afterwards)
+    mkdir -p "$OUT/rc"
+    timeout 560 python3 -m grpo_lab.tasks.reward_curves --variant gpu --device cuda --backends liger \
+      --out "$OUT/rc" --tag h200_liger 2>&1 | grep -v Warning | tail -20
+    ;;
+  *) echo "unknown step $STEP" >&2; exit 2 ;;
+esac
+ls -la "$OUT"/* 2>/dev/null
