@@ -5,7 +5,8 @@
 #     source benchmarks/h200_prelude.sh && bash $REPO/benchmarks/h200_finish.sh fsdp $OUT
 # Each step copies the committed CSVs into OUT first and resumes from them, so OUT ends up holding the complete
 # files to commit back into results/ (and a step cut by its time limit can simply be run again). Written after the
-# second session's device time was spent: each command was run on the CPU in its quick form, not yet on the H200.
+# second session's device time was spent: the CLI paths it uses are covered by CPU tests; the script itself has
+# not run on the H200 yet.
 set -uo pipefail
 STEP="${1:?step: kernels | fsdp | sweep | liger-fsdp | liger-curves}"
 OUT="${2:?output folder}"
