@@ -30,9 +30,9 @@ import numpy as np
 import pandas as pd
 
 from .probe import ProbeError, run_point
-from .results import GiB, environment, make_row, output_problem, write_csv
-from .spec import (PointSpec, check_backend, check_model, check_positive_int, normalize_dtype,
-                   parse_str_list)
+from .results import GiB, environment, make_row, target_csv, write_csv
+from .spec import (PointSpec, check_backend, check_model, check_positive_int, normalize_dtype, parse_str_list,
+                   require_liger_if_named)
 
 FIGURE = "fsdp_max_batch"
 
@@ -477,23 +477,14 @@ def main(argv=None) -> int:
                 preset.pop("budget_above_one_gib", None)
                 preset["budget_fraction" if k == "budget_gib" else "budget_gib"] = None
     try:
-        if "liger" in parse_str_list(preset["backends"]):
-            import importlib.util
-
-            if importlib.util.find_spec("liger_kernel") is None:
-                raise ValueError("backend 'liger' needs liger-kernel (pip install 'grpo-lab[liger]'), or pass "
-                                 "--backends naive,trl,grpo_lab")
+        require_liger_if_named(parse_str_list(preset["backends"], "backends"))
         searches = build_searches(**preset)
+        name = a.name or (FIGURE if a.full else f"{FIGURE}_quick")
+        csv = target_csv(a.out, name, keep=a.append or a.resume, overwrite=a.overwrite)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = a.name or (FIGURE if a.full else f"{FIGURE}_quick")
-    out = Path(a.out)
-    csv = out / f"{name}.csv"
-    problem = output_problem(csv, keep=a.append or a.resume, overwrite=a.overwrite)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    out = csv.parent
     print(f"{len(searches)} searches → {csv}", flush=True)
 
     def on_probe(spec, status):

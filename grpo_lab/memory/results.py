@@ -116,16 +116,17 @@ def make_row(figure: str, spec, result: dict, env: dict) -> dict:
     return row
 
 
-def output_problem(csv: str | Path, keep: bool, overwrite: bool) -> str | None:
-    """Why writing `csv` would be a mistake, or None: its folder is a file, or it exists and the run would replace
-    it unasked (the committed H200 results sit at the CLIs' default paths)."""
-    csv = Path(csv)
+def target_csv(out: str | Path, name: str, keep: bool, overwrite: bool) -> Path:
+    """`out/name.csv`, the CSV a command line will write; a `ValueError` when that would be a mistake: `out` is a
+    file, or the CSV exists and the run would replace it unasked (the committed H200 results sit at the CLIs'
+    default paths)."""
+    csv = Path(out) / f"{name}.csv"
     if csv.parent.exists() and not csv.parent.is_dir():
-        return f"--out {csv.parent} is a file, not a folder"
+        raise ValueError(f"--out {csv.parent} is a file, not a folder")
     if csv.exists() and not (keep or overwrite):
-        return (f"{csv} exists; pass --overwrite to replace it, --resume (or --append) to add to it, or another "
-                "--out")
-    return None
+        raise ValueError(f"{csv} exists; pass --overwrite to replace it, --resume (or --append) to add to it, or "
+                         "another --out")
+    return csv
 
 
 def rows_to_frame(rows: list[dict]) -> pd.DataFrame:

@@ -51,6 +51,15 @@ def check_backend(name: str) -> str:
     return name
 
 
+def require_liger_if_named(backends) -> None:
+    """Refuse up front, not at the first liger point, when `backends` names liger but liger-kernel is missing."""
+    import importlib.util
+
+    if "liger" in backends and importlib.util.find_spec("liger_kernel") is None:
+        raise ValueError("backend 'liger' needs liger-kernel (pip install 'grpo-lab[liger]'), or pass "
+                         "--backends naive,trl,grpo_lab")
+
+
 def check_positive_int(value, what: str) -> int:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         value = int(value)  # numpy and other integer types, as pandas and papermill hand them over

@@ -20,8 +20,9 @@ from pathlib import Path
 import pandas as pd
 
 from .probe import ProbeError, run_point
-from .results import environment, make_row, output_problem, rows_to_frame, write_csv
-from .spec import PointSpec, check_backend, check_model, normalize_dtype, parse_int_list, parse_str_list
+from .results import environment, make_row, rows_to_frame, target_csv, write_csv
+from .spec import (PointSpec, check_backend, check_model, normalize_dtype, parse_int_list, parse_str_list,
+                   require_liger_if_named)
 
 FIGURE = "memory_vs_batch"
 
@@ -188,22 +189,13 @@ def main(argv=None) -> int:
         preset["loss_batch_sizes"] = a.batch_sizes
     try:
         specs = build_specs(device=a.device, pretrained=a.pretrained, **preset)
-        if "liger" in [s.backend for s in specs]:
-            import importlib.util
-
-            if importlib.util.find_spec("liger_kernel") is None:
-                raise ValueError("backend 'liger' needs liger-kernel (pip install 'grpo-lab[liger]'), or pass "
-                                 "--backends naive,trl,grpo_lab")
+        require_liger_if_named({s.backend for s in specs})
+        name = a.name or (FIGURE if a.full else f"{FIGURE}_quick")
+        csv = target_csv(a.out, name, keep=a.append or a.resume, overwrite=a.overwrite)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = a.name or (FIGURE if a.full else f"{FIGURE}_quick")
-    out = Path(a.out)
-    csv = out / f"{name}.csv"
-    problem = output_problem(csv, keep=a.append or a.resume, overwrite=a.overwrite)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    out = csv.parent
     print(f"{len(specs)} points → {csv}", flush=True)
     try:
         df = run_sweep(specs, out_csv=csv, on_point=_print_point, keep_going=a.keep_going, append=a.append,
