@@ -121,21 +121,20 @@ def run_sweep(specs: list[PointSpec], out_csv: str | Path | None = None,
 def _unmeasured(specs: list[PointSpec], previous: pd.DataFrame) -> tuple[list[PointSpec], dict]:
     """The specs `previous` does not hold as ok/oom at the same lengths, and the OOM batch per series it holds."""
     done = previous[previous["status"].isin(["ok", "oom"])]
-    measured = {(m, mo, d, b, int(bs), int(pl), int(cl)) for m, mo, d, b, bs, pl, cl in zip(
-        done["model"], done["mode"], done["dtype"], done["backend"], done["batch_size"], done["prompt_len"],
-        done["completion_len"])}
+    status: dict[tuple, set] = {}  # point coordinates -> the statuses recorded there
+    for m, mo, d, b, bs, pl, cl, st in zip(done["model"], done["mode"], done["dtype"], done["backend"],
+                                           done["batch_size"], done["prompt_len"], done["completion_len"],
+                                           done["status"]):
+        status.setdefault((m, mo, d, b, int(bs), int(pl), int(cl)), set()).add(st)
     left, oom_at = [], {}
     for s in specs:
         prompt_len = s.prompt_len if s.mode == "step" else 0  # how make_row records a loss-alone point
-        if (s.model, s.mode, s.dtype, s.backend, s.batch_size, prompt_len, s.completion_len) in measured:
-            row = done[(done["model"] == s.model) & (done["mode"] == s.mode) & (done["dtype"] == s.dtype) &
-                       (done["backend"] == s.backend) & (done["batch_size"] == s.batch_size) &
-                       (done["prompt_len"] == prompt_len) & (done["completion_len"] == s.completion_len)]
-            if (row["status"] == "oom").any():
-                key = _series_key(s)
-                oom_at[key] = min(oom_at.get(key, s.batch_size), s.batch_size)
-        else:
+        recorded = status.get((s.model, s.mode, s.dtype, s.backend, s.batch_size, prompt_len, s.completion_len))
+        if recorded is None:
             left.append(s)
+        elif "oom" in recorded:
+            key = _series_key(s)
+            oom_at[key] = min(oom_at.get(key, s.batch_size), s.batch_size)
     return left, oom_at
 
 

@@ -357,9 +357,8 @@ def run_reward_curves(cfg: EmbeddedConfig, out_dir: str | os.PathLike | None = N
 
 
 def _summarise(cfg: EmbeddedConfig, prep: Prepared, runs: list[dict], held_start: float, tag: str, t_all: float,
-               out_dir, plot: bool = True, log=print) -> dict:
-    """The long-format curves, the JSON summary and (when `plot`) the figure of the runs so far; written when
-    out_dir is given."""
+               out_dir, log=print) -> dict:
+    """The long-format curves, the JSON summary and the figure of the runs so far; written when out_dir is given."""
     import pandas as pd
 
     env = environment_info(cfg.device)
@@ -382,14 +381,13 @@ def _summarise(cfg: EmbeddedConfig, prep: Prepared, runs: list[dict], held_start
         "parity": parity(runs) if len(runs) > 1 else {}, "total_seconds": time.perf_counter() - t_all,
         "complete": len(runs) == len(cfg.backends),
     }
-    png = None
-    if plot:
-        title = f"GRPO reward curves ({tag}, LoRA r={cfg.lora_r}, lr {cfg.learning_rate:g})"
-        try:
-            png = plot_curves(df, title=title)
-        except ImportError:  # e.g. a GPU box without matplotlib: replot later with --replot
-            log("matplotlib not installed: no PNG written; render it later with "
-                "`python -m grpo_lab.tasks.reward_curves --replot <csv>`")
+    title = f"GRPO reward curves ({tag}, LoRA r={cfg.lora_r}, lr {cfg.learning_rate:g})"
+    try:
+        png = plot_curves(df, title=title)
+    except ImportError:  # e.g. a GPU box without matplotlib: replot later with --replot
+        png = None
+        log("matplotlib not installed: no PNG written; render it later with "
+            "`python -m grpo_lab.tasks.reward_curves --replot <csv>`")
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
