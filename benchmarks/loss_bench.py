@@ -250,19 +250,21 @@ def main(argv=None):
 
 A16 = (128, 256, 64, 8, 8, 3)
 TUNE_EXPERIMENTS = {
+    # relative to the defaults (TMA loads, persistent 16-bit kernels, dZ 16384 x 8192 for 16-bit); run 2 and run 3
+    # measured the earlier variants (tune_run2.csv, tune_run3.csv)
     "bf16": [
         {},
-        {"USE_TMA": True},
-        {"BWD_TOKENS": 8192, "BWD_VOCAB": 8192},
-        {"USE_TMA": True, "BWD_TOKENS": 8192, "BWD_VOCAB": 8192},
+        {"persistent": False},
+        {"DZ_TMA": True},
+        {"bwd_tile": (8192, 8192)},
+        {"cfg": (128, 256, 64, 8, 8, 4)},
     ],
     "fp32": [
         {},
-        {"FP32_MM": "triton", "mm": (128, 128, 32, 8, 8, 3)},
-        {"FP32_MM": "triton", "mm": (128, 128, 32, 8, 8, 3), "USE_TMA": True},
+        {"persistent": True},
     ],
 }
-TUNABLES = ("USE_TMA", "FP32_MM", "FP32_DOT", "BWD_TOKENS", "BWD_VOCAB")
+TUNABLES = ("USE_TMA", "FP32_MM", "FP32_DOT", "DZ_TMA")
 
 
 def apply_experiment(F, exp, dname):
@@ -272,6 +274,11 @@ def apply_experiment(F, exp, dname):
             F.CONFIGS[f"fwd_{key}"] = F.CONFIGS[f"bwd_{key}"] = v
         elif k == "mm":
             F.CONFIGS["mm_32"] = v
+        elif k == "bwd_tile":
+            F.BWD_TILE["16" if dname == "bf16" else "32"] = v
+        elif k == "persistent":
+            key = "16" if dname == "bf16" else "32"
+            F.PERSISTENT[f"fwd_{key}"] = F.PERSISTENT[f"bwd_{key}"] = v
         else:
             setattr(F, k, v)
 
@@ -286,6 +293,8 @@ def tune(out_dir, refs=True):
     rows = []
     n = 64 * T_COMPLETION
     default = dict(F.CONFIGS)
+    default_persistent = dict(F.PERSISTENT)
+    default_tile = dict(F.BWD_TILE)
     for dname, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         gen = torch.Generator(device="cuda").manual_seed(0)
         h = torch.randn(n, H, device="cuda", generator=gen).to(dtype).requires_grad_()
@@ -349,6 +358,8 @@ def tune(out_dir, refs=True):
                 for k, v in saved.items():
                     setattr(F, k, v)
                 F.CONFIGS.update(default)
+                F.PERSISTENT.update(default_persistent)
+                F.BWD_TILE.update(default_tile)
             rows.append({"dtype": dname, "what": "grpo_lab_head", "config": label, "ms": t_fb, "fwd_ms": t_f,
                          "exp": exp})
             print(f"tune {dname} grpo_lab {label}: fwd {t_f:.1f} fwd+bwd {t_fb:.1f} ms", flush=True)

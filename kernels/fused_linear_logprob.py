@@ -41,12 +41,24 @@ CONFIGS = {
 # TMA on by default: 21.6 vs 24.0 ms for the bf16 B=64 forward on the H200 (tune_run2.csv).
 USE_TMA = os.environ.get("GRPO_LAB_TMA", "1") == "1"
 FP32_MM = os.environ.get("GRPO_LAB_FP32_MM", "cublas")
-# Backward tile of the dZ buffer (tokens × vocabulary) and the forward's budget for partial statistics.
-# 8192 × 8192 (128 MiB in bf16) measured fastest on the H200 (results/loss_kernel/tune_run2.csv): K = 8192 for the
-# cuBLAS dX / dW GEMMs instead of 4096.
-BWD_TOKENS = int(os.environ.get("GRPO_LAB_BWD_TOKENS", 8192))
-BWD_VOCAB = int(os.environ.get("GRPO_LAB_BWD_VOCAB", 8192))
+# Backward tile of the dZ buffer (tokens, vocabulary) per compute dtype; GRPO_LAB_BWD_TOKENS / _VOCAB override both.
+# Measured on the H200 (results/loss_kernel/tune_run3.csv): 16-bit 16384 × 8192 (256 MiB bf16; K = 16384 for the
+# cuBLAS dW GEMM, one accumulator pass per two token tiles fewer), 71.5 vs 73.8 ms at 8192 × 8192 with the persistent
+# kernels; fp32 keeps 8192 × 8192 (256 MiB), which holds its loss memory under 0.8× TRL's.
+BWD_TILE = {
+    key: (int(os.environ.get("GRPO_LAB_BWD_TOKENS", tokens)), int(os.environ.get("GRPO_LAB_BWD_VOCAB", 8192)))
+    for key, tokens in (("16", 16384), ("32", 8192))
+}
 PART_BUDGET_BYTES = 32 * 2**20
+# Persistent launch per fused kernel and dtype (keys as CONFIGS): one program per SM loops over the tiles, its loop
+# flattened with the K loop so the next tile's loads are issued while this tile's softmax epilogue runs, instead of
+# one program per tile.
+# On by default for 16-bit: bf16 B=64 head fwd+bwd 71.7 vs 75.2 ms on the H200 (tune_run3.csv); fp32 gained nothing
+# (662 vs 658 ms). GRPO_LAB_PERSISTENT, when set, lists the keys to turn on ("" for none).
+_PERSISTENT_ON = os.environ.get("GRPO_LAB_PERSISTENT", "fwd_16,bwd_16").split(",")
+PERSISTENT = {key: key in _PERSISTENT_ON for key in CONFIGS if key != "mm_32"}
+# The backward writes dZ through a tensor descriptor (bulk store, clipped at the tile's edges) when TMA loads are on.
+DZ_TMA = os.environ.get("GRPO_LAB_DZ_TMA", "0") == "1"
 # fp32 dot: "ieee" (plain fp32 FMA) or "tf32x3" (three TF32 products, fp32-level error, on tensor cores)
 FP32_DOT = os.environ.get("GRPO_LAB_FP32_DOT", "tf32x3")
 
@@ -118,10 +130,32 @@ def _fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr,
                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
                 HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
                 COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(v_hi - v_lo, BN)
-    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+            pid_m, pid_n = _grouped_pid(tile, num_pid_m, num_pid_n, GROUP_M)
+            _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h,
+                      stride_w, part_stat_stride, logit_scale, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY,
+                      HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
+    else:
+        pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h,
+                  stride_w, part_stat_stride, logit_scale, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY,
+                  HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
+
+
+@triton.jit
+def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, pid_m, pid_n,
+              M, v_lo, v_hi, K, stride_h, stride_w, part_stat_stride,
+              logit_scale, softcap, inv_t,
+              HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+              HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
+              COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One [BM, BN] block: its logits, reduced to per-row partial statistics in `part`."""
     z, t, offs_m, offs_n, row_ok, col_ok = _tile_logits(
         h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, stride_w, logit_scale, softcap, inv_t,
         HAS_BIAS, HAS_SOFTCAP, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
@@ -154,10 +188,31 @@ def _bwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, 
                 logit_scale, softcap, inv_t,
                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_G: tl.constexpr, HAS_GE: tl.constexpr,
                 COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DZ_TMA: tl.constexpr):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(v_hi - v_lo, BN)
-    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+            pid_m, pid_n = _grouped_pid(tile, num_pid_m, num_pid_n, GROUP_M)
+            _bwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, dz_ptr, pid_m, pid_n, M, v_lo,
+                      v_hi, K, stride_h, stride_w, stride_dz, logit_scale, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP,
+                      HAS_G, HAS_GE, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK, DZ_TMA)
+    else:
+        pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        _bwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, dz_ptr, pid_m, pid_n, M, v_lo,
+                  v_hi, K, stride_h, stride_w, stride_dz, logit_scale, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP,
+                  HAS_G, HAS_GE, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK, DZ_TMA)
+
+
+@triton.jit
+def _bwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, dz_ptr, pid_m, pid_n,
+              M, v_lo, v_hi, K, stride_h, stride_w, stride_dz,
+              logit_scale, softcap, inv_t,
+              HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_G: tl.constexpr, HAS_GE: tl.constexpr,
+              COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DZ_TMA: tl.constexpr):
+    """One [BM, BN] block of dZ: the logits recomputed, turned into their gradient, stored in the compute dtype."""
     z, t, offs_m, offs_n, row_ok, col_ok = _tile_logits(
         h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, stride_w, logit_scale, softcap, inv_t,
         HAS_BIAS, HAS_SOFTCAP, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
@@ -178,8 +233,11 @@ def _bwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, 
     if HAS_SOFTCAP:
         grad = grad * (1.0 - t * t)
     grad = grad * logit_scale
-    ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dz + (offs_n - v_lo)[None, :]
-    tl.store(ptrs, grad.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if DZ_TMA:  # dz_ptr is a descriptor of this [rows, chunk] tile: rows / columns past its edge are not written
+        dz_ptr.store([pid_m * BM, pid_n * BN], grad.to(dz_ptr.dtype))
+    else:
+        ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dz + (offs_n - v_lo)[None, :]
+        tl.store(ptrs, grad.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -260,6 +318,25 @@ def _operands(h, weight, compute, bm, bn, bk):
     return TensorDescriptor.from_tensor(h, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]), True
 
 
+def _programs(kind: str, compute: torch.dtype, n_tiles: int, device: torch.device) -> tuple[int, bool]:
+    """(grid size, persistent): one program per SM looping over the tiles, or one program per tile."""
+    if not PERSISTENT[f"{kind}_{'32' if compute == torch.float32 else '16'}"]:
+        return n_tiles, False
+    slots = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
+    return min(n_tiles, slots), True
+
+
+def _dz_target(tile: torch.Tensor, bm: int, bn: int, tma_loads: bool):
+    """(dz arg, use_tma): a tensor descriptor of the dZ tile when DZ_TMA is on and its layout allows it."""
+    ok = (DZ_TMA and tma_loads and tile.stride(1) == 1 and (tile.stride(0) * tile.element_size()) % 16 == 0
+          and tile.data_ptr() % 16 == 0)
+    if not ok:
+        return tile, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(tile, [bm, bn]), True
+
+
 def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want):
     """Running online-LSE statistics of the valid rows `h` over the whole vocabulary."""
     m_rows, k = h.shape
@@ -279,16 +356,17 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
     for vb0 in range(0, total_vblocks, per_launch):
         nvb = min(per_launch, total_vblocks - vb0)
         v_lo, v_hi = vb0 * bn, min(vocab, (vb0 + nvb) * bn)
-        grid = (triton.cdiv(m_rows, bm) * nvb,)
+        n_progs, persistent = _programs("fwd", compute, triton.cdiv(m_rows, bm) * nvb, dev)
         h_arg, w_arg, tma = _operands(h, weight, compute, bm, bn, bk)
-        _fwd_kernel[grid](
+        _fwd_kernel[(n_progs,)](
             h_arg, w_arg, bias if bias is not None else h, y, part, target_logit,
             m_rows, v_lo, v_hi, k, h.stride(0), weight.stride(0), part.stride(0),
             float(logit_scale), float(softcap or 1.0), float(inv_t),
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=want["entropy"],
             HAS_SQ=want["log_sum_sq_probs"], HAS_MEAN=want["mean_logits"], HAS_TOP1=want["is_top1"],
             COMPUTE=_TL_DTYPE[compute], PRECISION=_precision(compute), EVEN_K=k % bk == 0, USE_TMA=tma,
-            BM=bm, BN=bn, BK=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
+            BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
+            num_warps=warps, num_stages=stages)
         pm = part[0, :nvb]
         new_m = torch.maximum(run_m, pm.amax(0))
         alpha = torch.exp(run_m - new_m)
@@ -377,8 +455,9 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
             h = h.contiguous()
             h_c = h.to(compute)
             bm, bn, bk, group_m, warps, stages = _config("bwd", compute)
-            t_tile = min(n_valid, BWD_TOKENS)
-            v_tile = min(vocab, BWD_VOCAB)
+            tokens, vocab_tile = BWD_TILE["32" if compute == torch.float32 else "16"]
+            t_tile = min(n_valid, tokens)
+            v_tile = min(vocab, vocab_tile)
             dz = torch.empty((t_tile, v_tile), device=dev, dtype=compute)
             n_ttiles = triton.cdiv(n_valid, t_tile)
             dw_buf = None
@@ -396,16 +475,19 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
                     t1 = min(t0 + t_tile, n_valid)
                     rows_t = t1 - t0
                     tile = dz[:rows_t, : v1 - v0]
-                    grid = (triton.cdiv(rows_t, bm) * triton.cdiv(v1 - v0, bn),)
+                    n_progs, persistent = _programs("bwd", compute, triton.cdiv(rows_t, bm) * triton.cdiv(v1 - v0, bn),
+                                                    dev)
                     h_arg, w_arg, tma = _operands(h[t0:t1], weight, compute, bm, bn, bk)
-                    _bwd_kernel[grid](
+                    dz_arg, dz_tma = _dz_target(tile, bm, bn, tma)
+                    _bwd_kernel[(n_progs,)](
                         h_arg, w_arg, bias if bias is not None else h, y[t0:t1], log_z[t0:t1],
                         entropy[t0:t1], g[t0:t1] if g is not None else dummy, ge[t0:t1] if ge is not None else dummy,
-                        tile, rows_t, v0, v1, k, h.stride(0), weight.stride(0), tile.stride(0),
+                        dz_arg, rows_t, v0, v1, k, h.stride(0), weight.stride(0), tile.stride(0),
                         float(logit_scale), float(softcap or 1.0), float(inv_t),
                         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_G=g is not None,
                         HAS_GE=ge is not None, COMPUTE=_TL_DTYPE[compute], PRECISION=_precision(compute),
                         EVEN_K=k % bk == 0, USE_TMA=tma, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
+                        PERSISTENT=persistent, NUM_PROGRAMS=n_progs, DZ_TMA=dz_tma,
                         num_warps=warps, num_stages=stages)
                     if tri_mm:
                         if need_h:

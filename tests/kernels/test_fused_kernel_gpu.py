@@ -159,15 +159,17 @@ def test_against_trl(dtype):
 
 
 def test_dispatch_uses_triton_on_cuda(monkeypatch):
+    """bf16 / fp32 on CUDA go to the Triton kernel; float64 (no Triton path) to the chunked torch one."""
     import grpo_lab.backends.dispatch as dispatch
 
     calls = []
-    real = dispatch._triton_impl()
-    assert real is not None
-    monkeypatch.setattr(dispatch, "_triton_impl", lambda: (lambda *a: calls.append(1) or real(*a)))
-    hidden, weight, _, targets = make(100, 64, 500, torch.bfloat16)
-    lp = dispatch.grpo_lab_logprobs(hidden, weight, None, targets)[0]
-    assert calls and lp.shape == (100,)
+    real = dispatch.fused_linear_logprobs
+    monkeypatch.setattr(dispatch, "fused_linear_logprobs", lambda *a: calls.append(a[0].dtype) or real(*a))
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        hidden, weight, _, targets = make(100, 64, 500, dtype)
+        lp = dispatch.grpo_lab_logprobs(hidden, weight, None, targets)[0]
+        assert lp.shape == (100,) and torch.isfinite(lp).all()
+    assert calls == [torch.bfloat16, torch.float32]
 
 
 def test_matches_chunked_torch_path():
@@ -180,15 +182,21 @@ def test_matches_chunked_torch_path():
         assert rel(x, y) < 1e-4
 
 
-@pytest.mark.parametrize("tma,fp32_mm", [(True, "cublas"), (False, "triton"), (True, "triton")])
+@pytest.mark.parametrize("tma,fp32_mm,persistent,dz_tma", [
+    (True, "cublas", False, False), (False, "cublas", False, False), (False, "triton", False, False),
+    (True, "triton", False, False), (True, "cublas", True, False), (False, "cublas", True, False),
+    (True, "cublas", False, True), (True, "cublas", True, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_variants(monkeypatch, tma, fp32_mm, dtype):
-    """The tensor-descriptor loads and the Triton fp32 dX/dW GEMMs compute the same function."""
+def test_kernel_variants(monkeypatch, tma, fp32_mm, persistent, dz_tma, dtype):
+    """Pointer or tensor-descriptor loads, one program per tile or persistent, dZ stored through pointers or a
+    descriptor, cuBLAS or Triton fp32 dX/dW GEMMs: all compute the same function."""
     import grpo_lab.kernels.fused_linear_logprob as F
 
     monkeypatch.setattr(F, "USE_TMA", tma)
     monkeypatch.setattr(F, "FP32_MM", fp32_mm)
-    monkeypatch.setattr(F, "BWD_TOKENS", 1024)
+    monkeypatch.setattr(F, "DZ_TMA", dz_tma)
+    monkeypatch.setattr(F, "PERSISTENT", {key: persistent for key in F.PERSISTENT})
+    monkeypatch.setattr(F, "BWD_TILE", {"16": (1024, 2048), "32": (1024, 2048)})
     data = make(2500, 200, 5003, dtype, masked=100, seed=8)
     check(*run_both(*data), dtype)
 

@@ -1,0 +1,63 @@
+"""Runs the Triton kernels of `grpo_lab.kernels` in Triton's CPU interpreter and prints their errors as JSON.
+
+A separate process because `TRITON_INTERPRET=1` must be set before the kernels are decorated (at import). Small
+tiles so that several token and vocabulary blocks, several dZ tiles in each direction and a persistent program
+looping over many tiles all occur; fp32 only (the interpreter computes in numpy, which has no bfloat16).
+"""
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+import grpo_lab.kernels.fused_linear_logprob as F  # noqa: E402
+from grpo_lab.backends.naive import naive_logprobs  # noqa: E402
+
+ALL = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def main(variant: dict) -> dict:
+    small = (32, 64, 32, 2, 4, 2)
+    F.CONFIGS.update({"fwd_32": small, "bwd_32": small})
+    F.BWD_TILE = {"16": (48, 256), "32": (48, 256)}
+    F.USE_TMA = variant["tma"]
+    F.DZ_TMA = variant["dz_tma"]
+    F.PERSISTENT = {key: variant["persistent"] for key in F.PERSISTENT}
+    gen = torch.Generator().manual_seed(0)
+    n, h, v = 70, 64, 700
+    hidden = torch.randn(n, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen) * h ** -0.5 * 3
+    bias = torch.randn(v, generator=gen)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[::5] = -100
+    g, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    valid = targets >= 0
+    mine = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
+    ref_in = [x.double().requires_grad_() for x in (hidden, weight, bias)]
+    out = F.FusedLinearLogProbFunction.apply(*mine, targets, 0.9, None, 5.0, 1.0, ALL, torch.float32)
+    ref = naive_logprobs(*ref_in, targets, 0.9, None, 5.0, 1.0, ALL)
+    ((out[0] * g).sum() + (out[1] * ge).sum()).backward()
+    ((ref[0] * g * valid).sum() + (ref[1] * ge * valid).sum()).backward()
+    return {
+        "logprobs": rel(out[0][valid], ref[0][valid]),
+        "entropy": rel(out[1][valid], ref[1][valid]),
+        "log_sum_sq_probs": rel(out[2][valid], ref[2][valid]),
+        "mean_logits": (out[3][valid] - ref[3][valid]).abs().max().item(),
+        "is_top1_agree": (out[4][valid] == ref[4][valid]).float().mean().item(),
+        "masked_zero": bool((out[0][~valid] == 0).all() and (out[1][~valid] == 0).all()),
+        "grad_hidden": rel(mine[0].grad, ref_in[0].grad),
+        "grad_weight": rel(mine[1].grad, ref_in[1].grad),
+        "grad_bias": rel(mine[2].grad, ref_in[2].grad),
+        "masked_grad_zero": bool((mine[0].grad[~valid] == 0).all()),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))))
