@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# What the committed H200 results still lack (as of 2026-12-02), one step per device call of <= 10 minutes, most
-# important first. Run from the repo root on the GPU box after `source benchmarks/h200_prelude.sh` (which leaves
-# the shell in /root/run with the repo in $REPO), e.g.
-#     source benchmarks/h200_prelude.sh && bash $REPO/benchmarks/h200_finish.sh fsdp $OUT
+# The H200 steps that finish (or refresh) the committed results, one device call of <= 10 minutes each. Run from the
+# repo root on the GPU box after `source benchmarks/h200_prelude.sh` (which leaves the shell in /root/run with the
+# repo in $REPO), e.g.
+#     source benchmarks/h200_prelude.sh && bash $REPO/benchmarks/h200_finish.sh sweep $OUT
 # Each step copies the committed CSVs into OUT first and resumes from them, so OUT ends up holding the complete
-# files to commit back into results/ (and a step cut by its time limit can simply be run again). Written after the
-# second session's device time was spent: the CLI paths it uses are covered by CPU tests; the script itself has
-# not run on the H200 yet.
+# files to commit back into results/ (and a step cut by its time limit can simply be run again).
+# Status (2026-12-02, third device session): kernels, fsdp and liger-fsdp ran (their results are committed; rerun,
+# fsdp and liger-fsdp find every search finished and probe nothing). Still to run: sweep, liger-curves.
 set -uo pipefail
 STEP="${1:?step: kernels | fsdp | sweep | liger-fsdp | liger-curves}"
 OUT="${2:?output folder}"
