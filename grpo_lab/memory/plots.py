@@ -92,6 +92,7 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
     else:
         failed = df.iloc[0:0]
     width = 0.8 / max(1, len(backends))
+    crowded = len(backends) > 3
     x = np.arange(len(models))
     top = max(1, df["max_batch"].max()) if len(df) else 1
     for i, backend in enumerate(backends):
@@ -126,10 +127,13 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
                 if _bound_kind(rr.iloc[0]):  # a lower bound over a lower bound says nothing
                     continue
                 labels.append(f"{'≥' if kind else ''}{v / rr['max_batch'].iloc[0]:.2f}×{ref[0]}")
-            ax.text(p, v + top * 0.01, "\n".join(labels), ha="center", va="bottom", fontsize=7)
+            if crowded:  # one rotated line per bar, so neighbouring labels do not run into each other
+                ax.text(p, v + top * 0.01, " ".join(labels), ha="center", va="bottom", fontsize=7, rotation=90)
+            else:
+                ax.text(p, v + top * 0.01, "\n".join(labels), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x, models)
     ax.set_ylabel("max per-device batch that fits")
-    ax.set_ylim(0, top * 1.3)
+    ax.set_ylim(0, top * (1.45 if crowded else 1.3))
     ax.legend(title="loss backend (×n = vs naive, ×t = vs trl)", fontsize=8, loc="upper left",
               bbox_to_anchor=(1.0, 1.0))
     r = title_row

@@ -165,6 +165,21 @@ def test_figure_marks_lower_bounds_and_searches_that_did_not_run():
     assert len(hatched) == 1 and hatched[0].get_height() == 246
 
 
+def test_figure_with_four_backends_rotates_its_labels():
+    """Four bars per model leave no room for stacked labels: each bar gets one vertical line of text instead."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from grpo_lab.memory.plots import plot_max_batch
+
+    rows = [("m1", b, v, v + 5, False, "ok") for b, v in (("naive", 95), ("trl", 692), ("grpo_lab", 692),
+                                                             ("liger", 695))]
+    df = pd.DataFrame(rows, columns=["model", "backend", "max_batch", "first_oom", "capped", "status"])
+    ax = plot_max_batch(df).axes[0]
+    labels = {t.get_text(): t.get_rotation() for t in ax.texts}
+    assert labels == {"95 0.14×t": 90.0, "692 7.28×n": 90.0, "692 7.28×n 1.00×t": 90.0, "695 7.32×n 1.00×t": 90.0}
+
+
 def test_ratio_table_says_which_figures_are_bounds():
     from grpo_lab.memory.notebook import closing_note_max_batch, ratio_table
 
