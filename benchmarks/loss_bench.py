@@ -207,8 +207,11 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.tune:
         return tune(args.out, refs=not args.tune_no_refs)
-    chosen = autotune(args.out) if args.autotune else {}
-    meta["grpo_lab_setting"] = "; ".join(f"{k}: {v}" for k, v in chosen.items()) or "default"
+    if args.autotune:
+        autotune(args.out)
+    import grpo_lab.kernels.fused_linear_logprob as F
+
+    meta["grpo_lab_setting"] = kernel_setting(F)
     config = loss_config()
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     rows = []
@@ -250,12 +253,12 @@ def main(argv=None):
 
 A16 = (128, 256, 64, 8, 8, 3)
 TUNE_EXPERIMENTS = {
-    # relative to the defaults (TMA loads, persistent 16-bit kernels, dZ 16384 x 8192 for 16-bit); run 2 and run 3
-    # measured the earlier variants (tune_run2.csv, tune_run3.csv)
+    # Relative to the defaults (TMA loads, persistent 16-bit kernels, dZ 16384 x 8192 for 16-bit). Runs 2 and 3
+    # measured earlier lists (tune_run2.csv, tune_run3.csv; their labels use that time's knob names).
     "bf16": [
         {},
         {"persistent": False},
-        {"DZ_TMA": True},
+        {"dz_tma": True},
         {"bwd_tile": (8192, 8192)},
         {"cfg": (128, 256, 64, 8, 8, 4)},
     ],
@@ -264,23 +267,38 @@ TUNE_EXPERIMENTS = {
         {"persistent": True},
     ],
 }
-TUNABLES = ("USE_TMA", "FP32_MM", "FP32_DOT", "DZ_TMA")
+# Every knob an experiment sets belongs to its own dtype, so `autotune` cannot carry bf16's choice into fp32.
+FP32_ONLY = {"mm": "mm_32", "FP32_MM": None, "FP32_DOT": None}
 
 
 def apply_experiment(F, exp, dname):
+    key = "16" if dname == "bf16" else "32"
     for k, v in exp.items():
+        if k in FP32_ONLY and dname != "fp32":
+            raise ValueError(f"{k} is an fp32 knob; a {dname} experiment cannot set it")
         if k == "cfg":
-            key = "16" if dname == "bf16" else "32"
             F.CONFIGS[f"fwd_{key}"] = F.CONFIGS[f"bwd_{key}"] = v
         elif k == "mm":
             F.CONFIGS["mm_32"] = v
+        elif k in ("FP32_MM", "FP32_DOT"):
+            setattr(F, k, v)
         elif k == "bwd_tile":
-            F.BWD_TILE["16" if dname == "bf16" else "32"] = v
+            F.BWD_TILE[key] = v
+        elif k == "dz_tma":
+            F.DZ_TMA[key] = v
         elif k == "persistent":
-            key = "16" if dname == "bf16" else "32"
             F.PERSISTENT[f"fwd_{key}"] = F.PERSISTENT[f"bwd_{key}"] = v
         else:
-            setattr(F, k, v)
+            raise ValueError(f"unknown tuning knob {k!r}")
+
+
+def kernel_setting(F) -> str:
+    """The kernel knobs in force, for the CSV's `grpo_lab_setting` column."""
+    on = [k for k, v in F.PERSISTENT.items() if v]
+    tiles = " ".join(f"{k}:{t}x{v}" for k, (t, v) in F.BWD_TILE.items())
+    dz = [k for k, v in F.DZ_TMA.items() if v]
+    return (f"TMA loads {'on' if F.USE_TMA else 'off'}; persistent {','.join(on) or 'none'}; dZ tile {tiles}; "
+            f"dZ descriptor store {','.join(dz) or 'off'}; fp32 dot {F.FP32_DOT}, fp32 dX/dW {F.FP32_MM}")
 
 
 def tune(out_dir, refs=True):
@@ -292,9 +310,16 @@ def tune(out_dir, refs=True):
 
     rows = []
     n = 64 * T_COMPLETION
-    default = dict(F.CONFIGS)
-    default_persistent = dict(F.PERSISTENT)
-    default_tile = dict(F.BWD_TILE)
+    defaults = {name: dict(getattr(F, name)) for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "DZ_TMA")}
+    defaults.update({name: getattr(F, name) for name in ("FP32_MM", "FP32_DOT")})
+
+    def restore():
+        for name, value in defaults.items():
+            if isinstance(value, dict):
+                getattr(F, name).update(value)
+            else:
+                setattr(F, name, value)
+
     for dname, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         gen = torch.Generator(device="cuda").manual_seed(0)
         h = torch.randn(n, H, device="cuda", generator=gen).to(dtype).requires_grad_()
@@ -342,7 +367,6 @@ def tune(out_dir, refs=True):
             rows.append({"dtype": dname, "what": "trl_head", "config": "chunk 32768", "ms": t_fb, "fwd_ms": t_f})
             print(f"tune {dname} trl head fwd {t_f:.1f} fwd+bwd {t_fb:.1f} ms", flush=True)
         for exp in TUNE_EXPERIMENTS[dname]:
-            saved = {k: getattr(F, k) for k in TUNABLES}
             apply_experiment(F, exp, dname)
             label = " ".join(f"{k}={v}" for k, v in exp.items()) or "default"
             try:
@@ -355,15 +379,10 @@ def tune(out_dir, refs=True):
                 print(f"tune {dname} {label} failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
                 t_f = t_fb = float("nan")
             finally:
-                for k, v in saved.items():
-                    setattr(F, k, v)
-                F.CONFIGS.update(default)
-                F.PERSISTENT.update(default_persistent)
-                F.BWD_TILE.update(default_tile)
+                restore()
             rows.append({"dtype": dname, "what": "grpo_lab_head", "config": label, "ms": t_fb, "fwd_ms": t_f,
                          "exp": exp})
             print(f"tune {dname} grpo_lab {label}: fwd {t_f:.1f} fwd+bwd {t_fb:.1f} ms", flush=True)
-        F.CONFIGS.update(default)
         del h, w
         gc.collect()
         torch.cuda.empty_cache()

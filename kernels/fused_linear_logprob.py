@@ -18,6 +18,7 @@ Rows whose target is negative are dropped before any GEMM (not computed) and get
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -43,8 +44,8 @@ USE_TMA = os.environ.get("GRPO_LAB_TMA", "1") == "1"
 FP32_MM = os.environ.get("GRPO_LAB_FP32_MM", "cublas")
 # Backward tile of the dZ buffer (tokens, vocabulary) per compute dtype; GRPO_LAB_BWD_TOKENS / _VOCAB override both.
 # Measured on the H200 (results/loss_kernel/tune_run3.csv): 16-bit 16384 × 8192 (256 MiB bf16; K = 16384 for the
-# cuBLAS dW GEMM, one accumulator pass per two token tiles fewer), 71.5 vs 73.8 ms at 8192 × 8192 with the persistent
-# kernels; fp32 keeps 8192 × 8192 (256 MiB), which holds its loss memory under 0.8× TRL's.
+# cuBLAS dW GEMM, half the fp32 accumulator passes), 71.5 vs 71.7 ms at 8192 × 8192 with the persistent kernels
+# (73.8 vs 75.2 without); fp32 keeps 8192 × 8192 (256 MiB), which holds its loss memory under 0.8× TRL's.
 BWD_TILE = {
     key: (int(os.environ.get("GRPO_LAB_BWD_TOKENS", tokens)), int(os.environ.get("GRPO_LAB_BWD_VOCAB", 8192)))
     for key, tokens in (("16", 16384), ("32", 8192))
@@ -54,11 +55,21 @@ PART_BUDGET_BYTES = 32 * 2**20
 # flattened with the K loop so the next tile's loads are issued while this tile's softmax epilogue runs, instead of
 # one program per tile.
 # On by default for 16-bit: bf16 B=64 head fwd+bwd 71.7 vs 75.2 ms on the H200 (tune_run3.csv); fp32 gained nothing
-# (662 vs 658 ms). GRPO_LAB_PERSISTENT, when set, lists the keys to turn on ("" for none).
-_PERSISTENT_ON = os.environ.get("GRPO_LAB_PERSISTENT", "fwd_16,bwd_16").split(",")
-PERSISTENT = {key: key in _PERSISTENT_ON for key in CONFIGS if key != "mm_32"}
-# The backward writes dZ through a tensor descriptor (bulk store, clipped at the tile's edges) when TMA loads are on.
-DZ_TMA = os.environ.get("GRPO_LAB_DZ_TMA", "0") == "1"
+# (662 vs 658 ms). GRPO_LAB_PERSISTENT, when set, lists the keys to turn on ("" for none). Needs a Triton whose
+# `tl.range` has `flatten` (3.3+); older ones get the one-program-per-tile launch.
+PERSISTENT = {key: False for key in CONFIGS if key != "mm_32"}
+_PERSISTENT_ON = [k.strip() for k in os.environ.get("GRPO_LAB_PERSISTENT", "fwd_16,bwd_16").split(",") if k.strip()]
+if set(_PERSISTENT_ON) - set(PERSISTENT):
+    raise ValueError(f"GRPO_LAB_PERSISTENT={os.environ.get('GRPO_LAB_PERSISTENT')!r}: keys are {sorted(PERSISTENT)}")
+PERSISTENT.update({key: True for key in _PERSISTENT_ON})
+_FLATTEN_OK = "flatten" in inspect.signature(tl.range).parameters
+# Programs of a persistent launch: None = one per SM (3 off CUDA, for Triton's interpreter), fewer when there are
+# fewer tiles. The count is a compile-time constant: launches of under one program per SM compile their own variant
+# (a bounded few: small token tiles and the last vocabulary chunk).
+PERSISTENT_PROGRAMS = None
+# The backward writes dZ through a tensor descriptor (bulk store, clipped at the tile's edges) when TMA loads are on;
+# per compute dtype. Off: no gain on the H200 (tune_run3.csv). GRPO_LAB_DZ_TMA=1 turns it on for both.
+DZ_TMA = {key: os.environ.get("GRPO_LAB_DZ_TMA", "0") == "1" for key in ("16", "32")}
 # fp32 dot: "ieee" (plain fp32 FMA) or "tf32x3" (three TF32 products, fp32-level error, on tensor cores)
 FP32_DOT = os.environ.get("GRPO_LAB_FP32_DOT", "tf32x3")
 
@@ -279,8 +290,12 @@ def _triton_mm_acc(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
                      num_stages=stages)
 
 
+def _dtype_key(compute: torch.dtype) -> str:
+    return "32" if compute == torch.float32 else "16"
+
+
 def _config(kind: str, compute: torch.dtype):
-    return CONFIGS[f"{kind}_{'32' if compute == torch.float32 else '16'}"]
+    return CONFIGS[f"{kind}_{_dtype_key(compute)}"]
 
 
 def _precision(compute: torch.dtype) -> str:
@@ -320,15 +335,17 @@ def _operands(h, weight, compute, bm, bn, bk):
 
 def _programs(kind: str, compute: torch.dtype, n_tiles: int, device: torch.device) -> tuple[int, bool]:
     """(grid size, persistent): one program per SM looping over the tiles, or one program per tile."""
-    if not PERSISTENT[f"{kind}_{'32' if compute == torch.float32 else '16'}"]:
+    if not (PERSISTENT[f"{kind}_{_dtype_key(compute)}"] and _FLATTEN_OK):
         return n_tiles, False
-    slots = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
+    slots = PERSISTENT_PROGRAMS
+    if slots is None:
+        slots = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
     return min(n_tiles, slots), True
 
 
 def _dz_target(tile: torch.Tensor, bm: int, bn: int, tma_loads: bool):
     """(dz arg, use_tma): a tensor descriptor of the dZ tile when DZ_TMA is on and its layout allows it."""
-    ok = (DZ_TMA and tma_loads and tile.stride(1) == 1 and (tile.stride(0) * tile.element_size()) % 16 == 0
+    ok = (DZ_TMA[_dtype_key(tile.dtype)] and tma_loads and tile.stride(1) == 1 and (tile.stride(0) * tile.element_size()) % 16 == 0
           and tile.data_ptr() % 16 == 0)
     if not ok:
         return tile, False
@@ -455,7 +472,7 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
             h = h.contiguous()
             h_c = h.to(compute)
             bm, bn, bk, group_m, warps, stages = _config("bwd", compute)
-            tokens, vocab_tile = BWD_TILE["32" if compute == torch.float32 else "16"]
+            tokens, vocab_tile = BWD_TILE[_dtype_key(compute)]
             t_tile = min(n_valid, tokens)
             v_tile = min(vocab, vocab_tile)
             dz = torch.empty((t_tile, v_tile), device=dev, dtype=compute)

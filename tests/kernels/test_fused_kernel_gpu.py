@@ -194,8 +194,9 @@ def test_kernel_variants(monkeypatch, tma, fp32_mm, persistent, dz_tma, dtype):
 
     monkeypatch.setattr(F, "USE_TMA", tma)
     monkeypatch.setattr(F, "FP32_MM", fp32_mm)
-    monkeypatch.setattr(F, "DZ_TMA", dz_tma)
+    monkeypatch.setattr(F, "DZ_TMA", {key: dz_tma for key in F.DZ_TMA})
     monkeypatch.setattr(F, "PERSISTENT", {key: persistent for key in F.PERSISTENT})
+    monkeypatch.setattr(F, "PERSISTENT_PROGRAMS", 7)  # every program loops over many tiles
     monkeypatch.setattr(F, "BWD_TILE", {"16": (1024, 2048), "32": (1024, 2048)})
     data = make(2500, 200, 5003, dtype, masked=100, seed=8)
     check(*run_both(*data), dtype)

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytest.importorskip("triton", reason="Triton is a dependency on Linux only")
+
 CASE = os.path.join(os.path.dirname(__file__), "interpreter_case.py")
 
 
@@ -29,3 +31,32 @@ def test_kernels_match_float64_in_the_interpreter(tma, persistent, dz_tma):
     assert err["mean_logits"] < 1e-4, err
     assert err["is_top1_agree"] == 1.0, err
     assert err["masked_zero"] and err["masked_grad_zero"], err
+    # 56 valid rows in dZ tiles of 48 x 256 over a vocabulary of 700: 2 x 3 backward launches, and one forward launch
+    # (the statistics budget holds all 11 vocabulary blocks); each took the path its flags ask for
+    assert err["backward_launches"] == 6 and err["launches"] == 7, err
+    assert err["persistent_launches"] == (7 if persistent else 0), err
+    assert err["tma_launches"] == (7 if tma else 0), err
+    assert err["dz_descriptor_launches"] == (6 if dz_tma else 0), err
+
+
+def _settings_under(env: dict) -> subprocess.CompletedProcess:
+    code = ("import json, grpo_lab.kernels.fused_linear_logprob as F; "
+            "print(json.dumps({'persistent': F.PERSISTENT, 'tile': F.BWD_TILE, 'dz': F.DZ_TMA}))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_kernel_settings_from_the_environment():
+    default = json.loads(_settings_under({}).stdout)
+    assert default["persistent"] == {"fwd_16": True, "bwd_16": True, "fwd_32": False, "bwd_32": False}
+    assert default["tile"] == {"16": [16384, 8192], "32": [8192, 8192]}
+    assert default["dz"] == {"16": False, "32": False}
+    custom = json.loads(_settings_under({"GRPO_LAB_PERSISTENT": " fwd_32 , bwd_16", "GRPO_LAB_BWD_TOKENS": "4096",
+                                         "GRPO_LAB_DZ_TMA": "1"}).stdout)
+    assert custom["persistent"] == {"fwd_16": False, "bwd_16": True, "fwd_32": True, "bwd_32": False}
+    assert custom["tile"] == {"16": [4096, 8192], "32": [4096, 8192]}
+    assert custom["dz"] == {"16": True, "32": True}
+    assert json.loads(_settings_under({"GRPO_LAB_PERSISTENT": ""}).stdout)["persistent"] == dict.fromkeys(
+        default["persistent"], False)
+    bad = _settings_under({"GRPO_LAB_PERSISTENT": "1"})
+    assert bad.returncode != 0 and "GRPO_LAB_PERSISTENT='1': keys are" in bad.stderr

@@ -1,0 +1,53 @@
+"""The tuning plumbing of benchmarks/loss_bench.py (the timings themselves only mean something on a GPU)."""
+
+import importlib.util
+import os
+
+import pytest
+
+pytest.importorskip("triton", reason="Triton is a dependency on Linux only")
+
+import grpo_lab.kernels.fused_linear_logprob as F  # noqa: E402
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "loss_bench.py")
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location("loss_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "DZ_TMA"):
+        monkeypatch.setattr(F, name, dict(getattr(F, name)))
+    return module
+
+
+def test_a_bf16_experiment_leaves_the_fp32_settings_alone(bench):
+    before = {name: dict(getattr(F, name)) for name in ("PERSISTENT", "BWD_TILE", "DZ_TMA")}
+    bench.apply_experiment(F, {"dz_tma": True, "bwd_tile": (4096, 4096), "persistent": False,
+                               "cfg": (64, 64, 32, 8, 4, 2)}, "bf16")
+    assert F.DZ_TMA == {**before["DZ_TMA"], "16": True}
+    assert F.BWD_TILE == {**before["BWD_TILE"], "16": (4096, 4096)}
+    assert F.PERSISTENT == {**before["PERSISTENT"], "fwd_16": False, "bwd_16": False}
+    assert F.CONFIGS["fwd_16"] == F.CONFIGS["bwd_16"] == (64, 64, 32, 8, 4, 2)
+    assert F.CONFIGS["fwd_32"] != (64, 64, 32, 8, 4, 2)
+
+
+def test_unknown_and_cross_dtype_knobs_are_refused(bench):
+    with pytest.raises(ValueError, match="unknown tuning knob 'BWD_TOKENS'"):
+        bench.apply_experiment(F, {"BWD_TOKENS": 16384}, "bf16")
+    with pytest.raises(ValueError, match="fp32 knob"):
+        bench.apply_experiment(F, {"FP32_MM": "triton"}, "bf16")
+
+
+def test_every_listed_experiment_applies(bench):
+    for dname, experiments in bench.TUNE_EXPERIMENTS.items():
+        for exp in experiments:
+            bench.apply_experiment(F, exp, dname)
+
+
+def test_the_setting_column_names_the_knobs_in_force(bench):
+    text = bench.kernel_setting(F)
+    assert "persistent fwd_16,bwd_16" in text and "dZ tile 16:16384x8192 32:8192x8192" in text
+    bench.apply_experiment(F, {"persistent": True}, "fp32")
+    assert "persistent fwd_16,bwd_16,fwd_32,bwd_32" in bench.kernel_setting(F)
