@@ -60,3 +60,16 @@ def test_kernel_settings_from_the_environment():
         default["persistent"], False)
     bad = _settings_under({"GRPO_LAB_PERSISTENT": "1"})
     assert bad.returncode != 0 and "GRPO_LAB_PERSISTENT='1': keys are" in bad.stderr
+
+
+def test_persistent_launch_needs_a_triton_with_flattened_ranges(monkeypatch):
+    import torch
+
+    import grpo_lab.kernels.fused_linear_logprob as F
+
+    monkeypatch.setattr(F, "PERSISTENT", dict.fromkeys(F.PERSISTENT, True))
+    monkeypatch.setattr(F, "PERSISTENT_PROGRAMS", 5)
+    assert F._programs("fwd", torch.bfloat16, 100, torch.device("cpu")) == (5, True)
+    assert F._programs("bwd", torch.float32, 3, torch.device("cpu")) == (3, True)
+    monkeypatch.setattr(F, "_FLATTEN_OK", False)
+    assert F._programs("fwd", torch.bfloat16, 100, torch.device("cpu")) == (100, False)
