@@ -251,7 +251,6 @@ def main(argv=None):
     print("\n" + format_table(rows, step_rows, meta))
 
 
-A16 = (128, 256, 64, 8, 8, 3)
 TUNE_EXPERIMENTS = {
     # Relative to the defaults (TMA loads, persistent 16-bit kernels, dZ 16384 x 8192 for 16-bit). Runs 2 and 3
     # measured earlier lists (tune_run2.csv, tune_run3.csv; their labels use that time's knob names).
@@ -268,7 +267,7 @@ TUNE_EXPERIMENTS = {
     ],
 }
 # Every knob an experiment sets belongs to its own dtype, so `autotune` cannot carry bf16's choice into fp32.
-FP32_ONLY = {"mm": "mm_32", "FP32_MM": None, "FP32_DOT": None}
+FP32_ONLY = ("mm", "FP32_MM", "FP32_DOT")
 
 
 def apply_experiment(F, exp, dname):

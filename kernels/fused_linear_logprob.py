@@ -345,8 +345,8 @@ def _programs(kind: str, compute: torch.dtype, n_tiles: int, device: torch.devic
 
 def _dz_target(tile: torch.Tensor, bm: int, bn: int, tma_loads: bool):
     """(dz arg, use_tma): a tensor descriptor of the dZ tile when DZ_TMA is on and its layout allows it."""
-    ok = (DZ_TMA[_dtype_key(tile.dtype)] and tma_loads and tile.stride(1) == 1 and (tile.stride(0) * tile.element_size()) % 16 == 0
-          and tile.data_ptr() % 16 == 0)
+    ok = (DZ_TMA[_dtype_key(tile.dtype)] and tma_loads and tile.stride(1) == 1
+          and (tile.stride(0) * tile.element_size()) % 16 == 0 and tile.data_ptr() % 16 == 0)
     if not ok:
         return tile, False
     from triton.tools.tensor_descriptor import TensorDescriptor
