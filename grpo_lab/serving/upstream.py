@@ -61,10 +61,17 @@ class UpstreamClient:
         self._session = session
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._secret = api_key
+        self._secret_bytes = api_key.encode() if api_key else None
 
     def scrub(self, text: str) -> str:
         """Remove the token from text that is about to be logged or returned."""
         return text.replace(self._secret, "***") if self._secret else text
+
+    def scrub_bytes(self, body: bytes) -> bytes:
+        """The same for a raw body (a 200 answer too: a replica may echo what it was sent); one scan when clean."""
+        if self._secret_bytes and self._secret_bytes in body:
+            return body.replace(self._secret_bytes, b"***")
+        return body
 
     async def call(self, replica: Replica, method: str, path: str, *, timeout: float, json_body=None,
                    data: bytes | None = None, params=None) -> Reply:
@@ -74,7 +81,7 @@ class UpstreamClient:
         async with self._session.request(method, replica.url + path, json=json_body, data=data, params=params,
                                          headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             body = await resp.read()
-            return Reply(resp.status, body, resp.content_type)
+            return Reply(resp.status, self.scrub_bytes(body), self.scrub(resp.content_type))
 
     async def healthy(self, replica: Replica, timeout: float) -> bool:
         try:
@@ -84,9 +91,10 @@ class UpstreamClient:
             return False
 
 
-def error_body(message: str, status: int, kind: str = "RouterError") -> dict:
-    """vLLM's OpenAI-style error shape, so clients parse router errors like server errors."""
-    return {"error": {"message": message, "type": kind, "code": status}, "object": "error", "message": message}
+def error_body(message: str, status: int, kind: str = "BadRequestError", param: str | None = None) -> dict:
+    """vLLM 0.31's error shape (`ErrorResponse`: `{"error": {message, type, param, code}}`), so clients parse router
+    errors exactly like server errors."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def now() -> float:
