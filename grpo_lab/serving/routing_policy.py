@@ -236,6 +236,11 @@ class PrefixAffinityPolicy:
         for h, record in blocks.items():
             blocks[h] = record & mask  # assigning an existing key keeps the LRU order
 
+    def owned_blocks(self, r: int) -> int:
+        """How many block records say replica `r` holds the block."""
+        bit = 1 << (_SERVED_SHIFT + r)
+        return sum(1 for record in self._blocks.values() if record & bit)
+
     def reset_counts(self) -> None:
         self.counts = {AFFINITY: 0, SPILLED: 0, UNMATCHED: 0}
 

@@ -63,11 +63,13 @@ def test_sync_cycle_and_group_affinity(cluster, adapters, token):
 def test_unload_and_unknown_model_never_reach_replicas(cluster, adapters):
     client = VLLMClient(cluster.url, server_timeout=30)
     client.load_lora_adapter("trl-policy-v2", adapters["trl-policy-v2"])
-    client.load_lora_adapter("trl-policy-v2", adapters["trl-policy-v2"])  # same name and path: idempotent
-    with pytest.raises(Exception, match="already been loaded"):
-        client.load_lora_adapter("trl-policy-v2", adapters["trl-policy-v3"])
+    for path in (adapters["trl-policy-v2"], adapters["trl-policy-v3"]):  # vLLM: 400 even for the same path
+        with pytest.raises(Exception, match="400.*already been loaded"):
+            client.load_lora_adapter("trl-policy-v2", path)
     client.unload_lora_adapter("trl-policy-v2")
-    client.unload_lora_adapter("trl-policy-v2")  # missing names are not an error for TRL
+    again = requests.post(cluster.url + "/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v2"}, timeout=30)
+    assert again.status_code == 404 and again.json()["error"]["type"] == "NotFoundError"  # as vLLM
+    client.unload_lora_adapter("trl-policy-v2")  # TRL's client ignores the 404
     for name in ("trl-policy-v2", "trl-policy-v9"):
         reply = requests.post(cluster.url + "/v1/completions", json=trl_payload(name, PROMPT, 1), timeout=30)
         assert reply.status_code == 404 and "does not exist" in reply.json()["error"]["message"]
