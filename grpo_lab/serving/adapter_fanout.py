@@ -75,9 +75,10 @@ async def load_one(client: UpstreamClient, replica: Replica, name: str, path: st
             return Outcome(replica, False, 400, f"{text} (loaded there from {loaded!r}, not {path!r})",
                            retries=retries)
         if reply.status == 404 and NO_ADAPTER_MARK in text:
-            if now() + pause < give_up:
+            left = give_up - now()
+            if left > 0:
                 retries += 1
-                await asyncio.sleep(pause)
+                await asyncio.sleep(min(pause, left))
                 pause = min(pause * 2, 1.0)
                 continue
             return Outcome(replica, False, reply.status, text, retries=retries, no_adapter=True,
@@ -125,6 +126,7 @@ async def load_everywhere(client: UpstreamClient, replicas: list[Replica], name:
 async def _load_everywhere(client: UpstreamClient, replicas: list[Replica], name: str, path: str, *,
                            deadline_s: float, interval_s: float, timeout_s: float,
                            on_stale: OnStale | None) -> tuple[bool, list[Outcome]]:
+    epochs = [r.epoch for r in replicas]
     tasks = [asyncio.ensure_future(load_one(client, r, name, path, deadline_s=deadline_s, interval_s=interval_s,
                                             timeout_s=timeout_s)) for r in replicas]
     try:
@@ -135,8 +137,9 @@ async def _load_everywhere(client: UpstreamClient, replicas: list[Replica], name
         raise
     outcomes = [_settled(client, task, replica) for task, replica in zip(tasks, replicas)]
     if all(o.ok for o in outcomes):
-        for o in outcomes:
-            o.replica.adapters[name] = path
+        for o, epoch in zip(outcomes, epochs):
+            if o.replica.epoch == epoch:  # re-admitted meanwhile: its admission decided what it holds
+                o.replica.adapters[name] = path
         return True, outcomes
     await asyncio.shield(_roll_back(client, outcomes, name, timeout_s, on_stale))  # a cancel must not cut it short
     for o in outcomes:

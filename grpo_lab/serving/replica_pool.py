@@ -176,6 +176,7 @@ class ReplicaPool:
             replica.max_loras = max_loras if isinstance(max_loras, int) and max_loras > 0 else None
             self.policy.forget_replica(replica.index)
             was = replica.state
+            replica.epoch += 1
             replica.state, replica.last_error, replica.down_since = IN_SERVICE, "", None
             if was != STARTING:
                 self.metrics.inc("grpo_router_readmissions_total", "Replicas re-admitted after a failure",
@@ -207,7 +208,8 @@ class ReplicaPool:
         if adopt:
             self.live_adapters.update(present)
         timeout = self.config.control_timeout_s
-        for name in [n for n in present if n not in self.live_adapters]:
+        # a name being loaded right now is left alone: that load either commits it or rolls it back here
+        for name in [n for n in present if n not in self.live_adapters and n not in replica.transitioning]:
             outcome = await unload_one(self.client, replica, name, timeout)
             if not outcome.ok:
                 replica.last_error = f"could not unload stale adapter {name}: {outcome.message}"

@@ -34,6 +34,7 @@ class Replica:
     max_loras: int | None = None
     last_error: str = ""
     down_since: float | None = None
+    epoch: int = 0  # admissions so far: a load that began before the last one cannot vouch for what it holds now
     calls: set = field(default_factory=set, repr=False)  # upstream completion tasks in flight, cut when it goes down
     transitioning: dict[str, int] = field(default_factory=dict, repr=False)  # names being loaded or unloaded here
     transition_seq: int = 0
