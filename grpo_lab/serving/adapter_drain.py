@@ -124,7 +124,7 @@ class Drainer:
                 pool.metrics.inc("grpo_router_drain_timeouts_total",
                                  "Unloads sent while completions still used the adapter (drain deadline passed)",
                                  replica=replica.url)
-                log.warning("adapter %s still had %d completion(s) on %s after %.0fs; unloading anyway", name,
+                log.warning("adapter %s still had %d completion(s) on %s after %gs; unloading anyway", name,
                             self.usage.in_flight(replica.index, name), replica.url, config.unload_drain_timeout_s)
             if name not in replica.draining or not replica.serving:
                 return  # it went down meanwhile: re-admission unloads whatever is not live
