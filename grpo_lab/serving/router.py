@@ -181,7 +181,8 @@ class Router:
     async def _json(self, request: web.Request) -> tuple[dict, bytes]:
         """The request body as a JSON object, or an HTTP 400/408/413 error with a message."""
         try:
-            raw = await asyncio.wait_for(request.read(), self.config.body_read_timeout_s)
+            async with asyncio.timeout(self.config.body_read_timeout_s):  # no extra task: a body already here
+                raw = await request.read()  # is read without yielding to the loop
         except web.HTTPRequestEntityTooLarge:
             raise web.HTTPRequestEntityTooLarge(
                 max_size=self.config.max_body_bytes, actual_size=request.content_length or 0,
