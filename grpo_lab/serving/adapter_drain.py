@@ -102,9 +102,12 @@ class Drainer:
     async def wait_for_slots(self, replicas: list[Replica], timeout_s: float) -> list[Replica]:
         """Wait (at most `timeout_s`) until each replica that is at its `max_loras` because of adapters still
         draining has a free slot. Returns the replicas still full when the wait ended (a replica full of live
-        adapters is not waited for: the load goes ahead and the replica answers for itself)."""
+        adapters is not waited for: the load goes ahead and the replica answers for itself). Nor is a paused pool:
+        its draining completions are frozen until the resume, which TRL sends only after this load (so the replica
+        briefly holds one adapter more: vLLM takes it, evicting its least recently used one from its cache; give
+        CPU replicas `--max-loras max_staleness + 3`)."""
         deadline = now() + timeout_s
-        while True:
+        while not self.pool.paused:
             full = [r for r in replicas if r.max_loras is not None and r.slots_used() >= r.max_loras]
             waiting = [r for r in full if r.draining]
             left = deadline - now()
@@ -114,6 +117,7 @@ class Drainer:
                 await asyncio.wait_for(self.pool.slot_freed.wait(), left)
             except asyncio.TimeoutError:
                 pass
+        return [r for r in replicas if r.max_loras is not None and r.slots_used() >= r.max_loras]
 
     async def _drain(self, replica: Replica, name: str) -> None:
         pool, config = self.pool, self.pool.config

@@ -250,9 +250,10 @@ class Router:
                              replica=r.url)
             self.metrics.set("grpo_router_draining_adapters", "Unloaded adapters still draining on the replica",
                              len(r.draining), replica=r.url)
-        for name, per_replica in self.drainer.draining().items():
-            self.metrics.set("grpo_router_draining_in_flight", "Completions still using a draining adapter",
-                             sum(per_replica.values()), adapter=name)
+        usage = self.drainer.usage
+        for r in pool.replicas:
+            self.metrics.set("grpo_router_draining_in_flight", "Completions still using adapters draining there",
+                             sum(usage.in_flight(r.index, name) for name in r.draining), replica=r.url)
         self.metrics.set("grpo_router_prefix_blocks", "Block records held by the routing policy", policy.num_blocks)
         self.metrics.set("grpo_router_live_adapters", "Adapters loaded on every in-service replica",
                          len(pool.live_adapters))

@@ -127,3 +127,30 @@ def test_drain_deadline_unloads_anyway_and_a_reload_of_the_name_waits(token):
         assert sender.is_alive() and a.calls["/v1/unload_lora_adapter"] == 1  # unloaded under the completion
         assert metric(url, "grpo_router_drain_timeouts_total") == 1
         sender.join(10)
+
+
+def test_a_load_under_pause_does_not_wait_for_drains_frozen_by_the_pause(token):
+    """TRL's sync: pause, load vN, resume, unload v{N-S-1}. Completions of a draining version are frozen by the
+    pause, so waiting for their drain there would only stall the sync."""
+    a = FakeVLLM(max_loras=2)
+    with FakeCluster(a), router_for(a) as router:
+        url = router.url
+        assert load(url, "v1").status_code == 200 and load(url, "v2").status_code == 200
+        a.completion_delay_s = 2
+        holder: list = []
+        sender = threading.Thread(target=lambda: holder.append(complete(url, list(range(40)), model="v1")))
+        sender.start()
+        wait_for(lambda: state(url)["replicas"][0]["in_flight"] == 1, "a completion in flight")
+        assert unload(url, "v1").status_code == 200
+        assert requests.post(url + "/pause", params={"mode": "keep"}, timeout=10).status_code == 200
+        a.max_loras = 3  # a vLLM replica takes the extra adapter (it evicts from its cache)
+        t0 = time.monotonic()
+        assert load(url, "v3").status_code == 200
+        assert time.monotonic() - t0 < 1.0 and sender.is_alive()
+        assert requests.post(url + "/resume", timeout=10).status_code == 200
+        sender.join(10)
+        assert holder[0].status_code == 200
+        wait_for(lambda: state(url)["draining"] == {}, "v1 drained")
+        assert set(a.adapters) == {"v2", "v3"}
+        models = requests.get(url + "/v1/models", timeout=10).json()["data"]
+        assert {m["id"] for m in models if m.get("parent")} == {"v2", "v3"}
