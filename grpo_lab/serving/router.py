@@ -624,6 +624,11 @@ class RouterHandle:
         try:
             if self._runner is not None:
                 self._loop.run_until_complete(self._runner.cleanup())
+            left = [t for t in asyncio.all_tasks(self._loop) if not t.done()]  # e.g. idle keep-alive connections
+            for task in left:
+                task.cancel()
+            if left:
+                self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
         finally:
             self._loop.close()
 

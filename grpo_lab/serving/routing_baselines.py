@@ -16,28 +16,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from .routing_policy import AFFINITY, SPILLED, UNMATCHED, Decision, RoutingConfig
+from .routing_policy import AffinityRule, Decision, RoutingConfig
 
 
-class SeedPolicy:
+class SeedPolicy(AffinityRule):
     """Same interface as `PrefixAffinityPolicy` (`route`, `finish`, `counts`, `in_flight`)."""
 
     def __init__(self, num_replicas: int, config: RoutingConfig | None = None):
-        self.config = config or RoutingConfig()
-        self.num_replicas = num_replicas
-        self.in_flight = [0] * num_replicas
+        super().__init__(num_replicas, config)
         self._served: OrderedDict[int, int] = OrderedDict()  # block -> bitmask of replicas routed to
         self._successor: dict[int, int] = {}  # block -> first successor recorded
         self._branches: set[int] = set()  # blocks with a second, different successor recorded
-        self._rr = 0
-        self.counts = {AFFINITY: 0, SPILLED: 0, UNMATCHED: 0}
-
-    def _least_loaded(self, candidates: Sequence[int]) -> int:
-        low = min(self.in_flight[r] for r in candidates)
-        tied = [r for r in candidates if self.in_flight[r] == low]
-        pick = tied[self._rr % len(tied)]
-        self._rr += 1
-        return pick
 
     def _matches(self, hashes: list[int], candidates: Sequence[int]) -> list[int]:
         everyone = (1 << self.num_replicas) - 1
@@ -56,24 +45,9 @@ class SeedPolicy:
                 break
         return matches
 
-    def route(self, hashes: list[int], candidates: Sequence[int]) -> Decision:
-        matches = self._matches(hashes, candidates) if hashes else [0] * len(candidates)
-        best = max(matches)
-        if best == 0:
-            decision = Decision(self._least_loaded(candidates), UNMATCHED, 0, hashes)
-        else:
-            affine = self._least_loaded([r for r, m in zip(candidates, matches) if m == best])
-            if self.in_flight[affine] - min(self.in_flight[r] for r in candidates) > self.config.spill_threshold:
-                decision = Decision(self._least_loaded(candidates), SPILLED, best, hashes)
-            else:
-                decision = Decision(affine, AFFINITY, best, hashes)
-        self.counts[decision.kind] += 1
-        self._record(hashes, decision.replica)
-        return decision
-
-    def _record(self, hashes: list[int], r: int) -> None:
+    def _claim(self, decision: Decision) -> None:
         """Ownership and successors at routing time, as the published proxy does."""
-        self.in_flight[r] += 1
+        hashes, r = decision.hashes, decision.replica
         for i, h in enumerate(hashes):
             self._served[h] = self._served.pop(h, 0) | (1 << r)
             if i + 1 < len(hashes):

@@ -97,8 +97,10 @@ class Decision:
     done: bool = False
 
 
-class PrefixAffinityPolicy:
-    """Routing state for replicas numbered 0..n-1. Not thread-safe: call it from one event loop."""
+class AffinityRule:
+    """What every prefix-affinity rule here shares: requests in flight per replica, least loaded with round-robin
+    ties, and the choice between affinity, spill and unmatched given each candidate's matched blocks. Subclasses
+    say how blocks match (`_matches`) and what routing records (`_claim`)."""
 
     def __init__(self, num_replicas: int, config: RoutingConfig | None = None):
         if num_replicas < 1:
@@ -106,12 +108,9 @@ class PrefixAffinityPolicy:
         self.config = config or RoutingConfig()
         self.num_replicas = num_replicas
         self.in_flight = [0] * num_replicas
-        self._blocks: OrderedDict[int, int] = OrderedDict()  # block hash -> packed record (see _SUCCESSOR_MASK)
-        self._pending: dict[int, _Claims] = {}  # block hash -> requests in flight containing it; only while in flight
         self._rr = 0
         self.counts = {AFFINITY: 0, SPILLED: 0, UNMATCHED: 0}
 
-    # -- bookkeeping -------------------------------------------------------------------------------------------
     def _least_loaded(self, candidates: Sequence[int]) -> int:
         low = min(self.in_flight[r] for r in candidates)
         tied = [r for r in candidates if self.in_flight[r] == low]
@@ -119,7 +118,45 @@ class PrefixAffinityPolicy:
         self._rr += 1
         return pick
 
-    def _specific_matches(self, hashes: list[int], candidates: Sequence[int]) -> list[int]:
+    def _matches(self, hashes: list[int], candidates: Sequence[int]) -> list[int]:
+        raise NotImplementedError
+
+    def _claim(self, decision: Decision) -> None:
+        raise NotImplementedError
+
+    def route(self, hashes: list[int], candidates: Sequence[int]) -> Decision:
+        """Pick a replica among `candidates` (in service and holding the model) and claim the prompt's blocks."""
+        if not candidates:
+            raise ValueError("no candidate replica")
+        matches = self._matches(hashes, candidates) if hashes else [0] * len(candidates)
+        best = max(matches)
+        if best == 0:
+            decision = Decision(self._least_loaded(candidates), UNMATCHED, 0, hashes)
+        else:
+            affine = self._least_loaded([r for r, m in zip(candidates, matches) if m == best])
+            low = min(self.in_flight[r] for r in candidates)
+            if self.in_flight[affine] - low > self.config.spill_threshold:
+                decision = Decision(self._least_loaded(candidates), SPILLED, best, hashes)
+            else:
+                decision = Decision(affine, AFFINITY, best, hashes)
+        self.counts[decision.kind] += 1
+        self.in_flight[decision.replica] += 1
+        self._claim(decision)
+        return decision
+
+    def reset_counts(self) -> None:
+        self.counts = {AFFINITY: 0, SPILLED: 0, UNMATCHED: 0}
+
+
+class PrefixAffinityPolicy(AffinityRule):
+    """Routing state for replicas numbered 0..n-1. Not thread-safe: call it from one event loop."""
+
+    def __init__(self, num_replicas: int, config: RoutingConfig | None = None):
+        super().__init__(num_replicas, config)
+        self._blocks: OrderedDict[int, int] = OrderedDict()  # block hash -> packed record (see _SUCCESSOR_MASK)
+        self._pending: dict[int, _Claims] = {}  # block hash -> requests in flight containing it; only while in flight
+
+    def _matches(self, hashes: list[int], candidates: Sequence[int]) -> list[int]:
         """Per candidate, how many prompt-specific blocks of the longest cached prefix it holds."""
         all_mask = 0
         for r in candidates:
@@ -160,29 +197,9 @@ class PrefixAffinityPolicy:
     def hashes_for(self, token_ids: Sequence[int], namespace: str) -> list[int]:
         return block_hashes(token_ids, namespace, self.config.block_size)
 
-    def route(self, hashes: list[int], candidates: Sequence[int]) -> Decision:
-        """Pick a replica among `candidates` (in service and holding the model) and claim the prompt's blocks."""
-        if not candidates:
-            raise ValueError("no candidate replica")
-        matches = self._specific_matches(hashes, candidates) if hashes else [0] * len(candidates)
-        best = max(matches)
-        if best == 0:
-            decision = Decision(self._least_loaded(candidates), UNMATCHED, 0, hashes)
-        else:
-            affine = self._least_loaded([r for r, m in zip(candidates, matches) if m == best])
-            low = min(self.in_flight[r] for r in candidates)
-            if self.in_flight[affine] - low > self.config.spill_threshold:
-                decision = Decision(self._least_loaded(candidates), SPILLED, best, hashes)
-            else:
-                decision = Decision(affine, AFFINITY, best, hashes)
-        self.counts[decision.kind] += 1
-        self._claim(decision)
-        return decision
-
     def _claim(self, decision: Decision) -> None:
         """A pending claim on every block: the group's next rollouts follow it; no LRU record until it succeeds."""
         r = decision.replica
-        self.in_flight[r] += 1
         hashes = decision.hashes
         for i, h in enumerate(hashes):
             claims = self._pending.get(h)
@@ -240,9 +257,6 @@ class PrefixAffinityPolicy:
         """How many block records say replica `r` holds the block."""
         bit = 1 << (_SERVED_SHIFT + r)
         return sum(1 for record in self._blocks.values() if record & bit)
-
-    def reset_counts(self) -> None:
-        self.counts = {AFFINITY: 0, SPILLED: 0, UNMATCHED: 0}
 
     @property
     def num_blocks(self) -> int:

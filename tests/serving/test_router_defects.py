@@ -18,15 +18,7 @@ from grpo_lab.serving.router_config import RouterConfig
 
 from .conftest import TOKEN_ENV, metric
 from .fake_vllm import FakeCluster, FakeVLLM
-
-
-def wait_for(predicate, what: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+from .test_router_control import wait_for
 
 
 @contextlib.contextmanager

@@ -20,6 +20,15 @@ def unload(url: str, name: str, **kwargs) -> requests.Response:
     return requests.post(url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30, **kwargs)
 
 
+def start_completion(url: str, model: str) -> tuple[threading.Thread, list]:
+    """One completion sent from a thread; waits until the router has it in flight."""
+    holder: list = []
+    sender = threading.Thread(target=lambda: holder.append(complete(url, list(range(40)), model=model)))
+    sender.start()
+    wait_for(lambda: state(url)["replicas"][0]["in_flight"] == 1, "a completion in flight")
+    return sender, holder
+
+
 def assert_vllm_error(reply: requests.Response, status: int, kind: str, text: str = "") -> None:
     body = reply.json()
     assert reply.status_code == status and set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, reply.text
@@ -118,10 +127,7 @@ def test_drain_deadline_unloads_anyway_and_a_reload_of_the_name_waits(token):
         url = router.url
         assert load(url, "v1").status_code == 200
         a.completion_delay_s = 3
-        holder: list = []
-        sender = threading.Thread(target=lambda: holder.append(complete(url, list(range(40)), model="v1")))
-        sender.start()
-        wait_for(lambda: state(url)["replicas"][0]["in_flight"] == 1, "a completion in flight")
+        sender, _ = start_completion(url, "v1")
         assert unload(url, "v1").status_code == 200
         assert load(url, "v1").status_code == 200  # same name again (a resumed run): after the old one is gone
         assert sender.is_alive() and a.calls["/v1/unload_lora_adapter"] == 1  # unloaded under the completion
@@ -137,10 +143,7 @@ def test_a_load_under_pause_does_not_wait_for_drains_frozen_by_the_pause(token):
         url = router.url
         assert load(url, "v1").status_code == 200 and load(url, "v2").status_code == 200
         a.completion_delay_s = 2
-        holder: list = []
-        sender = threading.Thread(target=lambda: holder.append(complete(url, list(range(40)), model="v1")))
-        sender.start()
-        wait_for(lambda: state(url)["replicas"][0]["in_flight"] == 1, "a completion in flight")
+        sender, holder = start_completion(url, "v1")
         assert unload(url, "v1").status_code == 200
         assert requests.post(url + "/pause", params={"mode": "keep"}, timeout=10).status_code == 200
         a.max_loras = 3  # a vLLM replica takes the extra adapter (it evicts from its cache)
