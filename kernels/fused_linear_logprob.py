@@ -194,18 +194,6 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
     e = tl.exp(zm - m[:, None])
     tgt = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1)
     hit = offs_n[None, :] == tgt[:, None]
-    if P_MODE != 0:
-        ref = tl.load(ref_ptr + offs_m, mask=row_ok, other=0.0)
-        pe = e * tl.exp(m - ref)[:, None]  # e^(z − ref); rows where that overflows are recomputed by the host
-        if P_MODE == 1:
-            if HAS_SOFTCAP:
-                pe = pe * (1.0 - t * t)
-            pe = tl.where(hit, 0.0, pe)
-        p_off = offs_m.to(tl.int64)[:, None] * stride_p + (offs_n - v_lo)[None, :]
-        p_ok = row_ok[:, None] & col_ok[None, :]
-        tl.store(p_ptr + p_off, pe.to(p_ptr.dtype.element_ty), mask=p_ok)
-        if STORE_PZ:
-            tl.store(pz_ptr + p_off, (pe * (z - ref[:, None])).to(pz_ptr.dtype.element_ty), mask=p_ok)
     base = part_ptr + pid_n * M + offs_m
     tl.store(base, m, mask=row_ok)
     tl.store(base + part_stat_stride, tl.sum(e, axis=1), mask=row_ok)
@@ -222,6 +210,18 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
     blk_lo = v_lo + pid_n * BN
     mine = row_ok & (tgt >= blk_lo) & (tgt < blk_lo + BN) & (tgt < v_hi)
     tl.store(tlogit_ptr + offs_m, tz, mask=mine)
+    if P_MODE != 0:  # last, so that e is dead once pe exists (one [BM, BN] fp32 block fewer live)
+        ref = tl.load(ref_ptr + offs_m, mask=row_ok, other=0.0)
+        pe = e * tl.exp(m - ref)[:, None]  # e^(z − ref); rows where that overflows are recomputed by the host
+        if P_MODE == 1:
+            if HAS_SOFTCAP:
+                pe = pe * (1.0 - t * t)
+            pe = tl.where(hit, 0.0, pe)
+        p_off = offs_m.to(tl.int64)[:, None] * stride_p + (offs_n - v_lo)[None, :]
+        p_ok = row_ok[:, None] & col_ok[None, :]
+        tl.store(p_ptr + p_off, pe.to(p_ptr.dtype.element_ty), mask=p_ok)
+        if STORE_PZ:
+            tl.store(pz_ptr + p_off, (pe * (z - ref[:, None])).to(pz_ptr.dtype.element_ty), mask=p_ok)
 
 
 @triton.jit
