@@ -209,9 +209,23 @@ def liger_point(dname, hdim, tokens) -> bool:
     return (hdim, tokens) in ((1024, 2048), (1024, 8192), (4096, 2048)) and (dname == "bf16" or tokens == 2048)
 
 
+def parse_points(text: str):
+    """`head:dtype:H:tokens[:T]`, comma-separated, e.g. `frozen:bf16:1024:2048,trainable:fp32:4096:8192`."""
+    pts = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        parts = item.split(":")
+        if len(parts) not in (4, 5) or parts[0] not in ("frozen", "trainable") or parts[1] not in DTYPES:
+            raise ValueError(f"bad point {item!r}: expected head:dtype:H:tokens[:T]")
+        pts.append((parts[0], parts[1], int(parts[2]), int(parts[3]), int(parts[4]) if len(parts) == 5 else
+                    T_COMPLETION))
+    return pts
+
+
 def grid_points(args):
     """(head, dtype, H, tokens, T) in the order run: the issue's rows, then the grid from the cheapest point up (so
-    a run cut by --max-minutes loses the costliest points)."""
+    a run cut by --max-minutes loses the costliest points); or exactly --points."""
+    if getattr(args, "points", None):
+        return parse_points(args.points)
     pts = list(ISSUE_ROWS) if args.issue_rows else []
     grid = []
     hs = [int(x) for x in args.hidden.split(",")]
@@ -263,6 +277,46 @@ def run_grid(args, meta, device, setting):
                   f"loss peak {r['loss_peak_gib']:.3f} GiB  {r['status']}", flush=True)
             write_csv(path, rows)
     return rows
+
+
+def profile(points, out_dir, device):
+    """Where a grpo_lab fwd+bwd spends its GPU time: torch.profiler's kernel table (3 steps after a warm-up), plus the
+    wall time of the same steps, into profile.txt."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    config = loss_config()
+    lines = []
+    for head, dname, hdim, tokens, seq in points:
+        hidden, weight, ids, mask, adv = make_inputs(DTYPES[dname], hdim, tokens, seq, device, seed=1)
+        hidden.requires_grad_()
+        weight.requires_grad_(head == "trainable")
+        fn = make_loss_fn("grpo_lab", config)
+
+        def step():
+            hidden.grad = weight.grad = None
+            fn(hidden, weight, ids, mask, adv).backward()
+        cuda = device.type == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        try:
+            step()
+            sync()
+            with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    step()
+                sync()
+                wall = (time.perf_counter() - t0) / 3 * 1000
+            table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=14,
+                                              max_name_column_width=60)
+        except Exception as err:  # a profile is a diagnosis: never let it stop the benchmark
+            wall, table = float("nan"), f"profile failed: {type(err).__name__}: {err}"
+        lines += [f"== grpo_lab {head} {dname} H={hdim} N={tokens}: {wall:.2f} ms wall per step (3 steps)", table]
+        print(lines[-2], flush=True)
+        print("\n".join(table.splitlines()[:12]), flush=True)
+        del hidden, weight
+        _free(device)
+    with open(os.path.join(out_dir, "profile.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def accuracy_rows(args, meta, device, setting):
@@ -470,10 +524,25 @@ def grpo_lab_best(rows, key, allow_memory: bool):
     return min(ms) if ms else float("nan")
 
 
+def latest_rows(in_dir):
+    """The rows of every loss_grid*.csv in `in_dir`; where several runs measured the same backend at the same point,
+    the latest (by `date`) is kept."""
+    import glob
+
+    merged = {}
+    for path in sorted(glob.glob(os.path.join(in_dir, "loss_grid*.csv"))):
+        for r in read_csv(path):
+            key = (r["backend"], *_key(r))
+            if key not in merged or r["date"] >= merged[key]["date"]:
+                merged[key] = r
+    return list(merged.values())
+
+
 def report(in_dir, out_dir=None):
     """Markdown tables (the issue's seven rows, the whole grid as grpo_lab / min(naive, trl)) and the figure."""
-    rows = read_csv(os.path.join(in_dir, "loss_grid.csv"))
+    rows = latest_rows(in_dir)
     out_dir = out_dir or in_dir
+    os.makedirs(out_dir, exist_ok=True)
     lines = [f"{rows[0]['gpu']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, trl {rows[0]['trl']}, "
              f"liger {rows[0]['liger']}, {rows[0]['date'][:10]}", ""]
     lines += ["The issue's seven rows, ms (loss peak GiB above inputs):", "",
@@ -570,6 +639,8 @@ def main(argv=None):
     p.add_argument("--accuracy-tokens", type=int, default=2048, help="N of the accuracy part")
     p.add_argument("--budget-s", type=float, default=0.3, help="timing budget per point (3-10 reps)")
     p.add_argument("--max-minutes", type=float, default=60.0, help="stop the grid (cleanly) after this long")
+    p.add_argument("--points", default="", help="only these points: head:dtype:H:tokens[:T],... (e.g. a re-run)")
+    p.add_argument("--profile", default="", help="torch.profiler kernel table of grpo_lab at these points, first")
     p.add_argument("--tune", action="store_true", help="only the tile sweep of the grpo_lab head")
     p.add_argument("--report", metavar="DIR", help="tables + figure from DIR's loss_grid.csv; no GPU needed")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the harness on the chunked torch path")
@@ -600,6 +671,8 @@ def main(argv=None):
     else:
         def setting(backend):
             return "chunked torch path" if backend.startswith("grpo_lab") else ""
+    if args.profile:
+        profile(parse_points(args.profile), args.out, device)
     if args.accuracy:
         accuracy_rows(args, meta, device, setting)
     rows = run_grid(args, meta, device, setting)
