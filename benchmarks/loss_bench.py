@@ -562,6 +562,8 @@ def report(in_dir, out_dir=None):
     lines += ["", "Whole grid: grpo_lab / min(naive, trl) time (lean default; in brackets with memory allowed where "
               "that differs). ≤ 1.02 meets the issue's bar.", ""]
     keys = sorted({_key(r) for r in rows if r["T"] == str(T_COMPLETION)}, key=lambda k: (k[1], k[0], k[2], k[3]))
+    latest = max(r["date"] for r in rows if r["backend"].startswith("grpo_lab"))
+    older = {_key(r) for r in rows if r["backend"].startswith("grpo_lab") and r["date"] < latest}
     worst = {}
     for dname in dict.fromkeys(k[1] for k in keys):
         for head in ("frozen", "trainable"):
@@ -581,9 +583,13 @@ def report(in_dir, out_dir=None):
                         cells.append("—")
                         continue
                     worst[(dname, head)] = max(worst.get((dname, head), 0), best / alt)
-                    cells.append(f"{lean / alt:.2f}" + (f" ({best / alt:.2f})" if best < lean * 0.995 else ""))
+                    cells.append(f"{lean / alt:.2f}" + (f" ({best / alt:.2f})" if best < lean * 0.995 else "")
+                                 + ("†" if key in older else ""))
                 lines.append(f"| {hdim} | " + " | ".join(cells) + " |")
             lines.append("")
+    if older:
+        lines.append(f"†: grpo_lab measured in an earlier run than the latest ({latest[:16]}); see the CSVs' `date` "
+                     "and `setting` columns.")
     lines.append("Worst grpo_lab (memory allowed where it helps) / min(naive, trl): "
                  + ", ".join(f"{d} {h} {v:.3f}" for (d, h), v in sorted(worst.items())))
     text = "\n".join(lines)

@@ -724,7 +724,7 @@ def _frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy, tlogit, s
         c_target = 1 - t_y * t_y
     out = torch.empty((logprobs.shape[0], hidden.shape[1]), device=hidden.device, dtype=hidden.dtype)
     frozen_input_grad(acc[0], acc[1] if acc.shape[0] == 2 else None,
-                      lambda r0, r1: weight.index_select(0, y[r0:r1]).to(compute).float(), g, ge, logprobs, entropy,
+                      lambda r0, r1: weight.index_select(0, y[r0:r1]).to(compute), g, ge, logprobs, entropy,
                       c_target, inv_t * logit_scale, out)
     return _scatter_rows(out, hidden, rows)
 

@@ -108,8 +108,9 @@ def frozen_input_grad(acc_p, acc_plogp, weight_rows, g, h, logprobs, entropy, c_
     coef_y = c_y·[g·(1 − p_y) − h·p_y·(log p_y + H)] comes from the fp32 statistics. The target is left out of A and
     B so that 1 − p_y is never formed as a difference of rounded vectors (p_y → 1 for confident tokens).
 
-    `weight_rows(r0, r1)` returns W_y of rows r0:r1 in fp32 (rounded as the projection saw them); g / h are fp32 [N]
-    or None; `out` [N, H] receives the result (any float dtype), written in row chunks to bound temporaries.
+    `weight_rows(r0, r1)` returns W_y of rows r0:r1 as the projection saw them (compute dtype; promoted to fp32 inside
+    the accumulation); g / h are fp32 [N] or None; `out` [N, H] receives the result (any float dtype), written in
+    chunks of 2^22 elements (16 MiB fp32) so that the temporaries stay small next to A, B and `out`.
     """
     n = acc_p.shape[0]
     zero = torch.zeros_like(logprobs)
@@ -124,7 +125,7 @@ def frozen_input_grad(acc_p, acc_plogp, weight_rows, g, h, logprobs, entropy, c_
     coef_y = coef_y * c_target * scale
     coef_a = coef_a * scale
     coef_b = -h * scale
-    step = 8192
+    step = max(1, 2**22 // max(acc_p.shape[1], 1))
     for r0 in range(0, n, step):
         r1 = min(r0 + step, n)
         tmp = acc_p[r0:r1] * coef_a[r0:r1, None]

@@ -213,7 +213,7 @@ def _frozen_grad(h, weight, y, g, ge, acc_p, acc_plogp, logprobs, entropy, targe
         t_y = target_logit / (softcap * inv_t)
         c_target = 1 - t_y * t_y
     out = torch.empty(h.shape, device=h.device)
-    return frozen_input_grad(acc_p, acc_plogp, lambda r0, r1: weight[y[r0:r1]].to(h.dtype).float(), g, ge,
+    return frozen_input_grad(acc_p, acc_plogp, lambda r0, r1: weight[y[r0:r1]].to(h.dtype), g, ge,
                              logprobs, entropy, c_target, inv_t * logit_scale, out)
 
 
