@@ -608,16 +608,17 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8), constrained_layout=True)
-    styles = {"naive": "s--", "trl": "^-", "grpo_lab": "o-", "grpo_lab+mem": "o:", "liger": "x-."}
+    styles = {"naive": ("s--", "tab:blue"), "trl": ("^-", "tab:orange"), "grpo_lab": ("o-", "tab:green"),
+              "grpo_lab+mem": ("o:", "tab:red"), "liger": ("x-.", "tab:purple")}
     ok = [r for r in rows if r["status"] == "ok" and r["dtype"] == "bf16" and r["T"] == str(T_COMPLETION)]
     for col, head in enumerate(("frozen", "trainable")):
         for row_i, (axis, fixed, fixed_val) in enumerate((("H", "tokens", 32768), ("tokens", "H", 4096))):
             ax = axes[row_i][col]
-            for backend, style in styles.items():
+            for backend, (style, color) in styles.items():
                 pts = sorted((int(r[axis]), _num(r["ms"])) for r in ok
                              if r["head"] == head and r["backend"] == backend and int(r[fixed]) == fixed_val)
                 if pts:
-                    ax.plot(*zip(*pts), style, label=backend)
+                    ax.plot(*zip(*pts), style, color=color, label=backend)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("hidden size H" if axis == "H" else "tokens N")
