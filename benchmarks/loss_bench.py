@@ -625,7 +625,8 @@ def plot(rows, path):
             ax.set_ylabel("ms, loss fwd+bwd")
             ax.set_title(f"bf16, {head} head, {fixed} = {fixed_val}")
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
     fig.suptitle("GRPO loss head on one H200, V = 151,936 (benchmarks/loss_bench.py)")
     fig.savefig(path, dpi=110)
     plt.close(fig)
