@@ -27,8 +27,12 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build_tokenizer(config):
-    """A fast tokenizer with one word per token id (`t0 … t{V-1}`), specials at the config's ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A fast tokenizer with one word per token id (`t0 … t{V-1}`), specials at the config's ids.
+
+    The specials match whole words only (`single_word=True`): otherwise a special such as `t1` is also found inside
+    `t174`, which then splits into several tokens and the prompts come out longer than `prompt_len` (and of unequal
+    length, so padded) — as they did for the tiny configs, whose specials are ids 0-2."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab_size = config.vocab_size
@@ -39,8 +43,11 @@ def build_tokenizer(config):
     eos = eos[0] if isinstance(eos, list) else eos
     pad = config.pad_token_id if config.pad_token_id is not None else eos
     bos = config.bos_token_id if config.bos_token_id is not None else eos
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{eos}", pad_token=f"t{pad}",
-                                   bos_token=f"t{bos}", unk_token="t0")
+    def special(i: int) -> AddedToken:
+        return AddedToken(f"t{i}", single_word=True, special=True, normalized=False)
+
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=special(eos), pad_token=special(pad),
+                                   bos_token=special(bos), unk_token=special(0))
 
 
 def _special_ids(tokenizer) -> set[int]:

@@ -37,6 +37,8 @@ def _free_port() -> int:
 
 def _child(spec: PointSpec, rank: int, port: int, conn, capture_grads: bool) -> None:
     os.environ.update(NCCL_SAFE_ENV)
+    if spec.extra.get("cuda_alloc_conf"):  # read by the caching allocator at its first use, after this
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = spec.extra["cuda_alloc_conf"]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     distributed = spec.fsdp or spec.world_size > 1
