@@ -14,8 +14,9 @@ AdamW state, by the world size. What it does not: activations (the batch is per 
 one decoder layer's gathered parameters while it runs, and the root's gathered embeddings / LM head, which the root
 keeps from its forward to the end of its backward (with `liger` the root stays replicated instead).
 
-Calibrated constants (each documented where defined, fitted to the committed H200 runs): `CUDA_WORKSPACE_BYTES`,
-`ALLOCATOR_HEADROOM` (max batch only) and `CPU_RSS_OVERHEAD_BYTES` (CPU only). See docs/memory.md.
+Calibrated constants (each documented where defined): `CUDA_WORKSPACE_BYTES` and `ALLOCATOR_HEADROOM` (max batch
+only), fitted to the committed H200 runs; `CPU_RSS_OVERHEAD_BYTES` and `CPU_RSS_SLACK` (CPU only), fitted to the
+CPU runs. See docs/memory.md.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import math
 from dataclasses import dataclass, field
 
 from .planner_config import PlannerConfig
-from .planner_head import head_backward, head_forward, head_rows, head_saves_rows
+from .planner_head import UNTOUCHED, head_backward, head_forward, head_rows, head_saves_rows
 from .planner_layer import backward_levels, saved_tensors
 from .planner_shapes import ModelShape, shape_for
 
-__all__ = ["ALLOCATOR_HEADROOM", "CUDA_WORKSPACE_BYTES", "CPU_RSS_OVERHEAD_BYTES", "MaxBatch", "MemoryPlan",
-           "PlannerConfig", "max_batch", "plan", "plan_loss_only"]
+__all__ = ["ALLOCATOR_HEADROOM", "CUDA_WORKSPACE_BYTES", "CPU_RSS_OVERHEAD_BYTES", "CPU_RSS_SLACK", "MaxBatch",
+           "MemoryPlan", "PlannerConfig", "max_batch", "plan", "plan_loss_only"]
 
 GiB = 2**30
 MiB = 2**20
@@ -44,9 +45,11 @@ CUDA_WORKSPACE_BYTES = 64 * MiB
 INPUT_BYTES_PER_TOKEN = 48
 # fp32 [B, completion] tensors of TRL's loss (log-probs, entropies, ratios, clipped terms, per-token loss ...)
 LOSS_BYTES_PER_COMPLETION_TOKEN = 48
-# CPU: what a probe's peak RSS holds beyond tensors (the trainer, dataset, tokenizer, Python heap, gloo buffers,
-# allocator slack). Fitted to the committed CPU runs (results/memory_planner/cpu_fsdp.csv).
-CPU_RSS_OVERHEAD_BYTES = 0.12 * GiB
+# CPU: what a probe's peak RSS holds beyond its tensors — a fixed part (trainer, dataset, tokenizer, interpreter
+# heap, threads) and a share of the tensor bytes (heap and page slack, gloo's buffers). Fitted to the CPU runs
+# (results/memory_planner/planner_cpu_fsdp.csv, and small-qwen3 runs at world sizes 1 and 2): 0.09–0.25 GiB.
+CPU_RSS_OVERHEAD_BYTES = 0.09 * GiB
+CPU_RSS_SLACK = 0.04
 # Max batch: the share of the budget the caching allocator's fragmentation takes at the limit (the allocated peak
 # must stay below (1 − headroom) × budget). Fitted to the committed H200 searches: the fused heads (their peak is a
 # decoder layer's backward, many multi-GiB blocks) lost 7–17 %, naive (a few huge logits blocks) 1–5 %.
@@ -62,7 +65,14 @@ class MemoryPlan:
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def phase_bytes(self) -> dict[str, float]:
-        return {name: sum(terms.values()) for name, terms in self.phases.items()}
+        """The live bytes of each phase as the device meters them (CUDA: allocated; CPU: resident — a term
+        allocated but never written, marked `(untouched)`, is left out)."""
+        return {name: sum(v for k, v in terms.items() if not (self._rss and k.endswith(UNTOUCHED)))
+                for name, terms in self.phases.items()}
+
+    @property
+    def _rss(self) -> bool:
+        return self.config.device == "cpu"
 
     @property
     def peak_phase(self) -> str:
@@ -77,9 +87,10 @@ class MemoryPlan:
     def peak_gib(self) -> float:
         return self.peak_bytes / GiB
 
-    def peak_excluding(self, *terms: str) -> float:
-        """The peak over phases with the named terms left out (e.g. the CPU RSS overhead, to compare with tensors)."""
-        return max(sum(v for k, v in t.items() if k not in terms) for t in self.phases.values())
+    def tensor_peak_bytes(self) -> float:
+        """The peak of the tensors alone: every allocated byte (untouched ones too), no CPU RSS overhead — what
+        `grpo_lab.memory.live_bytes` counts."""
+        return max(sum(v for k, v in t.items() if k != "cpu_rss_overhead") for t in self.phases.values())
 
     def breakdown(self, phase: str | None = None) -> dict[str, float]:
         """The terms (GiB) of `phase` (default: the peak phase), largest first."""
@@ -125,8 +136,6 @@ def plan(config: PlannerConfig) -> MemoryPlan:
         static["adamw_state"] = 2 * b * trainable_local
     if c.device == "cuda":
         static["cuda_workspace"] = CUDA_WORKSPACE_BYTES
-    else:
-        static["cpu_rss_overhead"] = CPU_RSS_OVERHEAD_BYTES
     step = {"inputs": INPUT_BYTES_PER_TOKEN * n_tok, "rotary_cos_sin": 2 * b * sh.head_dim * n_tok}
     if fsdp and not replicate_root:
         step["fsdp_root_gathered"] = b * sh.root_params  # all-gathered at the root's forward, kept to its backward
@@ -199,7 +208,15 @@ def plan(config: PlannerConfig) -> MemoryPlan:
     if not c.optimizer_state:
         opt["adamw_state_new"] = 2 * b * trainable_local
     phases["optimizer_step"] = opt
-    return MemoryPlan(config=c, shape=sh, phases=phases)
+    return _with_rss_overhead(MemoryPlan(config=c, shape=sh, phases=phases))
+
+
+def _with_rss_overhead(p: MemoryPlan) -> MemoryPlan:
+    """CPU: add each phase's RSS overhead (`CPU_RSS_OVERHEAD_BYTES` + `CPU_RSS_SLACK` × its resident tensors)."""
+    if p.config.device == "cpu":
+        for name, resident in p.phase_bytes().items():
+            p.phases[name] = {**p.phases[name], "cpu_rss_overhead": CPU_RSS_OVERHEAD_BYTES + CPU_RSS_SLACK * resident}
+    return p
 
 
 def plan_loss_only(config: PlannerConfig, trainable: bool = True, entropy_grad: bool = True,
@@ -216,8 +233,8 @@ def plan_loss_only(config: PlannerConfig, trainable: bool = True, entropy_grad: 
     inputs = {}
     if with_inputs:
         inputs = {"hidden": b * sh.hidden * rows, "head_weight": b * sh.vocab * sh.hidden, "targets": 8 * rows}
-        inputs["cuda_workspace" if c.device == "cuda" else "cpu_rss_overhead"] = (
-            CUDA_WORKSPACE_BYTES if c.device == "cuda" else CPU_RSS_OVERHEAD_BYTES)
+        if c.device == "cuda":
+            inputs["cuda_workspace"] = CUDA_WORKSPACE_BYTES
     hidden_grad = {"hidden_grad": b * sh.hidden * rows}
     weight_grad = {"weight_grad": b * sh.vocab * sh.hidden} if trainable else {}
     fwd = head_forward(c.backend, sh, rows, b, c.device, trainable, c.batch_size, c.completion_len)
@@ -232,7 +249,8 @@ def plan_loss_only(config: PlannerConfig, trainable: bool = True, entropy_grad: 
         bwd = head_backward(c.backend, sh, rows, b, c.device, trainable, entropy_grad=entropy_grad)
         phases = {"loss_forward": {**inputs, **fwd, "loss_terms": 16 * rows},
                   "loss_backward": {**inputs, **(hidden_grad if c.backend == "naive" else {}), **bwd}}
-    return MemoryPlan(config=c, shape=sh, phases=phases)
+    return _with_rss_overhead(MemoryPlan(config=c, shape=sh, phases=phases)) if with_inputs else \
+        MemoryPlan(config=c, shape=sh, phases=phases)
 
 
 @dataclass

@@ -111,6 +111,22 @@ def run_checks(points: list[CheckPoint], out_csv: Path | None = None, max_second
     return pd.DataFrame(rows)
 
 
+def repredict(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a planner_check CSV with the prediction columns recomputed by the current planner (the
+    measurements untouched): after a change of the planner, the committed CSVs show what it predicts now."""
+    df = df.copy()
+    for i, r in df.iterrows():
+        spec = PointSpec(model=r["model"], backend=r["backend"], dtype=r["dtype"], batch_size=int(r["batch_size"]),
+                         prompt_len=int(r["prompt_len"]), completion_len=int(r["completion_len"]),
+                         lora_r=int(r["lora_r"]), fsdp=bool(r["fsdp"]), world_size=int(r["world_size"]),
+                         steps=int(r["steps"]), device="cpu" if r["memory_kind"] == "cpu_rss" else "cuda")
+        p = plan(planner_config(spec))
+        df.loc[i, ["predicted_gib", "predicted_phase"]] = [p.peak_gib, p.peak_phase]
+        if r["status"] == "ok" and r["peak_gib"]:
+            df.loc[i, "error_pct"] = 100 * (p.peak_gib / r["peak_gib"] - 1)
+    return df
+
+
 def _print(row, i, n):
     measured = f"{row['peak_gib']:.3f} GiB" if row.get("peak_gib") else row["status"]
     err = f" error {row['error_pct']:+.1f} %" if row.get("error_pct") is not None else ""
@@ -121,7 +137,7 @@ def _print(row, i, n):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m grpo_lab.memory.planner_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=["cpu_fsdp", "heldout_h200"], required=True)
+    ap.add_argument("--preset", choices=["cpu_fsdp", "heldout_h200"])
     ap.add_argument("--out", default="results/memory_planner")
     ap.add_argument("--world-sizes", default="1,2,4", help="cpu_fsdp: comma-separated world sizes")
     ap.add_argument("--backends", default="trl,naive", help="cpu_fsdp: comma-separated backends")
@@ -129,7 +145,19 @@ def main(argv=None) -> int:
                     help="heldout_h200: the GPU's memory (default: asked of nvidia-smi)")
     ap.add_argument("--max-minutes", type=float, default=None, help="start no new point after this long")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing CSV")
+    ap.add_argument("--repredict", metavar="CSV", help="only recompute the prediction columns of an existing CSV")
     a = ap.parse_args(argv)
+    if a.repredict:
+        path = Path(a.repredict)
+        if not path.is_file():
+            print(f"error: no CSV {path}", file=sys.stderr)
+            return 2
+        write_csv(repredict(pd.read_csv(path)), path)
+        print(f"rewrote the predictions in {path}")
+        return 0
+    if a.preset is None:
+        print("error: give --preset (cpu_fsdp or heldout_h200) or --repredict CSV", file=sys.stderr)
+        return 2
     try:
         if a.preset == "cpu_fsdp":
             from .spec import parse_int_list, parse_str_list

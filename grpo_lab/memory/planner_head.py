@@ -30,7 +30,7 @@ KERNEL_FWD_BN = {2: 256, 4: 128}
 KERNEL_FROZEN_TILE = (8192, 8192)
 KERNEL_DZ_TILE = {2: (16384, 8192), 4: (8192, 8192)}
 KERNEL_FROZEN_CHUNK_BYTES = 16 * MiB  # `frozen_input_grad` writes dX in 2^22-element fp32 chunks
-# Liger 0.8.5: one sequence per chunk; its selective log-prob streams [2048 rows, 4096 vocab] fp32 tiles
+# Liger 0.8.5: one sequence per chunk; its selective log-prob streams [≤ 2048 rows, 4096 vocab] fp32 tiles
 LIGER_SEQ_CHUNK = 2048
 LIGER_VOCAB_CHUNK = 4096
 
@@ -53,6 +53,19 @@ def _chunked_tiles(rows: int, vocab: int, counts: tuple[int, int]) -> tuple[int,
     return counts[several], n, vt
 
 
+UNTOUCHED = " (untouched)"  # suffix of a term that is allocated but never written: it is not in a CPU RSS
+
+
+def _trl_tile_buffer(n: int, vocab: int, b: int, device: str) -> dict[str, float]:
+    """TRL's [min(N, 4096), 32768] tile buffer. With a vocabulary under 32768 only its first `vocab` columns are
+    ever written, so on CPU the rest of each row is never paged in (RSS); a CUDA allocation counts whole."""
+    used = n * min(vocab, TRL_VOCAB_CHUNK) * b
+    out = {"trl.tile_buffer": used}
+    if n * TRL_VOCAB_CHUNK * b > used:
+        out["trl.tile_buffer" + UNTOUCHED] = n * TRL_VOCAB_CHUNK * b - used
+    return out
+
+
 def head_rows(batch: int, prompt_len: int, completion_len: int, device: str) -> int:
     """Hidden states the LM head scores in one micro-batch (see the module docstring)."""
     return batch * completion_len if device == "cuda" else batch * (prompt_len + completion_len - 1)
@@ -73,7 +86,7 @@ def head_forward(backend: str, shape: ModelShape, rows: int, b: int, device: str
         return {"naive.logits_and_softmax": (b + 4 * FP32) * v * rows}
     if backend == "trl":
         n = min(rows, TRL_TOKEN_CHUNK)
-        out = {"trl.tile_buffer": n * TRL_VOCAB_CHUNK * b, "trl.row_stats": 7 * FP32 * rows}
+        out = {**_trl_tile_buffer(n, v, b, device), "trl.row_stats": 7 * FP32 * rows}
         if device == "cpu":
             out["trl.cpu_tile_temporaries"] = TRL_CPU_FWD_TILES * FP32 * n * min(v, TRL_VOCAB_CHUNK)
         return out
@@ -97,16 +110,17 @@ def head_forward(backend: str, shape: ModelShape, rows: int, b: int, device: str
                 "grpo_lab.row_stats": 8 * FP32 * rows, "grpo_lab.frozen_P_tile": t_tile * v_tile * b,
                 "grpo_lab.frozen_A": FP32 * h * rows}
     if backend == "liger":
-        # the whole loss runs in Liger's forward: per-sequence dX accumulate in a list, concatenated at the end
-        seq = min(completion_len, LIGER_SEQ_CHUNK)
-        out = {"liger.grad_input_chunks": b * h * batch * completion_len,
-               "liger.grad_input_cat": b * h * batch * completion_len,
-               "liger.chunk_tiles": 3 * FP32 * seq * min(v, LIGER_VOCAB_CHUNK) + FP32 * h * seq}
-        if trainable:  # the accumulator, and each chunk's fp32 dW with its cast to the weight's dtype
+        # The whole loss runs in Liger's forward, one sequence per chunk: its log-prob forward, then its backward
+        # (`torch.autograd.grad`: four fp32 [rows, 4096] tiles, dX in fp32 and, for a 16-bit weight, the vocabulary
+        # chunk of the weight in fp32). Each chunk's dX joins a list that is concatenated at the end.
+        seq, vt = min(completion_len, LIGER_SEQ_CHUNK), min(v, LIGER_VOCAB_CHUNK)
+        chunk = 4 * FP32 * seq * vt + FP32 * h * seq + (FP32 * vt * h if b < FP32 else 0)
+        if trainable:  # the accumulator, each chunk's fp32 dW and its cast to the weight's dtype
+            chunk += FP32 * v * h + (b * v * h if b < FP32 else 0)
+        grad_input = b * h * batch * completion_len
+        out = {"liger.grad_input": grad_input, "liger.chunk_or_concat": max(chunk, grad_input)}
+        if trainable:
             out["liger.grad_weight"] = b * v * h
-            out["liger.chunk_grad_weight_fp32"] = FP32 * v * h
-            if b < FP32:
-                out["liger.chunk_grad_weight_cast"] = b * v * h
         return out
     raise ValueError(f"unknown backend {backend!r}")
 
@@ -123,7 +137,7 @@ def head_backward(backend: str, shape: ModelShape, rows: int, b: int, device: st
                 "naive.grad_logits": (3 if entropy_grad else 2) * FP32 * v * rows}
     if backend == "trl":
         n = min(rows, TRL_TOKEN_CHUNK)
-        out = {"trl.tile_buffer": n * TRL_VOCAB_CHUNK * b, "trl.grad_hidden_fp32": FP32 * h * rows}
+        out = {**_trl_tile_buffer(n, v, b, device), "trl.grad_hidden_fp32": FP32 * h * rows}
         if b < FP32:
             out["trl.grad_hidden_cast"] = b * h * rows
         if trainable:

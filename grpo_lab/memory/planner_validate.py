@@ -1,0 +1,258 @@
+"""The planner's predictions against every committed measurement: one row per point, the error in %, and the
+max-batch searches against the planner's max batch.
+
+    python -m grpo_lab.memory.planner_validate --out results/memory_planner   # validation{,_max_batch}.csv + .md
+
+Sources (all committed under `results/`): notebook 01's H200 sweep (full fine-tuning steps, and the loss alone),
+notebook 02's H200 max-batch probes and searches (FSDP2 + LoRA, world size 1), the loss-kernel grid (the LM head
+alone, both head modes), the CPU gloo runs at world sizes 1, 2, 4 and the held-out H200 check
+(`planner_check`). `calibration` names the constant a source was used to fit (empty: a pure prediction); rows
+measured with a kernel that has changed since are kept, marked, and left out of the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from .planner import GiB, PlannerConfig, max_batch, plan, plan_loss_only
+from .results import load_reference
+
+TARGET_PCT = 10.0  # the issue's target: within 10 % of the measured peak
+COLUMNS = ["source", "model", "backend", "dtype", "mode", "batch_size", "prompt_len", "completion_len", "lora_r",
+           "world_size", "fsdp", "device", "measured_gib", "predicted_gib", "error_pct", "phase", "calibration",
+           "note"]
+# grpo_lab kernel changes after a measurement (kernels/fused_linear_logprob.py history, docs/kernel.md)
+OLD_KERNEL_NB01 = "grpo_lab kernel of 2026-12-02 (before the run-4 tiles); the planner models today's"
+OLD_KERNEL_FROZEN = "frozen head measured before its backward temporaries were bounded (5700679)"
+
+
+def _config(row, **kw) -> PlannerConfig:
+    return PlannerConfig(model=row["model"], backend=row["backend"], dtype=row["dtype"],
+                         batch_size=int(row.get("batch_size", 1)), prompt_len=max(1, int(row.get("prompt_len") or 1)),
+                         completion_len=int(row["completion_len"]), **kw)
+
+
+def _row(source, cfg: PlannerConfig, mode, measured, predicted, phase, calibration="", note="") -> dict:
+    return {"source": source, "model": cfg.model, "backend": cfg.backend, "dtype": cfg.dtype, "mode": mode,
+            "batch_size": cfg.batch_size, "prompt_len": cfg.prompt_len, "completion_len": cfg.completion_len,
+            "lora_r": cfg.lora_r, "world_size": cfg.world_size, "fsdp": cfg.fsdp, "device": cfg.device,
+            "measured_gib": measured, "predicted_gib": predicted, "error_pct": 100 * (predicted / measured - 1),
+            "phase": phase, "calibration": calibration, "note": note}
+
+
+def notebook01_rows(df: pd.DataFrame) -> list[dict]:
+    """Notebook 01 (Qwen3-0.6B, full fine-tuning, 2 steps, no FSDP): training steps and the loss alone."""
+    out = []
+    for _, r in df[df["status"] == "ok"].iterrows():
+        if r["mode"] == "step":
+            cfg = _config(r, lora_r=0, fsdp=False, optimizer_state=True)
+            p = plan(cfg)
+            out.append(_row("H200 notebook 01 (step)", cfg, "step", r["peak_gib"], p.peak_gib, p.peak_phase))
+        else:
+            cfg = _config(r, lora_r=0, fsdp=False)
+            p = plan_loss_only(cfg)
+            note = OLD_KERNEL_NB01 if r["backend"] == "grpo_lab" else ""
+            out.append(_row("H200 notebook 01 (loss alone)", cfg, "loss", r["peak_gib"], p.peak_gib, p.peak_phase,
+                            note=note))
+    return out
+
+
+def notebook02_rows(df: pd.DataFrame) -> list[dict]:
+    """Notebook 02's probes (FSDP2 + LoRA, world size 1, one step)."""
+    out = []
+    for _, r in df[df["status"] == "ok"].iterrows():
+        cfg = _config(r, lora_r=int(r["lora_r"]), fsdp=True, world_size=int(r["world_size"]),
+                      optimizer_state=int(r.get("steps") if pd.notna(r.get("steps")) else 1) > 1)
+        p = plan(cfg)
+        out.append(_row("H200 notebook 02 (probes)", cfg, "step", r["peak_gib"], p.peak_gib, p.peak_phase,
+                        calibration="CUDA_WORKSPACE_BYTES"))
+    return out
+
+
+def loss_kernel_rows(df: pd.DataFrame) -> list[dict]:
+    """`benchmarks/loss_bench.py`'s grid (the LM head alone, peak above the inputs, entropy detached); the latest
+    run per point. The materialised head (`grpo_lab+mem`, opt-in) is not planned."""
+    from transformers import AutoConfig
+
+    df = df[(df["status"] == "ok") & (df["part"] == "loss") & df["backend"].isin(["naive", "trl", "grpo_lab", "liger"])]
+    df = df.drop_duplicates(subset=["backend", "head", "dtype", "H", "tokens", "T"], keep="last")
+    out = []
+    for _, r in df.iterrows():
+        head = AutoConfig.for_model("qwen3", hidden_size=int(r["H"]), intermediate_size=3 * int(r["H"]),
+                                    num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+                                    vocab_size=int(r["V"]), tie_word_embeddings=False)
+        cfg = PlannerConfig(model=f"head H={int(r['H'])}", model_config=head, backend=r["backend"], dtype=r["dtype"],
+                            batch_size=int(r["B"]), prompt_len=1, completion_len=int(r["T"]))
+        p = plan_loss_only(cfg, trainable=r["head"] == "trainable", entropy_grad=False, with_inputs=False)
+        note = OLD_KERNEL_FROZEN if (r["backend"] == "grpo_lab" and r["head"] == "frozen") else ""
+        row = _row("H200 loss kernel (head alone)", cfg, f"loss, {r['head']} head", r["loss_peak_gib"], p.peak_gib,
+                   p.peak_phase, note=note)
+        row["lora_r"] = 0 if r["head"] == "trainable" else None
+        out.append(row)
+    return out
+
+
+def planner_check_rows(df: pd.DataFrame, source: str, calibration: str = "") -> list[dict]:
+    """Rows written by `planner_check` (the CPU gloo runs, the held-out H200 check)."""
+    out = []
+    for _, r in df[df["status"] == "ok"].iterrows():
+        cfg = _config(r, lora_r=int(r["lora_r"]), fsdp=bool(r["fsdp"]), world_size=int(r["world_size"]),
+                      device="cpu" if r["memory_kind"] == "cpu_rss" else "cuda",
+                      optimizer_state=int(r.get("steps") or 1) > 1)
+        p = plan(cfg)
+        out.append(_row(source, cfg, "step", r["peak_gib"], p.peak_gib, p.peak_phase, calibration=calibration,
+                        note=str(r.get("point", ""))))
+    return out
+
+
+def search_step(batch: int, rel_tol: float) -> int:
+    """The search's resolution at `batch` (`max_batch.search_max_batch`: max(1, floor(rel_tol × B)))."""
+    return max(1, math.floor(rel_tol * max(batch, 1)))
+
+
+def max_batch_rows(searches: pd.DataFrame, upper: int = 1024) -> list[dict]:
+    """Notebook 02's searches against the planner's max batch for the same budget. The search brackets the limit
+    in [max_batch, first_oom); the prediction is within one search step when it lies in that bracket widened by
+    one step on each side (a capped search: when it does not fall more than a step below the cap)."""
+    out = []
+    for _, r in searches[searches["status"] == "ok"].iterrows():
+        cfg = _config(r, lora_r=int(r["lora_r"]), fsdp=True, world_size=int(r["world_size"]))
+        pred = max_batch(cfg.replace(batch_size=1), float(r["budget_gib"]), upper=upper)
+        measured, first_oom = int(r["max_batch"]), (None if pd.isna(r["first_oom"]) else int(r["first_oom"]))
+        step = search_step(measured, float(r["rel_tol"]))
+        hi = upper if first_oom is None else first_oom - 1
+        within = measured - step <= pred.batch <= hi + step
+        out.append({"model": cfg.model, "backend": cfg.backend, "lora_r": cfg.lora_r, "world_size": cfg.world_size,
+                    "budget_gib": float(r["budget_gib"]), "measured_max_batch": measured, "first_oom": first_oom,
+                    "capped": bool(r["capped"]), "predicted_max_batch": pred.batch,
+                    "error_pct": 100 * (pred.batch / measured - 1), "search_step": step,
+                    "within_one_step": within, "predicted_peak_gib": pred.peak_bytes / GiB,
+                    "usable_gib": pred.usable_bytes / GiB, "calibration": "ALLOCATOR_HEADROOM"})
+    return out
+
+
+def heldout_max_batch_rows(df: pd.DataFrame) -> list[dict]:
+    """The held-out check's probe pairs 3 % below / above the predicted max batch."""
+    out = []
+    pairs = df[df["expect"].isin(["fits", "oom"])] if "expect" in df else df.iloc[0:0]
+    for alloc, g in pairs.groupby(pairs["cuda_alloc_conf"].fillna("")):
+        lo, hi = g[g["expect"] == "fits"], g[g["expect"] == "oom"]
+        if lo.empty or hi.empty:
+            continue
+        lo, hi = lo.iloc[0], hi.iloc[0]
+        ran = lo["status"] in ("ok", "oom") and hi["status"] in ("ok", "oom")
+        out.append({"model": lo["model"], "backend": lo["backend"], "lora_r": int(lo["lora_r"]),
+                    "allocator": alloc or "default", "predicted_max_batch": int(lo["predicted_max_batch"]),
+                    "below": int(lo["batch_size"]), "below_status": lo["status"],
+                    "above": int(hi["batch_size"]), "above_status": hi["status"],
+                    "within_one_step": (lo["status"] == "ok" and hi["status"] == "oom") if ran else None})
+    return out
+
+
+def validation_table(extra_csvs: dict[str, Path] | None = None) -> pd.DataFrame:
+    """Every committed measurement with its prediction (see the module docstring)."""
+    rows: list[dict] = []
+    nb01 = load_reference("memory_vs_batch", "memory_vs_batch.csv")
+    if nb01 is not None:
+        rows += notebook01_rows(nb01)
+    nb02 = load_reference("fsdp_max_batch", "fsdp_max_batch_probes.csv")
+    if nb02 is not None:
+        rows += notebook02_rows(nb02)
+    grid = [load_reference("loss_kernel", name) for name in ("loss_grid.csv", "loss_grid_run6.csv")]
+    grid = [g for g in grid if g is not None]
+    if grid:
+        rows += loss_kernel_rows(pd.concat(grid, ignore_index=True))
+    for name, source, calibration in (("planner_cpu_fsdp.csv", "CPU gloo FSDP2 (RSS)", "CPU_RSS_OVERHEAD_BYTES"),
+                                      ("planner_heldout_h200.csv", "H200 held-out", "")):
+        df = _planner_csv(name, extra_csvs)
+        if df is not None:
+            rows += planner_check_rows(df, source, calibration)
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _planner_csv(name: str, extra_csvs: dict[str, Path] | None) -> pd.DataFrame | None:
+    if extra_csvs and name in extra_csvs:
+        return pd.read_csv(extra_csvs[name])
+    return load_reference("memory_planner", name)
+
+
+def summary(table: pd.DataFrame) -> pd.DataFrame:
+    """Per source: points, max and mean |error|, share within the 10 % target (rows with a note excluded)."""
+    kept = table[~table["note"].isin([OLD_KERNEL_NB01, OLD_KERNEL_FROZEN])]
+    g = kept.assign(abs_err=kept["error_pct"].abs()).groupby("source", sort=False)
+    return pd.DataFrame({"points": g.size(), "max_abs_error_pct": g["abs_err"].max(),
+                         "mean_abs_error_pct": g["abs_err"].mean(),
+                         "within_10pct": g["abs_err"].apply(lambda e: f"{(e <= TARGET_PCT).sum()}/{len(e)}")})
+
+
+def markdown_table(df: pd.DataFrame, index: bool = False, floatfmt: str = "{:.2f}") -> str:
+    """A pipe table of `df` (floats formatted with `floatfmt`, missing values blank)."""
+    df = df.reset_index() if index else df
+
+    def cell(v):
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return ""
+        return floatfmt.format(v) if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def to_markdown(table: pd.DataFrame, searches: pd.DataFrame, heldout: pd.DataFrame | None = None) -> str:
+    """The validation as markdown: the summary, the max-batch table, then every point."""
+    fmt = {"measured_gib": "{:.3f}", "predicted_gib": "{:.3f}", "error_pct": "{:+.1f}"}
+    lines = ["# Memory planner: predicted vs measured", "",
+             "Generated by `python -m grpo_lab.memory.planner_validate` from the committed CSVs "
+             "(docs/memory.md, section *Memory planner*). Error = predicted / measured − 1. Rows with a note were "
+             "measured with a kernel that has changed since; they are listed, not summarised.", "",
+             "## Summary (peak memory)", "", markdown_table(summary(table), index=True), "",
+             "## Max batch: notebook 02's searches (H200, FSDP2 + LoRA r=16, world size 1, whole GPU)", "",
+             markdown_table(searches.drop(columns=["calibration"]), floatfmt="{:.1f}"), ""]
+    if heldout is not None and not heldout.empty:
+        lines += ["## Max batch, held out: probes 3 % below / above the predicted max batch", "",
+                  markdown_table(heldout), ""]
+    lines += ["## Every point", ""]
+    shown = table.copy()
+    for col, f in fmt.items():
+        shown[col] = shown[col].map(f.format)
+    lines.append(markdown_table(shown.drop(columns=["fsdp"])))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m grpo_lab.memory.planner_validate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results/memory_planner")
+    ap.add_argument("--heldout-csv", help="a planner_heldout_h200.csv not committed yet (e.g. just fetched)")
+    a = ap.parse_args(argv)
+    extra = {"planner_heldout_h200.csv": Path(a.heldout_csv)} if a.heldout_csv else None
+    if extra and not extra["planner_heldout_h200.csv"].is_file():
+        print(f"error: no CSV {a.heldout_csv}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = validation_table(extra)
+    searches_csv = load_reference("fsdp_max_batch", "fsdp_max_batch.csv")
+    searches = pd.DataFrame(max_batch_rows(searches_csv)) if searches_csv is not None else pd.DataFrame()
+    heldout_csv = _planner_csv("planner_heldout_h200.csv", extra)
+    heldout = pd.DataFrame(heldout_max_batch_rows(heldout_csv)) if heldout_csv is not None else None
+    table.to_csv(out / "validation.csv", index=False)
+    searches.to_csv(out / "validation_max_batch.csv", index=False)
+    (out / "validation.md").write_text(to_markdown(table, searches, heldout))
+    with pd.option_context("display.width", 160):
+        print(summary(table).to_string())
+        if not searches.empty:
+            print(searches[["model", "backend", "measured_max_batch", "first_oom", "predicted_max_batch",
+                            "error_pct", "within_one_step"]].to_string(index=False))
+    print(f"wrote {out / 'validation.csv'}, {out / 'validation_max_batch.csv'} and {out / 'validation.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
