@@ -88,7 +88,8 @@ def diagnose(rows: list[dict], max_staleness: int, max_inflight_tasks: int | Non
              config: DoctorConfig | None = None) -> Verdict:
     """The regime of the last `config.window` logged steps (`loop_metrics.jsonl` rows or TRL log dicts)."""
     c = config or DoctorConfig()
-    window = training_rows(rows)[-c.window:]
+    # the first step has no step time (nothing before it) and waits for the pipeline to fill: not a regime
+    window = [r for r in training_rows(rows) if "perf/step_s" in r][-c.window:]
     step_s = _mean(window, "perf/step_s")
     if len(window) < 2 or step_s is None or step_s <= 0:
         return Verdict("unknown", [], {})
@@ -193,3 +194,7 @@ def main(argv=None) -> int:
     for note in verdict.notes + replica_notes(rows):
         print(f"  note: {note}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -73,6 +73,7 @@ def embedded_trainer_args(output_dir: str, **overrides):
         gradient_accumulation_steps=1, num_generations=8, max_completion_length=8, temperature=1.0,
         max_staleness=4, token_budget=0, activation_checkpointing=False, logging_steps=1, save_strategy="steps",
         save_steps=10, report_to=[], seed=0, use_cpu=not torch.cuda.is_available(), vllm_server_timeout=120.0,
+        bf16=False,  # the replicas serve the embedded model in float32; the IS ratio compares the two
         dataloader_num_workers=0, disable_tqdm=True)
     values.update(overrides)
     return AsyncGRPOLabConfig(**values)
@@ -247,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-backend", default="grpo_lab")
     p.add_argument("--no-group-versions", action="store_true", help="TRL's per-rollout versions")
     p.add_argument("--rollout-failure-timeout", type=float, default=120.0)
+    p.add_argument("--replica-threads", type=int, default=1, help="torch threads per CPU replica")
+    p.add_argument("--results-dir", default=None, help="also write <run-name>.csv and its doctor verdict here")
+    p.add_argument("--run-name", default="loop")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -279,7 +283,8 @@ def main(argv=None) -> int:
         save_steps=a.save_steps, tree_attention=a.tree_attention, loss_backend=a.loss_backend,
         group_consistent_versions=not a.no_group_versions, rollout_failure_timeout_s=a.rollout_failure_timeout,
         adapter_storage=a.adapter_storage, seed=a.seed)
-    loop = AsyncLoop(LoopConfig(replicas=a.replicas, router_url=a.router_url, model=a.model), args)
+    loop = AsyncLoop(LoopConfig(replicas=a.replicas, router_url=a.router_url, model=a.model,
+                                replica_threads=a.replica_threads), args)
     t0 = time.perf_counter()
     try:
         with loop:
@@ -290,6 +295,14 @@ def main(argv=None) -> int:
     steps = loop.trainer.state.global_step
     print(f"async loop done: {steps} steps in {time.perf_counter() - t0:.1f}s; last published "
           f"{loop.trainer.published[-1]['name'] if loop.trainer.published else 'nothing'}", flush=True)
+    if a.results_dir:
+        from .results import write_run
+
+        path = write_run(loop.recorder.rows, a.results_dir, a.run_name, a.max_staleness,
+                         args.max_inflight_tasks if args.max_inflight_tasks > 0 else None,
+                         extra={"replicas": a.replicas, "tree_attention": loop.trainer.tree_attention,
+                                "wall_s": round(time.perf_counter() - t0, 1)})
+        print(f"wrote {path}", flush=True)
     return 0
 
 
