@@ -62,6 +62,16 @@ class LoopConfig:
             raise ValueError("replicas must be >= 1 (or give router_url)")
 
 
+def no_checkpointing() -> dict:
+    """Activation checkpointing off, under the name this transformers knows (`activation_checkpointing` from 5.2x,
+    `gradient_checkpointing` before, which newer versions deprecate)."""
+    from transformers import TrainingArguments
+
+    name = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+            else "gradient_checkpointing")
+    return {name: False}
+
+
 def embedded_trainer_args(output_dir: str, **overrides):
     """`AsyncGRPOLabConfig` for the embedded task: 2 prompts x 8 rollouts a step, LoRA-sized lr, fixed-count rows."""
     import torch
@@ -71,7 +81,7 @@ def embedded_trainer_args(output_dir: str, **overrides):
     values = dict(
         output_dir=output_dir, max_steps=20, learning_rate=3e-3, per_device_train_batch_size=16,
         gradient_accumulation_steps=1, num_generations=8, max_completion_length=8, temperature=1.0,
-        max_staleness=4, token_budget=0, activation_checkpointing=False, logging_steps=1, save_strategy="steps",
+        max_staleness=4, token_budget=0, **no_checkpointing(), logging_steps=1, save_strategy="steps",
         save_steps=10, report_to=[], seed=0, use_cpu=not torch.cuda.is_available(), vllm_server_timeout=120.0,
         bf16=False,  # the replicas serve the embedded model in float32; the IS ratio compares the two
         dataloader_num_workers=0, disable_tqdm=True)
