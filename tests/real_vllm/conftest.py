@@ -106,8 +106,10 @@ def replicas(vllm_python, model_dir, token, tmp_path_factory):
         p.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster(replicas):
+    """The router in front of both replicas; one per module, so a module that talks to the replicas directly
+    (behind no router's back) or kills one starts from a router that saw none of it."""
     from accelerate import PartialState
 
     from grpo_lab.serving.router import start_router

@@ -24,13 +24,13 @@ def complete(url: str, payload: dict, **kwargs) -> requests.Response:
 def test_server_info_selects_adapter_only_sync(cluster):
     client = VLLMClient(cluster.url)
     client.wait_for_server_ready()
-    info = client.get_server_info()
-    vllm_config = info["vllm_config"]
+    vllm_config = client.get_server_info()
     assert vllm_config["lora_config"]["max_lora_rank"] >= 1
     assert vllm_config["lora_config"]["max_loras"] >= MAX_STALENESS + 2
     assert vllm_config["parallel_config"]["data_parallel_size"] == 1
     assert vllm_config["cache_config"]["block_size"] == 32
     assert client.get_max_model_len() == 128
+    assert client.get_dtype() == "torch.float32"
     # the router hashes prefixes in vLLM's block size, read from the replicas
     assert requests.get(cluster.url + "/router/state", timeout=10).json()["block_size"] == 32
 

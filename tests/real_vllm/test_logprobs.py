@@ -44,10 +44,12 @@ def test_logprobs_match_transformers_and_peft(cluster, adapters, model_dir, temp
     finally:
         client.unload_lora_adapter("trl-policy-v3")
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    def load_base():
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
     worst = {}
-    for model in (SERVED_NAME, "trl-policy-v3"):
-        net = base if model == SERVED_NAME else PeftModel.from_pretrained(base, adapters[model]).eval()
+    for model in (SERVED_NAME, "trl-policy-v3"):  # (PEFT wraps the base model in place: a fresh one each)
+        net = load_base() if model == SERVED_NAME else PeftModel.from_pretrained(load_base(), adapters[model]).eval()
         worst[model] = 0.0
         for prompt, completion, served in answers[model]:
             assert len(completion) == len(served) > 0
@@ -56,4 +58,4 @@ def test_logprobs_match_transformers_and_peft(cluster, adapters, model_dir, temp
     assert max(worst.values()) < TOLERANCE, worst
     # and the adapter's logprobs are its own: the base model's on the adapter's tokens are far off
     prompt, completion, served = answers["trl-policy-v3"][0]
-    assert (reference_logprobs(base, prompt, completion, temperature) - torch.tensor(served)).abs().max() > 0.05
+    assert (reference_logprobs(load_base(), prompt, completion, temperature) - torch.tensor(served)).abs().max() > 0.05
