@@ -62,8 +62,6 @@ def token():
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    if os.environ.get("_DEV_MODEL_DIR"):  # DEV ONLY, remove after merging main
-        return os.environ["_DEV_MODEL_DIR"]
     from grpo_lab.embedded_model import write_embedded_model
 
     return str(write_embedded_model(tmp_path_factory.mktemp("model") / "tiny-chat"))

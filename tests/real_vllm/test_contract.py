@@ -124,3 +124,26 @@ def test_vllm_api_key_leaves_control_endpoints_open(cluster, path):
     finally:
         if path == "/pause":
             requests.post(replica.url + "/resume", timeout=30)
+
+
+def test_vllm_tokenizes_and_detokenizes_like_the_trainer(cluster, model_dir, token):
+    """vLLM loads the embedded model's tokenizer as the trainer does: the same chat-template ids (newlines and
+    `\\boxed{` included) and the same text back, so rewards read what the model wrote."""
+    from transformers import AutoTokenizer
+
+    from grpo_lab.embedded_model import build_chat_tokenizer
+
+    messages = [{"role": "user", "content": "add them:\n12+34="}]
+    expected = build_chat_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False)
+    assert AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False) == expected
+    replica = cluster.replicas[0]
+    served = direct(replica, token, "POST", "/tokenize",
+                    json={"model": SERVED_NAME, "messages": messages, "add_generation_prompt": True}).json()
+    assert served["tokens"] == expected
+    answer = "\\boxed{46}"
+    ids = build_chat_tokenizer()(answer)["input_ids"]
+    assert len(ids) == 4  # `\boxed{` is one token
+    text = direct(replica, token, "POST", "/detokenize", json={"model": SERVED_NAME, "tokens": ids}).json()
+    assert text["prompt"] == answer
