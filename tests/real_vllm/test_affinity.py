@@ -76,6 +76,7 @@ def test_router_affinity_predicts_vllm_prefix_cache_hits(cluster):
         assert queries == PROMPT_LEN * served, report  # vLLM looked up every prompt token of what it was sent
         total_predicted += predicted
         total_hits += hits
+    print(report)  # pytest -rP shows it
     # stated tolerance: one block per group, over both replicas
     assert abs(total_hits - total_predicted) <= BLOCK * GROUPS * 0.25, report
     for row in report:
