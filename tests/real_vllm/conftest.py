@@ -13,14 +13,13 @@ by the wrong adapter shows).
 from __future__ import annotations
 
 import os
-import secrets
 import types
 
 import pytest
 import requests
+from serving.conftest import TOKEN_ENV, token  # noqa: F401  (the same session token fixture as the CPU tier)
 
 REQUIRE_ENV = "GRPO_LAB_REQUIRE_VLLM"
-TOKEN_ENV = "GRPO_LAB_TEST_VLLM_TOKEN"
 SERVED_NAME = "tiny-chat"
 MAX_STALENESS = 4  # --max-loras 6
 LORA_RANK = 1
@@ -53,18 +52,6 @@ def vllm_python() -> str:
         if os.environ.get(REQUIRE_ENV) == "1":
             pytest.fail(f"{REQUIRE_ENV}=1 but the real-vLLM tier cannot run: {error}", pytrace=False)
         pytest.skip(f"real-vLLM tier: {error}")
-
-
-@pytest.fixture(scope="session")
-def token():
-    value = "tok-" + secrets.token_hex(16)
-    old = os.environ.get(TOKEN_ENV)
-    os.environ[TOKEN_ENV] = value
-    yield value
-    if old is None:
-        os.environ.pop(TOKEN_ENV, None)
-    else:
-        os.environ[TOKEN_ENV] = old
 
 
 @pytest.fixture(scope="session")

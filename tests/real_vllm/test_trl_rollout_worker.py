@@ -4,28 +4,13 @@ next adapter, resume, bump the version, unload the one that fell out of the stal
 
 from __future__ import annotations
 
-import queue
-import time
-
 import requests
+from serving.test_trl_rollout_worker import take
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
 from .conftest import SERVED_NAME, served_models
 
 STALENESS = 1  # unload v(N-2) at sync N, so the test sees unloads too
-
-
-def take(worker, n: int, timeout: float) -> list:
-    samples, deadline = [], time.monotonic() + timeout
-    while len(samples) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"only {len(samples)} of {n} rollout samples within {timeout}s")
-        try:
-            samples.append(worker.rollout_buffer.get(timeout=min(left, 1.0)))
-        except queue.Empty:
-            worker.check_health(stale_after_s=120)
-    return samples
 
 
 def test_trl_rollout_worker_through_the_router(cluster, adapters, model_dir, token, monkeypatch):
