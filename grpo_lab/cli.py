@@ -3,6 +3,7 @@
     grpo-lab reproduce --quick            execute every notebook under notebooks/ headless (CPU quick mode) → results/
     grpo-lab memory --quick|--full ...    peak memory vs batch size (python -m grpo_lab.memory.sweep)
     grpo-lab max-batch --quick|--full ... FSDP2 + LoRA max-batch search (python -m grpo_lab.memory.max_batch)
+    grpo-lab async-loop [--max-steps N] ... async LoRA GRPO: replicas + router + AsyncGRPOTrainer (--resume after a crash)
 
 Bad input (unknown model or backend, batch sizes that are not positive integers) is reported as one line on stderr
 with exit status 2, never as a traceback.
@@ -61,8 +62,14 @@ def main(argv=None) -> int:
 
         return max_batch_main(args)
 
+    def async_loop(args):
+        from .async_loop.launch import main as loop_main
+
+        return loop_main(args)
+
     commands["memory"] = memory
     commands["max-batch"] = max_batch
+    commands["async-loop"] = async_loop
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0 if argv else 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import threading
 import time
@@ -56,6 +57,8 @@ class SamplingParams:
                                                                                   not isinstance(value, int)):
                 raise RequestError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, "
                                         f"got {type(value).__name__}")
+            if isinstance(value, float) and not math.isfinite(value):  # JSON parsers accept NaN and Infinity; no sampling parameter means them
+                raise RequestError(400, f"'{name}' must be a finite number, got {value}")
             if (low is not None and value < low) or (high is not None and value > high):
                 raise RequestError(400, f"'{name}' = {value} is out of range [{low}, {high}]")
             return kind(value)
@@ -67,7 +70,7 @@ class SamplingParams:
             max_tokens=num("max_tokens", 16, int, 1), temperature=num("temperature", 1.0, float, 0.0),
             top_p=num("top_p", 1.0, float, 1e-9, 1.0), top_k=num("top_k", -1, int, -1),
             min_p=num("min_p", 0.0, float, 0.0, 1.0), repetition_penalty=num("repetition_penalty", 1.0, float, 1e-9),
-            seed=num("seed", None, int, allow_none=True), logprobs=num("logprobs", None, int, 0, 20, allow_none=True),
+            seed=num("seed", None, int, -(2**63), 2**63 - 1, allow_none=True), logprobs=num("logprobs", None, int, 0, 20, allow_none=True),
             ignore_eos=bool(body.get("ignore_eos", False)))
 
 
