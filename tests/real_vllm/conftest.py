@@ -152,3 +152,23 @@ def run_concurrently(url: str, payloads: list[dict], timeout: float = 120) -> li
             return await asyncio.gather(*(one(session, p) for p in payloads))
 
     return asyncio.run(go())
+
+
+def wait_until_unloaded(replicas, token: str, name: str, timeout: float = 60.0) -> None:
+    """The router answers an unload at once and each replica unloads once its completions using the adapter have
+    finished (vLLM itself unloads before answering): wait until no replica lists `name`."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while any(name in served_models(r, token) for r in replicas):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} still loaded on a replica {timeout}s after the router's unload")
+        time.sleep(0.2)
+
+
+def unload(cluster, token: str, name: str) -> None:
+    """TRL's unload through the router, then wait until every replica has really dropped the adapter."""
+    from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+    VLLMClient(cluster.url).unload_lora_adapter(name)
+    wait_until_unloaded(cluster.replicas, token, name)

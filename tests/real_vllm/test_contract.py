@@ -12,7 +12,7 @@ import pytest
 import requests
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
-from .conftest import MAX_STALENESS, SERVED_NAME, direct, served_models, trl_payload
+from .conftest import MAX_STALENESS, SERVED_NAME, direct, served_models, trl_payload, unload
 
 PROMPT = list(range(5, 45))  # 40 token ids inside the character vocabulary
 
@@ -51,9 +51,7 @@ def test_sync_cycle_reaches_every_replica(cluster, adapters, token):
         choice = answers[0].json()["choices"][0]
         assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) > 0
     finally:
-        client.unload_lora_adapter("trl-policy-v1")
-    for replica in cluster.replicas:
-        assert "trl-policy-v1" not in served_models(replica, token)
+        unload(cluster, token, "trl-policy-v1")
     gone = complete(cluster.url, trl_payload("trl-policy-v1", PROMPT, seed=0))
     assert gone.status_code == 404
 
@@ -94,10 +92,10 @@ def test_router_forwards_vllm_answers_bit_equal(cluster, adapters, token):
                 assert own["token_ids"] == routed["token_ids"]
                 assert own["logprobs"]["token_logprobs"] == routed["logprobs"]["token_logprobs"]
     finally:
-        client.unload_lora_adapter("trl-policy-v2")
+        unload(cluster, token, "trl-policy-v2")
 
 
-def test_an_adapter_changes_what_is_sampled(cluster, adapters):
+def test_an_adapter_changes_what_is_sampled(cluster, adapters, token):
     """The served model is peaked, so the same seed under another adapter samples other tokens: a request served
     by the wrong adapter would be visible (what the tests above rely on)."""
     client = VLLMClient(cluster.url)
@@ -109,7 +107,7 @@ def test_an_adapter_changes_what_is_sampled(cluster, adapters):
                 for m in (SERVED_NAME, "trl-policy-v1", "trl-policy-v2")}
     finally:
         for name in ("trl-policy-v1", "trl-policy-v2"):
-            client.unload_lora_adapter(name)
+            unload(cluster, token, name)
     assert outs[SERVED_NAME] != outs["trl-policy-v1"] != outs["trl-policy-v2"] != outs[SERVED_NAME]
 
 

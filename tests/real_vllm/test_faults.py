@@ -17,7 +17,7 @@ import pytest
 import requests
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
-from .conftest import SERVED_NAME, served_models, trl_payload
+from .conftest import SERVED_NAME, served_models, trl_payload, unload
 
 PROMPT = list(range(5, 45))
 
@@ -87,6 +87,6 @@ def test_replica_killed_mid_load_rolls_back_and_is_readmitted(cluster, adapters,
                 for r in (healthy, fresh)]
         assert mine[0] == mine[1]
     finally:
-        client.unload_lora_adapter("trl-policy-v2")
+        unload(cluster, token, "trl-policy-v2")
     for r in (healthy, fresh):
         assert served_models(r, token) == {SERVED_NAME, "trl-policy-v0"}

