@@ -61,3 +61,12 @@ class BoundedVLLMClient(VLLMClient):
         """Adapters the server holds now (`/v1/models` entries with a parent), name -> path."""
         entries = self._call("GET", "/v1/models").json().get("data", [])
         return {e["id"]: e.get("root") for e in entries if isinstance(e, dict) and e.get("parent")}
+
+    def draining_adapters(self) -> set[str] | None:
+        """Adapters the grpo_lab router is still draining (unloaded, completions in flight); None from a server that
+        does not say (plain vLLM unloads at once)."""
+        try:
+            response = requests.get(f"{self.server_url}/router/state", timeout=min(self.control_timeout_s, 10))
+            return set(response.json().get("draining", {})) if response.status_code == 200 else None
+        except (requests.RequestException, ValueError, AttributeError):
+            return None

@@ -163,13 +163,18 @@ class AsyncGRPOLabTrainer(AsyncGRPOTrainer):
         return t_pause, t_barrier, t_transfer
 
     def _retire(self, version: int) -> None:
-        """Unload versions no sample can use any more (older than max_staleness); delete files one sync later."""
+        """Unload versions no sample can use any more (older than max_staleness); delete their files once the
+        server no longer needs them (one sync later, and not while the router still drains them: vLLM may re-read
+        an adapter's files while requests use it)."""
         self._live_versions.append(version)
         oldest_usable = version - self.args.max_staleness
         for old in [v for v in self._live_versions if v < oldest_usable]:
             self.vllm_client.unload_lora_adapter(f"{self._lora_name}-v{old}")
             self._live_versions.remove(old)
-        for name in self.adapter_store.published_names():
-            old = version_of(name, self._lora_name)
-            if old is not None and old < oldest_usable - 1:
-                self.adapter_store.delete(name)
+        old_names = [n for n in self.adapter_store.published_names()
+                     if (v := version_of(n, self._lora_name)) is not None and v < oldest_usable - 1]
+        if old_names:
+            draining = self.vllm_client.draining_adapters() or set()
+            for name in old_names:
+                if name not in draining:
+                    self.adapter_store.delete(name)

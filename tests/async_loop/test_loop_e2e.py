@@ -26,7 +26,8 @@ from grpo_lab.async_loop.launch import AsyncLoop, LoopConfig, embedded_trainer_a
 from grpo_lab.async_loop.recorder import METRICS_FILE, read_metrics
 from grpo_lab.async_loop.storage import MANIFEST, AdapterStore, version_of
 
-from conftest import MAX_STALENESS, descendants, replica_adapters, router_metric, start_cluster, wait_gone
+from loop_fixtures import (MAX_STALENESS, descendants, replica_adapters, router_metric, start_cluster,
+                           wait_gone)
 
 G = 8
 

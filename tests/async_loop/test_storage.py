@@ -98,3 +98,32 @@ def test_version_of():
     assert version_of("trl-policy-v0", "trl-policy") == 0
     assert version_of("other-v3", "trl-policy") is None
     assert version_of("trl-policy-vx", "trl-policy") is None
+
+
+def test_cpu_replica_loads_from_an_object_store_url_and_checks_manifests(tmp_path):
+    """A replica without the bucket mounted fetches the published version; a copy that does not match its
+    manifest is refused rather than served."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from grpo_lab.embedded_model import embedded_model_dir
+    from grpo_lab.serving.generation import Engine, RequestError
+    from grpo_lab.serving.replica_config import CPUReplicaConfig
+
+    model_dir = str(embedded_model_dir())
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                          LoraConfig(r=1, lora_alpha=2, target_modules="all-linear", init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "adapter")
+    store = AdapterStore(f"memory://bucket-{uuid.uuid4().hex[:8]}")
+    store.publish(tmp_path / "adapter", "trl-policy-v1")
+    engine = Engine(CPUReplicaConfig(model=model_dir, max_lora_rank=1, max_loras=3))
+    with pytest.raises(RequestError, match="No adapter found"):  # not published (yet): retried by the router
+        engine.load_adapter("trl-policy-v2", store.replica_path("trl-policy-v2"))
+    engine.load_adapter("trl-policy-v1", store.replica_path("trl-policy-v1"))
+    assert engine.adapters["trl-policy-v1"] == store.replica_path("trl-policy-v1")
+
+    local = AdapterStore(tmp_path / "root")
+    local.publish(tmp_path / "adapter", "trl-policy-v3")
+    (tmp_path / "root" / "trl-policy-v3" / "adapter_model.safetensors").write_bytes(b"truncated")
+    with pytest.raises(RequestError, match="does not match its manifest"):
+        engine.load_adapter("trl-policy-v3", local.replica_path("trl-policy-v3"))
