@@ -14,11 +14,13 @@ normal exit, an exception, Ctrl-C and SIGTERM all stop every one of them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
@@ -96,6 +98,28 @@ class StepLine(TrainerCallback):
         print(f"step {state.global_step}/{state.max_steps}: " + ", ".join(parts), flush=True)
 
 
+@contextlib.contextmanager
+def quiet_setup():
+    """Building the trainer prints TRL's experimental-API warning, a deprecation TRL triggers inside transformers,
+    TRL's own duplicate-callback warning and a weight-loading bar: none is the user's to act on."""
+    import transformers
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # also for the spawned rollout worker
+    level = transformers.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated.*", category=FutureWarning)
+            yield
+    finally:
+        transformers.logging.set_verbosity(level)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
 class AsyncLoop:
     """Replicas + router + `AsyncGRPOLabTrainer`. `start()` (or `with`), `train()`, `stop()`.
 
@@ -119,9 +143,7 @@ class AsyncLoop:
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> "AsyncLoop":
-        from .embedded_task import REWARD_FUNCS, addition_dataset
         from .recorder import LoopRecorder
-        from .trainer import AsyncGRPOLabTrainer
 
         model = self.loop.model
         if model is None:
@@ -132,11 +154,11 @@ class AsyncLoop:
             self.url = self.loop.router_url or self._start_cluster(model)
             self.args.vllm_server_base_url = self.url
             self.recorder = LoopRecorder(router_url=self.url)
-            self.trainer = AsyncGRPOLabTrainer(
-                model, reward_funcs=self.reward_funcs or REWARD_FUNCS, args=self.args,
-                train_dataset=self.train_dataset if self.train_dataset is not None else addition_dataset(),
-                processing_class=self.processing_class, peft_config=self.peft_config or embedded_peft_config(),
-                callbacks=[self.recorder, *self.callbacks])
+            for callback in self.callbacks:  # a LoopBoard reads per-replica load from the router
+                if getattr(callback, "router_url", "") is None:
+                    callback.router_url = self.url
+            with quiet_setup():
+                self.trainer = self._build_trainer(model)
             from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
             self.trainer.remove_callback(PrinterCallback)  # a dict of 60 metrics per step buries the progress
@@ -148,6 +170,16 @@ class AsyncLoop:
             raise
         self._announce()
         return self
+
+    def _build_trainer(self, model: str):
+        from .embedded_task import REWARD_FUNCS, addition_dataset
+        from .trainer import AsyncGRPOLabTrainer
+
+        return AsyncGRPOLabTrainer(
+            model, reward_funcs=self.reward_funcs or REWARD_FUNCS, args=self.args,
+            train_dataset=self.train_dataset if self.train_dataset is not None else addition_dataset(),
+            processing_class=self.processing_class, peft_config=self.peft_config or embedded_peft_config(),
+            callbacks=[self.recorder, *self.callbacks])
 
     def _start_cluster(self, model: str) -> str:
         if self.loop.replica_kind == "vllm":
@@ -208,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--learning-rate", type=float, default=3e-3)
     p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--max-inflight-tasks", type=int, default=-1,
+                   help="rollout requests in flight (-1: TRL's max_staleness x samples per step)")
     p.add_argument("--save-steps", type=int, default=10)
     p.add_argument("--tree-attention", default="auto")
     p.add_argument("--loss-backend", default="grpo_lab")
@@ -241,6 +275,7 @@ def main(argv=None) -> int:
     args = embedded_trainer_args(
         a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.prompts_per_step * a.num_generations,
         num_generations=a.num_generations, learning_rate=a.learning_rate, max_staleness=a.max_staleness,
+        max_inflight_tasks=a.max_inflight_tasks,
         save_steps=a.save_steps, tree_attention=a.tree_attention, loss_backend=a.loss_backend,
         group_consistent_versions=not a.no_group_versions, rollout_failure_timeout_s=a.rollout_failure_timeout,
         adapter_storage=a.adapter_storage, seed=a.seed)
