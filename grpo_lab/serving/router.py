@@ -145,6 +145,7 @@ class Router:
         r.add_post("/v1/unload_lora_adapter", self.unload_adapter)
         r.add_post("/pause", self.pause)
         r.add_post("/resume", self.resume)
+        r.add_get("/is_paused", self.is_paused)
         r.add_get("/router/state", self.state)
         for path in NCCL_ENDPOINTS:
             r.add_route("*", path, self.refuse_nccl)
@@ -548,6 +549,10 @@ class Router:
 
     async def resume(self, request: web.Request) -> web.Response:
         return await self._broadcast_pause_state(False, None)
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        """vLLM's dev endpoint: whether generation is paused (the router's own record of what the replicas did)."""
+        return web.json_response({"is_paused": self.pool.paused})
 
     async def _broadcast_pause_state(self, pausing: bool, params) -> web.Response:
         """Pause or resume every replica; the router's own state changes only when every replica agreed. A pause
