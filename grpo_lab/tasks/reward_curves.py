@@ -205,6 +205,7 @@ def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, backend: str, ou
     import datasets
     from peft import LoraConfig
 
+    from grpo_lab.hf_compat import checkpointing_args
     from grpo_lab.trl_glue import GRPOLabConfig as Config, GRPOLabTrainer as Trainer
 
     model = build_tiny_model(prep.tokenizer, cfg.model, seed=cfg.seed)
@@ -217,8 +218,8 @@ def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, backend: str, ou
         num_generations=cfg.num_generations, steps_per_generation=1, gradient_accumulation_steps=1,
         max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, beta=cfg.beta,
         logging_steps=1, save_strategy="no", report_to="none", seed=cfg.seed, data_seed=cfg.seed,
-        use_cpu=cfg.device == "cpu", bf16=False, gradient_checkpointing=False, dataloader_num_workers=0,
-        disable_tqdm=True, loss_backend=backend,
+        use_cpu=cfg.device == "cpu", bf16=False, dataloader_num_workers=0,
+        disable_tqdm=True, loss_backend=backend, **checkpointing_args(False),
     )
     peft = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules="all-linear", lora_dropout=0.0,
                       task_type="CAUSAL_LM")

@@ -1,0 +1,55 @@
+"""The checks every notebook passes in every frontend, on a `NotebookView` after Run All."""
+
+from __future__ import annotations
+
+import re
+
+from .frontends import WIDGET_FAILURES, WIDGET_REPR, NotebookView
+from .notebook_table import EXPECT, expect
+
+
+def all_cells_ran_without_error_output(nb: NotebookView):
+    cells = nb.cells()
+    assert all(re.search(r"\[\d+\]", c.prompt) for c in cells), f"cells not run: {[c.prompt for c in cells]}"
+    bad = {c.index: c.stderr for c in cells if c.stderr}
+    assert not bad, f"error or stderr output (pink blocks) in cells {bad}"
+
+
+def widgets_render_as_controls(nb: NotebookView):
+    cells = nb.cells()
+    text = "\n".join(c.text for c in cells)
+    for failure in WIDGET_FAILURES:
+        assert failure not in text, failure
+    reprs = WIDGET_REPR.findall(text)
+    assert not reprs, f"widgets shown as text, not as controls: {reprs}"
+    assert sum(c.widgets for c in cells) > 0, "no widget rendered"
+    for what, selector in expect(nb.name).controls.items():
+        assert nb.page.locator(selector).count() > 0, f"{what} ({selector}) not rendered"
+
+
+def labels_are_whole(nb: NotebookView):
+    assert nb.cut_labels() == [], "labels, buttons or values cut off"
+
+
+def figures_shown(nb: NotebookView, at_least: int):
+    images = sum(c.images for c in nb.cells())
+    assert images >= at_least, f"{images} figures rendered, expected at least {at_least}"
+
+
+def interaction_changes_output(nb: NotebookView, artifacts) -> str:
+    row = EXPECT.get(nb.name)
+    assert row is not None and row.interaction is not None, (
+        f"{nb.name} has no interaction yet: add a row to EXPECT in tests/browser/notebook_table.py")
+    shown = row.interaction(nb, nb.params)
+    nb.page.wait_for_timeout(1000)
+    nb.screenshot(artifacts, "after-interaction")
+    return shown
+
+
+def screenshot_cells(nb: NotebookView, artifacts):
+    """The page as a user sees it, and every cell with a widget or a figure."""
+    nb.screenshot(artifacts, "page")
+    for cell in nb.cells():
+        if cell.widgets or cell.images:
+            nb.screenshot(artifacts, f"cell{cell.index:02d}",
+                          nb.page.locator(nb.frontend.cell_sel).nth(cell.index))
