@@ -53,5 +53,8 @@ def output_dir(figure: str, out_dir: str | os.PathLike | None = None, refresh: b
     if p.exists() and not p.is_dir():
         raise ValueError(f"the output folder {p} is a file")
     if create:
-        p.mkdir(parents=True, exist_ok=True)
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as e:   # a file where a folder of the path should be
+            raise ValueError(f"cannot make the output folder {p}: {e}") from None
     return p

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from transformers.trainer_callback import PrinterCallback
 
+from grpo_lab.hf_compat import checkpointing_args, upstream_deprecations_silenced
 from grpo_lab.tasks.board import BoardCallback, LiveBoard, Series
 from grpo_lab.tasks.rewards import math_reward
 from grpo_lab.tasks.sanity import sanity_filter
@@ -205,7 +206,6 @@ def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, backend: str, ou
     import datasets
     from peft import LoraConfig
 
-    from grpo_lab.hf_compat import checkpointing_args
     from grpo_lab.trl_glue import GRPOLabConfig as Config, GRPOLabTrainer as Trainer
 
     model = build_tiny_model(prep.tokenizer, cfg.model, seed=cfg.seed)
@@ -255,7 +255,8 @@ def run_grpo(cfg: EmbeddedConfig, prep: Prepared, backend: str, board: LiveBoard
     with tempfile.TemporaryDirectory(prefix="grpo_lab_rc_") as tmp:
         trainer = build_embedded_trainer(cfg, prep, backend, tmp, callbacks=[rec])
         t0 = time.perf_counter()
-        trainer.train()
+        with upstream_deprecations_silenced():
+            trainer.train()
         seconds = time.perf_counter() - t0
         model = trainer.model
         held_end = _mean(pass_rates(model, prep.tokenizer, prep.heldout_rows, k=cfg.eval_k, seed=cfg.seed + 7))

@@ -42,14 +42,14 @@ def interaction_changes_output(nb: NotebookView, artifacts) -> str:
         f"{nb.name} has no interaction yet: add a row to EXPECT in tests/browser/notebook_table.py")
     shown = row.interaction(nb, nb.params)
     nb.page.wait_for_timeout(1000)
-    nb.screenshot(artifacts, "after-interaction")
+    screenshot_cells(nb, artifacts, "after-", widgets_only=True)
     return shown
 
 
-def screenshot_cells(nb: NotebookView, artifacts):
-    """The page as a user sees it, and every cell with a widget or a figure."""
-    nb.screenshot(artifacts, "page")
+def screenshot_cells(nb: NotebookView, artifacts, prefix: str = "", widgets_only: bool = False):
+    """The page as a user sees it, and every cell with a widget (or a figure)."""
+    nb.screenshot(artifacts, f"{prefix}page")
     for cell in nb.cells():
-        if cell.widgets or cell.images:
-            nb.screenshot(artifacts, f"cell{cell.index:02d}",
+        if cell.widgets or (cell.images and not widgets_only):
+            nb.screenshot(artifacts, f"{prefix}cell{cell.index:02d}",
                           nb.page.locator(nb.frontend.cell_sel).nth(cell.index))

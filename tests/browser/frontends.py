@@ -143,8 +143,7 @@ class Lab(Frontend):
 
     def wait_loaded(self, page, timeout_s):
         page.wait_for_selector(f"{self.cell_sel} {self.editor_sel}", timeout=timeout_s * 1000)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle'], "
-                               ".jp-KernelStatus-success, .jp-DebuggerBugButton", timeout=timeout_s * 1000)
+        page.wait_for_selector(".jp-StatusBar-TextItem:has-text('| Idle')", timeout=timeout_s * 1000)
         page.keyboard.press("Control+b")   # fold the file browser away: the notebook gets the page's width
 
     def run_all(self, page):
@@ -162,7 +161,7 @@ class Classic(Frontend):
     editor_sel = ".CodeMirror"
 
     def url(self, server, path, workspace):
-        return f"{server.url}/notebooks/{path}?token={server.token}"
+        return f"{server.url}{server.prefix}/notebooks/{path}?token={server.token}"
 
     def wait_loaded(self, page, timeout_s):
         page.wait_for_selector(f"{self.cell_sel} {self.editor_sel}", timeout=timeout_s * 1000)
@@ -170,5 +169,5 @@ class Classic(Frontend):
                                "Jupyter.notebook.kernel.is_connected()", timeout=timeout_s * 1000)
 
     def run_all(self, page):
-        page.locator("#menus a.dropdown-toggle", has_text="Cell").click()
+        page.locator("#celllink").click()
         page.locator("#run_all_cells a").click()

@@ -97,14 +97,18 @@ def _rerun_form(nb: NotebookView, values: dict, result_name: str) -> str:
 
 
 def memory_rerun_one_point(nb: NotebookView, params: dict) -> str:
-    """01: narrow the form to one training-step point and rerun: the board redraws with the new point."""
-    return _rerun_form(nb, {"backends": "trl", "dtypes": "fp32", "batch sizes": "2", "loss batch sizes": "2",
-                            "modes": "step"}, "memory_vs_batch_here.csv")
+    """01: narrow the form to one CPU-sized training-step point and rerun: the board redraws with the new point.
+    (Every field is set: as committed, the form holds the H200 sweep.)"""
+    return _rerun_form(nb, {"model": "small-qwen3", "backends": "trl", "dtypes": "fp32", "batch sizes": "2",
+                            "loss batch sizes": "2", "prompt len": "32", "completion len": "64", "modes": "step"},
+                       "memory_vs_batch_here.csv")
 
 
 def max_batch_rerun_one_backend(nb: NotebookView, params: dict) -> str:
-    """02: one model x one backend search with the quick preset's budget: the board shows its bar."""
-    return _rerun_form(nb, {"backends": "trl"}, "fsdp_max_batch_here.csv")
+    """02: one small model x one backend search under a 0.5 GiB CPU budget: the board shows its bar."""
+    return _rerun_form(nb, {"models": "small-qwen3", "backends": "trl", "dtype": "fp32", "prompt len": "8",
+                            "completion len": "24", "lora r": "8", "budget gib": "0.5", "start": "4", "upper": "32",
+                            "rel tol": "0.25"}, "fsdp_max_batch_here.csv")
 
 
 def reward_curves_run_ten_steps(nb: NotebookView, params: dict) -> str:

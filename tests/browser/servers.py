@@ -35,6 +35,7 @@ class Server:
     token: str
     root: Path
     log: Path
+    prefix: str = ""        # where the frontend's pages live under the server (nbclassic: /nbclassic next to Notebook 7)
 
     def get(self, path: str, timeout: float = 5.0) -> bytes:
         req = urllib.request.Request(self.url + path, headers={"Authorization": f"token {self.token}"})
@@ -111,4 +112,8 @@ def start_classic(python: Path, root: Path, workdir: Path, env: dict | None = No
            "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}"]
     if os.geteuid() == 0:
         cmd.append("--ServerApp.allow_root=True")
-    return _start(cmd, root, port, workdir, dict(env or os.environ), "/api/status", timeout_s)
+    prefix = subprocess.run([str(python), "-c", "from nbclassic import nbclassic_path; print(nbclassic_path())"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    server = _start(cmd, root, port, workdir, dict(env or os.environ), "/api/status", timeout_s)
+    server.prefix = prefix
+    return server

@@ -26,7 +26,9 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert "bash scripts/test.sh" in readme and "bash scripts/reproduce.sh" in readme
     ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
                 if line.strip() and not line.startswith("#") and not line.startswith(("set ", "cd "))]
-    assert ci_lines == ["bash scripts/test.sh"]
+    # the browser tier's install, the switch that makes a missing browser a failure, then README's test command
+    assert ci_lines == ["bash scripts/install_browser.sh", "export GRPO_LAB_REQUIRE_BROWSER=1", "bash scripts/test.sh"]
+    assert "bash scripts/install_browser.sh" in readme
 
 
 def test_extras_pin_what_the_issue_names():
