@@ -2,10 +2,41 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+import uuid
+from pathlib import Path
 
-from .frontends import WIDGET_FAILURES, WIDGET_REPR, NotebookView
-from .notebook_table import EXPECT, expect
+import nbformat
+
+from .frontends import WIDGET_FAILURES, WIDGET_REPR, Frontend, NotebookView
+from .notebook_table import EXPECT, expect, parameters_of
+
+NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
+
+
+@contextlib.contextmanager
+def notebook_run(frontend: Frontend, server, browser, artifacts, name: str, parameters: str | None = None,
+                 timeout_s: float = 900):
+    """Open notebook `name` in a new page, type `parameters` over its parameters cell (if given), Run All, wait
+    until no cell shows `[*]`, take the screenshots; yields the NotebookView, then closes the page and shuts the
+    kernel down."""
+    page = browser.new_page()
+    try:
+        nb = frontend.open(page, server, f"notebooks/{name}.ipynb", workspace=f"t-{uuid.uuid4().hex[:8]}")
+        if parameters is not None:
+            frontend.set_source(page, 0, parameters)
+        else:
+            parameters = nbformat.read(NOTEBOOKS_DIR / f"{name}.ipynb", as_version=4).cells[0].source
+        nb.params = parameters_of(parameters)
+        frontend.run_all(page)
+        nb.run_seconds = frontend.wait_done(page, timeout_s)
+        page.wait_for_timeout(1500)            # the boards' last redraw
+        screenshot_cells(nb, artifacts)
+        yield nb
+    finally:
+        page.close()
+        server.shutdown_kernels()
 
 
 def all_cells_ran_without_error_output(nb: NotebookView):

@@ -7,9 +7,9 @@ Skips, with the reason, for a user who has no Chromium or no Playwright; CI sets
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -78,10 +78,13 @@ def notebook_tree(dest: Path) -> Path:
     return dest
 
 
-def shutdown_kernels(server):
-    import json
-
-    for kernel in json.loads(server.get("/api/kernels")):
-        req = urllib.request.Request(f"{server.url}/api/kernels/{kernel['id']}", method="DELETE",
-                                     headers={"Authorization": f"token {server.token}"})
-        urllib.request.urlopen(req, timeout=30).read()
+@contextlib.contextmanager
+def serving(start, base: Path):
+    """`start(root, workdir, env)` over a copy of notebooks/, the notebooks' runs writing under base/outputs;
+    stopped by its PID afterwards."""
+    root = notebook_tree(base / "root")
+    server = start(root, base, dict(os.environ, GRPO_LAB_OUTPUT_DIR=str(base / "outputs")))
+    try:
+        yield server
+    finally:
+        server.stop()

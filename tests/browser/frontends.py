@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 # A widget shown as text instead of a control: the frontend has no widget manager, or the model never arrived.
 WIDGET_REPR = re.compile(r"^\s*(VBox|HBox|Box|IntProgress|FloatProgress|Button|Output|HTML|Label|Text|IntText|FloatText|"
                          r"IntSlider|FloatSlider|FloatLogSlider|SelectionSlider|Dropdown|SelectMultiple|Checkbox|"
-                         r"Tab|Accordion)\(", re.M)
+                         r"Tab|Accordion)\(", re.MULTILINE)
 WIDGET_FAILURES = ("Error displaying widget", "Loading widget", "model not found", "Failed to load model class")
 
 # One JS pass over the notebook: per code cell its prompt and what its outputs show.
@@ -59,7 +59,7 @@ class NotebookView:
     """A notebook open in a browser page; the tests and interactions go through it."""
     page: object
     name: str
-    frontend: "Frontend"
+    frontend: Frontend
     params: dict = field(default_factory=dict)      # the parameters cell's values as run
     run_seconds: float = 0.0
     screenshots: list = field(default_factory=list)

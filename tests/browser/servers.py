@@ -42,6 +42,12 @@ class Server:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.read()
 
+    def shutdown_kernels(self):
+        for kernel in json.loads(self.get("/api/kernels")):
+            req = urllib.request.Request(f"{self.url}/api/kernels/{kernel['id']}", method="DELETE",
+                                         headers={"Authorization": f"token {self.token}"})
+            urllib.request.urlopen(req, timeout=30).read()
+
     def stop(self, timeout: float = 20.0):
         """SIGTERM to the server's PID (it shuts its kernels down), then its process group if anything is left."""
         if self.process.poll() is None:

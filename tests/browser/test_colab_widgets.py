@@ -8,19 +8,18 @@ frontend received must be protocol 2's.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
-import uuid
 
-import nbformat
 import pytest
 
 from grpo_lab.notebook_runner import find_notebooks
 
 from . import checks
-from .conftest import ROOT, missing_or_fail, notebook_tree, shutdown_kernels
+from .conftest import ROOT, missing_or_fail, serving
 from .frontends import Classic
-from .notebook_table import expect, parameters_of
+from .notebook_table import expect
 from .servers import start_classic
 
 pytestmark = pytest.mark.browser
@@ -46,9 +45,9 @@ def colab_python():
     python = os.path.join(venv, "bin", "python")
     if not os.path.isfile(python):
         missing_or_fail(f"no ipywidgets-{COLAB_IPYWIDGETS} environment at {venv}")
-    probe = subprocess.run([python, "-c", "import ipywidgets, widgetsnbextension, nbclassic, grpo_lab;"
-                            "print(ipywidgets.__version__, widgetsnbextension.__version__)"],
-                           capture_output=True, text=True, cwd="/")
+    code = "import ipywidgets, widgetsnbextension, nbclassic, grpo_lab; " \
+           "print(ipywidgets.__version__, widgetsnbextension.__version__)"
+    probe = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd="/", check=False)
     if probe.returncode != 0:
         missing_or_fail(f"{venv} is not usable: {probe.stderr.strip()[-400:]}")
     ipyw, nbext = probe.stdout.split()
@@ -58,33 +57,15 @@ def colab_python():
 
 @pytest.fixture(scope="session")
 def classic(chromium, tmp_path_factory):
-    python = colab_python()
-    base = tmp_path_factory.mktemp("classic")
-    root = notebook_tree(base / "root")
-    server = start_classic(python, root, base, dict(os.environ, GRPO_LAB_OUTPUT_DIR=str(base / "outputs")))
-    try:
+    with serving(functools.partial(start_classic, colab_python()), tmp_path_factory.mktemp("classic")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module", params=NOTEBOOKS)
 def ran(request, classic, browser, artifacts):
     """The notebook as committed (QUICK = False: the committed results, the forms and boards), Run All."""
-    name = request.param
-    page = browser.new_page()
-    frontend = Classic()
-    try:
-        nb = frontend.open(page, classic, f"notebooks/{name}.ipynb", workspace=uuid.uuid4().hex[:8])
-        nb.params = parameters_of(nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4).cells[0].source)
-        frontend.run_all(page)
-        nb.run_seconds = frontend.wait_done(page, 600)
-        page.wait_for_timeout(1500)
-        checks.screenshot_cells(nb, artifacts)
+    with checks.notebook_run(Classic(), classic, browser, artifacts, request.param, timeout_s=600) as nb:
         yield nb
-    finally:
-        page.close()
-        shutdown_kernels(classic)
 
 
 def test_runs_without_error_output(ran):

@@ -6,9 +6,7 @@ with a widget or a figure go to the artifacts folder (conftest.py).
 
 from __future__ import annotations
 
-import os
 import re
-import uuid
 
 import nbformat
 import pytest
@@ -16,57 +14,37 @@ import pytest
 from grpo_lab.notebook_runner import find_notebooks
 
 from . import checks
-from .conftest import ROOT, notebook_tree, shutdown_kernels
+from .conftest import ROOT, serving
 from .frontends import Lab
-from .notebook_table import expect, parameters_of
+from .notebook_table import expect
 from .servers import start_lab
 
 pytestmark = pytest.mark.browser
 
 NOTEBOOKS = [p.stem for p in find_notebooks(ROOT / "notebooks")]
 RUN_ALL_TIMEOUT_S = 900
-QUICK_LINE = re.compile(r"^QUICK\s*=\s*False\b", re.M)
+QUICK_LINE = re.compile(r"^QUICK\s*=\s*False\b", re.MULTILINE)
 
 
-def quick_source(name: str) -> tuple[str, dict]:
-    """The parameters cell with `QUICK = True`, and its values (what a user would edit)."""
+def quick_source(name: str) -> str:
+    """The parameters cell with `QUICK = True` (what a user types)."""
     cell = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4).cells[0]
     assert "parameters" in cell.metadata.get("tags", []), f"{name}: the first cell must be the parameters cell"
     assert QUICK_LINE.search(cell.source), f"{name}: the parameters cell must have a `QUICK = False` line"
-    source = QUICK_LINE.sub("QUICK = True", cell.source, count=1)
-    return source, parameters_of(source)
+    return QUICK_LINE.sub("QUICK = True", cell.source, count=1)
 
 
 @pytest.fixture(scope="session")
 def lab(chromium, tmp_path_factory):
-    base = tmp_path_factory.mktemp("lab")
-    root = notebook_tree(base / "root")
-    server = start_lab(root, base, dict(os.environ, GRPO_LAB_OUTPUT_DIR=str(base / "outputs")))
-    try:
+    with serving(start_lab, tmp_path_factory.mktemp("lab")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module", params=NOTEBOOKS)
 def ran(request, lab, browser, artifacts):
     """The notebook opened in JupyterLab, switched to quick mode in its parameters cell and run with Run All."""
-    name = request.param
-    source, params = quick_source(name)
-    page = browser.new_page()
-    frontend = Lab()
-    try:
-        nb = frontend.open(page, lab, f"notebooks/{name}.ipynb", workspace=f"t-{uuid.uuid4().hex[:8]}")
-        frontend.set_source(page, 0, source)
-        nb.params = params
-        frontend.run_all(page)
-        nb.run_seconds = frontend.wait_done(page, RUN_ALL_TIMEOUT_S)
-        page.wait_for_timeout(1500)            # the boards' last redraw
-        checks.screenshot_cells(nb, artifacts)
+    with checks.notebook_run(Lab(), lab, browser, artifacts, request.param, quick_source(request.param)) as nb:
         yield nb
-    finally:
-        page.close()
-        shutdown_kernels(lab)
 
 
 def test_quick_mode_was_set_in_the_parameters_cell(ran):
