@@ -252,11 +252,11 @@ def run_grpo(cfg: EmbeddedConfig, prep: Prepared, backend: str, board: LiveBoard
              heldout_start: float | None = None, log=print) -> dict:
     """One GRPO run; returns per-step records and the held-out pass rate before/after."""
     rec = _Recorder(board)
-    with tempfile.TemporaryDirectory(prefix="grpo_lab_rc_") as tmp:
+    # PEFT (wrapping the model) and TRL (around generation) read the deprecated `is_gradient_checkpointing`
+    with tempfile.TemporaryDirectory(prefix="grpo_lab_rc_") as tmp, upstream_deprecations_silenced():
         trainer = build_embedded_trainer(cfg, prep, backend, tmp, callbacks=[rec])
         t0 = time.perf_counter()
-        with upstream_deprecations_silenced():
-            trainer.train()
+        trainer.train()
         seconds = time.perf_counter() - t0
         model = trainer.model
         held_end = _mean(pass_rates(model, prep.tokenizer, prep.heldout_rows, k=cfg.eval_k, seed=cfg.seed + 7))

@@ -71,9 +71,11 @@ def interaction_changes_output(nb: NotebookView, artifacts) -> str:
     row = EXPECT.get(nb.name)
     assert row is not None and row.interaction is not None, (
         f"{nb.name} has no interaction yet: add a row to EXPECT in tests/browser/notebook_table.py")
-    shown = row.interaction(nb, nb.params)
-    nb.page.wait_for_timeout(1000)
-    screenshot_cells(nb, artifacts, "after-", widgets_only=True)
+    try:
+        shown = row.interaction(nb, nb.params)
+    finally:                                   # what the user saw, also when it failed
+        nb.page.wait_for_timeout(1000)
+        screenshot_cells(nb, artifacts, "after-", widgets_only=True)
     return shown
 
 

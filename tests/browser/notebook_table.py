@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from .frontends import NotebookView
 
-WAIT_MS = 240_000       # an interaction's run on a 2-core CPU (measured: 01 ~15 s, 02 ~15 s, 03 ~60 s)
+WAIT_MS = 420_000       # an interaction's run on a busy 2-core CPU (03 as committed prepares 3000 problems first)
+OUTPUT_WIDGET = ".widget-output, .jupyter-widgets-output-area"    # an Output widget in ipywidgets 8 / 7
 
 
 @dataclass
@@ -118,12 +119,12 @@ def reward_curves_run_ten_steps(nb: NotebookView, params: dict) -> str:
     set_readout(controls, "steps", "10")
     controls.locator(".widget-select-multiple select").select_option("trl")
     click(controls, "Run")
-    line = controls.locator(".widget-output").first
+    line = controls.locator(OUTPUT_WIDGET).first
     line.get_by_text(re.compile(r"^training: ")).wait_for(timeout=WAIT_MS)
     text = line.inner_text()
     lr = f"{float(params['LR']):g}"
     assert f"training: steps 10, lr {lr}, LoRA rank {params['RANK']}, G {params['G']}, backends trl" in text, text
-    controls.locator(".widget-output img").last.wait_for(timeout=WAIT_MS)
+    line.locator("img").last.wait_for(timeout=WAIT_MS)
     nb.page.wait_for_function("el => el.innerText.includes('reward_end')", arg=line.element_handle(),
                               timeout=WAIT_MS)
     return line.inner_text()
