@@ -68,3 +68,24 @@ def test_param_form_labels_and_values_fit(monkeypatch):
     assert text_px >= widgets.CHAR_PX * len(models)
     assert form.button.layout.width == "auto"                 # "Run on this machine" whole
     assert form.values()["rel_tol"] == 0.03 and form.values()["loss_batch_sizes"] == "4,16,64"
+
+
+def test_memory_plot_labels_batch_sizes_as_plain_numbers():
+    """The batch axis is labelled with the measured sizes (no mathtext 2^k labels, which failed to parse in a
+    JupyterLab kernel after a rerun from the form), and a dtype without points gets a note, not an empty log axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+
+    from grpo_lab.memory.plots import plot_memory_vs_batch
+
+    root = Path(__file__).resolve().parents[2]
+    df = pd.read_csv(root / "results" / "memory_vs_batch" / "memory_vs_batch.csv")
+    fp32 = df[(df["dtype"] == "fp32") & (df["mode"] == "step")]
+    fig = plot_memory_vs_batch(fp32, mode="step")
+    fig.canvas.draw()
+    left, right = fig.axes[0], fig.axes[1]
+    assert [t.get_text() for t in left.get_xticklabels()] == [str(b) for b in sorted(set(fp32["batch_size"]))]
+    assert not any("$" in t.get_text() for ax in fig.axes for t in ax.get_xticklabels(which="both"))
+    assert right.get_xscale() == "linear" and "no bf16 points" in [t.get_text() for t in right.texts]
