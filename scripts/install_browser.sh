@@ -29,4 +29,4 @@ echo "import site; site.addsitedir('$BASE_SITE')" > "$COLAB_SITE/grpo_lab_base_e
 # widgetsnbextension enables its frontend extension (without it: "Widgets are not available")
 "$COLAB/bin/python" -m pip install -q --no-deps --ignore-installed notebook_shim
 "$COLAB/bin/python" -c "import ipywidgets, grpo_lab; assert ipywidgets.__version__ == '7.7.1', ipywidgets.__version__"
-chromium --version
+chromium --version 2>/dev/null
