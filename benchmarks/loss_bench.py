@@ -1,28 +1,35 @@
-"""Loss-head benchmark: naive / liger / trl / grpo_lab on the Qwen3-0.6B head, plus whole-GRPO-step peak memory.
+"""Loss-head benchmark: naive / trl / grpo_lab / grpo_lab+mem / liger over a grid of head shapes, both head modes.
 
-Measures, per backend × dtype × B (512 completion tokens per sequence, H=1024, V=151936):
-  - `loss_peak_gib`: torch.cuda.max_memory_allocated during one forward+backward of the GRPO loss, minus what was
-    allocated before it (the inputs: hidden states and head weight) — the loss's own footprint;
-  - `abs_peak_gib`: the same peak including the inputs;
-  - `ms`: median wall time (CUDA events) of one forward+backward.
-Log-prob backends (naive, trl, grpo_lab) feed `grpo_lab.loss.grpo_loss` (dapo, on-policy, entropy computed for
-logging as TRL's trainer does); liger runs its own `LigerFusedLinearGRPOLoss` (uncompiled). TRL's head is called
-with the chunk size its trainer uses (`_CHUNKED_LOGPROB_CHUNK_SIZE`, 32768). TF32 is off, so fp32 means fp32.
+One forward+backward of the GRPO loss (dapo, on-policy, entropy computed for logging as TRL's trainer does) on a
+head of V = 151,936 (Qwen3), for every point of a grid:
+  - H (hidden size) x tokens (N = B x 512 completion tokens), bf16 and fp32 (TF32 off, so fp32 means fp32);
+  - head `trainable` (the weight needs a gradient: full fine-tuning) or `frozen` (it does not: PEFT / LoRA, FSDP2 +
+    LoRA); the inputs always need one.
+Backends: `naive` (full [N, V] logits, plain autograd), `trl` (TRL 1.16's `ChunkedLogProbFunction` with its
+trainer's chunk, 32768), `grpo_lab` (this project's kernel with its defaults: memory flat in N), `grpo_lab+mem`
+(the same with `MATERIALIZE_GIB` set, i.e. the user allows a trainable head to keep its [N, V] probabilities for
+speed; rows only where that changes the path), `liger` (Liger-Kernel's `LigerFusedLinearGRPOLoss`, uncompiled, on a
+subset of the grid: it is 10-30x slower). Log-prob backends feed `grpo_lab.loss.grpo_loss`.
 
-The step part builds a random-init Qwen3-0.6B (`grpo_lab.models.build_model`), 256 prompt + 512 completion tokens,
-and records the peak of forward + backward + AdamW step for each backend.
+Per point: `ms` (median CUDA-event time of one fwd+bwd after a warm-up), `loss_peak_gib` (peak allocated during it
+minus what was allocated before: hidden states + weight), `abs_peak_gib`, `reps`, `status` (`ok`, `oom`). The
+`accuracy` part measures, at N = 2048, the relative error of the log-probs, the entropy and the gradients against a
+float64 reference. Every row carries the GPU, torch / triton / trl / liger / transformers versions, the kernel
+settings and the date. Output: long-format CSVs in --out (`loss_grid.csv`, `loss_accuracy.csv`, `tune.csv`).
 
-Writes long-format CSV (`loss_bench.csv`, `step_bench.csv`) with gpu/torch/triton/trl/liger versions and the date
-to --out, and prints a table. Not a test: run it on the GPU, e.g.
-    python benchmarks/loss_bench.py --out results/loss_kernel
+    python benchmarks/loss_bench.py --out results/loss_kernel            # the grid (GPU)
+    python benchmarks/loss_bench.py --tune --out DIR                     # tile sweep of the grpo_lab head
+    python benchmarks/loss_bench.py --report results/loss_kernel         # tables + figure from the CSVs (any machine)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import gc
+import math
 import os
 import statistics
 import sys
@@ -30,22 +37,34 @@ import time
 
 import torch
 
-H, V, T_COMPLETION, T_PROMPT = 1024, 151936, 512, 256
-BACKENDS = ("naive", "liger", "trl", "grpo_lab")
+V, T_COMPLETION = 151936, 512
+GRID_H = (1024, 1536, 2048, 4096, 5120)
+GRID_TOKENS = (2048, 4096, 8192, 16384, 32768, 65536)
+BACKENDS = ("naive", "trl", "grpo_lab", "grpo_lab+mem", "liger")
+# The issue's seven measurements (issue 18): head, dtype, H, tokens, T (tokens per sequence).
+ISSUE_ROWS = (
+    ("frozen", "bf16", 1024, 32768, 512),
+    ("frozen", "bf16", 4096, 8192, 512),
+    ("trainable", "bf16", 1024, 32768, 512),
+    ("trainable", "bf16", 1536, 32768, 4096),
+    ("trainable", "bf16", 4096, 16384, 512),
+    ("trainable", "fp32", 1024, 32768, 512),
+    ("trainable", "fp32", 1024, 2048, 512),
+)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MEM_GIB = 48.0  # what `grpo_lab+mem` allows the head to keep
 
 
 def versions() -> dict:
     out = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
     for name in ("triton", "trl", "liger_kernel", "transformers"):
+        key = "liger" if name == "liger_kernel" else name
         try:
-            mod = __import__(name)
-            out[name if name != "liger_kernel" else "liger"] = getattr(mod, "__version__", "?")
-        except Exception:
-            out[name if name != "liger_kernel" else "liger"] = "absent"
-    if out["liger"] == "?":
-        from importlib.metadata import version
+            from importlib.metadata import version
 
-        out["liger"] = version("liger-kernel")
+            out[key] = version("liger-kernel" if name == "liger_kernel" else name)
+        except Exception:
+            out[key] = "absent"
     out["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return out
 
@@ -54,6 +73,22 @@ def loss_config():
     from grpo_lab.loss_config import GRPOLossConfig
 
     return GRPOLossConfig(loss_type="dapo", beta=0.0)
+
+
+@contextlib.contextmanager
+def backend_settings(backend: str):
+    """`grpo_lab+mem`: the kernel with MATERIALIZE_GIB = MEM_GIB for the duration."""
+    if backend != "grpo_lab+mem" or not torch.cuda.is_available():
+        yield
+        return
+    import grpo_lab.kernels.fused_linear_logprob as F
+
+    before = F.MATERIALIZE_GIB
+    F.MATERIALIZE_GIB = MEM_GIB
+    try:
+        yield
+    finally:
+        F.MATERIALIZE_GIB = before
 
 
 def make_loss_fn(backend: str, config):
@@ -80,14 +115,14 @@ def make_loss_fn(backend: str, config):
     else:
         from grpo_lab.backends import get_logprob_backend
 
-        impl = get_logprob_backend(backend)
+        impl = get_logprob_backend("grpo_lab" if backend.startswith("grpo_lab") else backend)
 
         def head(h, w, y):
             return impl(h, w, None, y, 1.0, None, None, 1.0, ("log_probs", "entropy"))
 
     def fn(hidden, weight, ids, mask, adv):
-        b, t, _ = hidden.shape
-        lp, ent, *_ = head(hidden.reshape(-1, H), weight, ids.reshape(-1))
+        b, t, hdim = hidden.shape
+        lp, ent, *_ = head(hidden.reshape(-1, hdim), weight, ids.reshape(-1))
         lp = lp.view(b, t)
         ent = ent.view(b, t).detach()
         return grpo_loss(lp, mask, adv, config, entropies=ent, num_items_in_batch=mask.sum()).loss
@@ -95,175 +130,280 @@ def make_loss_fn(backend: str, config):
     return fn
 
 
-def cuda_time(fn, reps: int) -> list[float]:
+def make_inputs(dtype, hdim, tokens, seq, device, seed=0):
+    """Hidden states [B, T, H] (needing a gradient), the head weight [V, H], ids, mask and advantages."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b = tokens // seq
+    hidden = torch.randn(b, seq, hdim, device=device, generator=gen).to(dtype)
+    weight = (torch.randn(V, hdim, device=device, generator=gen) * hdim ** -0.5 * 2).to(dtype)
+    ids = torch.randint(0, V, (b, seq), device=device, generator=gen)
+    mask = torch.ones(b, seq, device=device, dtype=torch.long)
+    adv = torch.randn(b, device=device, generator=gen)
+    return hidden, weight, ids, mask, adv
+
+
+def timer(fn, reps: int, device) -> list[float]:
+    """Milliseconds of each of `reps` calls: CUDA events on a GPU, the wall clock elsewhere."""
     times = []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1000)
     return times
 
 
-def bench_loss_point(backend, dtype, b, config, budget_s=2.5):
-    gen = torch.Generator(device="cuda").manual_seed(b)
-    hidden = (torch.randn(b, T_COMPLETION, H, device="cuda", generator=gen)).to(dtype).requires_grad_()
-    weight = (torch.randn(V, H, device="cuda", generator=gen) * H ** -0.5 * 2).to(dtype).requires_grad_()
-    ids = torch.randint(0, V, (b, T_COMPLETION), device="cuda", generator=gen)
-    mask = torch.ones(b, T_COMPLETION, device="cuda", dtype=torch.long)
-    adv = torch.randn(b, device="cuda", generator=gen)
+def _free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_point(backend, head, data, config, budget_s, device) -> dict:
+    """One (backend, head mode) on prepared inputs: median ms and peak memory of one loss fwd+bwd."""
+    hidden, weight, ids, mask, adv = data
+    hidden = hidden.detach().requires_grad_()
+    weight = weight.detach().requires_grad_(head == "trainable")
     fn = make_loss_fn(backend, config)
 
     def step():
-        hidden.grad = None
-        weight.grad = None
+        hidden.grad = weight.grad = None
         fn(hidden, weight, ids, mask, adv).backward()
 
-    step()  # warm-up: compilation, cuBLAS handles
-    hidden.grad = weight.grad = None
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    first = cuda_time(step, 1)[0]
-    peak = torch.cuda.max_memory_allocated()
-    reps = max(3, min(20, int(budget_s * 1000 / max(first, 1e-3))))
-    times = cuda_time(step, reps)
-    del hidden, weight, fn
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"ms": statistics.median(times), "loss_peak_gib": (peak - base) / 2**30, "abs_peak_gib": peak / 2**30,
-            "reps": reps}
-
-
-def bench_step_point(model, backend, dtype, b, config):
-    """Peak memory of forward + backward + AdamW step of the whole model with `backend` as the loss head."""
-    fn = make_loss_fn(backend, config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=False)
-    gen = torch.Generator(device="cuda").manual_seed(b)
-    ids = torch.randint(0, V, (b, T_PROMPT + T_COMPLETION), device="cuda", generator=gen)
-    mask = torch.ones(b, T_COMPLETION, device="cuda", dtype=torch.long)
-    adv = torch.randn(b, device="cuda", generator=gen)
-    weight = model.lm_head.weight
-
-    def step():
-        out = model.model(input_ids=ids)
-        hidden = out.last_hidden_state[:, T_PROMPT - 1:-1]
-        fn(hidden, weight, ids[:, T_PROMPT:], mask, adv).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    ok = True
+    cuda = device.type == "cuda"
     try:
-        step()
-        step()
-        torch.cuda.synchronize()
+        with backend_settings(backend):
+            step()  # warm-up: compilation, cuBLAS handles
+            hidden.grad = weight.grad = None
+            base = torch.cuda.memory_allocated() if cuda else 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            first = timer(step, 1, device)[0]
+            peak = torch.cuda.max_memory_allocated() if cuda else 0
+            reps = max(2 if first > 500 else 3, min(10, int(budget_s * 1000 / max(first, 1e-3))))
+            times = timer(step, reps, device)
     except torch.OutOfMemoryError:
-        ok = False
-    dt = (time.perf_counter() - t0) / 2
-    peak = torch.cuda.max_memory_allocated()
-    opt.zero_grad(set_to_none=True)
-    del opt
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"step_peak_gib": peak / 2**30 if ok else float("nan"), "step_s": dt if ok else float("nan")}
+        hidden.grad = weight.grad = None
+        _free(device)
+        return {"ms": float("nan"), "loss_peak_gib": float("nan"), "abs_peak_gib": float("nan"), "reps": 0,
+                "status": "oom"}
+    hidden.grad = weight.grad = None
+    return {"ms": statistics.median(times), "loss_peak_gib": (peak - base) / 2**30, "abs_peak_gib": peak / 2**30,
+            "reps": reps, "status": "ok"}
+
+
+def changes_path(backend: str, head: str) -> bool:
+    """`grpo_lab+mem` only differs from `grpo_lab` for a trainable head (a frozen one never keeps [N, V])."""
+    return backend != "grpo_lab+mem" or head == "trainable"
+
+
+def liger_point(dname, hdim, tokens) -> bool:
+    """The subset of the grid Liger runs on (it is 10-30x slower than the others)."""
+    return (hdim, tokens) in ((1024, 2048), (1024, 8192), (4096, 2048)) and (dname == "bf16" or tokens == 2048)
+
+
+def parse_points(text: str):
+    """`head:dtype:H:tokens[:T]`, comma-separated, e.g. `frozen:bf16:1024:2048,trainable:fp32:4096:8192`."""
+    pts = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        parts = item.split(":")
+        if len(parts) not in (4, 5) or parts[0] not in ("frozen", "trainable") or parts[1] not in DTYPES:
+            raise ValueError(f"bad point {item!r}: expected head:dtype:H:tokens[:T]")
+        pts.append((parts[0], parts[1], int(parts[2]), int(parts[3]), int(parts[4]) if len(parts) == 5 else
+                    T_COMPLETION))
+    return pts
+
+
+def grid_points(args):
+    """(head, dtype, H, tokens, T) in the order run: the issue's rows, then the grid from the cheapest point up (so
+    a run cut by --max-minutes loses the costliest points); or exactly --points."""
+    if getattr(args, "points", None):
+        return parse_points(args.points)
+    pts = list(ISSUE_ROWS) if args.issue_rows else []
+    grid = []
+    hs = [int(x) for x in args.hidden.split(",")]
+    toks = [int(x) for x in args.tokens.split(",")]
+    for dname in args.dtypes.split(","):
+        for hdim in hs:
+            for tokens in toks:
+                if dname == "fp32" and not fp32_point(hdim, tokens, args.fp32_full):
+                    continue
+                for head in ("frozen", "trainable"):
+                    pt = (head, dname, hdim, tokens, T_COMPLETION)
+                    if pt not in pts:
+                        grid.append(pt)
+    # fp32 runs plain SGEMM: ~13x the bf16 time per FLOP; points sharing inputs stay together
+    return pts + sorted(grid, key=lambda p: (p[2] * p[3] * (13 if p[1] == "fp32" else 1), p[1], p[2], p[3]))
+
+
+def fp32_point(hdim, tokens, full) -> bool:
+    """fp32 runs plain SGEMM (~50 TFLOP/s, 15x slower than bf16): the grid's fp32 part is a subset unless --fp32-full."""
+    return full or tokens in (2048, 8192) or (hdim == 1024 and tokens == 32768)
+
+
+def run_grid(args, meta, device, setting):
+    config = loss_config()
+    backends = args.backends.split(",")
+    rows, deadline = [], time.time() + args.max_minutes * 60
+    path = os.path.join(args.out, "loss_grid.csv")
+    data_key, data = None, None
+    for head, dname, hdim, tokens, seq in grid_points(args):
+        if time.time() > deadline:
+            print(f"time budget of {args.max_minutes} min spent: stopping before {head} {dname} H={hdim} "
+                  f"N={tokens}", flush=True)
+            break
+        if data_key != (dname, hdim, tokens, seq):
+            data = None
+            _free(device)
+            data = make_inputs(DTYPES[dname], hdim, tokens, seq, device, seed=hdim + tokens)
+            data_key = (dname, hdim, tokens, seq)
+        for backend in backends:
+            if not changes_path(backend, head) or (backend == "liger" and not liger_point(dname, hdim, tokens)):
+                continue
+            r = bench_point(backend, head, data, config, args.budget_s, device)
+            row = {"part": "loss", "backend": backend, "head": head, "dtype": dname, "H": hdim, "V": V,
+                   "tokens": tokens, "T": seq, "B": tokens // seq,
+                   **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()},
+                   "setting": setting(backend), **meta}
+            rows.append(row)
+            print(f"{head:9s} {dname} H={hdim:5d} N={tokens:6d} {backend:13s} {r['ms']:10.2f} ms  "
+                  f"loss peak {r['loss_peak_gib']:.3f} GiB  {r['status']}", flush=True)
+            write_csv(path, rows)
+    return rows
+
+
+def profile(points, out_dir, device):
+    """Where a grpo_lab fwd+bwd spends its GPU time: torch.profiler's kernel table (3 steps after a warm-up), plus the
+    wall time of the same steps, into profile.txt."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    config = loss_config()
+    lines = []
+    for head, dname, hdim, tokens, seq in points:
+        hidden, weight, ids, mask, adv = make_inputs(DTYPES[dname], hdim, tokens, seq, device, seed=1)
+        hidden.requires_grad_()
+        weight.requires_grad_(head == "trainable")
+        fn = make_loss_fn("grpo_lab", config)
+
+        def step():
+            hidden.grad = weight.grad = None
+            fn(hidden, weight, ids, mask, adv).backward()
+        cuda = device.type == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        try:
+            step()
+            sync()
+            with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    step()
+                sync()
+                wall = (time.perf_counter() - t0) / 3 * 1000
+            table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=14,
+                                              max_name_column_width=60)
+        except Exception as err:  # a profile is a diagnosis: never let it stop the benchmark
+            wall, table = float("nan"), f"profile failed: {type(err).__name__}: {err}"
+        lines += [f"== grpo_lab {head} {dname} H={hdim} N={tokens}: {wall:.2f} ms wall per step (3 steps)", table]
+        print(lines[-2], flush=True)
+        print("\n".join(table.splitlines()[:12]), flush=True)
+        del hidden, weight
+        _free(device)
+    with open(os.path.join(out_dir, "profile.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def accuracy_rows(args, meta, device, setting):
+    """Relative errors against float64 (N = 2048 = B 4 by default): log-probs, entropy, dX and (trainable) dW."""
+    config = loss_config()
+    rows = []
+    for dname in args.dtypes.split(","):
+        for hdim in map(int, args.accuracy_hidden.split(",")):
+            hidden, weight, ids, mask, adv = make_inputs(DTYPES[dname], hdim, args.accuracy_tokens, T_COMPLETION,
+                                                         device, seed=7)
+            for head in ("frozen", "trainable"):
+                ref = _loss_and_grads("naive", head, config, hidden.double(), weight.double(), ids, mask, adv)
+                for backend in [b for b in args.backends.split(",") if b != "liger" and changes_path(b, head)]:
+                    with backend_settings(backend):
+                        out = _loss_and_grads(backend, head, config, hidden, weight, ids, mask, adv)
+                    err = {k: _rel(out[k], ref[k]) for k in out}
+                    rows.append({"part": "accuracy", "backend": backend, "head": head, "dtype": dname, "H": hdim,
+                                 "V": V, "tokens": args.accuracy_tokens, **{f"err_{k}": f"{v:.3g}" for k, v in err.items()},
+                                 "setting": setting(backend), **meta})
+                    print(f"accuracy {head:9s} {dname} H={hdim} {backend:13s} "
+                          + " ".join(f"{k} {v:.2e}" for k, v in err.items()), flush=True)
+                    write_csv(os.path.join(args.out, "loss_accuracy.csv"), rows)
+            del hidden, weight
+            _free(device)
+    return rows
+
+
+def _loss_and_grads(backend, head, config, hidden, weight, ids, mask, adv):
+    from grpo_lab.backends import get_logprob_backend
+
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_(head == "trainable")
+    loss = make_loss_fn(backend, config)(h, w, ids, mask, adv)
+    loss.backward()
+    with torch.no_grad():
+        name = "grpo_lab" if backend.startswith("grpo_lab") else backend
+        lp, ent, *_ = (get_logprob_backend(name) if name != "trl" else _trl_head)(
+            h.reshape(-1, h.shape[-1]), w, None, ids.reshape(-1), 1.0, 32768, None, 1.0, ("log_probs", "entropy"))
+    # (the on-policy loss value itself is −mean(advantage) whatever the log-probs: its error says nothing)
+    out = {"logprobs": lp, "entropy": ent, "dX": h.grad}
+    if head == "trainable":
+        out["dW"] = w.grad
+    return out
+
+
+def _trl_head(*args):
+    from trl.kernels import ChunkedLogProbFunction
+
+    return ChunkedLogProbFunction.apply(*args)
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
 def write_csv(path, rows):
     if not rows:
         return
-    keys = list(rows[0].keys())
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="results/loss_kernel")
-    p.add_argument("--batches", default="4,8,16,32,64")
-    p.add_argument("--dtypes", default="fp32,bf16")
-    p.add_argument("--backends", default=",".join(BACKENDS))
-    p.add_argument("--step-batches", default="8,16,32", help="B for the whole-step memory ('' to skip)")
-    p.add_argument("--step-dtypes", default="bf16")
-    p.add_argument("--budget-s", type=float, default=1.5, help="timing budget per point")
-    p.add_argument("--tune", action="store_true", help="only the tile-config sweep of the grpo_lab head")
-    p.add_argument("--autotune", action="store_true", help="sweep grpo_lab settings first, bench with the best")
-    p.add_argument("--tune-no-refs", action="store_true", help="skip the cuBLAS floor and TRL in --tune")
-    args = p.parse_args(argv)
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    meta = versions()
-    os.makedirs(args.out, exist_ok=True)
-    if args.tune:
-        return tune(args.out, refs=not args.tune_no_refs)
-    if args.autotune:
-        autotune(args.out)
-    import grpo_lab.kernels.fused_linear_logprob as F
 
-    meta["grpo_lab_setting"] = kernel_setting(F)
-    config = loss_config()
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    rows = []
-    for dname in args.dtypes.split(","):
-        for backend in args.backends.split(","):
-            for b in map(int, args.batches.split(",")):
-                r = bench_loss_point(backend, dtypes[dname], b, config, args.budget_s)
-                row = {"part": "loss", "backend": backend, "dtype": dname, "B": b, "tokens": b * T_COMPLETION,
-                       "H": H, "V": V, **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()},
-                       **meta}
-                rows.append(row)
-                print(f"loss {dname:5s} {backend:9s} B={b:3d} {r['ms']:9.2f} ms  loss_peak {r['loss_peak_gib']:.3f} "
-                      f"GiB  abs {r['abs_peak_gib']:.3f} GiB", flush=True)
-                write_csv(os.path.join(args.out, "loss_bench.csv"), rows)
-
-    step_rows = []
-    if args.step_batches:
-        from grpo_lab.models import build_model
-
-        for dname in args.step_dtypes.split(","):
-            model = build_model("Qwen3-0.6B", dtypes[dname], device="cuda")
-            model.train()
-            for backend in args.backends.split(","):
-                for b in map(int, args.step_batches.split(",")):
-                    r = bench_step_point(model, backend, dtypes[dname], b, config)
-                    step_rows.append({"part": "step", "backend": backend, "dtype": dname, "B": b,
-                                      "prompt_tokens": T_PROMPT, "completion_tokens": T_COMPLETION,
-                                      "model": "Qwen3-0.6B (random init)",
-                                      **{k: round(v, 4) for k, v in r.items()}, **meta})
-                    print(f"step {dname:5s} {backend:9s} B={b:3d} peak {r['step_peak_gib']:.2f} GiB "
-                          f"{r['step_s']:.2f} s/step", flush=True)
-                    write_csv(os.path.join(args.out, "step_bench.csv"), step_rows)
-            del model
-            gc.collect()
-            torch.cuda.empty_cache()
-
-    print("\n" + format_table(rows, step_rows, meta))
-
+# --- tuning -------------------------------------------------------------------------------------------------------
 
 TUNE_EXPERIMENTS = {
-    # Relative to the defaults (TMA loads, persistent 16-bit kernels, dZ 16384 x 8192 for 16-bit). Runs 2 and 3
-    # measured earlier lists (tune_run2.csv, tune_run3.csv; their labels use that time's knob names).
+    # Relative to the defaults (TMA loads, persistent 16-bit kernels, dZ and frozen tiles 16384 x 8192 for 16-bit).
+    # Runs 2 and 3 measured earlier lists (tune_run2.csv, tune_run3.csv; their labels use that time's knob names).
     "bf16": [
         {},
-        {"persistent": False},
-        {"dz_tma": True},
-        {"bwd_tile": (8192, 8192)},
         {"cfg": (128, 256, 64, 8, 8, 4)},
+        {"cfg": (128, 128, 64, 8, 4, 4)},
+        {"frozen_tile": (8192, 16384)},
+        {"frozen_tile": (32768, 4096)},
     ],
     "fp32": [
         {},
-        {"persistent": True},
+        {"cfg": (128, 128, 32, 8, 4, 3)},
+        {"cfg": (128, 64, 32, 8, 4, 4)},
     ],
 }
 # Every knob an experiment sets belongs to its own dtype, so `autotune` cannot carry bf16's choice into fp32.
@@ -283,6 +423,8 @@ def apply_experiment(F, exp, dname):
             setattr(F, k, v)
         elif k == "bwd_tile":
             F.BWD_TILE[key] = v
+        elif k == "frozen_tile":
+            F.FROZEN_TILE[key] = v
         elif k == "dz_tma":
             F.DZ_TMA[key] = v
         elif k == "persistent":
@@ -292,149 +434,303 @@ def apply_experiment(F, exp, dname):
 
 
 def kernel_setting(F) -> str:
-    """The kernel knobs in force, for the CSV's `grpo_lab_setting` column."""
+    """The kernel knobs in force, for the CSV's `setting` column."""
     on = [k for k, v in F.PERSISTENT.items() if v]
     tiles = " ".join(f"{k}:{t}x{v}" for k, (t, v) in F.BWD_TILE.items())
+    frozen = " ".join(f"{k}:{t}x{v}" for k, (t, v) in F.FROZEN_TILE.items())
     dz = [k for k, v in F.DZ_TMA.items() if v]
+    cfg = " ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in F.CONFIGS.items())
     return (f"TMA loads {'on' if F.USE_TMA else 'off'}; persistent {','.join(on) or 'none'}; dZ tile {tiles}; "
-            f"dZ descriptor store {','.join(dz) or 'off'}; fp32 dot {F.FP32_DOT}, fp32 dX/dW {F.FP32_MM}")
+            f"frozen {'two-GEMM' if F.FROZEN_TWO_GEMM else 'recompute'} tile {frozen}; dZ descriptor store "
+            f"{','.join(dz) or 'off'}; fp32 dot {F.FP32_DOT}, fp32 dX/dW {F.FP32_MM}; materialize "
+            f"{F.MATERIALIZE_GIB:g} GiB; tiles {cfg}")
 
 
-def tune(out_dir, refs=True):
-    """Tile-config sweep of the grpo_lab head at B=64 (head only, no loss), against TRL's head and a cuBLAS floor."""
+def tune(out_dir, hidden_sizes=(1024, 4096), tokens=32768):
+    """Tile sweep of the grpo_lab head alone (no loss): frozen and trainable fwd+bwd for each experiment."""
     import triton.testing as tt
 
     import grpo_lab.kernels.fused_linear_logprob as F
-    from trl.kernels import ChunkedLogProbFunction
 
     rows = []
-    n = 64 * T_COMPLETION
-    defaults = {name: dict(getattr(F, name)) for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "DZ_TMA")}
-    defaults.update({name: getattr(F, name) for name in ("FP32_MM", "FP32_DOT")})
+    saved = {name: dict(getattr(F, name)) for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "FROZEN_TILE", "DZ_TMA")}
+    saved.update({name: getattr(F, name) for name in ("FP32_MM", "FP32_DOT")})
 
     def restore():
-        for name, value in defaults.items():
+        for name, value in saved.items():
             if isinstance(value, dict):
                 getattr(F, name).update(value)
             else:
                 setattr(F, name, value)
 
-    for dname, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        h = torch.randn(n, H, device="cuda", generator=gen).to(dtype).requires_grad_()
-        w = (torch.randn(V, H, device="cuda", generator=gen) * H ** -0.5 * 2).to(dtype).requires_grad_()
-        y = torch.randint(0, V, (n,), device="cuda", generator=gen)
-        g = torch.randn(n, device="cuda", generator=gen)
-        # cuBLAS floor: the 4 GEMMs on [4096, 4096] tiles, no elementwise work
-        a = h.detach()[:4096] if refs else None
-        wt = w.detach()
-        buf = torch.empty(4096, 4096, device="cuda", dtype=dtype)
-        acc_h = torch.zeros(4096, H, device="cuda")
-        acc_w = torch.zeros(4096, H, device="cuda")
+    for dname, dtype in DTYPES.items():
+        n = tokens if dname == "bf16" else 8192
+        for hdim in hidden_sizes:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            h = torch.randn(n, hdim, device="cuda", generator=gen).to(dtype).requires_grad_()
+            w = (torch.randn(V, hdim, device="cuda", generator=gen) * hdim ** -0.5 * 2).to(dtype)
+            y = torch.randint(0, V, (n,), device="cuda", generator=gen)
+            g = torch.randn(n, device="cuda", generator=gen)
+            for exp in TUNE_EXPERIMENTS[dname]:
+                apply_experiment(F, exp, dname)
+                label = " ".join(f"{k}={v}" for k, v in exp.items()) or "default"
+                for head in ("frozen", "trainable"):
+                    w.requires_grad_(head == "trainable")
 
-        def floor():
-            for v0 in range(0, V - 4096 + 1, 4096):
-                torch.mm(a, wt[v0:v0 + 4096].t(), out=buf)
-                torch.mm(a, wt[v0:v0 + 4096].t(), out=buf)
-                F._mm_acc(acc_h, buf, wt[v0:v0 + 4096])
-                F._mm_acc(acc_w, buf.t(), a)
-        tiles = (V // 4096) * (n // 4096)
-        ms = float("nan") if not refs else tt.do_bench(floor, warmup=50, rep=300, return_mode="median") * (n // 4096) * V / (4096 * (V // 4096))
-        rows.append({"dtype": dname, "what": "cublas_4gemm_floor", "config": "4096x4096 tiles", "ms": ms,
-                     "fwd_ms": float("nan")})
-        print(f"tune {dname} cublas 4-GEMM floor {ms:.1f} ms ({tiles} tiles)", flush=True)
-        del buf, acc_h, acc_w
-
-        def head(kind):
-            if kind == "trl":
-                return lambda: ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 32768, None, 1.0, ("entropy",))
-            return lambda: F.fused_linear_logprobs(h, w, None, y, 1.0, None, None, 1.0, ("entropy",))
-
-        def fwd_bwd(kind):
-            f = head(kind)
-
-            def run():
-                h.grad = w.grad = None
-                (f()[0] * g).sum().backward()
-            return run
-
-        for kind in ("trl",) if refs else ():
-            with torch.no_grad():
-                t_f = tt.do_bench(head(kind), warmup=1, rep=20 if dname == "bf16" else 1, return_mode="median")
-            t_fb = tt.do_bench(fwd_bwd(kind), warmup=1, rep=300 if dname == "bf16" else 1,
-                               return_mode="median")
-            rows.append({"dtype": dname, "what": "trl_head", "config": "chunk 32768", "ms": t_fb, "fwd_ms": t_f})
-            print(f"tune {dname} trl head fwd {t_f:.1f} fwd+bwd {t_fb:.1f} ms", flush=True)
-        for exp in TUNE_EXPERIMENTS[dname]:
-            apply_experiment(F, exp, dname)
-            label = " ".join(f"{k}={v}" for k, v in exp.items()) or "default"
-            try:
-                with torch.no_grad():
-                    t_f = tt.do_bench(head("mine"), warmup=1, rep=20 if dname == "bf16" else 1,
-                                      return_mode="median")
-                t_fb = tt.do_bench(fwd_bwd("mine"), warmup=1, rep=300 if dname == "bf16" else 1,
-                                   return_mode="median")
-            except Exception as err:  # a config that does not compile or fit
-                print(f"tune {dname} {label} failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
-                t_f = t_fb = float("nan")
-            finally:
+                    def run():
+                        h.grad = w.grad = None
+                        (F.fused_linear_logprobs(h, w, None, y, 1.0, None, None, 1.0, ("entropy",))[0] * g).sum() \
+                            .backward()
+                    try:
+                        ms = tt.do_bench(run, warmup=1, rep=300 if dname == "bf16" else 1, return_mode="median")
+                    except Exception as err:  # a config that does not compile or fit
+                        print(f"tune {dname} H={hdim} {head} {label} failed: {type(err).__name__}: "
+                              f"{str(err)[:200]}", flush=True)
+                        ms = float("nan")
+                    rows.append({"dtype": dname, "H": hdim, "tokens": n, "head": head, "config": label, "ms": ms,
+                                 "exp": exp})
+                    print(f"tune {dname} H={hdim} N={n} {head:9s} {label}: {ms:.2f} ms", flush=True)
                 restore()
-            rows.append({"dtype": dname, "what": "grpo_lab_head", "config": label, "ms": t_fb, "fwd_ms": t_f,
-                         "exp": exp})
-            print(f"tune {dname} grpo_lab {label}: fwd {t_f:.1f} fwd+bwd {t_fb:.1f} ms", flush=True)
-        del h, w
-        gc.collect()
-        torch.cuda.empty_cache()
+            del h, w
+            torch.cuda.empty_cache()
     write_csv(os.path.join(out_dir, "tune.csv"), [{k: v for k, v in r.items() if k != "exp"} for r in rows])
     return rows
 
 
-def autotune(out_dir):
-    """Run the sweep, then keep the fastest fwd+bwd setting of each dtype for the rest of this process."""
-    import math
+# --- report: markdown tables and the figure, from the CSVs --------------------------------------------------------
 
-    import grpo_lab.kernels.fused_linear_logprob as F
-
-    rows = tune(out_dir, refs=False)
-    chosen = {}
-    for dname in ("bf16", "fp32"):
-        cands = [r for r in rows if r["dtype"] == dname and "exp" in r and not math.isnan(r["ms"])]
-        if cands:
-            best = min(cands, key=lambda r: r["ms"])
-            chosen[dname] = best["config"]
-            apply_experiment(F, best["exp"], dname)
-    print(f"autotune chose {chosen}", flush=True)
-    return chosen
+def _num(x):
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return float("nan")
 
 
-def format_table(rows, step_rows, meta):
-    lines = [f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, trl {meta['trl']}, "
-             f"liger {meta['liger']}, {meta['date']}", "",
-             "Loss fwd+bwd: ms / loss peak GiB (over inputs)", ""]
-    backends = list(dict.fromkeys(r["backend"] for r in rows))
-    for dname in dict.fromkeys(r["dtype"] for r in rows):
-        lines.append(f"| {dname} B | " + " | ".join(backends) + " |")
-        lines.append("|---" * (len(backends) + 1) + "|")
-        for b in dict.fromkeys(r["B"] for r in rows):
-            cells = []
-            for be in backends:
-                m = [r for r in rows if r["dtype"] == dname and r["B"] == b and r["backend"] == be]
-                cells.append(f"{m[0]['ms']:.1f} / {m[0]['loss_peak_gib']:.2f}" if m else "-")
-            lines.append(f"| {b} | " + " | ".join(cells) + " |")
-        lines.append("")
-    if step_rows:
-        lines.append("Whole GRPO step (fwd+bwd+AdamW) peak GiB, Qwen3-0.6B random init, 256+512 tokens")
-        sb = list(dict.fromkeys(r["backend"] for r in step_rows))
-        lines.append("| dtype B | " + " | ".join(sb) + " |")
-        lines.append("|---" * (len(sb) + 1) + "|")
-        for dname in dict.fromkeys(r["dtype"] for r in step_rows):
-            for b in dict.fromkeys(r["B"] for r in step_rows):
+def best_alternative(rows, key):
+    """min(naive, trl) ms at a (head, dtype, H, tokens, T) key, over what ran."""
+    alts = [_num(r["ms"]) for r in rows if _key(r) == key and r["backend"] in ("naive", "trl")]
+    alts = [a for a in alts if not math.isnan(a)]
+    return min(alts) if alts else float("nan")
+
+
+def _key(r):
+    return (r["head"], r["dtype"], int(r["H"]), int(r["tokens"]), int(r["T"]))
+
+
+def grpo_lab_best(rows, key, allow_memory: bool):
+    ms = [_num(r["ms"]) for r in rows if _key(r) == key and (r["backend"] == "grpo_lab" or (
+        allow_memory and r["backend"] == "grpo_lab+mem"))]
+    ms = [m for m in ms if not math.isnan(m)]
+    return min(ms) if ms else float("nan")
+
+
+def latest_rows(in_dir):
+    """The rows of every loss_grid*.csv in `in_dir`; where several runs measured the same backend at the same point,
+    the latest (by `date`) is kept."""
+    import glob
+
+    merged = {}
+    for path in sorted(glob.glob(os.path.join(in_dir, "loss_grid*.csv"))):
+        for r in read_csv(path):
+            key = (r["backend"], *_key(r))
+            if key not in merged or r["date"] >= merged[key]["date"]:
+                merged[key] = r
+    return list(merged.values())
+
+
+def report(in_dir, out_dir=None):
+    """Markdown tables (the issue's seven rows, the whole grid as grpo_lab / min(naive, trl)) and the figure."""
+    rows = latest_rows(in_dir)
+    out_dir = out_dir or in_dir
+    os.makedirs(out_dir, exist_ok=True)
+    lines = [f"{rows[0]['gpu']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, trl {rows[0]['trl']}, "
+             f"liger {rows[0]['liger']}, {rows[0]['date'][:10]}", ""]
+    lines += ["The issue's seven rows, ms (loss peak GiB above inputs):", "",
+              "| case | naive | TRL 1.16 | grpo_lab | grpo_lab+mem | liger |", "|---|---|---|---|---|---|"]
+
+    def cell(key, backend):
+        m = [r for r in rows if _key(r) == key and r["backend"] == backend]
+        if not m:
+            return "—"
+        if m[0]["status"] != "ok":
+            return m[0]["status"]
+        return f"{_num(m[0]['ms']):.1f} ({_num(m[0]['loss_peak_gib']):.2f})"
+    for head, dname, hdim, tokens, seq in ISSUE_ROWS:
+        key = (head, dname, hdim, tokens, seq)
+        case = f"{head}, {dname}, H={hdim}, " + (f"T={seq}, " if seq != T_COMPLETION else "") + f"B={tokens // seq}"
+        lines.append(f"| {case} | " + " | ".join(cell(key, b) for b in BACKENDS) + " |")
+    lines += ["", "Whole grid: grpo_lab / min(naive, trl) time (lean default; in brackets with memory allowed where "
+              "that differs). ≤ 1.02 meets the issue's bar.", ""]
+    keys = sorted({_key(r) for r in rows if r["T"] == str(T_COMPLETION)}, key=lambda k: (k[1], k[0], k[2], k[3]))
+    latest = max(r["date"] for r in rows if r["backend"].startswith("grpo_lab"))
+    older = {_key(r) for r in rows if r["backend"].startswith("grpo_lab") and r["date"] < latest}
+    worst = {}
+    for dname in dict.fromkeys(k[1] for k in keys):
+        for head in ("frozen", "trainable"):
+            ks = [k for k in keys if k[0] == head and k[1] == dname]
+            if not ks:
+                continue
+            toks = sorted({k[3] for k in ks})
+            lines.append(f"| {dname} {head}: H \\ tokens | " + " | ".join(f"{t // 1024}k" for t in toks) + " |")
+            lines.append("|---" * (len(toks) + 1) + "|")
+            for hdim in sorted({k[2] for k in ks}):
                 cells = []
-                for be in sb:
-                    m = [r for r in step_rows if r["dtype"] == dname and r["B"] == b and r["backend"] == be]
-                    cells.append(f"{m[0]['step_peak_gib']:.2f}" if m else "-")
-                lines.append(f"| {dname} {b} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+                for t in toks:
+                    key = (head, dname, hdim, t, T_COMPLETION)
+                    alt = best_alternative(rows, key)
+                    lean, best = grpo_lab_best(rows, key, False), grpo_lab_best(rows, key, True)
+                    if math.isnan(alt) or math.isnan(lean):
+                        cells.append("—")
+                        continue
+                    worst[(dname, head)] = max(worst.get((dname, head), 0), best / alt)
+                    cells.append(f"{lean / alt:.2f}" + (f" ({best / alt:.2f})" if best < lean * 0.995 else "")
+                                 + ("†" if key in older else ""))
+                lines.append(f"| {hdim} | " + " | ".join(cells) + " |")
+            lines.append("")
+    if older:
+        lines.append(f"†: grpo_lab measured in an earlier run than the latest ({latest[:16]}); see the CSVs' `date` "
+                     "and `setting` columns.")
+    lines.append("Worst grpo_lab (memory allowed where it helps) / min(naive, trl): "
+                 + ", ".join(f"{d} {h} {v:.3f}" for (d, h), v in sorted(worst.items())))
+    text = "\n".join(lines)
+    with open(os.path.join(out_dir, "loss_grid_tables.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    plot(rows, os.path.join(out_dir, "loss_grid.png"))
+    return text
+
+
+def plot(rows, path):
+    """ms vs H (at 32k tokens) and ms vs tokens (at H = 4096), bf16, both head modes, every backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), constrained_layout=True)
+    styles = {"naive": ("s--", "tab:blue"), "trl": ("^-", "tab:orange"), "grpo_lab": ("o-", "tab:green"),
+              "grpo_lab+mem": ("o:", "tab:red"), "liger": ("x-.", "tab:purple")}
+    ok = [r for r in rows if r["status"] == "ok" and r["dtype"] == "bf16" and r["T"] == str(T_COMPLETION)]
+    for col, head in enumerate(("frozen", "trainable")):
+        for row_i, (axis, fixed, fixed_val) in enumerate((("H", "tokens", 32768), ("tokens", "H", 4096))):
+            ax = axes[row_i][col]
+            for backend, (style, color) in styles.items():
+                pts = sorted((int(r[axis]), _num(r["ms"])) for r in ok
+                             if r["head"] == head and r["backend"] == backend and int(r[fixed]) == fixed_val)
+                if pts:
+                    ax.plot(*zip(*pts), style, color=color, label=backend)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("hidden size H" if axis == "H" else "tokens N")
+            ax.set_ylabel("ms, loss fwd+bwd")
+            ax.set_title(f"bf16, {head} head, {fixed} = {fixed_val}")
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+    fig.suptitle("GRPO loss head on one H200, V = 151,936 (benchmarks/loss_bench.py)")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    global V
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/loss_kernel")
+    p.add_argument("--hidden", default=",".join(map(str, GRID_H)))
+    p.add_argument("--tokens", default=",".join(map(str, GRID_TOKENS)))
+    p.add_argument("--dtypes", default="bf16,fp32")
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--fp32-full", action="store_true", help="every fp32 grid point (slow: plain SGEMM)")
+    p.add_argument("--no-issue-rows", dest="issue_rows", action="store_false")
+    p.add_argument("--no-accuracy", dest="accuracy", action="store_false")
+    p.add_argument("--accuracy-hidden", default="1024,4096", help="H of the accuracy part")
+    p.add_argument("--accuracy-tokens", type=int, default=2048, help="N of the accuracy part")
+    p.add_argument("--budget-s", type=float, default=0.3, help="timing budget per point (3-10 reps)")
+    p.add_argument("--max-minutes", type=float, default=60.0, help="stop the grid (cleanly) after this long")
+    p.add_argument("--points", default="", help="only these points: head:dtype:H:tokens[:T],... (e.g. a re-run)")
+    p.add_argument("--profile", default="", help="torch.profiler kernel table of grpo_lab at these points, first")
+    p.add_argument("--tune", action="store_true", help="only the tile sweep of the grpo_lab head")
+    p.add_argument("--report", metavar="DIR", help="tables + figure from DIR's loss_grid.csv; no GPU needed")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of the harness on the chunked torch path")
+    p.add_argument("--vocab", type=int, default=V, help="vocabulary size (smaller only for smoke runs)")
+    p.add_argument("--step-batches", default="", help="B for the whole-step memory part, e.g. 8,16,32 ('' skips)")
+    args = p.parse_args(argv)
+    V = args.vocab
+    if args.report:
+        report(args.report, args.out if args.out != "results/loss_kernel" else None)
+        return 0
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    meta = versions()
+    os.makedirs(args.out, exist_ok=True)
+    if args.tune:
+        tune(args.out)
+        return 0
+    if device.type == "cuda":
+        import grpo_lab.kernels.fused_linear_logprob as F
+
+        def setting(backend):
+            if not backend.startswith("grpo_lab"):
+                return ""
+            with backend_settings(backend):
+                return kernel_setting(F)
+    else:
+        def setting(backend):
+            return "chunked torch path" if backend.startswith("grpo_lab") else ""
+    if args.profile:
+        profile(parse_points(args.profile), args.out, device)
+    if args.accuracy:
+        accuracy_rows(args, meta, device, setting)
+    rows = run_grid(args, meta, device, setting)
+    print(f"\n{len(rows)} grid rows in {os.path.join(args.out, 'loss_grid.csv')}")
+    if args.step_batches:
+        step_rows(args, meta, device)
+    return 0
+
+
+def step_rows(args, meta, device):
+    """Peak memory of a whole GRPO step (forward + backward + AdamW) of a random-init Qwen3-0.6B, 256 prompt + 512
+    completion tokens, with each backend as the loss head (bf16; the harness keeps every layer's activations)."""
+    from grpo_lab.models import build_model
+
+    config = loss_config()
+    model = build_model("Qwen3-0.6B", torch.bfloat16, device=device)
+    model.train()
+    rows = []
+    for backend in [b for b in args.backends.split(",") if b != "grpo_lab+mem"]:
+        for b in map(int, args.step_batches.split(",")):
+            fn = make_loss_fn(backend, config)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=False)
+            gen = torch.Generator(device=device).manual_seed(b)
+            ids = torch.randint(0, model.config.vocab_size, (b, 256 + T_COMPLETION), device=device, generator=gen)
+            mask = torch.ones(b, T_COMPLETION, device=device, dtype=torch.long)
+            adv = torch.randn(b, device=device, generator=gen)
+
+            def step():
+                hidden = model.model(input_ids=ids).last_hidden_state[:, 255:-1]
+                fn(hidden, model.lm_head.weight, ids[:, 256:], mask, adv).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            _free(device)
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                step()
+                step()
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() / 2**30
+            except torch.OutOfMemoryError:
+                peak = float("nan")
+            opt.zero_grad(set_to_none=True)
+            del opt
+            _free(device)
+            rows.append({"part": "step", "backend": backend, "dtype": "bf16", "B": b, "prompt_tokens": 256,
+                         "completion_tokens": T_COMPLETION, "model": "Qwen3-0.6B (random init)",
+                         "step_peak_gib": round(peak, 4), **meta})
+            print(f"step bf16 {backend:9s} B={b:3d} peak {peak:.2f} GiB", flush=True)
+            write_csv(os.path.join(args.out, "step_bench.csv"), rows)
+    return rows
 
 
 if __name__ == "__main__":

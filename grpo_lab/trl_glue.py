@@ -137,37 +137,14 @@ class GRPOLabTrainer(GRPOTrainer):
         set_loss_backend(self, loss_backend or getattr(self.args, "loss_backend", "grpo_lab"))
 
 
-def _async_classes():
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
-    return AsyncGRPOConfig, AsyncGRPOTrainer
-
-
 def __getattr__(name):
-    # The async classes are built on first use: importing trl.experimental pulls in more than most users need.
-    if name in ("AsyncGRPOLabConfig", "AsyncGRPOLabTrainer"):
-        AsyncGRPOConfig, AsyncGRPOTrainer = _async_classes()
+    # The async classes live in `grpo_lab.async_loop` (importing trl.experimental pulls in more than most users need).
+    if name == "AsyncGRPOLabConfig":
+        from .async_loop.config import AsyncGRPOLabConfig
 
-        @dataclass
-        class AsyncGRPOLabConfig(AsyncGRPOConfig):
-            """TRL's `AsyncGRPOConfig` plus `loss_backend` (see `GRPOLabConfig`)."""
+        return AsyncGRPOLabConfig
+    if name == "AsyncGRPOLabTrainer":
+        from .async_loop.trainer import AsyncGRPOLabTrainer
 
-            loss_backend: str = field(default="grpo_lab", metadata={"help": _BACKEND_HELP})
-
-            def __post_init__(self):
-                check_backend_name(self.loss_backend)
-                if self.loss_backend == "liger":
-                    raise ValueError("loss_backend='liger' is not available with AsyncGRPOTrainer: its loss (token-"
-                                     "level clip normalised by the global token count) is not one Liger computes.")
-                super().__post_init__()
-
-        class AsyncGRPOLabTrainer(AsyncGRPOTrainer):
-            """TRL's `AsyncGRPOTrainer` honouring `args.loss_backend`."""
-
-            def __init__(self, *args, loss_backend: str | None = None, **kwargs):
-                super().__init__(*args, **kwargs)
-                set_loss_backend(self, loss_backend or getattr(self.args, "loss_backend", "grpo_lab"))
-
-        globals().update(AsyncGRPOLabConfig=AsyncGRPOLabConfig, AsyncGRPOLabTrainer=AsyncGRPOLabTrainer)
-        return globals()[name]
+        return AsyncGRPOLabTrainer
     raise AttributeError(name)

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from grpo_lab.backends.base import OPTIONAL_OUTPUTS, check_logprob_inputs, compute_dtype_of
+from grpo_lab.backends.base import (OPTIONAL_OUTPUTS, check_logprob_inputs, compute_dtype_of, entropy_grad_expected,
+                                    frozen_input_grad, head_mode, note_entropy_grad)
 
 # Tile configuration per compute dtype: (BM, BN, BK, GROUP_M, num_warps, num_stages). Chosen on the H200 by
 # benchmarks/loss_bench.py --tune (see docs/kernel.md); overridable for experiments.
@@ -72,6 +73,19 @@ PERSISTENT_PROGRAMS = None
 DZ_TMA = {key: os.environ.get("GRPO_LAB_DZ_TMA", "0") == "1" for key in ("16", "32")}
 # fp32 dot: "ieee" (plain fp32 FMA) or "tf32x3" (three TF32 products, fp32-level error, on tensor cores)
 FP32_DOT = os.environ.get("GRPO_LAB_FP32_DOT", "tf32x3")
+# Frozen head (only the hidden states need a gradient): the two-GEMM path (forward accumulates Σ p·W, backward
+# elementwise) unless GRPO_LAB_FROZEN=recompute asks for the trainable head's recomputing backward.
+FROZEN_TWO_GEMM = os.environ.get("GRPO_LAB_FROZEN", "two_gemm") != "recompute"
+# The frozen path's P~ buffer per compute dtype, (tokens, vocabulary): 128 MiB bf16 / 256 MiB fp32, widened in the
+# vocabulary when there are fewer rows. (16384 x 8192 bf16 held the loss peak at 0.59 GiB at B = 64, H = 1024, over
+# TRL's 0.44: results/loss_kernel, run 5.)
+FROZEN_TILE = {"16": (8192, 8192), "32": (8192, 8192)}
+# e^(z − ref) is stored against a per-row reference (the target's logit); rows whose max exceeds it by more than this
+# are recomputed against their exact max (e^60 · V stays far inside the fp32 / bf16 range).
+REF_HEADROOM = 60.0
+# GiB the user allows a trainable head to keep for speed: its [N, V] probabilities in the compute dtype, so the
+# backward needs no recompute (three GEMMs instead of four). 0 (the default): never; memory stays flat in N.
+MATERIALIZE_GIB = float(os.environ.get("GRPO_LAB_MATERIALIZE_GIB", "0"))
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -135,38 +149,44 @@ def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr,
-                M, v_lo, v_hi, K, stride_h, stride_w, part_stat_stride,
+def _fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr,
+                M, v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p,
                 logit_scale, softcap, inv_t,
                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
                 HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
                 COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+                PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, P_MODE: tl.constexpr,
+                STORE_PZ: tl.constexpr):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(v_hi - v_lo, BN)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
             pid_m, pid_n = _grouped_pid(tile, num_pid_m, num_pid_n, GROUP_M)
-            _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h,
-                      stride_w, part_stat_stride, logit_scale, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY,
-                      HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
+            _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
+                      v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
+                      HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
+                      USE_TMA, BM, BN, BK, P_MODE, STORE_PZ)
     else:
         pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-        _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h,
-                  stride_w, part_stat_stride, logit_scale, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY,
-                  HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
+        _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
+                  v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
+                  HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
+                  USE_TMA, BM, BN, BK, P_MODE, STORE_PZ)
 
 
 @triton.jit
-def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, pid_m, pid_n,
-              M, v_lo, v_hi, K, stride_h, stride_w, part_stat_stride,
+def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n,
+              M, v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p,
               logit_scale, softcap, inv_t,
               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
               HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
               COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One [BM, BN] block: its logits, reduced to per-row partial statistics in `part`."""
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_MODE: tl.constexpr, STORE_PZ: tl.constexpr):
+    """One [BM, BN] block: its logits, reduced to per-row partial statistics in `part`; with P_MODE, also the
+    block's e^(z − ref) (ref: a per-row reference, `ref_ptr`) stored at `p_ptr` for a cuBLAS GEMM to consume —
+    P_MODE 1 (frozen head): times the softcap factor, target column 0, and e^(z − ref)·(z − ref) at `pz_ptr` when
+    STORE_PZ; P_MODE 2 (materialised head): e^(z − ref) as is."""
     z, t, offs_m, offs_n, row_ok, col_ok = _tile_logits(
         h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, stride_w, logit_scale, softcap, inv_t,
         HAS_BIAS, HAS_SOFTCAP, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
@@ -191,6 +211,18 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, pid_m, pid_n,
     blk_lo = v_lo + pid_n * BN
     mine = row_ok & (tgt >= blk_lo) & (tgt < blk_lo + BN) & (tgt < v_hi)
     tl.store(tlogit_ptr + offs_m, tz, mask=mine)
+    if P_MODE != 0:  # last, so that e is dead once pe exists (one [BM, BN] fp32 block fewer live)
+        ref = tl.load(ref_ptr + offs_m, mask=row_ok, other=0.0)
+        pe = e * tl.exp(m - ref)[:, None]  # e^(z − ref); rows where that overflows are recomputed by the host
+        if P_MODE == 1:
+            if HAS_SOFTCAP:
+                pe = pe * (1.0 - t * t)
+            pe = tl.where(hit, 0.0, pe)
+        p_off = offs_m.to(tl.int64)[:, None] * stride_p + (offs_n - v_lo)[None, :]
+        p_ok = row_ok[:, None] & col_ok[None, :]
+        tl.store(p_ptr + p_off, pe.to(p_ptr.dtype.element_ty), mask=p_ok)
+        if STORE_PZ:
+            tl.store(pz_ptr + p_off, (pe * (z - ref[:, None])).to(pz_ptr.dtype.element_ty), mask=p_ok)
 
 
 @triton.jit
@@ -249,6 +281,35 @@ def _bwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, dz
     else:
         ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dz + (offs_n - v_lo)[None, :]
         tl.store(ptrs, grad.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _dz_from_p_kernel(p_ptr, tgt_ptr, shift_ptr, lp_ptr, ent_ptr, g_ptr, ge_ptr, M, V, stride_p, scale,
+                      HAS_G: tl.constexpr, HAS_GE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Materialised head's backward, in place: the stored e^(z − ref) becomes dZ. p_j = e^(z_j − ref)·e^(ref − log Z)
+    (`shift` = ref − log Z per row); the target's own p_y and log p_y come from the fp32 log-prob, not from the
+    rounded store, so 1 − p_y keeps its precision when p_y → 1."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    row_ok = offs_m < M
+    ok = row_ok[:, None] & (offs_n < V)[None, :]
+    ptrs = p_ptr + offs_m.to(tl.int64)[:, None] * stride_p + offs_n[None, :]
+    pe = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    shift = tl.load(shift_ptr + offs_m, mask=row_ok, other=0.0)
+    lp_y = tl.load(lp_ptr + offs_m, mask=row_ok, other=0.0)
+    tgt = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1)
+    hit = offs_n[None, :] == tgt[:, None]
+    p = tl.where(hit, tl.exp(lp_y)[:, None], pe * tl.exp(shift)[:, None])
+    grad = tl.zeros((BM, BN), dtype=tl.float32)
+    if HAS_G:
+        g = tl.load(g_ptr + offs_m, mask=row_ok, other=0.0)
+        grad += g[:, None] * (hit.to(tl.float32) - p)
+    if HAS_GE:
+        ge = tl.load(ge_ptr + offs_m, mask=row_ok, other=0.0)
+        ent = tl.load(ent_ptr + offs_m, mask=row_ok, other=0.0)
+        log_p = tl.where(hit, lp_y[:, None], tl.log(tl.maximum(pe, 1e-38)) + shift[:, None])
+        grad -= ge[:, None] * tl.where(p > 0, p * (log_p + ent[:, None]), 0.0)
+    tl.store(ptrs, (grad * scale).to(p_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -354,15 +415,69 @@ def _dz_target(tile: torch.Tensor, bm: int, bn: int, tma_loads: bool):
     return TensorDescriptor.from_tensor(tile, [bm, bn]), True
 
 
-def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want):
-    """Running online-LSE statistics of the valid rows `h` over the whole vocabulary."""
+def _widened_vocab_tile(vocab: int, tokens: int, vocab_tile: int, rows: int, bn: int) -> int:
+    """Vocabulary width of a [rows, width] buffer whose budget is tokens × vocab_tile elements: wider when fewer rows
+    than `tokens` are there (fewer, larger launches and GEMMs at small N, same memory), a multiple of BN."""
+    width = max(vocab_tile, (tokens * vocab_tile // max(rows, 1)) // bn * bn)
+    return min(width, vocab)
+
+
+class _FrozenSink:
+    """Frozen head: each [token tile, vocab chunk] block of P~ = c·e^(z − ref) (target column 0) goes through a
+    reusable buffer into acc[0][tile] += P~ @ W[chunk] (cuBLAS, fp32 accumulation); with `with_plogp`, also
+    P~·(z − ref) into acc[1]. The second GEMM of the two-GEMM frozen path."""
+
+    p_mode = 1
+
+    def __init__(self, m_rows, weight, compute, ref, with_plogp, bn):
+        tokens, vocab_tile = FROZEN_TILE[_dtype_key(compute)]
+        self.t_tile = min(m_rows, tokens)
+        self.v_tile = _widened_vocab_tile(weight.shape[0], tokens, vocab_tile, self.t_tile, bn)
+        depth = 2 if with_plogp else 1
+        self.buf = torch.empty((depth, self.t_tile, self.v_tile), device=ref.device, dtype=compute)
+        self.acc = torch.zeros((depth, m_rows, weight.shape[1]), device=ref.device, dtype=torch.float32)
+        self.weight, self.compute, self.ref = weight, compute, ref
+
+    def views(self, t0, t1, v0, v1):
+        """(p, pz, ref rows, row stride, store pz) for the launch on rows t0:t1 and vocabulary v0:v1."""
+        return (self.buf[0], self.buf[-1], self.ref[t0:t1], self.buf.stride(1), self.buf.shape[0] == 2)
+
+    def consume(self, t0, t1, v0, v1):
+        w_c = self.weight[v0:v1].to(self.compute)
+        for i in range(self.buf.shape[0]):
+            _mm_acc(self.acc[i, t0:t1], self.buf[i, : t1 - t0, : v1 - v0], w_c)
+
+
+class _MaterializedSink:
+    """Trainable head with memory allowed for speed: e^(z − ref) of every row and vocabulary entry is kept
+    (`full`, [rows, V] in the compute dtype), so the backward is an elementwise pass and two GEMMs, no recompute."""
+
+    p_mode = 2
+    t_tile = None  # all rows per launch; the vocabulary chunk follows the statistics budget
+    v_tile = None
+
+    def __init__(self, full, ref):
+        self.full, self.ref = full, ref
+
+    def views(self, t0, t1, v0, v1):
+        view = self.full[t0:t1, v0:]
+        return view, view, self.ref[t0:t1], self.full.stride(0), False
+
+    def consume(self, t0, t1, v0, v1):
+        pass
+
+
+def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink=None):
+    """Running online-LSE statistics of the valid rows `h` over the whole vocabulary (and, with a sink, its P~
+    blocks handed over launch by launch)."""
     m_rows, k = h.shape
     vocab = weight.shape[0]
     dev = h.device
     bm, bn, bk, group_m, warps, stages = _config("fwd", compute)
-    total_vblocks = triton.cdiv(vocab, bn)
-    per_launch = max(1, min(total_vblocks, PART_BUDGET_BYTES // (m_rows * 4 * 6)))
-    part = torch.empty((6, per_launch, m_rows), device=dev, dtype=torch.float32)
+    t_tile = (sink.t_tile if sink is not None else None) or m_rows
+    v_tile = (sink.v_tile if sink is not None else None) or bn * max(
+        1, min(triton.cdiv(vocab, bn), PART_BUDGET_BYTES // (t_tile * 4 * 6)))
+    part = torch.empty((6, triton.cdiv(min(v_tile, vocab), bn) * t_tile), device=dev, dtype=torch.float32)
     run_m = torch.full((m_rows,), float("-inf"), device=dev)
     run_s = torch.zeros(m_rows, device=dev)
     run_xs = torch.zeros(m_rows, device=dev) if want["entropy"] else None
@@ -370,42 +485,138 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
     run_zs = torch.zeros(m_rows, device=dev) if want["mean_logits"] else None
     run_mbt = torch.full((m_rows,), float("-inf"), device=dev) if want["is_top1"] else None
     target_logit = torch.zeros(m_rows, device=dev)
-    for vb0 in range(0, total_vblocks, per_launch):
-        nvb = min(per_launch, total_vblocks - vb0)
-        v_lo, v_hi = vb0 * bn, min(vocab, (vb0 + nvb) * bn)
-        n_progs, persistent = _programs("fwd", compute, triton.cdiv(m_rows, bm) * nvb, dev)
-        h_arg, w_arg, tma = _operands(h, weight, compute, bm, bn, bk)
-        _fwd_kernel[(n_progs,)](
-            h_arg, w_arg, bias if bias is not None else h, y, part, target_logit,
-            m_rows, v_lo, v_hi, k, h.stride(0), weight.stride(0), part.stride(0),
-            float(logit_scale), float(softcap or 1.0), float(inv_t),
-            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=want["entropy"],
-            HAS_SQ=want["log_sum_sq_probs"], HAS_MEAN=want["mean_logits"], HAS_TOP1=want["is_top1"],
-            COMPUTE=_TL_DTYPE[compute], PRECISION=_precision(compute), EVEN_K=k % bk == 0, USE_TMA=tma,
-            BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
-            num_warps=warps, num_stages=stages)
-        pm = part[0, :nvb]
-        new_m = torch.maximum(run_m, pm.amax(0))
-        alpha = torch.exp(run_m - new_m)
-        w = torch.exp(pm - new_m)
-        run_s = run_s * alpha + (part[1, :nvb] * w).sum(0)
-        if run_xs is not None:
-            run_xs = run_xs * alpha + (part[2, :nvb] * w).sum(0)
-        if run_sq is not None:
-            run_sq = run_sq * alpha * alpha + (part[3, :nvb] * w * w).sum(0)
-        if run_zs is not None:
-            run_zs = run_zs + part[4, :nvb].sum(0)
-        if run_mbt is not None:
-            run_mbt = torch.maximum(run_mbt, part[5, :nvb].amax(0))
-        run_m = new_m
+    for t0 in range(0, m_rows, t_tile):
+        t1 = min(m_rows, t0 + t_tile)
+        rows = t1 - t0
+        h_arg, w_arg, tma = _operands(h[t0:t1], weight, compute, bm, bn, bk)
+        for v0 in range(0, vocab, v_tile):
+            v1 = min(vocab, v0 + v_tile)
+            nvb = triton.cdiv(v1 - v0, bn)
+            n_progs, persistent = _programs("fwd", compute, triton.cdiv(rows, bm) * nvb, dev)
+            p, pz, ref, stride_p, store_pz = sink.views(t0, t1, v0, v1) if sink is not None else (
+                part, part, part, 0, False)
+            _fwd_kernel[(n_progs,)](
+                h_arg, w_arg, bias if bias is not None else h, y[t0:t1], part, target_logit[t0:t1], p, pz, ref,
+                rows, v0, v1, k, h.stride(0), weight.stride(0), part.stride(0), stride_p,
+                float(logit_scale), float(softcap or 1.0), float(inv_t),
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=want["entropy"],
+                HAS_SQ=want["log_sum_sq_probs"], HAS_MEAN=want["mean_logits"], HAS_TOP1=want["is_top1"],
+                COMPUTE=_TL_DTYPE[compute], PRECISION=_precision(compute), EVEN_K=k % bk == 0, USE_TMA=tma,
+                BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
+                P_MODE=sink.p_mode if sink is not None else 0, STORE_PZ=store_pz,
+                num_warps=warps, num_stages=stages)
+            pv = part[:, : nvb * rows].view(6, nvb, rows)
+            sl = slice(t0, t1)
+            old_m = run_m[sl]
+            new_m = torch.maximum(old_m, pv[0].amax(0))
+            alpha = torch.exp(old_m - new_m)
+            w = torch.exp(pv[0] - new_m)
+            run_s[sl] = run_s[sl] * alpha + (pv[1] * w).sum(0)
+            if run_xs is not None:
+                run_xs[sl] = run_xs[sl] * alpha + (pv[2] * w).sum(0)
+            if run_sq is not None:
+                run_sq[sl] = run_sq[sl] * alpha * alpha + (pv[3] * w * w).sum(0)
+            if run_zs is not None:
+                run_zs[sl] += pv[4].sum(0)
+            if run_mbt is not None:
+                run_mbt[sl] = torch.maximum(run_mbt[sl], pv[5].amax(0))
+            run_m[sl] = new_m
+            if sink is not None:
+                sink.consume(t0, t1, v0, v1)
     return run_m, run_s, run_xs, run_sq, run_zs, run_mbt, target_logit
 
 
+_NO_EXTRAS = dict.fromkeys(OPTIONAL_OUTPUTS, False)
+
+
+def _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale):
+    """Each row's target logit, cheaply (a row-wise dot in the compute dtype): the reference e^(z − ref) is taken
+    against. Any value ≤ the row's max does (no overflow unless the max is REF_HEADROOM above it, and such rows are
+    recomputed against their exact max); the target's own logit is close to the max for sampled tokens."""
+    out = torch.empty(h.shape[0], device=h.device)
+    for r0 in range(0, h.shape[0], 8192):
+        r1 = min(r0 + 8192, h.shape[0])
+        w_rows = weight.index_select(0, y[r0:r1]).to(compute)
+        z = torch.bmm(h[r0:r1].to(compute).unsqueeze(1), w_rows.unsqueeze(2)).view(-1).float()
+        if bias is not None:
+            z = z + bias.index_select(0, y[r0:r1]).to(compute).float()
+        z = z * logit_scale
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        out[r0:r1] = z * inv_t
+    return out
+
+
+def _frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, with_plogp):
+    """Statistics + A (+ B) of the frozen head, relative to log Z (see `base.frozen_input_grad`)."""
+    bn = _config("fwd", compute)[1]
+    ref = _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale)
+    sink = _FrozenSink(h.shape[0], weight, compute, ref, with_plogp, bn)
+    stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink)
+    run_m, run_s = stats[0], stats[1]
+    bad = ~(run_m - ref <= REF_HEADROOM) | ~torch.isfinite(sink.acc.sum(-1)).all(0)  # an inf / nan row sums to one
+    rows = bad.nonzero().squeeze(-1)
+    if rows.numel():  # recompute these rows against their exact max, which cannot overflow
+        ref[rows] = run_m[rows]
+        redo = _FrozenSink(rows.numel(), weight, compute, ref[rows], with_plogp, bn)
+        _forward_stats(h[rows], weight, bias, y[rows], inv_t, softcap, logit_scale, compute, _NO_EXTRAS, redo)
+        sink.acc.index_copy_(1, rows, redo.acc)
+    acc = sink.acc
+    log_sum = run_m - ref + torch.log(run_s)  # log Z − ref
+    if acc.shape[0] == 2:  # B = f·(B_rel − (log Z − ref)·A_rel)
+        acc[1].addcmul_(acc[0], -log_sum.unsqueeze(-1))
+    acc.mul_(torch.exp(-log_sum).view(1, -1, 1))
+    return stats, acc
+
+
+def _materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want):
+    """Statistics + the kept [rows, V] e^(z − ref) of a materialised head, and ref − log Z per row."""
+    ref = _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale)
+    full = torch.empty((h.shape[0], weight.shape[0]), device=h.device, dtype=compute)
+    stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, _MaterializedSink(full, ref))
+    run_m, run_s = stats[0], stats[1]
+    rows = (~(run_m - ref <= REF_HEADROOM)).nonzero().squeeze(-1)
+    if rows.numel():
+        ref[rows] = run_m[rows]
+        redo = torch.empty((rows.numel(), weight.shape[0]), device=h.device, dtype=compute)
+        _forward_stats(h[rows], weight, bias, y[rows], inv_t, softcap, logit_scale, compute, _NO_EXTRAS,
+                       _MaterializedSink(redo, ref[rows]))
+        full.index_copy_(0, rows, redo)
+    return stats, full, ref - (run_m + torch.log(run_s))
+
+
+def materialize_fits(n_rows: int, vocab: int, compute: torch.dtype, device: torch.device) -> bool:
+    """Whether a trainable head may keep its [rows, V] probabilities: the user allowed that much memory
+    (MATERIALIZE_GIB / GRPO_LAB_MATERIALIZE_GIB, 0 by default) and the device has it free, with 2 GiB to spare."""
+    need = n_rows * vocab * torch.empty((), dtype=compute).element_size()
+    if need > MATERIALIZE_GIB * 2**30:
+        return False
+    free, _ = torch.cuda.mem_get_info(device) if device.type == "cuda" else (need + 2**31, None)
+    return need + 2**31 <= free
+
+
+def _choose_path(mode: str, compute: torch.dtype, softcap, n_valid: int, vocab: int, device) -> str:
+    """`stats` (no gradient), `frozen` (two GEMMs), `materialized` (three, memory allowed) or `recompute` (four)."""
+    if mode == "inference" or n_valid == 0:
+        return "stats"
+    if mode == "frozen":
+        return "frozen" if FROZEN_TWO_GEMM and compute != torch.float16 else "recompute"
+    if softcap is None and compute != torch.float16 and materialize_fits(n_valid, vocab, compute, device):
+        return "materialized"
+    return "recompute"
+
+
 class FusedLinearLogProbFunction(torch.autograd.Function):
-    """TRL `ChunkedLogProbFunction` calling convention (see `grpo_lab.backends.base`), CUDA + Triton."""
+    """TRL `ChunkedLogProbFunction` calling convention (see `grpo_lab.backends.base`), CUDA + Triton.
+
+    Three ways to the gradient, chosen by `_choose_path` from the head mode (`base.head_mode`) and the memory the
+    user allows: `frozen` (the head needs no gradient: the forward accumulates Σ p·W, the backward is elementwise),
+    `materialized` (opt-in: the forward keeps every probability, the backward is two cuBLAS GEMMs) and `recompute`
+    (the default for a trainable head: the backward recomputes the logits tile by tile, memory flat in N)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs, compute):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs, compute,
+                mode):
         ctx.set_materialize_grads(False)
         n, vocab = hidden.shape[0], weight.shape[0]
         inv_t = 1.0 / temperature
@@ -418,9 +629,19 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
         h = h.contiguous()
         y = y.contiguous()
         dev = hidden.device
+        path = _choose_path(mode, compute, softcap, n_valid, vocab, dev)
+        ctx.path, ctx.extra = path, None
         if n_valid > 0:
-            m, s, xs, sq, zs, mbt, tlogit = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute,
+            if path == "frozen":
+                with_plogp = want["entropy"] and entropy_grad_expected()
+                stats, acc = _frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want,
+                                             with_plogp)
+            elif path == "materialized":
+                stats, full, shift = _materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute,
                                                            want)
+            else:
+                stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
+            m, s, xs, sq, zs, mbt, tlogit = stats
             log_z = m + torch.log(s)
             logprobs = tlogit - log_z
             entropy = log_z - xs / s if want["entropy"] else None
@@ -429,6 +650,10 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
                 zs / vocab if want["mean_logits"] else None,
                 (tlogit >= m) & (tlogit > mbt) if want["is_top1"] else None,
             )
+            if path == "frozen":
+                ctx.extra = (acc, logprobs.clone(), tlogit)
+            elif path == "materialized":
+                ctx.extra = (full, logprobs.clone(), shift)
         else:
             log_z = torch.zeros(0, device=dev)
             logprobs = torch.zeros(0, device=dev)
@@ -439,7 +664,7 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
                 torch.zeros(0, device=dev, dtype=torch.bool) if want["is_top1"] else None,
             )
         ctx.save_for_backward(hidden, weight, bias, y, log_z, entropy if entropy is not None else log_z, rows)
-        ctx.conf = (softcap, logit_scale, inv_t, compute, n_valid)
+        ctx.conf = (softcap, logit_scale, inv_t, compute, n_valid, entropy is not None)
 
         def scatter(x):
             if x is None or rows is None:
@@ -453,10 +678,9 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
         hidden, weight, bias, y, log_z, entropy, rows = ctx.saved_tensors
-        softcap, logit_scale, inv_t, compute, n_valid = ctx.conf
+        softcap, logit_scale, inv_t, compute, n_valid, has_entropy = ctx.conf
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         dev = hidden.device
-        vocab, k = weight.shape
         if rows is not None:
             g = None if grad_logprobs is None else grad_logprobs.index_select(0, rows)
             ge = None if grad_entropy is None else grad_entropy.index_select(0, rows)
@@ -464,73 +688,142 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
             g, ge = grad_logprobs, grad_entropy
         g = None if g is None else g.float().contiguous()
         ge = None if ge is None else ge.float().contiguous()
-        grad_w = torch.zeros_like(weight) if need_w else None
-        grad_b = torch.zeros(vocab, device=dev, dtype=torch.float32) if (need_b and bias is not None) else None
-        grad_h_valid = torch.zeros((n_valid, k), device=dev, dtype=torch.float32) if need_h else None
-        if n_valid > 0 and (g is not None or ge is not None) and (need_h or need_w or need_b):
-            h = hidden if rows is None else hidden.index_select(0, rows)
-            h = h.contiguous()
-            h_c = h.to(compute)
-            bm, bn, bk, group_m, warps, stages = _config("bwd", compute)
-            tokens, vocab_tile = BWD_TILE[_dtype_key(compute)]
-            t_tile = min(n_valid, tokens)
-            v_tile = min(vocab, vocab_tile)
-            dz = torch.empty((t_tile, v_tile), device=dev, dtype=compute)
-            n_ttiles = triton.cdiv(n_valid, t_tile)
-            dw_buf = None
-            if need_w and n_ttiles > 1 and grad_w.dtype != torch.float32:
-                dw_buf = torch.empty((v_tile, k), device=dev, dtype=torch.float32)
-            dummy = log_z
-            tri_mm = (FP32_MM == "triton" and compute == torch.float32 and weight.dtype == torch.float32
-                      and h.dtype == torch.float32)
-            for v0 in range(0, vocab, v_tile):
-                v1 = min(v0 + v_tile, vocab)
-                w_c = None if tri_mm else weight[v0:v1].to(compute)
-                if dw_buf is not None:
-                    dw_buf.zero_()
-                for t0 in range(0, n_valid, t_tile):
-                    t1 = min(t0 + t_tile, n_valid)
-                    rows_t = t1 - t0
-                    tile = dz[:rows_t, : v1 - v0]
-                    n_progs, persistent = _programs("bwd", compute, triton.cdiv(rows_t, bm) * triton.cdiv(v1 - v0, bn),
-                                                    dev)
-                    h_arg, w_arg, tma = _operands(h[t0:t1], weight, compute, bm, bn, bk)
-                    dz_arg, dz_tma = _dz_target(tile, bm, bn, tma)
-                    _bwd_kernel[(n_progs,)](
-                        h_arg, w_arg, bias if bias is not None else h, y[t0:t1], log_z[t0:t1],
-                        entropy[t0:t1], g[t0:t1] if g is not None else dummy, ge[t0:t1] if ge is not None else dummy,
-                        dz_arg, rows_t, v0, v1, k, h.stride(0), weight.stride(0), tile.stride(0),
-                        float(logit_scale), float(softcap or 1.0), float(inv_t),
-                        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_G=g is not None,
-                        HAS_GE=ge is not None, COMPUTE=_TL_DTYPE[compute], PRECISION=_precision(compute),
-                        EVEN_K=k % bk == 0, USE_TMA=tma, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
-                        PERSISTENT=persistent, NUM_PROGRAMS=n_progs, DZ_TMA=dz_tma,
-                        num_warps=warps, num_stages=stages)
-                    if tri_mm:
-                        if need_h:
-                            _triton_mm_acc(grad_h_valid[t0:t1], tile, weight[v0:v1])
-                        if need_w:
-                            _triton_mm_acc(grad_w[v0:v1], tile.t(), h[t0:t1])
-                    if need_h and not tri_mm:
-                        _mm_acc(grad_h_valid[t0:t1], tile, w_c)
-                    if need_w and not tri_mm:
-                        if n_ttiles == 1:
-                            _mm_into(grad_w[v0:v1], tile.t(), h_c[t0:t1])
-                        elif dw_buf is None:
-                            _mm_acc(grad_w[v0:v1], tile.t(), h_c[t0:t1])
-                        else:
-                            _mm_acc(dw_buf[: v1 - v0], tile.t(), h_c[t0:t1])
-                    if grad_b is not None:
-                        grad_b[v0:v1] += tile.sum(0, dtype=torch.float32)
-                if dw_buf is not None:
-                    grad_w[v0:v1].copy_(dw_buf[: v1 - v0])
-        grad_h = None
-        if need_h:
-            grad_h = grad_h_valid.to(hidden.dtype)
-            if rows is not None:
-                grad_h = torch.zeros_like(hidden).index_copy_(0, rows, grad_h)
+        grads = None
+        if ctx.path == "frozen":
+            note_entropy_grad(ge is not None)
+            acc, logprobs, tlogit = ctx.extra
+            if ge is None or acc.shape[0] == 2:  # else: an entropy gradient the forward did not prepare for
+                grads = (_frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy if has_entropy else None,
+                                          tlogit, softcap, logit_scale, inv_t, compute, rows), None, None)
+        elif ctx.path == "materialized" and n_valid > 0 and (g is not None or ge is not None):
+            grads = _materialized_backward(ctx.extra, hidden, weight, bias, y, g, ge, entropy, logit_scale * inv_t,
+                                           compute, rows, need_h, need_w, need_b)
+        if grads is None:
+            grads = _recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, softcap, logit_scale,
+                                        inv_t, compute, n_valid, need_h, need_w, need_b)
+        ctx.extra = None
+        grad_h, grad_w, grad_b = grads
         return (grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
+
+
+def _scatter_rows(valid_grad, hidden, rows):
+    if rows is None:
+        return valid_grad
+    return torch.zeros_like(hidden).index_copy_(0, rows, valid_grad.to(hidden.dtype))
+
+
+def _frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy, tlogit, softcap, logit_scale, inv_t, compute,
+                     rows):
+    """dX of the frozen path: elementwise from A, B and the statistics (`base.frozen_input_grad`)."""
+    if logprobs.numel() == 0:
+        return torch.zeros_like(hidden)
+    c_target = torch.ones_like(logprobs)
+    if softcap is not None:
+        t_y = tlogit / (softcap * inv_t)
+        c_target = 1 - t_y * t_y
+    out = torch.empty((logprobs.shape[0], hidden.shape[1]), device=hidden.device, dtype=hidden.dtype)
+    frozen_input_grad(acc[0], acc[1] if acc.shape[0] == 2 else None,
+                      lambda r0, r1: weight.index_select(0, y[r0:r1]).to(compute), g, ge, logprobs, entropy,
+                      c_target, inv_t * logit_scale, out)
+    return _scatter_rows(out, hidden, rows)
+
+
+def _materialized_backward(extra, hidden, weight, bias, y, g, ge, entropy, scale, compute, rows, need_h, need_w,
+                           need_b):
+    """dZ from the kept probabilities (in place), then cuBLAS: dX = dZ @ W, dW = dZᵀ @ X, db = Σ dZ."""
+    full, logprobs, shift = extra
+    m_rows, vocab = full.shape
+    bm, bn = 64, 128
+    dummy = logprobs
+    _dz_from_p_kernel[(triton.cdiv(m_rows, bm), triton.cdiv(vocab, bn))](
+        full, y, shift, logprobs, entropy, g if g is not None else dummy, ge if ge is not None else dummy,
+        m_rows, vocab, full.stride(0), float(scale), HAS_G=g is not None, HAS_GE=ge is not None, BM=bm, BN=bn,
+        num_warps=4)
+    grad_h = grad_w = grad_b = None
+    if need_h:
+        w_c = weight.to(compute)
+        grad_h = torch.mm(full, w_c) if compute == torch.float32 else torch.mm(full, w_c, out_dtype=torch.float32)
+        grad_h = _scatter_rows(grad_h.to(hidden.dtype), hidden, rows)
+    if need_w:
+        h = hidden if rows is None else hidden.index_select(0, rows)
+        grad_w = torch.empty_like(weight)
+        _mm_into(grad_w, full.t(), h.to(compute))
+    if need_b and bias is not None:
+        grad_b = full.sum(0, dtype=torch.float32)
+    return grad_h, grad_w, grad_b
+
+
+def _recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, softcap, logit_scale, inv_t, compute,
+                        n_valid, need_h, need_w, need_b):
+    """The memory-lean backward: recompute each [token tile, vocabulary chunk] of logits in the fused kernel, write
+    dZ once, then cuBLAS for dX and dW (vocabulary-outer, so each chunk's weight gradient is finished at once)."""
+    dev = hidden.device
+    vocab, k = weight.shape
+    grad_w = torch.zeros_like(weight) if need_w else None
+    grad_b = torch.zeros(vocab, device=dev, dtype=torch.float32) if (need_b and bias is not None) else None
+    grad_h_valid = torch.zeros((n_valid, k), device=dev, dtype=torch.float32) if need_h else None
+    if n_valid > 0 and (g is not None or ge is not None) and (need_h or need_w or need_b):
+        h = hidden if rows is None else hidden.index_select(0, rows)
+        h = h.contiguous()
+        h_c = h.to(compute)
+        bm, bn, bk, group_m, warps, stages = _config("bwd", compute)
+        tokens, vocab_tile = BWD_TILE[_dtype_key(compute)]
+        t_tile = min(n_valid, tokens)
+        v_tile = _widened_vocab_tile(vocab, tokens, vocab_tile, t_tile, bn)
+        dz = torch.empty((t_tile, v_tile), device=dev, dtype=compute)
+        n_ttiles = triton.cdiv(n_valid, t_tile)
+        dw_buf = None
+        if need_w and n_ttiles > 1 and grad_w.dtype != torch.float32:
+            dw_buf = torch.empty((v_tile, k), device=dev, dtype=torch.float32)
+        dummy = log_z
+        tri_mm = (FP32_MM == "triton" and compute == torch.float32 and weight.dtype == torch.float32
+                  and h.dtype == torch.float32)
+        for v0 in range(0, vocab, v_tile):
+            v1 = min(v0 + v_tile, vocab)
+            w_c = None if tri_mm else weight[v0:v1].to(compute)
+            if dw_buf is not None:
+                dw_buf.zero_()
+            for t0 in range(0, n_valid, t_tile):
+                t1 = min(t0 + t_tile, n_valid)
+                rows_t = t1 - t0
+                tile = dz[:rows_t, : v1 - v0]
+                n_progs, persistent = _programs("bwd", compute, triton.cdiv(rows_t, bm) * triton.cdiv(v1 - v0, bn),
+                                                dev)
+                h_arg, w_arg, tma = _operands(h[t0:t1], weight, compute, bm, bn, bk)
+                dz_arg, dz_tma = _dz_target(tile, bm, bn, tma)
+                _bwd_kernel[(n_progs,)](
+                    h_arg, w_arg, bias if bias is not None else h, y[t0:t1], log_z[t0:t1],
+                    entropy[t0:t1], g[t0:t1] if g is not None else dummy, ge[t0:t1] if ge is not None else dummy,
+                    dz_arg, rows_t, v0, v1, k, h.stride(0), weight.stride(0), tile.stride(0),
+                    float(logit_scale), float(softcap or 1.0), float(inv_t),
+                    HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_G=g is not None,
+                    HAS_GE=ge is not None, COMPUTE=_TL_DTYPE[compute], PRECISION=_precision(compute),
+                    EVEN_K=k % bk == 0, USE_TMA=tma, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
+                    PERSISTENT=persistent, NUM_PROGRAMS=n_progs, DZ_TMA=dz_tma,
+                    num_warps=warps, num_stages=stages)
+                if tri_mm:
+                    if need_h:
+                        _triton_mm_acc(grad_h_valid[t0:t1], tile, weight[v0:v1])
+                    if need_w:
+                        _triton_mm_acc(grad_w[v0:v1], tile.t(), h[t0:t1])
+                if need_h and not tri_mm:
+                    _mm_acc(grad_h_valid[t0:t1], tile, w_c)
+                if need_w and not tri_mm:
+                    if n_ttiles == 1:
+                        _mm_into(grad_w[v0:v1], tile.t(), h_c[t0:t1])
+                    elif dw_buf is None:
+                        _mm_acc(grad_w[v0:v1], tile.t(), h_c[t0:t1])
+                    else:
+                        _mm_acc(dw_buf[: v1 - v0], tile.t(), h_c[t0:t1])
+                if grad_b is not None:
+                    grad_b[v0:v1] += tile.sum(0, dtype=torch.float32)
+            if dw_buf is not None:
+                grad_w[v0:v1].copy_(dw_buf[: v1 - v0])
+    grad_h = None
+    if need_h:
+        grad_h = _scatter_rows(grad_h_valid.to(hidden.dtype), hidden, rows)
+    return grad_h, grad_w, grad_b
 
 
 def fused_linear_logprobs(hidden, weight, bias, targets, temperature=1.0, chunk_size=None, softcap=None,
@@ -539,7 +832,8 @@ def fused_linear_logprobs(hidden, weight, bias, targets, temperature=1.0, chunk_
 
     Same arguments and outputs as TRL's `ChunkedLogProbFunction.apply`; `chunk_size` is accepted for that
     signature and ignored (the tiles are this kernel's own). Under autocast the projection runs in the autocast
-    dtype (inputs cast inside the kernel, no weight copy); accumulation is always fp32.
+    dtype (inputs cast inside the kernel, no weight copy); accumulation is always fp32. A head that needs no gradient
+    (PEFT / LoRA, `requires_grad=False`) takes the two-GEMM frozen path automatically.
     """
     check_logprob_inputs(hidden, weight, bias, targets, temperature, outputs)
     if hidden.device.type != "cuda":
@@ -547,9 +841,10 @@ def fused_linear_logprobs(hidden, weight, bias, targets, temperature=1.0, chunk_
     compute = compute_dtype_of(hidden)
     if compute not in _TL_DTYPE:
         raise TypeError(f"unsupported compute dtype {compute}")
+    mode = head_mode(hidden, weight, bias)
     weight_c = weight if weight.stride(-1) == 1 else weight.contiguous()
     hidden_c = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()  # the kernels index it densely
     with torch.autocast("cuda", enabled=False):
         return FusedLinearLogProbFunction.apply(hidden_c, weight_c, bias, targets.long(), float(temperature),
-                                                chunk_size, softcap, float(logit_scale), tuple(outputs), compute)
+                                                chunk_size, softcap, float(logit_scale), tuple(outputs), compute, mode)

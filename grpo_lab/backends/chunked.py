@@ -6,13 +6,19 @@ of logits exists at a time. The backward recomputes each tile and turns it into 
 `dL/dz_j = g·(δ_jy − p_j) − h·p_j·(log p_j + H)` (g, h: upstream grads of log-prob and entropy), then through the
 temperature, softcap and logit scale, accumulating dX, dW and db in fp32. Rows whose target is negative (TRL's
 `-100`) are skipped, not computed, and get log-prob 0.
+
+A frozen head (`head_mode` "frozen": only the hidden states need a gradient) takes the two-GEMM path, as the Triton
+kernel does: the forward also accumulates A = Σ_{j≠y} c_j·p_j·W_j (and B = Σ_{j≠y} c_j·p_j·log p_j·W_j when an
+entropy gradient is expected) with the online-softmax rescaling, and the backward is elementwise
+(`base.frozen_input_grad`), with no recomputation of the logits.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import OPTIONAL_OUTPUTS, check_logprob_inputs, compute_dtype_of
+from .base import (OPTIONAL_OUTPUTS, check_logprob_inputs, compute_dtype_of, entropy_grad_expected,
+                   frozen_input_grad, head_mode, note_entropy_grad)
 
 TOKEN_TILE = 1024
 VOCAB_TILE = 8192
@@ -36,7 +42,8 @@ class ChunkedLogProbFunction(torch.autograd.Function):
     """Same calling convention and outputs as TRL's `ChunkedLogProbFunction` (see `backends.base`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs,
+                mode="trainable"):
         ctx.set_materialize_grads(False)
         n, vocab = hidden.shape[0], weight.shape[0]
         vocab_tile = chunk_size or VOCAB_TILE
@@ -55,6 +62,9 @@ class ChunkedLogProbFunction(torch.autograd.Function):
         target_logit = torch.zeros(m_rows, device=dev)
         max_before_target = torch.full((m_rows,), float("-inf"), device=dev)
         want = {name: name in outputs for name in OPTIONAL_OUTPUTS}
+        frozen = mode == "frozen"
+        acc_p = torch.zeros(h.shape, device=dev) if frozen else None
+        acc_plogp = torch.zeros(h.shape, device=dev) if frozen and want["entropy"] and entropy_grad_expected() else None
         with torch.no_grad():
             for t0 in range(0, m_rows, TOKEN_TILE):
                 t1 = min(t0 + TOKEN_TILE, m_rows)
@@ -62,7 +72,7 @@ class ChunkedLogProbFunction(torch.autograd.Function):
                 yt = y[t0:t1]
                 for v0 in range(0, vocab, vocab_tile):
                     v1 = min(v0 + vocab_tile, vocab)
-                    z, _ = _tile_logits(h32, weight, bias, v0, v1, logit_scale, softcap, inv_t, hidden.dtype)
+                    z, tanh = _tile_logits(h32, weight, bias, v0, v1, logit_scale, softcap, inv_t, hidden.dtype)
                     local = yt - v0
                     if want["mean_logits"]:
                         z_sum[t0:t1] += z.sum(-1)
@@ -78,8 +88,11 @@ class ChunkedLogProbFunction(torch.autograd.Function):
                         z_sum_exp[t0:t1] = z_sum_exp[t0:t1] * rescale + (e * z).sum(-1)
                     if want["log_sum_sq_probs"]:
                         sq_sum_exp[t0:t1] = sq_sum_exp[t0:t1] * rescale * rescale + (e * e).sum(-1)
-                    running_max[t0:t1] = new_max
                     inside = (local >= 0) & (local < v1 - v0)
+                    if frozen:
+                        _accumulate_frozen(acc_p, acc_plogp, t0, t1, z, tanh, e, new_max, running_max[t0:t1],
+                                           rescale, local, inside, weight[v0:v1].to(hidden.dtype).float())
+                    running_max[t0:t1] = new_max
                     picked = z.gather(-1, local.clamp(0, v1 - v0 - 1).unsqueeze(-1)).squeeze(-1)
                     target_logit[t0:t1] = torch.where(inside, picked, target_logit[t0:t1])
         log_z = running_max + torch.log(sum_exp)
@@ -91,8 +104,17 @@ class ChunkedLogProbFunction(torch.autograd.Function):
             (target_logit >= running_max) & (target_logit > max_before_target) if want["is_top1"] else None,
         )
 
+        if frozen:  # relative to the running max -> relative to log Z: A = f·A_rel, B = f·(B_rel − log(Σ)·A_rel)
+            f = torch.exp(running_max - log_z).unsqueeze(-1)
+            if acc_plogp is not None:
+                acc_plogp.addcmul_(acc_p, -torch.log(sum_exp).unsqueeze(-1)).mul_(f)
+            acc_p.mul_(f)
+            ctx.frozen = (acc_p, acc_plogp, logprobs.clone(), target_logit)
+        else:
+            ctx.frozen = None
         ctx.save_for_backward(hidden, weight, bias, targets, log_z, entropy if entropy is not None else log_z, rows)
         ctx.conf = (vocab_tile, softcap, logit_scale, inv_t, rows is not None)
+        ctx.has_entropy = entropy is not None
         ctx.mark_non_differentiable(*(x for x in extras if x is not None))
 
         def scatter(x):
@@ -116,6 +138,16 @@ class ChunkedLogProbFunction(torch.autograd.Function):
             h, y, g, ge = hidden, targets, grad_logprobs, grad_entropy
         g = None if g is None else g.float()
         ge = None if ge is None else ge.float()
+        if ctx.frozen is not None:
+            note_entropy_grad(ge is not None)
+            acc_p, acc_plogp, logprobs, target_logit = ctx.frozen
+            if need_h and (ge is None or acc_plogp is not None):
+                grad_h = _frozen_grad(h, weight, y, g, ge, acc_p, acc_plogp, logprobs,
+                                      entropy if ctx.has_entropy else None, target_logit, softcap, logit_scale, inv_t)
+                if compacted:
+                    grad_h = torch.zeros(hidden.shape, device=hidden.device).index_copy(0, rows, grad_h)
+                return (grad_h.to(hidden.dtype), None, None, None, None, None, None, None, None, None)
+            # an entropy gradient the forward did not prepare for: the recomputing backward below, dX only
         m_rows, vocab = h.shape[0], weight.shape[0]
         dev = hidden.device
         grad_h = torch.zeros(h.shape, device=dev) if need_h else None
@@ -156,8 +188,33 @@ class ChunkedLogProbFunction(torch.autograd.Function):
             None if grad_h is None else grad_h.to(hidden.dtype),
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )
+
+
+def _accumulate_frozen(acc_p, acc_plogp, t0, t1, z, tanh, e, new_max, old_max, rescale, local, inside, w32):
+    """Fold one logits tile into A_rel = Σ c_j·e^(z_j − m)·W_j and B_rel = Σ c_j·e^(z_j − m)·(z_j − m)·W_j over
+    j ≠ target, m the running max (both rescaled when m grows: B also shifts by (m_old − m_new)·A)."""
+    pw = e if tanh is None else e * (1 - tanh * tanh)
+    pw = pw.scatter(-1, local.clamp(0, pw.shape[1] - 1).unsqueeze(-1),
+                    torch.where(inside, 0.0, pw.gather(-1, local.clamp(0, pw.shape[1] - 1).unsqueeze(-1)).squeeze(-1))
+                    .unsqueeze(-1))
+    if acc_plogp is not None:
+        shift = torch.where(torch.isfinite(old_max), old_max - new_max, torch.zeros_like(new_max))
+        acc_plogp[t0:t1] = ((acc_plogp[t0:t1] + shift.unsqueeze(-1) * acc_p[t0:t1]) * rescale.unsqueeze(-1)
+                            + (pw * (z - new_max.unsqueeze(-1))) @ w32)
+    acc_p[t0:t1] = acc_p[t0:t1] * rescale.unsqueeze(-1) + pw @ w32
+
+
+def _frozen_grad(h, weight, y, g, ge, acc_p, acc_plogp, logprobs, entropy, target_logit, softcap, logit_scale, inv_t):
+    """The frozen head's dX (fp32, valid rows) from the forward's A and B."""
+    c_target = torch.ones_like(logprobs)
+    if softcap is not None:
+        t_y = target_logit / (softcap * inv_t)
+        c_target = 1 - t_y * t_y
+    out = torch.empty(h.shape, device=h.device)
+    return frozen_input_grad(acc_p, acc_plogp, lambda r0, r1: weight[y[r0:r1]].to(h.dtype), g, ge,
+                             logprobs, entropy, c_target, inv_t * logit_scale, out)
 
 
 def chunked_logprobs(hidden, weight, bias, targets, temperature=1.0, chunk_size=None, softcap=None, logit_scale=1.0,
@@ -168,6 +225,7 @@ def chunked_logprobs(hidden, weight, bias, targets, temperature=1.0, chunk_size=
     dtype = compute_dtype_of(hidden)
     if dtype != hidden.dtype:
         hidden = hidden.to(dtype)
+    mode = head_mode(hidden, weight, bias)
     with torch.autocast(hidden.device.type, enabled=False):
         return ChunkedLogProbFunction.apply(hidden, weight, bias, targets.long(), float(temperature), chunk_size,
-                                            softcap, float(logit_scale), tuple(outputs))
+                                            softcap, float(logit_scale), tuple(outputs), mode)

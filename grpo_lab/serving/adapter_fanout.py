@@ -37,6 +37,8 @@ class Outcome:
     transport_error: bool = False
     uncertain: bool = False  # the call broke off: the replica may or may not have loaded the adapter
     left_loaded: bool = False  # its rollback unload failed: the replica may still serve the adapter
+    no_adapter: bool = False  # still "No adapter found" when the retry deadline passed
+    elapsed_s: float = 0.0
 
 
 async def _path_loaded_as(client: UpstreamClient, replica: Replica, name: str, timeout: float) -> str | None:
@@ -51,7 +53,8 @@ async def _path_loaded_as(client: UpstreamClient, replica: Replica, name: str, t
 async def load_one(client: UpstreamClient, replica: Replica, name: str, path: str, *, deadline_s: float,
                    interval_s: float, timeout_s: float) -> Outcome:
     body = {"lora_name": name, "lora_path": path, "load_inplace": False}
-    give_up, pause, retries = now() + deadline_s, interval_s, 0
+    began = now()
+    give_up, pause, retries = began + deadline_s, interval_s, 0
     while True:
         try:
             reply = await client.call(replica, "POST", "/v1/load_lora_adapter", json_body=body, timeout=timeout_s)
@@ -71,23 +74,32 @@ async def load_one(client: UpstreamClient, replica: Replica, name: str, path: st
                 return Outcome(replica, True, 200, text, retries=retries)
             return Outcome(replica, False, 400, f"{text} (loaded there from {loaded!r}, not {path!r})",
                            retries=retries)
-        if reply.status == 404 and NO_ADAPTER_MARK in text and now() + pause < give_up:
-            retries += 1
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 1.0)
-            continue
+        if reply.status == 404 and NO_ADAPTER_MARK in text:
+            left = give_up - now()
+            if left > 0:
+                retries += 1
+                await asyncio.sleep(min(pause, left))
+                pause = min(pause * 2, 1.0)
+                continue
+            return Outcome(replica, False, reply.status, text, retries=retries, no_adapter=True,
+                           elapsed_s=now() - began)
         return Outcome(replica, False, reply.status, text, retries=retries)
 
 
 async def unload_one(client: UpstreamClient, replica: Replica, name: str, timeout_s: float) -> Outcome:
     """Unload `name`; a replica that does not have it (404) counts as done, as in TRL's own client."""
+    replica.begin_transition(name)
     try:
         reply = await client.call(replica, "POST", "/v1/unload_lora_adapter", json_body={"lora_name": name},
                                   timeout=timeout_s)
+        ok = reply.status in (200, 404)
+        if ok:
+            replica.adapters.pop(name, None)  # before the transition ends, so no adapter check sees it half done
+        return Outcome(replica, ok, reply.status, client.scrub(reply.text()))
     except TRANSPORT_ERRORS as error:
         return Outcome(replica, False, 502, f"{type(error).__name__}: {error}", transport_error=True)
-    ok = reply.status in (200, 404)
-    return Outcome(replica, ok, reply.status, client.scrub(reply.text()))
+    finally:
+        replica.end_transition(name)
 
 
 OnStale = Callable[[Replica, str], None]
@@ -98,7 +110,23 @@ async def load_everywhere(client: UpstreamClient, replicas: list[Replica], name:
                           on_stale: OnStale | None = None) -> tuple[bool, list[Outcome]]:
     """Load on every replica or on none. Returns (success, per-replica outcomes).
 
-    `on_stale(replica, reason)` is called for each replica whose rollback failed, also when this is cancelled."""
+    `on_stale(replica, reason)` is called for each replica whose rollback failed, also when this is cancelled.
+    The name stays "in transition" on every target until the load is committed or rolled back, so an adapter check
+    of a replica never mistakes a half-done load for a stray adapter."""
+    for replica in replicas:
+        replica.begin_transition(name)
+    try:
+        return await _load_everywhere(client, replicas, name, path, deadline_s=deadline_s, interval_s=interval_s,
+                                      timeout_s=timeout_s, on_stale=on_stale)
+    finally:
+        for replica in replicas:
+            replica.end_transition(name)
+
+
+async def _load_everywhere(client: UpstreamClient, replicas: list[Replica], name: str, path: str, *,
+                           deadline_s: float, interval_s: float, timeout_s: float,
+                           on_stale: OnStale | None) -> tuple[bool, list[Outcome]]:
+    epochs = [r.epoch for r in replicas]
     tasks = [asyncio.ensure_future(load_one(client, r, name, path, deadline_s=deadline_s, interval_s=interval_s,
                                             timeout_s=timeout_s)) for r in replicas]
     try:
@@ -109,8 +137,9 @@ async def load_everywhere(client: UpstreamClient, replicas: list[Replica], name:
         raise
     outcomes = [_settled(client, task, replica) for task, replica in zip(tasks, replicas)]
     if all(o.ok for o in outcomes):
-        for o in outcomes:
-            o.replica.adapters[name] = path
+        for o, epoch in zip(outcomes, epochs):
+            if o.replica.epoch == epoch:  # re-admitted meanwhile: its admission decided what it holds
+                o.replica.adapters[name] = path
         return True, outcomes
     await asyncio.shield(_roll_back(client, outcomes, name, timeout_s, on_stale))  # a cancel must not cut it short
     for o in outcomes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import threading
 import time
@@ -56,6 +57,8 @@ class SamplingParams:
                                                                                   not isinstance(value, int)):
                 raise RequestError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, "
                                         f"got {type(value).__name__}")
+            if isinstance(value, float) and not math.isfinite(value):  # JSON parsers accept NaN and Infinity; no sampling parameter means them
+                raise RequestError(400, f"'{name}' must be a finite number, got {value}")
             if (low is not None and value < low) or (high is not None and value > high):
                 raise RequestError(400, f"'{name}' = {value} is out of range [{low}, {high}]")
             return kind(value)
@@ -67,7 +70,7 @@ class SamplingParams:
             max_tokens=num("max_tokens", 16, int, 1), temperature=num("temperature", 1.0, float, 0.0),
             top_p=num("top_p", 1.0, float, 1e-9, 1.0), top_k=num("top_k", -1, int, -1),
             min_p=num("min_p", 0.0, float, 0.0, 1.0), repetition_penalty=num("repetition_penalty", 1.0, float, 1e-9),
-            seed=num("seed", None, int, allow_none=True), logprobs=num("logprobs", None, int, 0, 20, allow_none=True),
+            seed=num("seed", None, int, -(2**63), 2**63 - 1, allow_none=True), logprobs=num("logprobs", None, int, 0, 20, allow_none=True),
             ignore_eos=bool(body.get("ignore_eos", False)))
 
 
@@ -95,6 +98,7 @@ class Engine:
         self.running.set()
         self._lock = threading.Lock()  # one user of the model at a time (generation, adapter changes)
         self._first_seen: dict[str, float] = {}
+        self._fetch_root: str | None = None  # where adapters published on object stores are downloaded
         self.generated_tokens = 0
         self.requests = 0
 
@@ -106,11 +110,51 @@ class Engine:
                 return False
         return os.path.isfile(os.path.join(path, "adapter_config.json"))
 
+    def _local_copy(self, name: str, url: str) -> str:
+        """An adapter published on an object store (an fsspec URL): downloaded and checked against its manifest.
+        Not complete yet (no manifest) reads as "No adapter found", which the router retries like a lagging mount."""
+        import tempfile
+
+        from ..async_loop.storage import fetch_adapter
+
+        if self._fetch_root is None:
+            self._fetch_root = tempfile.mkdtemp(prefix="grpo-lab-replica-adapters-")
+        dest = os.path.join(self._fetch_root, f"{name}-{len(os.listdir(self._fetch_root))}")
+        try:
+            return str(fetch_adapter(url, dest))
+        except FileNotFoundError:
+            raise RequestError(404, f"No adapter found for {url}", "NotFoundError") from None
+        except (ValueError, OSError) as error:
+            raise RequestError(400, f"could not fetch adapter {url}: {error}") from None
+
+    def _check_manifest(self, path: str) -> None:
+        """A directory published by grpo_lab carries a manifest: refuse files that do not match it (a partial or
+        corrupted copy would otherwise be served as the policy)."""
+        manifest = os.path.join(path, "grpo_lab_manifest.json")
+        if not os.path.isfile(manifest):
+            return
+        import hashlib
+
+        try:
+            files = json.load(open(manifest)).get("files", {})
+            for fname, sha in files.items():
+                with open(os.path.join(path, fname), "rb") as f:
+                    if hashlib.sha256(f.read()).hexdigest() != sha:
+                        raise RequestError(400, f"{path}/{fname} does not match its manifest")
+        except (OSError, ValueError) as error:
+            raise RequestError(400, f"unreadable adapter manifest in {path}: {error}") from None
+
     def load_adapter(self, name: str, path: str) -> None:
         if name in self.adapters or name in self.config.served_model_names:
             raise RequestError(400, f"The lora adapter '{name}' has already been loaded.")
+        source = path
+        if path.startswith("file://"):
+            path = path.removeprefix("file://")
+        elif "://" in path:
+            path = self._local_copy(name, path)
         if not self._visible(path):
-            raise RequestError(404, f"No adapter found for {path}", "NotFoundError")
+            raise RequestError(404, f"No adapter found for {source}", "NotFoundError")
+        self._check_manifest(path)
         if len(self.adapters) >= self.config.max_loras:
             raise RequestError(400, f"cannot hold more than max_loras={self.config.max_loras} adapters; unload one")
         try:
@@ -133,7 +177,7 @@ class Engine:
                 raise RequestError(400, f"failed to load adapter from {path}: {type(error).__name__}: {error}") \
                     from None
             self.model.eval()
-            self.adapters[name] = path
+            self.adapters[name] = source
 
     def unload_adapter(self, name: str) -> None:
         if name not in self.adapters:

@@ -17,7 +17,8 @@ class LocalCluster:
     Args:
         replicas: how many CPU replicas.
         model: the replicas' model (a `grpo_lab.models` name or a local directory).
-        max_staleness: sets `--max-loras max_staleness + 2`, as AsyncGRPOTrainer requires.
+        max_staleness: sets `--max-loras max_staleness + 3`: AsyncGRPOTrainer needs `+ 2`, and one more slot lets the
+            version it unloads drain (finish its rollouts) while the next one loads under a pause.
         max_lora_rank: the replicas' `--max-lora-rank`.
         replica_args: extra `cpu_replica` arguments.
         env: extra environment for the replicas (e.g. `{"VLLM_API_KEY": token}`).
@@ -27,7 +28,7 @@ class LocalCluster:
     def __init__(self, replicas: int = 2, model: str = "tiny-qwen3", max_staleness: int = 4, max_lora_rank: int = 16,
                  replica_args: list[str] | None = None, env: dict | None = None, router: dict | None = None):
         self.args = ["--model", model, "--served-model-name", model, "trl-policy-v0",
-                     "--max-loras", str(max_staleness + 2), "--max-lora-rank", str(max_lora_rank),
+                     "--max-loras", str(max_staleness + 3), "--max-lora-rank", str(max_lora_rank),
                      *(replica_args or [])]
         self.n, self.env, self.router_kwargs = replicas, env, {"port": 0, **(router or {})}
         self.replicas: list[ReplicaProcess] = []

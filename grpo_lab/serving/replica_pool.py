@@ -7,6 +7,10 @@ once. It comes back only after it is healthy again, matches the other replicas' 
 adapter (loaded by the router, with the same storage-lag retry as a normal load), has dropped adapters that are no
 longer live, is paused if the others are, and has had its prefix ownership cleared (its KV cache is gone after a
 restart).
+
+Adapter checks run during loads and unloads too (a replica restarted while a long load is under way must not keep
+receiving completions for adapters it lost): names being loaded or unloaded on a replica while its `/v1/models`
+answer was produced are left out of the comparison, everything else must match what the router confirmed there.
 """
 
 from __future__ import annotations
@@ -45,9 +49,9 @@ class ReplicaPool:
         self.live_adapters: dict[str, str] = {}  # loaded on every in-service replica
         self.paused = False
         self.reference_info: dict | None = None
-        self.control_lock = asyncio.Lock()  # loads, unloads, pause/resume and admissions never interleave
-        self.control_ops = 0  # control operations begun so far; see `control`
-        self._block_size_set = False
+        self.control_lock = asyncio.Lock()  # admissions, load commits, unload bookkeeping and pause/resume
+        self._name_locks: dict[str, list] = {}  # adapter name -> [lock, users]: loads/unloads of one name in order
+        self.slot_freed = asyncio.Event()  # set (and replaced) whenever an adapter leaves a replica
 
     # -- state ---------------------------------------------------------------------------------------------------
     def in_service(self) -> list[Replica]:
@@ -57,15 +61,39 @@ class ReplicaPool:
         return [r for r in self.replicas if r.serving and r.has_model(model)]
 
     def known_model(self, model: str) -> bool:
-        return model in self.live_adapters or any(model in r.base_models for r in self.replicas)
+        return model in self.live_adapters or self.is_base_model(model)
+
+    def is_base_model(self, model: str) -> bool:
+        return any(model in r.base_models for r in self.replicas)
+
+    @property
+    def max_model_len(self) -> int | None:
+        value = _field(self.reference_info or {}, "model_config", "max_model_len")
+        return value if isinstance(value, int) else None
 
     @contextlib.asynccontextmanager
     async def control(self):
-        """Hold the control lock for one operation, counted, so an adapter check whose upstream call overlapped
-        an operation (even one that began and ended during it) can tell its answer may be out of date."""
+        """Hold the control lock for one state change (admission, load commit, unload bookkeeping, pause/resume)."""
         async with self.control_lock:
-            self.control_ops += 1
             yield
+
+    @contextlib.asynccontextmanager
+    async def name_lock(self, name: str):
+        """Loads and unloads of one adapter name run one at a time; different names run side by side (as vLLM's
+        per-name lock), so one slow load never blocks the others."""
+        entry = self._name_locks.setdefault(name, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self._name_locks.pop(name, None)
+
+    def notify_slot_freed(self) -> None:
+        self.slot_freed.set()
+        self.slot_freed = asyncio.Event()
 
     def mark_down(self, replica: Replica, reason: str) -> None:
         if replica.state == DOWN:
@@ -74,6 +102,10 @@ class ReplicaPool:
         replica.state, replica.last_error, replica.down_since = DOWN, self.client.scrub(reason), now()
         self.metrics.inc("grpo_router_replica_failures_total", "Replicas taken out of routing", replica=replica.url)
         self.publish_states()
+        replica.cut_calls()  # its completions in flight are re-sent elsewhere instead of waiting for it
+        if replica.draining:
+            replica.draining.clear()  # re-admission unloads what is not live
+            self.notify_slot_freed()
 
     def publish_states(self) -> None:
         for r in self.replicas:
@@ -140,8 +172,11 @@ class ReplicaPool:
             if not ok:
                 return False
             replica.info = info
+            max_loras = _field(info, "lora_config", "max_loras")
+            replica.max_loras = max_loras if isinstance(max_loras, int) and max_loras > 0 else None
             self.policy.forget_replica(replica.index)
             was = replica.state
+            replica.epoch += 1
             replica.state, replica.last_error, replica.down_since = IN_SERVICE, "", None
             if was != STARTING:
                 self.metrics.inc("grpo_router_readmissions_total", "Replicas re-admitted after a failure",
@@ -173,7 +208,8 @@ class ReplicaPool:
         if adopt:
             self.live_adapters.update(present)
         timeout = self.config.control_timeout_s
-        for name in [n for n in present if n not in self.live_adapters]:
+        # a name being loaded right now is left alone: that load either commits it or rolls it back here
+        for name in [n for n in present if n not in self.live_adapters and n not in replica.transitioning]:
             outcome = await unload_one(self.client, replica, name, timeout)
             if not outcome.ok:
                 replica.last_error = f"could not unload stale adapter {name}: {outcome.message}"
@@ -200,24 +236,27 @@ class ReplicaPool:
         healthy = await self.client.healthy(replica, self.config.health_timeout_s)
         if replica.serving:
             if not healthy:
-                self.mark_down(replica, "health check failed")
-            elif not self.control_lock.locked():
+                self.mark_down(replica, f"health check failed (refused, or no 200 within {self.config.health_timeout_s}s)")
+            else:
                 await self._check_adapters(replica)
         elif healthy:
             await self.try_admit(replica)
 
     async def _check_adapters(self, replica: Replica) -> None:
-        """Take a replica out whose adapters are not the live set: restarted between two health checks (healthy,
-        but its adapters are gone), or holding one that is not live (an unload there failed, or a load rolled back
-        raced it), which uses up a `max_loras` slot. Re-admission then makes it hold exactly the live adapters."""
-        ops = self.control_ops
+        """Take a replica out whose adapters are not what the router confirmed there: restarted between two health
+        checks (healthy, but its adapters are gone), or holding one the router does not know (an unload there
+        failed, or a load rolled back raced it), which uses up a `max_loras` slot. Names loaded or unloaded there
+        while the answer was produced are not compared. Re-admission then makes it hold exactly the live adapters."""
+        seq, were = replica.transition_seq, set(replica.transitioning)
+        before = dict(replica.adapters)
         try:
             reply = await self.client.call(replica, "GET", "/v1/models", timeout=self.config.health_timeout_s)
         except TRANSPORT_ERRORS:
             self.mark_down(replica, "/v1/models failed")
             return
-        if self.control_lock.locked() or self.control_ops != ops or not replica.serving:
-            return  # a load or unload overlapped the call, so the answer may predate it
+        moving = replica.transitions_since(seq, were)
+        if moving is None or not replica.serving:
+            return  # too much happened meanwhile to compare; the next check will
         body = reply.json()
         entries = body.get("data") if isinstance(body, dict) else None
         if reply.status != 200 or not isinstance(entries, list):
@@ -225,11 +264,12 @@ class ReplicaPool:
             return
         entries = [e for e in entries if isinstance(e, dict)]
         names = {e.get("id") for e in entries}
-        missing = sorted(n for n in self.live_adapters if n not in names)
-        extra = sorted(str(e.get("id")) for e in entries
-                       if e.get("parent") and e.get("id") not in self.live_adapters)
+        confirmed = {n for n in before if n in replica.adapters} - moving
+        known = set(before) | set(replica.adapters) | moving | set(self.live_adapters)
+        missing = sorted(n for n in confirmed if n not in names)
+        extra = sorted(str(e.get("id")) for e in entries if e.get("parent") and e.get("id") not in known)
         if missing:
-            self.mark_down(replica, f"lost live adapter(s) {missing} (restarted?)")
+            self.mark_down(replica, f"lost adapter(s) {missing} the router had loaded there (restarted?)")
         elif extra:
             self.mark_down(replica, f"holds adapter(s) {extra} that are not live (a failed unload?); "
                                     "re-admission unloads them")

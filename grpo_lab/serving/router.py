@@ -1,10 +1,13 @@
 """The prefix-aware router: several vLLM replicas behind one URL that TRL's AsyncGRPOTrainer takes for one server.
 
 To TRL it is a vLLM server with `data_parallel_size == 1` (DESIGN.md §4): `/health`, `/v1/models`, `/server_info`,
-`/v1/completions`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/pause`, `/resume`. Completions are routed
-by prompt prefix (`routing_policy`), adapter loads are all-or-nothing (`adapter_fanout`), replicas are watched and
-re-admitted safely (`replica_pool`), and `/metrics` reports it all in Prometheus text. NCCL weight transfer cannot
-be fanned out, so those endpoints are refused: train a PEFT model, for which TRL syncs adapters only.
+`/v1/completions`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/pause`, `/resume`, answering with vLLM
+0.31's status codes and error bodies (`{"error": {message, type, param, code}}`; the deliberate differences are
+listed in docs/serving.md). Completions are routed by prompt prefix (`routing_policy`) and re-sent elsewhere when
+their replica fails, hangs or answers garbage; adapter loads are all-or-nothing (`adapter_fanout`); unloads drain
+first (`adapter_drain`); replicas are watched and re-admitted safely (`replica_pool`); `/metrics` reports it all in
+Prometheus text. NCCL weight transfer cannot be fanned out, so those endpoints are refused: train a PEFT model, for
+which TRL syncs adapters only.
 
 Run it with `python -m grpo_lab.serving.router --replica http://127.0.0.1:8001 --replica ...`, or in-process
 (notebooks, tests) with `start_router(RouterConfig(...))`.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -22,12 +26,13 @@ import time
 import aiohttp
 from aiohttp import web
 
-from .adapter_fanout import broadcast, load_everywhere, unload_one
+from .adapter_drain import Drainer
+from .adapter_fanout import broadcast, load_everywhere, load_one
 from .metrics import Registry
 from .replica_pool import ReplicaPool
-from .router_config import RouterConfig
+from .router_config import RouterConfig, adapter_path_error
 from .routing_policy import RoutingConfig
-from .upstream import TRANSPORT_ERRORS, UpstreamClient, error_body
+from .upstream import TRANSPORT_ERRORS, Reply, UpstreamClient, error_body, now
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +43,17 @@ NCCL_REFUSAL = ("the grpo_lab router fronts several independent replicas and can
                 "--enable-lora so AsyncGRPOTrainer syncs by /v1/load_lora_adapter")
 UPSTREAM_LATENCY_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
+PAUSE_MODES = ("abort", "wait", "keep")  # vLLM 0.31's PauseMode
+MAX_COMPLETION_PROMPTS = 1024  # vLLM's VLLM_MAX_COMPLETION_PROMPTS default
+EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
 
 
-def _fail(status: int, message: str, kind: str = "RouterError") -> web.Response:
-    return web.json_response(error_body(message, status, kind), status=status)
+def _fail(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> web.Response:
+    return web.json_response(error_body(message, status, kind, param), status=status)
+
+
+def _failure(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> Reply:
+    return Reply(status, json.dumps(error_body(message, status, kind, param)).encode(), "application/json")
 
 
 def _percentiles(xs: list[float]) -> dict:
@@ -52,10 +64,53 @@ def _percentiles(xs: list[float]) -> dict:
     return {"n": len(ys), "p50": pick(0.5), "p99": pick(0.99), "max": ys[-1] * 1e3}
 
 
-def _valid_prompt(prompt) -> bool:
-    if isinstance(prompt, str):
-        return True
-    return isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
+class PromptError(ValueError):
+    pass
+
+
+def split_prompt(prompt) -> tuple[list, bool]:
+    """vLLM's accepted `prompt` forms: token ids, a string, or a batch (list of token-id lists, or of strings).
+    Returns (prompts, is_batch); raises PromptError with vLLM's message for what vLLM refuses."""
+    if prompt is None or prompt == "":
+        raise PromptError(EMPTY_PROMPT)
+    if isinstance(prompt, str) or _token_ids(prompt):
+        return [prompt], False
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(_token_ids(p) for p in prompt)):
+        if len(prompt) > MAX_COMPLETION_PROMPTS:
+            raise PromptError(f"prompt list length {len(prompt)} exceeds the maximum allowed count of "
+                              f"{MAX_COMPLETION_PROMPTS}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
+                              "environment variable.")
+        return list(prompt), True
+    raise PromptError("'prompt' must be a string, a list of non-negative token ids, or a batch of either")
+
+
+def merge_batch(answers: list[dict]) -> dict:
+    """One completion answer for a batch, as vLLM builds it: choices in prompt order, re-indexed, usage summed
+    (`prompt_tokens_details` from the last prompt, as vLLM reports it)."""
+    choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for answer in answers:
+        for choice in answer.get("choices", []):
+            choices.append({**choice, "index": len(choices)})
+        for key in usage:
+            usage[key] += int((answer.get("usage") or {}).get(key, 0) or 0)
+    details = (answers[-1].get("usage") or {}).get("prompt_tokens_details") if answers else None
+    if details is not None:
+        usage["prompt_tokens_details"] = details
+    return {**answers[0], "choices": choices, "usage": usage}
+
+
+def _completion_json(reply: Reply) -> dict | None:
+    """The parsed body of a 200 completion, or None when it is not a completion (malformed, truncated, other)."""
+    try:
+        body = json.loads(reply.body)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) and isinstance(body.get("choices"), list) else None
 
 
 class Router:
@@ -65,7 +120,10 @@ class Router:
         self.config = config
         self.metrics = Registry()
         self._api_key = config.read_api_key()
+        client_key = config.read_client_api_key()
+        self._client_auth = f"Bearer {client_key}".encode() if client_key else None
         self.pool: ReplicaPool | None = None
+        self.drainer: Drainer | None = None
         self.client: UpstreamClient | None = None
         self._session: aiohttp.ClientSession | None = None
         self._stop = asyncio.Event()
@@ -74,7 +132,7 @@ class Router:
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._authenticate])
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         r = app.router
@@ -92,10 +150,21 @@ class Router:
             r.add_route("*", path, self.refuse_nccl)
         return app
 
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler):
+        """With client authentication on, every endpoint needs the key (vLLM's own key leaves /health, /pause,
+        /resume and /server_info open; a router that can load adapters should not)."""
+        if self._client_auth is not None:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, self._client_auth):
+                return web.json_response({"error": "Unauthorized"}, status=401)  # vLLM's answer
+        return await handler(request)
+
     async def _startup(self, app) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False))
         self.client = UpstreamClient(self._session, self._api_key)
         self.pool = ReplicaPool(self.config, self.client, self.metrics)
+        self.drainer = Drainer(self.pool)
         self.pool.publish_states()
         self._tasks.append(asyncio.create_task(self.pool.run_health_checks(self._stop)))
 
@@ -104,17 +173,26 @@ class Router:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.drainer is not None:
+            await self.drainer.close()
         if self._session is not None:
             await self._session.close()
 
     async def _json(self, request: web.Request) -> tuple[dict, bytes]:
-        """The request body as a JSON object, or an HTTP 400/413 error with a message."""
+        """The request body as a JSON object, or an HTTP 400/408/413 error with a message."""
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.config.body_read_timeout_s):  # no extra task: a body already here
+                raw = await request.read()  # is read without yielding to the loop
         except web.HTTPRequestEntityTooLarge:
             raise web.HTTPRequestEntityTooLarge(
                 max_size=self.config.max_body_bytes, actual_size=request.content_length or 0,
-                text=json.dumps(error_body(f"request body over {self.config.max_body_bytes} bytes", 413)),
+                text=json.dumps(error_body(f"request body over {self.config.max_body_bytes} bytes", 413,
+                                           "RequestEntityTooLarge")),
+                content_type="application/json") from None
+        except asyncio.TimeoutError:
+            raise web.HTTPRequestTimeout(
+                text=json.dumps(error_body(f"the request body did not arrive within "
+                                           f"{self.config.body_read_timeout_s}s", 408, "RequestTimeout")),
                 content_type="application/json") from None
         try:
             body = json.loads(raw) if raw else {}
@@ -128,18 +206,13 @@ class Router:
 
     # -- read-only endpoints ----------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        serving = self.pool.in_service()
-        if not serving:
-            return _fail(503, "no replica in service yet")
-        results = await asyncio.gather(*(self.client.healthy(r, self.config.health_timeout_s) for r in serving))
-        for replica, ok in zip(serving, results):
-            if not ok:
-                self.pool.mark_down(replica, "health check failed")
-        if not all(results):
-            return _fail(503, "an in-service replica failed its health check; it is being taken out of routing")
+        """200 while at least one replica is in service. Answered from the health checks' state, never by asking
+        the replicas, so it stays fast when one of them hangs (TRL polls it with a 5 s timeout)."""
+        if not self.pool.in_service():
+            return _fail(503, "no replica in service", "ServiceUnavailable")
         return web.Response(text="")
 
-    async def _from_one(self, path: str, params=None) -> web.Response:
+    async def _from_one(self, path: str, params=None) -> Reply | None:
         for replica in self.pool.in_service():
             try:
                 reply = await self.client.call(replica, "GET", path, params=params,
@@ -147,34 +220,54 @@ class Router:
             except TRANSPORT_ERRORS as error:
                 self.pool.mark_down(replica, f"{path}: {type(error).__name__}")
                 continue
-            return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
-        return _fail(503, "no replica in service")
+            return reply
+        return None
 
     async def models(self, request: web.Request) -> web.Response:
-        return await self._from_one("/v1/models")
+        """One replica's model list, with the adapters narrowed to the live ones (draining ones are gone for
+        clients, and a replica may briefly hold one that is still loading elsewhere)."""
+        reply = await self._from_one("/v1/models")
+        if reply is None:
+            return _fail(503, "no replica in service", "ServiceUnavailable")
+        body = reply.json()
+        if reply.status != 200 or not isinstance(body, dict) or not isinstance(body.get("data"), list):
+            return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
+        live = self.pool.live_adapters
+        body["data"] = [m for m in body["data"] if not (isinstance(m, dict) and m.get("parent")) or m.get("id") in live]
+        return web.json_response(body)
 
     async def server_info(self, request: web.Request) -> web.Response:
         """One replica's answer; admission already checked the others agree on the fields TRL reads."""
-        return await self._from_one("/server_info", params=dict(request.query))
+        reply = await self._from_one("/server_info", params=dict(request.query))
+        if reply is None:
+            return _fail(503, "no replica in service", "ServiceUnavailable")
+        return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        policy = self.pool.policy
-        for r in self.pool.replicas:
+        policy, pool = self.pool.policy, self.pool
+        for r in pool.replicas:
             self.metrics.set("grpo_router_in_flight", "Completions in flight per replica", policy.in_flight[r.index],
                              replica=r.url)
+            self.metrics.set("grpo_router_draining_adapters", "Unloaded adapters still draining on the replica",
+                             len(r.draining), replica=r.url)
+        usage = self.drainer.usage
+        for r in pool.replicas:
+            self.metrics.set("grpo_router_draining_in_flight", "Completions still using adapters draining there",
+                             sum(usage.in_flight(r.index, name) for name in r.draining), replica=r.url)
         self.metrics.set("grpo_router_prefix_blocks", "Block records held by the routing policy", policy.num_blocks)
         self.metrics.set("grpo_router_live_adapters", "Adapters loaded on every in-service replica",
-                         len(self.pool.live_adapters))
+                         len(pool.live_adapters))
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def state(self, request: web.Request) -> web.Response:
-        """Router state (replicas, adapters, routing counts, overhead percentiles) for notebooks and benchmarks;
-        `?reset_overhead=1` restarts the overhead sample after reading it (to drop a warm-up)."""
+        """Router state (replicas, adapters, draining adapters, routing counts, overhead percentiles) for notebooks
+        and benchmarks; `?reset_overhead=1` restarts the overhead sample after reading it (to drop a warm-up)."""
         pool = self.pool
         answer = web.json_response({
-            "replicas": [{"url": r.url, "state": r.state, "adapters": sorted(r.adapters), "last_error": r.last_error,
+            "replicas": [{"url": r.url, "state": r.state, "adapters": sorted(r.adapters),
+                          "draining": sorted(r.draining), "last_error": r.last_error,
                           "in_flight": pool.policy.in_flight[r.index]} for r in pool.replicas],
-            "live_adapters": sorted(pool.live_adapters), "paused": pool.paused,
+            "live_adapters": sorted(pool.live_adapters), "draining": self.drainer.draining(), "paused": pool.paused,
             "routing": dict(pool.policy.counts), "block_size": pool.policy.config.block_size,
             "overhead_ms": _percentiles(self.overhead_s),
         })
@@ -189,22 +282,68 @@ class Router:
     async def completions(self, request: web.Request) -> web.Response:
         t_start = time.perf_counter()
         body, raw = await self._json(request)
-        model, prompt = body.get("model"), body.get("prompt")
-        if not isinstance(model, str) or not model:
-            return _fail(400, "'model' must be a non-empty string (the base model or a loaded adapter name)")
-        if not _valid_prompt(prompt):
-            return _fail(400, "'prompt' must be a string or a list of non-negative integer token ids")
-        if body.get("stream"):
-            return _fail(400, "streaming completions are not supported by the router")
-        pool, policy = self.pool, self.pool.policy
-        if not pool.known_model(model):
-            return _fail(404, f"The model `{model}` does not exist.", "NotFoundError")
+        model = body.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            return _fail(400, "'model' must be a non-empty string (the base model or a loaded adapter name)",
+                         param="model")
         try:
-            hashes = policy.hashes_for(prompt, model) if isinstance(prompt, list) else []
+            prompts, is_batch = split_prompt(body.get("prompt"))
+        except PromptError as error:
+            return _fail(400, str(error), param="prompt")
+        if body.get("stream"):
+            return _fail(400, "streaming completions are not supported by the router", param="stream")
+        if model is not None and not self.pool.known_model(model):
+            return _fail(404, f"The model `{model}` does not exist.", "NotFoundError", param="model")
+        model = model or self._base_model()
+        if model is None:
+            return _fail(503, "no replica in service", "ServiceUnavailable")
+        deadline = now() + self.config.upstream_timeout_s
+        if len(prompts) == 1:  # one prompt (or a batch of one): forwarded as sent
+            reply, _ = await self._forward(model, prompts[0], raw, deadline, t_start)
+            return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
+        bodies = [json.dumps({**body, "prompt": p}).encode() for p in prompts]
+        results = await asyncio.gather(*(self._forward(model, p, b, deadline, time.perf_counter())
+                                         for p, b in zip(prompts, bodies)))
+        failed = next((reply for reply, answer in results if answer is None), None)
+        if failed is not None:  # vLLM fails the whole batch when one prompt fails
+            return web.Response(body=failed.body, status=failed.status, content_type=failed.content_type)
+        return web.json_response(merge_batch([answer for _, answer in results]))
+
+    def _base_model(self) -> str | None:
+        for r in self.pool.in_service():
+            if r.base_models:
+                return sorted(r.base_models)[0]
+        return None
+
+    async def _hashes(self, prompt, model: str) -> list[int]:
+        """The prompt's block hashes; none for text (no tokenizer here) or a prompt the replicas will refuse as too
+        long (they answer that, as vLLM would); a long prompt is hashed off the event loop."""
+        if not isinstance(prompt, list):
+            return []
+        limit = self.pool.max_model_len
+        if limit is not None and len(prompt) > limit:
+            return []
+        if len(prompt) > self.config.hash_off_loop_tokens:
+            return await asyncio.get_running_loop().run_in_executor(None, self.pool.policy.hashes_for, prompt, model)
+        return self.pool.policy.hashes_for(prompt, model)
+
+    def _reroute(self, reason: str) -> None:
+        self.metrics.inc("grpo_router_reroutes_total", "Completions re-sent to another replica, by reason",
+                         reason=reason)
+
+    async def _forward(self, model: str, prompt, raw: bytes, deadline: float, t_start: float) -> tuple[Reply, dict | None]:
+        """Send one completion to the best replica, re-sending it elsewhere when that replica fails (dropped
+        connection, no answer, a 200 that is not a completion, a lost adapter). Completions have no side effects,
+        so re-sending is always safe; TRL seeds each one, so the re-sent answer is the one the first replica would
+        have given. Returns (reply, parsed answer when 200)."""
+        pool, policy = self.pool, self.pool.policy
+        try:
+            hashes = await self._hashes(prompt, model)
         except ValueError as error:
-            return _fail(400, f"'prompt': {error}")
+            return _failure(400, f"'prompt': {error}", param="prompt"), None
         tried: set[int] = set()
         upstream_s = 0.0
+        last_problem = ""
         for _ in range(self.config.max_reroutes + 1):
             candidates = [r for r in pool.candidates(model) if r.index not in tried]
             if not candidates:
@@ -214,41 +353,77 @@ class Router:
             tried.add(replica.index)
             self.metrics.inc("grpo_router_routed_total", "Completions routed, by replica and decision",
                              replica=replica.url, decision=decision.kind)
+            remaining = deadline - now()
+            if remaining <= 0:
+                policy.finish(decision, ok=False)
+                break
+            self.drainer.usage.begin(replica.index, model)
+            call = asyncio.ensure_future(self.client.call(replica, "POST", "/v1/completions", data=raw,
+                                                          timeout=remaining))
+            replica.calls.add(call)
             t_up = time.perf_counter()
             try:
-                reply = await self.client.call(replica, "POST", "/v1/completions", data=raw,
-                                               timeout=self.config.upstream_timeout_s)
+                reply = await call
+            except asyncio.CancelledError:
+                policy.finish(decision, ok=False)
+                if asyncio.current_task().cancelling():
+                    raise  # the client went away
+                upstream_s += time.perf_counter() - t_up
+                last_problem = f"{replica.url} stopped answering ({replica.last_error})"
+                self._reroute("replica_down")
+                continue
             except asyncio.TimeoutError:
                 policy.finish(decision, ok=False)
-                return _fail(504, f"replica {replica.url} did not answer within {self.config.upstream_timeout_s}s")
+                if not await self.client.healthy(replica, min(1.0, self.config.health_timeout_s)):
+                    pool.mark_down(replica, "no answer to a completion before its deadline, and no /health answer")
+                return _failure(504, f"replica {replica.url} did not answer within {self.config.upstream_timeout_s}s",
+                                "GatewayTimeout"), None
             except TRANSPORT_ERRORS as error:
                 policy.finish(decision, ok=False)
                 # a dropped keep-alive connection is not a dead replica: take it out only if it fails a probe too
                 if not await self.client.healthy(replica, min(1.0, self.config.health_timeout_s)):
                     pool.mark_down(replica, f"completion failed: {type(error).__name__}")
                 upstream_s += time.perf_counter() - t_up
-                self.metrics.inc("grpo_router_reroutes_total", "Completions re-routed after a replica dropped them")
+                last_problem = f"{replica.url}: {type(error).__name__}"
+                self._reroute("transport")
                 continue
-            except BaseException:  # cancelled: release the claim so the replica's load stays right
+            except BaseException:
                 policy.finish(decision, ok=False)
                 raise
+            finally:
+                replica.calls.discard(call)
+                self.drainer.usage.end(replica.index, model)
             elapsed = time.perf_counter() - t_up
             upstream_s += elapsed
             self.metrics.observe("grpo_router_upstream_latency_seconds", "Upstream completion latency", elapsed,
                                  UPSTREAM_LATENCY_BUCKETS, replica=replica.url)
-            ok = reply.status == 200
-            policy.finish(decision, ok=ok)
-            if reply.status == 404 and model in pool.live_adapters:
-                pool.mark_down(replica, f"lost live adapter {model}")  # restarted under us; send elsewhere
+            answer = _completion_json(reply) if reply.status == 200 else None
+            if reply.status == 200 and answer is None:
+                policy.finish(decision, ok=False)
+                self.metrics.inc("grpo_router_malformed_answers_total", "200 answers that were not a completion",
+                                 replica=replica.url)
+                pool.mark_down(replica, "answered a completion with 200 and a body that is not completion JSON")
+                last_problem = f"{replica.url} answered 200 with a body that is not completion JSON"
+                self._reroute("malformed")
+                continue
+            policy.finish(decision, ok=reply.status == 200)
+            if reply.status == 404 and model in pool.live_adapters and model in replica.adapters:
+                pool.mark_down(replica, f"lost adapter {model} (restarted?)")  # send elsewhere
+                last_problem = f"{replica.url} no longer holds {model}"
+                self._reroute("lost_adapter")
                 continue
             self._record_overhead(time.perf_counter() - t_start - upstream_s)
-            if not ok:
+            if reply.status != 200:
                 self.metrics.inc("grpo_router_upstream_errors_total", "Non-200 completion answers",
                                  replica=replica.url, status=str(reply.status))
-                return web.Response(body=self.client.scrub(reply.text()).encode(), status=reply.status,
-                                    content_type=reply.content_type)
-            return web.Response(body=reply.body, status=200, content_type=reply.content_type)
-        return _fail(503, f"no in-service replica could serve `{model}` (tried {len(tried)})")
+            return reply, answer
+        if now() >= deadline:
+            return _failure(504, f"no answer within the {self.config.upstream_timeout_s}s deadline "
+                                 f"({last_problem or 'no replica answered'})", "GatewayTimeout"), None
+        if last_problem:
+            return _failure(502, f"no replica could serve `{model}`: {last_problem} (tried {len(tried)})",
+                            "BadGateway"), None
+        return _failure(503, f"no in-service replica holds `{model}`", "ServiceUnavailable"), None
 
     def _record_overhead(self, seconds: float) -> None:
         self.metrics.observe("grpo_router_overhead_seconds", "Router time per completion, upstream excluded",
@@ -257,103 +432,153 @@ class Router:
         if len(self.overhead_s) > 20_000:
             del self.overhead_s[:10_000]
 
-    # -- adapters and pause/resume ---------------------------------------------------------------------------
+    # -- adapters -----------------------------------------------------------------------------------------------
     async def load_adapter(self, request: web.Request) -> web.Response:
         body, _ = await self._json(request)
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            return _fail(400, "'lora_name' and 'lora_path' must be non-empty strings")
+            return _fail(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
         if body.get("load_inplace"):
-            return _fail(400, "load_inplace is not supported by the router: publish each policy under a new name")
+            return _fail(400, "load_inplace is not supported by the router (a reload could not be made atomic "
+                              "across replicas): publish each policy under a new name", param="load_inplace")
         pool = self.pool
-        async with pool.control():
+        if pool.is_base_model(name):
+            return _fail(400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput")
+        problem = adapter_path_error(path, self.config.adapter_roots)
+        if problem:
+            return _fail(400, problem, param="lora_path")
+        async with pool.name_lock(name):
             if name in pool.live_adapters:
-                if pool.live_adapters[name].rstrip("/") == path.rstrip("/"):
-                    return web.Response(text=f"Success: LoRA adapter '{name}' is already loaded.")
-                return _fail(400, f"The lora adapter '{name}' has already been loaded from "
-                                  f"{pool.live_adapters[name]!r}.", "BadRequestError")
+                return _fail(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                                  "adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
+            wait_s = self.config.unload_drain_timeout_s + self.config.control_timeout_s
+            if not await self.drainer.wait_done(name, wait_s):
+                return _fail(503, f"adapter '{name}' is still being unloaded (draining) after {wait_s:.0f}s",
+                             "ServiceUnavailable")
             targets = pool.in_service()
+            if targets:
+                await self.drainer.wait_for_slots(targets, self.config.unload_drain_timeout_s)
+                targets = pool.in_service()
             if not targets:
-                return _fail(503, "no replica in service to load the adapter on")
+                return _fail(503, "no replica in service to load the adapter on", "ServiceUnavailable")
             ok, outcomes = await load_everywhere(
                 self.client, targets, name, path, deadline_s=self.config.load_retry_deadline_s,
                 interval_s=self.config.load_retry_interval_s, timeout_s=self.config.control_timeout_s,
                 on_stale=pool.mark_down)  # re-admission unloads what a failed rollback left there
-            for o in outcomes:
-                if o.retries:
-                    self.metrics.inc("grpo_router_adapter_load_retries_total", "Load retries on 'No adapter found'",
-                                     o.retries, replica=o.replica.url)
-                if o.transport_error:
-                    pool.mark_down(o.replica, f"adapter load failed: {o.message}")
-            self.metrics.inc("grpo_router_adapter_loads_total", "Adapter loads, all-or-nothing across replicas",
-                             result="ok" if ok else "failed")
-            if ok:
+            self._count_load(outcomes, ok)
+            if not ok:
+                return self._load_failed(name, path, outcomes)
+            async with pool.control():
+                await self._load_on_late_replicas(name, path)
                 pool.live_adapters[name] = path
-                log.info("adapter %s loaded on %d replica(s)", name, len(targets))
-                return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
-            return self._load_failed(name, outcomes)
+            log.info("adapter %s loaded on %d replica(s)", name, len(targets))
+            return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
-    def _load_failed(self, name: str, outcomes: list) -> web.Response:
+    def _count_load(self, outcomes: list, ok: bool) -> None:
+        for o in outcomes:
+            if o.retries:
+                self.metrics.inc("grpo_router_adapter_load_retries_total", "Load retries on 'No adapter found'",
+                                 o.retries, replica=o.replica.url)
+            if o.transport_error:
+                self.pool.mark_down(o.replica, f"adapter load failed: {o.message}")
+        self.metrics.inc("grpo_router_adapter_loads_total", "Adapter loads, all-or-nothing across replicas",
+                         result="ok" if ok else "failed")
+
+    async def _load_on_late_replicas(self, name: str, path: str) -> None:
+        """Replicas admitted while the load ran (they synced the live set, which did not have it yet) load it now;
+        one that cannot leaves routing and gets it at re-admission."""
+        for replica in [r for r in self.pool.in_service() if name not in r.adapters]:
+            outcome = await load_one(self.client, replica, name, path, deadline_s=self.config.load_retry_deadline_s,
+                                     interval_s=self.config.load_retry_interval_s,
+                                     timeout_s=self.config.control_timeout_s)
+            if outcome.ok:
+                replica.adapters[name] = path
+            else:
+                self.pool.mark_down(replica, f"could not load adapter {name} after joining: {outcome.message}")
+
+    def _load_failed(self, name: str, path: str, outcomes: list) -> web.Response:
         """The failed load's error; it names the replicas whose rollback failed (now out of routing)."""
-        bad = next(o for o in outcomes if not o.ok)
+        bad = [o for o in outcomes if not o.ok]
         rolled = sum(1 for o in outcomes if o.ok and o.newly_loaded and not o.left_loaded)
         stale = [o.replica.url for o in outcomes if o.left_loaded]
-        message = f"loading adapter '{name}' failed on {bad.replica.url}: {bad.status} {bad.message}; " \
-                  f"rolled back on {rolled} replica(s)"
+        tail = f"rolled back on {rolled} replica(s)"
         if stale:
-            message += (f"; the rollback failed on {', '.join(stale)} (out of routing until re-admission unloads "
-                        "it there), so no replica in service serves it")
+            tail += (f"; the rollback failed on {', '.join(stale)} (out of routing until re-admission unloads "
+                     "it there), so no replica in service serves it")
         else:
-            message += ", so no replica serves it"
+            tail += ", so no replica serves it"
+        if all(o.no_adapter for o in bad):
+            # vLLM answers 404 at once; after the storage-lag retries the router answers 400, because TRL's client
+            # reads any 404 from this endpoint as "runtime LoRA updating is off" and drops the message.
+            waited = max(o.elapsed_s for o in bad)
+            message = (f"Loading lora {name} failed: No adapter found for {path} on "
+                       f"{', '.join(o.replica.url for o in bad)} (still missing after {waited:.1f}s of retries, "
+                       f"load_retry_deadline_s={self.config.load_retry_deadline_s:g}: is the path on storage every "
+                       f"replica mounts?); {tail}")
+            log.warning(message)
+            return _fail(400, message, "NotFoundError", param="lora_path")
+        first = bad[0]
+        message = f"loading adapter '{name}' failed on {first.replica.url}: {first.status} {first.message}; {tail}"
         log.warning(message)
-        return _fail(bad.status if 400 <= bad.status < 600 else 502, message, "AdapterLoadError")
+        return _fail(first.status if 400 <= first.status < 600 else 502, message, "AdapterLoadError")
 
     async def unload_adapter(self, request: web.Request) -> web.Response:
+        """Answered at once: new completions naming the adapter get 404 from now on; each replica unloads it once
+        its completions using it have finished (`adapter_drain`)."""
         body, _ = await self._json(request)
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
-            return _fail(400, "'lora_name' must be a non-empty string")
+            return _fail(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
         pool = self.pool
-        async with pool.control():
-            pool.live_adapters.pop(name, None)  # first, so no new completion is routed to it
-            targets = [r for r in pool.in_service() if name in r.adapters]
-            outcomes = await asyncio.gather(*(unload_one(self.client, r, name, self.config.control_timeout_s)
-                                              for r in targets))
-            bad = [o for o in outcomes if not o.ok]
-            for o in outcomes:
-                if o.ok:
-                    o.replica.adapters.pop(name, None)
-                else:  # it may still hold the adapter: re-admission unloads it, so its slot is not lost for good
-                    pool.mark_down(o.replica, f"unload of adapter {name} failed: {o.status} {o.message}")
-            if bad:
-                status = bad[0].status if 400 <= bad[0].status < 600 else 502
-                return _fail(status, f"unloading '{name}' failed on {bad[0].replica.url}: {bad[0].status} "
-                                     f"{bad[0].message}; taken out of routing until it has unloaded it")
-            return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+        async with pool.name_lock(name):
+            if name not in pool.live_adapters:
+                return _fail(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+            async with pool.control():
+                pool.live_adapters.pop(name)
+                self.drainer.start(name, [r for r in pool.replicas if r.serving and name in r.adapters])
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
-    async def _broadcast_control(self, path: str, params=None) -> web.Response:
+    # -- pause/resume ---------------------------------------------------------------------------------------
+    async def pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        if mode not in PAUSE_MODES:  # what vLLM's query validation answers
+            return _fail(400, f"1 validation error:\n  query.mode: Input should be 'abort', 'wait' or 'keep' "
+                              f"(got {mode!r})", "Bad Request", param="mode")
+        return await self._broadcast_pause_state(True, dict(request.query))
+
+    async def resume(self, request: web.Request) -> web.Response:
+        return await self._broadcast_pause_state(False, None)
+
+    async def _broadcast_pause_state(self, pausing: bool, params) -> web.Response:
+        """Pause or resume every replica; the router's own state changes only when every replica agreed. A pause
+        that failed somewhere is undone where it succeeded; a replica that failed to resume leaves routing (it is
+        re-admitted in the router's state)."""
+        path = "/pause" if pausing else "/resume"
         pool = self.pool
         async with pool.control():
             targets = pool.in_service()
             if not targets:
-                return _fail(503, f"no replica in service for {path}")
+                return _fail(503, f"no replica in service for {path}", "ServiceUnavailable")
             outcomes = await broadcast(self.client, targets, "POST", path, params=params,
                                        timeout_s=self.config.control_timeout_s)
-            pool.paused = path == "/pause"
             bad = [o for o in outcomes if not o.ok]
-            for o in bad:
-                if o.transport_error:
-                    pool.mark_down(o.replica, f"{path} failed: {o.message}")
-            if bad:
-                return _fail(bad[0].status if bad[0].status >= 400 else 502,
-                             f"{path} failed on {bad[0].replica.url}: {bad[0].status} {bad[0].message}")
-            return web.json_response({"status": "paused" if pool.paused else "running"})
-
-    async def pause(self, request: web.Request) -> web.Response:
-        return await self._broadcast_control("/pause", params=dict(request.query))
-
-    async def resume(self, request: web.Request) -> web.Response:
-        return await self._broadcast_control("/resume")
+            if not bad:
+                pool.paused = pausing
+                return web.json_response({"status": "paused" if pausing else "resumed"})
+            if pausing:
+                undo = [o.replica for o in outcomes if o.ok]
+                await broadcast(self.client, undo, "POST", "/resume", timeout_s=self.config.control_timeout_s)
+                for o in bad:
+                    if o.transport_error:
+                        pool.mark_down(o.replica, f"/pause failed: {o.message}")
+            else:
+                pool.paused = False
+                for o in bad:
+                    pool.mark_down(o.replica, f"/resume failed: {o.status} {o.message}")
+            first = bad[0]
+            undone = "; undone on the replicas that had paused" if pausing and len(bad) < len(outcomes) else ""
+            return _fail(first.status if first.status >= 400 else 502,
+                         f"{path} failed on {first.replica.url}: {first.status} {first.message}{undone}")
 
 
 # -- in-process and command-line entry points -------------------------------------------------------------------
@@ -399,6 +624,11 @@ class RouterHandle:
         try:
             if self._runner is not None:
                 self._loop.run_until_complete(self._runner.cleanup())
+            left = [t for t in asyncio.all_tasks(self._loop) if not t.done()]  # e.g. idle keep-alive connections
+            for task in left:
+                task.cancel()
+            if left:
+                self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
         finally:
             self._loop.close()
 
@@ -452,6 +682,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key-env", default="VLLM_API_KEY", help="env var holding the upstream bearer token")
     p.add_argument("--api-key-file", default=None, help="file holding the upstream bearer token")
+    p.add_argument("--client-api-key-env", default=None,
+                   help="env var holding the key clients must send (Authorization: Bearer) on every endpoint")
+    p.add_argument("--client-api-key-file", default=None, help="file holding that client key")
+    p.add_argument("--adapter-root", action="append", default=[], dest="adapter_roots",
+                   help="storage root lora_path must lie under (repeat per root; required off loopback)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without client authentication or adapter roots")
     p.add_argument("--block-size", type=int, default=16, help="used until the replicas report theirs")
     p.add_argument("--spill-threshold", type=int, default=8)
     p.add_argument("--max-blocks", type=int, default=1_000_000)
@@ -459,6 +696,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-retry-deadline", type=float, default=30.0)
     p.add_argument("--upstream-timeout", type=float, default=600.0)
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument("--body-read-timeout", type=float, default=60.0)
+    p.add_argument("--unload-drain-timeout", type=float, default=120.0,
+                   help="seconds an unloaded adapter may keep serving its in-flight completions on a replica")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -466,17 +706,24 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args) -> RouterConfig:
     return RouterConfig(
         replicas=args.replica, host=args.host, port=args.port, api_key_env=args.api_key_env,
-        api_key_file=args.api_key_file,
+        api_key_file=args.api_key_file, client_api_key_env=args.client_api_key_env,
+        client_api_key_file=args.client_api_key_file, adapter_roots=args.adapter_roots, insecure=args.insecure,
         routing=RoutingConfig(block_size=args.block_size, spill_threshold=args.spill_threshold,
                               max_blocks=args.max_blocks),
         health_interval_s=args.health_interval, load_retry_deadline_s=args.load_retry_deadline,
-        upstream_timeout_s=args.upstream_timeout, max_body_bytes=args.max_body_bytes, log_level=args.log_level)
+        upstream_timeout_s=args.upstream_timeout, max_body_bytes=args.max_body_bytes,
+        body_read_timeout_s=args.body_read_timeout, unload_drain_timeout_s=args.unload_drain_timeout,
+        log_level=args.log_level)
 
 
 def main(argv=None) -> None:
-    config = config_from_args(build_parser().parse_args(argv))
+    parser = build_parser()
+    try:
+        config = config_from_args(parser.parse_args(argv))
+        router = Router(config)  # reads the keys: a missing key file is a user error too
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(config)
     print(f"grpo_lab router on http://{config.host}:{config.port} -> {len(config.replicas)} replica(s)", flush=True)
     web.run_app(router.app(), host=config.host, port=config.port, access_log=None, print=None)
 

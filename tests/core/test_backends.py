@@ -152,3 +152,61 @@ def test_unknown_backend_name():
         get_logprob_backend("fast")
     with pytest.raises(ValueError, match="liger"):
         get_logprob_backend("liger")
+
+
+@pytest.mark.parametrize("entropy_grad", ["expected", "unexpected", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_frozen_head_matches_float64(case, dtype, entropy_grad):
+    """A head that needs no gradient takes the two-GEMM path (A = Σ p·W from the forward, elementwise backward):
+    the same values and input gradient as the float64 reference, whether or not the forward prepared the entropy
+    gradient it then gets (an unexpected one is computed by recomputing), and for peaked rows (p_y → 1)."""
+    import grpo_lab.backends.chunked as chunked
+    from grpo_lab.backends.base import expect_entropy_grad
+
+    n, hdim, v, temp, softcap, scale, has_bias, peaked = case
+    gen = torch.Generator().manual_seed(n + 1)
+    h = (torch.randn(n, hdim, generator=gen) * (4.0 if peaked else 1.0)).to(dtype)
+    w = (torch.randn(v, hdim, generator=gen) / hdim**0.5 * (3.0 if peaked else 1.0)).to(dtype)
+    b = torch.randn(v, generator=gen).to(dtype) if has_bias else None
+    y = (h.float() @ w.float().t()).argmax(-1) if peaked else torch.randint(0, v, (n,), generator=gen)
+    y[::7] = -100
+    g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    valid = y >= 0
+    calls = []
+    real = chunked.frozen_input_grad
+    chunked.frozen_input_grad = lambda *a: calls.append(a[1] is not None) or real(*a)
+    try:
+        hh = h.clone().requires_grad_()
+        with expect_entropy_grad(entropy_grad == "expected"):
+            lp, ent, *_ = get_logprob_backend("grpo_lab")(hh, w, b, y, temp, 64, softcap, scale, ALL_OUTPUTS)
+        loss = (lp * valid * g_lp).sum() + ((ent * valid * g_ent).sum() if entropy_grad != "none" else 0)
+        loss.backward()
+    finally:
+        chunked.frozen_input_grad = real
+    # the elementwise backward ran unless an entropy gradient came unannounced (then the recomputing one did)
+    assert calls == ([] if entropy_grad == "unexpected" else [entropy_grad == "expected"])
+    h64 = h.double().requires_grad_()
+    lp64, ent64 = reference(h64, w.double(), None if b is None else b.double(), y, temp, softcap, scale, torch.float64)
+    ((lp64 * valid * g_lp.double()).sum() + ((ent64 * valid * g_ent.double()).sum() if entropy_grad != "none"
+                                             else 0)).backward()
+    atol = 2e-3 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(lp[valid].double(), lp64[valid].detach(), atol=atol, rtol=0)
+    torch.testing.assert_close(ent[valid].double(), ent64[valid].detach(), atol=atol, rtol=0)
+    assert torch.all(lp[~valid] == 0) and torch.all(hh.grad[~valid] == 0)
+    grad_atol = atol * 4 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(hh.grad.double(), h64.grad, atol=grad_atol * max(1, h64.grad.abs().max().item()),
+                               rtol=0.02)
+
+
+def test_head_mode():
+    from grpo_lab.backends.base import head_mode
+
+    h, w, b = torch.randn(2, 3), torch.randn(4, 3), torch.randn(4)
+    assert head_mode(h, w, b) == "inference"
+    h.requires_grad_()
+    assert head_mode(h, w, b) == "frozen"
+    assert head_mode(h, w, b.requires_grad_()) == "trainable"
+    assert head_mode(h, w.requires_grad_(), None) == "trainable"
+    with torch.no_grad():
+        assert head_mode(h, w, b) == "inference"

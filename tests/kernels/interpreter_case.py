@@ -3,6 +3,10 @@
 A separate process because `TRITON_INTERPRET=1` must be set before the kernels are decorated (at import). Small
 tiles so that several token and vocabulary blocks, several dZ tiles in each direction and a persistent program
 looping over many tiles all occur; fp32 only (the interpreter computes in numpy, which has no bfloat16).
+
+`variant["path"]`: "recompute" (trainable head, the default), "frozen" (the head needs no gradient: the two-GEMM
+path) or "materialized" (trainable head with memory allowed for speed). `headroom` shrinks REF_HEADROOM so that rows
+are recomputed against their exact max; `entropy_hint` forces what the frozen forward prepares for.
 """
 
 import json
@@ -35,18 +39,26 @@ def spy(name: str, calls: list) -> None:
 
 
 def main(variant: dict) -> dict:
+    from grpo_lab.backends.base import expect_entropy_grad
+
     small = (32, 64, 32, 2, 4, 2)
     F.CONFIGS.update({"fwd_32": small, "bwd_32": small})
     # The 16-bit settings differ from the fp32 ones, so a lookup under the wrong dtype key shows in the counts.
     F.BWD_TILE = {"16": (4096, 4096), "32": (48, 256)}
+    F.FROZEN_TILE = {"16": (4096, 4096), "32": (48, 256)}
     F.USE_TMA = variant["tma"]
     F.DZ_TMA = {"16": not variant["dz_tma"], "32": variant["dz_tma"]}
     F.PERSISTENT = {key: variant["persistent"] == key.endswith("_32") for key in F.PERSISTENT}
     F.PERSISTENT_PROGRAMS = None
-    programs, loads, stores = [], [], []
+    path = variant.get("path", "recompute")
+    F.MATERIALIZE_GIB = 1.0 if path == "materialized" else 0.0
+    F.REF_HEADROOM = variant.get("headroom", F.REF_HEADROOM)
+    programs, loads, stores, paths = [], [], [], []
     spy("_programs", programs)
     spy("_operands", loads)
     spy("_dz_target", stores)
+    choose = F._choose_path
+    F._choose_path = lambda *a: paths.append(choose(*a)) or paths[-1]
     gen = torch.Generator().manual_seed(0)
     n, h, v = 70, 64, 700
     hidden = torch.randn(n, h, generator=gen)
@@ -56,22 +68,30 @@ def main(variant: dict) -> dict:
     targets[::5] = -100
     g, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     valid = targets >= 0
-    mine = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
-    ref_in = [x.double().requires_grad_() for x in (hidden, weight, bias)]
-    out = F.FusedLinearLogProbFunction.apply(*mine, targets, 0.9, None, 5.0, 1.0, ALL, torch.float32)
-    ref = naive_logprobs(*ref_in, targets, 0.9, None, 5.0, 1.0, ALL)
+    softcap = None if path == "materialized" else 5.0  # the materialised path is not taken under a softcap
+    frozen = path == "frozen"
+    mine = [x.clone().requires_grad_(not frozen or i == 0) for i, x in enumerate((hidden, weight, bias))]
+    ref_in = [x.double().requires_grad_(not frozen or i == 0) for i, x in enumerate((hidden, weight, bias))]
+    mode = "frozen" if frozen else "trainable"
+    with expect_entropy_grad(variant.get("entropy_hint", False)):
+        out = F.FusedLinearLogProbFunction.apply(*mine, targets, 0.9, None, softcap, 1.0, ALL, torch.float32, mode)
+    ref = naive_logprobs(*ref_in, targets, 0.9, None, softcap, 1.0, ALL)
     ((out[0] * g).sum() + (out[1] * ge).sum()).backward()
     ((ref[0] * g * valid).sum() + (ref[1] * ge * valid).sum()).backward()
+
+    def grad_err(i):
+        return rel(mine[i].grad, ref_in[i].grad) if ref_in[i].grad is not None else float(mine[i].grad is not None)
     return {
+        "path": paths,
         "logprobs": rel(out[0][valid], ref[0][valid]),
         "entropy": rel(out[1][valid], ref[1][valid]),
         "log_sum_sq_probs": rel(out[2][valid], ref[2][valid]),
         "mean_logits": (out[3][valid] - ref[3][valid]).abs().max().item(),
         "is_top1_agree": (out[4][valid] == ref[4][valid]).float().mean().item(),
         "masked_zero": bool((out[0][~valid] == 0).all() and (out[1][~valid] == 0).all()),
-        "grad_hidden": rel(mine[0].grad, ref_in[0].grad),
-        "grad_weight": rel(mine[1].grad, ref_in[1].grad),
-        "grad_bias": rel(mine[2].grad, ref_in[2].grad),
+        "grad_hidden": grad_err(0),
+        "grad_weight": grad_err(1),
+        "grad_bias": grad_err(2),
         "masked_grad_zero": bool((mine[0].grad[~valid] == 0).all()),
         "launches": len(programs),  # forward launches + backward dZ launches (one per dZ tile)
         "persistent_launches": sum(programs),

@@ -6,6 +6,8 @@ TRL 1.16's `ChunkedLogProbFunction`. Error measure: ||out - ref|| / ||ref|| over
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -41,9 +43,13 @@ def make(n, h, v, dtype, *, peaked=False, bias=False, masked=0, seed=0):
 
 
 def run_both(hidden, weight, bias, targets, temperature=1.0, softcap=None, logit_scale=1.0, outputs=ALL,
-             entropy_grad=True):
-    leaves = [x.detach().clone().requires_grad_() if x is not None else None for x in (hidden, weight, bias)]
-    refs = [x.detach().double().requires_grad_() if x is not None else None for x in (hidden, weight, bias)]
+             entropy_grad=True, frozen=False):
+    """The kernel and the float64 reference on the same inputs; `frozen`: only the hidden states need a gradient."""
+    grads = (True, not frozen, not frozen)
+    leaves = [x.detach().clone().requires_grad_(r) if x is not None else None
+              for x, r in zip((hidden, weight, bias), grads)]
+    refs = [x.detach().double().requires_grad_(r) if x is not None else None
+            for x, r in zip((hidden, weight, bias), grads)]
     out = fused_linear_logprobs(*leaves, targets, temperature, None, softcap, logit_scale, outputs)
     ref = naive_logprobs(*refs, targets, temperature, None, softcap, logit_scale, outputs)
     valid = targets >= 0
@@ -75,7 +81,8 @@ def check(out, ref, leaves, refs, valid, dtype, outputs=ALL):
         agree = (out[4][valid] == ref[4][valid]).float().mean().item()
         assert agree > (0.999 if dtype == torch.float32 else 0.99)
     for mine, theirs in zip(leaves, refs):
-        if mine is None:
+        if mine is None or not mine.requires_grad:
+            assert mine is None or mine.grad is None
             continue
         assert mine.grad is not None and mine.grad.dtype == mine.dtype and torch.isfinite(mine.grad).all()
         assert rel(mine.grad, theirs.grad) < tol_g, rel(mine.grad, theirs.grad)
@@ -217,3 +224,157 @@ def test_fp32_as_accurate_as_ieee_sgemm():
     for mine, ieee, exact in ((out[0], lp, ref[0]), (out[1], ent, ref[1]), (leaves[0].grad, h32.grad, refs[0].grad),
                               (leaves[1].grad, w32.grad, refs[1].grad)):
         assert rel(mine, exact) <= 3 * rel(ieee, exact) + 1e-7, (rel(mine, exact), rel(ieee, exact))
+
+
+# --- the frozen head (two GEMMs) and the materialised trainable head ------------------------------------------------
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """The path each call of the kernel took (`frozen`, `materialized`, `recompute`, `stats`)."""
+    import grpo_lab.kernels.fused_linear_logprob as F
+
+    taken = []
+    real = F._choose_path
+    monkeypatch.setattr(F, "_choose_path", lambda *a: taken.append(real(*a)) or taken[-1])
+    return taken
+
+
+@pytest.mark.parametrize("entropy_grad", ["expected", "unexpected", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("peaked", [False, True])
+@pytest.mark.parametrize("shape", [(300, 200, 5003), (4500, 256, 9001)])
+def test_frozen_head_against_float64(paths, dtype, peaked, shape, entropy_grad):
+    """Loss values, entropy and dX of the frozen path at the trainable path's tolerances; an entropy gradient the
+    forward did not expect is still exact (the backward recomputes); peaked rows (p_y → 1) keep their precision."""
+    from grpo_lab.backends.base import expect_entropy_grad
+
+    n, h, v = shape
+    data = make(n, h, v, dtype, peaked=peaked, masked=n // 10)
+    with expect_entropy_grad(entropy_grad == "expected"):
+        out = run_both(*data, frozen=True, entropy_grad=entropy_grad != "none")
+    check(*out, dtype)
+    assert paths == ["frozen"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_bias_softcap_scale_temperature(paths, dtype):
+    from grpo_lab.backends.base import expect_entropy_grad
+
+    hidden, weight, bias, targets = make(777, 192, 3001, dtype, bias=True, masked=50, seed=3)
+    with expect_entropy_grad():
+        out = run_both(hidden, weight, bias, targets, temperature=0.7, softcap=5.0, logit_scale=1.7, frozen=True)
+    check(*out, dtype)
+    assert paths == ["frozen"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_rows_recomputed_against_their_max(monkeypatch, paths, dtype):
+    """Rows whose max is far above the target's logit (the reference e^(z − ref) is stored against) are recomputed
+    against their exact max: with a headroom of 0.5 that is most rows, and nothing changes."""
+    import grpo_lab.kernels.fused_linear_logprob as F
+    from grpo_lab.backends.base import expect_entropy_grad
+
+    monkeypatch.setattr(F, "REF_HEADROOM", 0.5)
+    monkeypatch.setattr(F, "FROZEN_TILE", {"16": (1024, 2048), "32": (1024, 2048)})  # several token tiles
+    data = make(2500, 200, 5003, dtype, peaked=True, masked=100, seed=11)
+    with expect_entropy_grad():
+        check(*run_both(*data, frozen=True), dtype)
+    assert paths == ["frozen"]
+
+
+@pytest.mark.parametrize("tma,persistent", [(True, True), (False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_kernel_variants(monkeypatch, paths, tma, persistent, dtype):
+    import grpo_lab.kernels.fused_linear_logprob as F
+    from grpo_lab.backends.base import expect_entropy_grad
+
+    monkeypatch.setattr(F, "USE_TMA", tma)
+    monkeypatch.setattr(F, "PERSISTENT", {key: persistent for key in F.PERSISTENT})
+    monkeypatch.setattr(F, "PERSISTENT_PROGRAMS", 7)
+    monkeypatch.setattr(F, "FROZEN_TILE", {"16": (1024, 2048), "32": (1024, 2048)})
+    data = make(2500, 200, 5003, dtype, masked=100, seed=8)
+    with expect_entropy_grad():
+        check(*run_both(*data, frozen=True), dtype)
+    assert paths == ["frozen"]
+
+
+def test_frozen_all_masked_and_the_choice_of_path(paths):
+    """All rows masked: zeros. The path follows what needs a gradient: frozen, trainable (recompute), no grad."""
+    hidden, weight, _, targets = make(64, 96, 1000, torch.bfloat16)
+    h = hidden.detach().clone().requires_grad_()
+    lp, ent, *_ = fused_linear_logprobs(h, weight, None, torch.full_like(targets, -100), 1.0, None, None, 1.0,
+                                        ("entropy",))
+    (lp.sum() + ent.sum()).backward()
+    assert (lp == 0).all() and (h.grad == 0).all()
+    fused_linear_logprobs(h, weight.detach().clone().requires_grad_(), None, targets)
+    with torch.no_grad():
+        fused_linear_logprobs(h, weight, None, targets)
+    fused_linear_logprobs(h, weight, None, targets)
+    assert paths == ["stats", "recompute", "stats", "frozen"]
+
+
+def test_frozen_under_autocast_with_fp32_master_weights(paths):
+    """A frozen fp32 head under bf16 autocast: the bf16 frozen path, fp32 input gradient."""
+    from grpo_lab.backends.base import expect_entropy_grad
+
+    hidden, weight, _, targets = make(1000, 256, 5000, torch.float32, seed=5)
+    h = hidden.detach().clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16), expect_entropy_grad():
+        lp, ent, *_ = fused_linear_logprobs(h, weight, None, targets, 1.0, None, None, 1.0, ("entropy",))
+    (lp.sum() + ent.sum()).backward()
+    hr = hidden.to(torch.bfloat16).double().requires_grad_()
+    lr, er, *_ = naive_logprobs(hr, weight.to(torch.bfloat16).double(), None, targets, 1.0, None, None, 1.0,
+                                ("entropy",))
+    (lr.sum() + er.sum()).backward()
+    assert h.grad.dtype == torch.float32 and paths == ["frozen"]
+    assert rel(lp, lr) < 1e-4 and rel(ent, er) < 1e-4 and rel(h.grad, hr.grad) < 1.5e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("peaked", [False, True])
+def test_materialized_head_against_float64(monkeypatch, paths, dtype, peaked):
+    """Trainable head with memory allowed for speed: probabilities kept, backward = elementwise + two GEMMs."""
+    import grpo_lab.kernels.fused_linear_logprob as F
+
+    monkeypatch.setattr(F, "MATERIALIZE_GIB", 4.0)
+    data = make(4500, 256, 9001, dtype, peaked=peaked, bias=True, masked=450, seed=12)
+    check(*run_both(*data), dtype)
+    assert paths == ["materialized"]
+    monkeypatch.setattr(F, "REF_HEADROOM", 0.5)  # most rows recomputed against their max
+    check(*run_both(*data), dtype)
+    monkeypatch.setattr(F, "MATERIALIZE_GIB", 0.01)  # does not fit: the memory-lean recompute path
+    check(*run_both(*data), dtype)
+    assert paths == ["materialized", "materialized", "recompute"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("loss_type", ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"))
+def test_frozen_head_every_loss_type_through_trl(tmp_path, paths, loss_type, dtype):
+    """A real LoRA `GRPOTrainer` on the GPU: TRL's own `_compute_loss` with the grpo_lab head (which takes the frozen
+    path) against the same with the naive head — loss, every LoRA gradient and the logged entropy and KL."""
+    from peft import LoraConfig
+
+    from grpo_lab.tasks.tiny import build_char_tokenizer
+
+    here = os.path.dirname(__file__)
+    conftest, frozen_tests = (_load(os.path.join(here, "..", "core", name))
+                              for name in ("conftest.py", "test_frozen_head.py"))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    trainer = conftest.make_trainer(
+        tmp_path, build_char_tokenizer(), use_cpu=False, bf16=dtype == "bf16", loss_type=loss_type, beta=0.04,
+        epsilon_high=0.28, temperature=0.9,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    assert not trainer.model.get_output_embeddings().weight.requires_grad
+    frozen_tests.assert_parity(frozen_tests.loss_parity(trainer, "cuda"), 1e-4 if dtype == "fp32" else 3e-2)
+    assert paths == ["frozen"]
+
+
+def _load(path):
+    """A test module of tests/core by file path (the two test folders are not packages)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0] + "_for_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

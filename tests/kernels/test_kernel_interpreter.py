@@ -39,6 +39,36 @@ def test_kernels_match_float64_in_the_interpreter(tma, persistent, dz_tma):
     assert err["dz_descriptor_launches"] == (6 if dz_tma else 0), err
 
 
+# (variant, forward + backward fused-kernel launches): 56 valid rows in [48 tokens × 256 vocabulary] P~ / dZ tiles
+# over a vocabulary of 700 -> 2 x 3 launches each way; a rescue (tiny headroom) relaunches the rows it recomputes.
+PATH_CASES = [
+    # frozen head, entropy gradient expected: forward only (6 launches), the backward is elementwise
+    ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True}, 6),
+    # frozen head, an entropy gradient the forward did not prepare for (the backward recomputes: 6 more), and every
+    # row recomputed against its exact max (6 more)
+    ({"tma": False, "persistent": False, "dz_tma": False, "path": "frozen", "headroom": 0.5}, 18),
+    # trainable head with memory allowed: one forward launch keeps every probability, one more for the rescued rows
+    ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "headroom": 0.5}, 2),
+]
+
+
+@pytest.mark.parametrize("variant,launches", PATH_CASES, ids=["frozen", "frozen-fallback-rescue",
+                                                               "materialized-rescue"])
+def test_frozen_and_materialized_paths_match_float64_in_the_interpreter(variant, launches):
+    proc = subprocess.run([sys.executable, CASE, json.dumps(variant)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert err["path"] == [variant["path"]], err
+    for key in ("logprobs", "entropy", "grad_hidden"):
+        assert err[key] < 2e-6, (key, err)
+    assert err["is_top1_agree"] == 1.0 and err["masked_zero"] and err["masked_grad_zero"], err
+    if variant["path"] == "frozen":  # no weight / bias gradient is formed for a frozen head
+        assert err["grad_weight"] == 0.0 and err["grad_bias"] == 0.0, err
+    else:
+        assert err["grad_weight"] < 2e-6 and err["grad_bias"] < 2e-6, err
+    assert err["launches"] == launches, err
+
+
 def _settings_under(env: dict) -> subprocess.CompletedProcess:
     code = ("import json, grpo_lab.kernels.fused_linear_logprob as F; "
             "print(json.dumps({'persistent': F.PERSISTENT, 'tile': F.BWD_TILE, 'dz': F.DZ_TMA}))")

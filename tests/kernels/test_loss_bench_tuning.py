@@ -1,4 +1,5 @@
-"""The tuning plumbing of benchmarks/loss_bench.py (the timings themselves only mean something on a GPU)."""
+"""The plumbing of benchmarks/loss_bench.py: tuning knobs, the grid harness and its report (the timings themselves only
+mean something on a GPU)."""
 
 import importlib.util
 import os
@@ -17,7 +18,7 @@ def bench(monkeypatch):
     spec = importlib.util.spec_from_file_location("loss_bench", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "DZ_TMA"):
+    for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "FROZEN_TILE", "DZ_TMA"):
         monkeypatch.setattr(F, name, dict(getattr(F, name)))
     return module
 
@@ -51,3 +52,29 @@ def test_the_setting_column_names_the_knobs_in_force(bench):
     assert "persistent fwd_16,bwd_16" in text and "dZ tile 16:16384x8192 32:8192x8192" in text
     bench.apply_experiment(F, {"persistent": True}, "fp32")
     assert "persistent fwd_16,bwd_16,fwd_32,bwd_32" in bench.kernel_setting(F)
+
+
+def test_smoke_run_on_cpu_writes_the_long_format_csv_and_the_report(bench, tmp_path):
+    """The whole harness end to end on the chunked torch path with a tiny head: every backend × head mode × point
+    gets a row carrying the versions and date, and the report renders tables and the figure from the CSV."""
+    import csv
+
+    args = ["--device", "cpu", "--vocab", "300", "--hidden", "32,48", "--tokens", "1024", "--dtypes", "fp32", "--fp32-full",
+            "--accuracy-hidden", "32", "--accuracy-tokens", "1024",
+            "--backends", "naive,trl,grpo_lab,grpo_lab+mem", "--no-issue-rows", "--budget-s", "0.01",
+            "--out", str(tmp_path)]
+    assert bench.main(args) == 0
+    with open(tmp_path / "loss_grid.csv") as f:
+        rows = list(csv.DictReader(f))
+    # grpo_lab+mem only where it changes the path (a trainable head): 2 H × (3 frozen + 4 trainable)
+    assert len(rows) == 14 and {r["status"] for r in rows} == {"ok"}
+    assert {(r["backend"], r["head"]) for r in rows if r["backend"] == "grpo_lab+mem"} == {("grpo_lab+mem",
+                                                                                            "trainable")}
+    for key in ("gpu", "torch", "triton", "trl", "liger", "date", "ms", "loss_peak_gib", "tokens", "H", "V"):
+        assert all(r[key] != "" for r in rows), key
+    with open(tmp_path / "loss_accuracy.csv") as f:
+        acc = list(csv.DictReader(f))
+    assert acc and all(float(r["err_logprobs"]) < 1e-5 and float(r["err_dX"]) < 1e-4 for r in acc)
+    text = bench.report(str(tmp_path))
+    assert "| fp32 frozen: H \\ tokens | 1k |" in text and "Worst grpo_lab" in text
+    assert (tmp_path / "loss_grid.png").stat().st_size > 0 and (tmp_path / "loss_grid_tables.md").exists()

@@ -27,6 +27,16 @@ class FakeVLLM:
         self.malformed = False
         self.load_delay_s = 0.0
         self.models_delay_s = 0.0
+        self.completion_delay_s = 0.0
+        self.hang: set[str] = set()  # paths accepted and never answered
+        self.garbage_completions = False  # answer completions 200 with a body that is not JSON
+        self.echo_token = False  # put the Authorization header it received into completion bodies and a header
+        self.missing_paths: set[str] = set()  # lora paths answered "No adapter found" forever
+        self.paused = False
+        self.served = 0  # completions answered 200
+        self.unknown_model = 0  # completions answered 404
+        self.most_adapters = 0  # the most adapters held at once
+        self.calls: dict[str, int] = {}  # requests received per path
         self.port: int | None = None
 
     @property
@@ -48,10 +58,13 @@ class FakeVLLM:
         cards += [{"id": n, "root": p, "parent": self.model} for n, p in list(self.adapters.items())]
         return {"object": "list", "data": cards}
 
-    async def answer(self, method: str, path: str, body: dict) -> tuple[int, object]:
+    async def answer(self, method: str, path: str, body: dict, headers: dict | None = None) -> tuple[int, object]:
+        self.calls[path] = self.calls.get(path, 0) + 1
         injected = self.failures.get(path)
         if injected:
             return injected.pop(0)
+        if path in self.hang:
+            await asyncio.Event().wait()
         if path == "/health":
             return 200, ""
         if path == "/server_info":
@@ -66,21 +79,44 @@ class FakeVLLM:
                 return 404, "The lora adapter cannot be found."
             return 200, "Success"
         if path == "/v1/completions":
-            if body.get("model") != self.model and body.get("model") not in self.adapters:
-                return 404, f"The model `{body.get('model')}` does not exist."
-            return 200, {"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [-1.0]}}], "port": self.port}
-        if path in ("/pause", "/resume"):
-            return 200, {}
+            model = body.get("model", self.model)
+            if model != self.model and model not in self.adapters:
+                self.unknown_model += 1
+                return 404, f"The model `{model}` does not exist."
+            await asyncio.sleep(self.completion_delay_s)
+            if model != self.model and model not in self.adapters:  # unloaded while it ran
+                return 404, f"The model `{model}` was unloaded while generating."
+            if self.garbage_completions:
+                return 200, "<html>upstream proxy error</html>"
+            self.served += 1
+            prompt = body.get("prompt")
+            answer = {"object": "text_completion", "model": model, "port": self.port,
+                      "choices": [{"index": 0, "token_ids": [len(prompt) if isinstance(prompt, list) else 0],
+                                   "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "length"}],
+                      "usage": {"prompt_tokens": len(prompt or []), "completion_tokens": 1,
+                                "total_tokens": len(prompt or []) + 1}}
+            if self.echo_token:
+                answer["echo"] = (headers or {}).get("authorization", "")
+            return 200, answer
+        if path == "/pause":
+            self.paused = True
+            return 200, {"status": "paused"}
+        if path == "/resume":
+            self.paused = False
+            return 200, {"status": "resumed"}
         return 404, "Not Found"
 
     async def _load(self, body: dict) -> tuple[int, object]:
         await asyncio.sleep(self.load_delay_s)
         name, path = body.get("lora_name"), body.get("lora_path")
+        if path in self.missing_paths:
+            return 404, f"Loading lora {name} failed: No adapter found for {path}"
         if name in self.adapters:
             return 400, f"The lora adapter '{name}' has already been loaded."
         if len(self.adapters) >= self.max_loras:
             return 400, "max_loras reached"
         self.adapters[name] = path
+        self.most_adapters = max(self.most_adapters, len(self.adapters))
         return 200, "Success"
 
     async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -93,8 +129,10 @@ class FakeVLLM:
                     writer.write(MALFORMED)
                     await writer.drain()
                     return
-                status, payload = await self.answer(*request)
-                writer.write(_response(status, payload))
+                method, path, body, headers = request
+                status, payload = await self.answer(method, path, body, headers)
+                extra = {"X-Echo": headers.get("authorization", "")} if self.echo_token else {}
+                writer.write(_response(status, payload, extra))
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
@@ -102,15 +140,16 @@ class FakeVLLM:
             writer.close()
 
 
-async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict] | None:
-    """(method, path without query, JSON body or {}), or None when the client closed the connection."""
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict, dict] | None:
+    """(method, path without query, JSON body or {}, lower-cased headers), or None when the client closed."""
     line = await reader.readline()
     if not line.strip():
         return None
     method, target, _ = line.decode("latin-1").split(" ", 2)
-    length = 0
+    length, headers = 0, {}
     while (header := await reader.readline()) not in (b"\r\n", b"\n", b""):
         key, _, value = header.decode("latin-1").partition(":")
+        headers[key.strip().lower()] = value.strip()
         if key.strip().lower() == "content-length":
             length = int(value)
     raw = await reader.readexactly(length) if length else b""
@@ -118,14 +157,15 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict] |
         body = json.loads(raw) if raw else {}
     except ValueError:
         body = {}
-    return method, target.split("?", 1)[0], body if isinstance(body, dict) else {}
+    return method, target.split("?", 1)[0], body if isinstance(body, dict) else {}, headers
 
 
-def _response(status: int, payload) -> bytes:
+def _response(status: int, payload, extra_headers: dict | None = None) -> bytes:
     text = payload if isinstance(payload, str) else json.dumps(payload)
     kind = "text/plain" if isinstance(payload, str) else "application/json"
     body = text.encode()
-    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {kind}\r\n"
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (extra_headers or {}).items())
+    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {kind}\r\n{extra}"
             f"Content-Length: {len(body)}\r\n\r\n")
     return head.encode() + body
 

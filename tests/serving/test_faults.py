@@ -177,7 +177,7 @@ def test_restarted_replica_is_readmitted_only_with_live_adapters(faulty, adapter
     # its prefix ownership was cleared on admission, so the first group of a known prompt is not pinned there
     router = faulty.router.router
     idx = 1
-    owned = faulty.router.call(lambda: sum(1 for b in router.pool.policy._blocks.values() if (b.served >> idx) & 1))
+    owned = faulty.router.call(lambda: router.pool.policy.owned_blocks(idx))
     bodies = run_group(faulty.url, [trl_payload("trl-policy-v3", PROMPT, s) for s in range(2)])
     assert all(not isinstance(b, Exception) for b in bodies)
     assert owned <= len(PROMPT) // 16  # at most what traffic since admission gave it

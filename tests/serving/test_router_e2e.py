@@ -63,11 +63,13 @@ def test_sync_cycle_and_group_affinity(cluster, adapters, token):
 def test_unload_and_unknown_model_never_reach_replicas(cluster, adapters):
     client = VLLMClient(cluster.url, server_timeout=30)
     client.load_lora_adapter("trl-policy-v2", adapters["trl-policy-v2"])
-    client.load_lora_adapter("trl-policy-v2", adapters["trl-policy-v2"])  # same name and path: idempotent
-    with pytest.raises(Exception, match="already been loaded"):
-        client.load_lora_adapter("trl-policy-v2", adapters["trl-policy-v3"])
+    for path in (adapters["trl-policy-v2"], adapters["trl-policy-v3"]):  # vLLM: 400 even for the same path
+        with pytest.raises(Exception, match="400.*already been loaded"):
+            client.load_lora_adapter("trl-policy-v2", path)
     client.unload_lora_adapter("trl-policy-v2")
-    client.unload_lora_adapter("trl-policy-v2")  # missing names are not an error for TRL
+    again = requests.post(cluster.url + "/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v2"}, timeout=30)
+    assert again.status_code == 404 and again.json()["error"]["type"] == "NotFoundError"  # as vLLM
+    client.unload_lora_adapter("trl-policy-v2")  # TRL's client ignores the 404
     for name in ("trl-policy-v2", "trl-policy-v9"):
         reply = requests.post(cluster.url + "/v1/completions", json=trl_payload(name, PROMPT, 1), timeout=30)
         assert reply.status_code == 404 and "does not exist" in reply.json()["error"]["message"]
@@ -94,6 +96,8 @@ def test_bad_requests_get_4xx_and_router_keeps_serving(cluster):
         (b'{"model": "trl-policy-v0", "prompt": [1, 99999]}', 400, "token ids"),
         (b'{"model": "trl-policy-v0", "prompt": [1180591620717411303424, ' + b"1, " * 40 + b'1]}', 400, "64-bit"),
         (b'{"model": "trl-policy-v0", "prompt": [1, 2], "temperature": -1}', 400, "temperature"),
+        (b'{"model": "trl-policy-v0", "prompt": [1, 2], "temperature": NaN}', 400, "finite"),
+        (b'{"model": "trl-policy-v0", "prompt": [1, 2], "top_p": Infinity}', 400, "finite"),
     ]
     for body, status, text in cases:
         reply = requests.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=30)
@@ -131,3 +135,55 @@ def test_metrics_report_routing_loads_and_states(cluster):
                  "grpo_router_upstream_latency_seconds_bucket", "grpo_router_in_flight", "grpo_router_overhead_seconds"):
         assert name in m, name
     assert 'decision="affinity"' in m and 'state="in_service"' in m
+
+
+def test_batch_of_token_id_prompts_equals_the_prompts_sent_one_by_one(cluster):
+    prompts = [PROMPT, list(range(200, 240)), list(range(300, 321))]  # ids under tiny-qwen3's 512
+    batch = requests.post(cluster.url + "/v1/completions",
+                          json={**trl_payload("trl-policy-v0", prompts, seed=11), "prompt": prompts}, timeout=60)
+    assert batch.status_code == 200, batch.text
+    choices = batch.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    singles = run_group(cluster.url, [trl_payload("trl-policy-v0", p, seed=11) for p in prompts])
+    for choice, single in zip(choices, singles):  # vLLM gives every prompt of a batch the request's seed
+        assert choice["token_ids"] == single["choices"][0]["token_ids"]
+        # equal up to float noise: the second pass may reuse the first one's prefix cache
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(single["choices"][0]["logprobs"]["token_logprobs"],
+                                                                     abs=1e-5)
+    usage = batch.json()["usage"]
+    assert usage["prompt_tokens"] == sum(map(len, prompts)) and usage["completion_tokens"] == 12
+
+
+def test_unload_while_completions_run_drains_them_on_real_replicas(cluster, adapters, token):
+    import threading
+    import time
+
+    client = VLLMClient(cluster.url, server_timeout=30)
+    client.load_lora_adapter("drain-v3", adapters["trl-policy-v3"])
+    payloads = [{**trl_payload("drain-v3", list(range(100 + 40 * i, 140 + 40 * i)), seed=i, max_tokens=200),
+                 "ignore_eos": True} for i in range(8)]
+    results: list = []
+    runner = threading.Thread(target=lambda: results.extend(run_group(cluster.url, payloads, timeout=120)))
+    runner.start()
+    state = lambda: requests.get(cluster.url + "/router/state", timeout=10).json()
+    deadline = time.monotonic() + 30
+    while sum(r["in_flight"] for r in state()["replicas"]) < 8 and time.monotonic() < deadline:
+        assert runner.is_alive(), results
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    reply = requests.post(cluster.url + "/v1/unload_lora_adapter", json={"lora_name": "drain-v3"}, timeout=30)
+    assert reply.status_code == 200 and time.monotonic() - t0 < 2
+    assert runner.is_alive()  # answered while the 8 were still generating
+    late = requests.post(cluster.url + "/v1/completions", json=trl_payload("drain-v3", PROMPT, 1), timeout=30)
+    assert late.status_code == 404
+    assert "drain-v3" in state()["draining"]
+    runner.join(120)
+    assert len(results) == 8 and all(not isinstance(r, Exception) for r in results), results
+    assert all(len(r["choices"][0]["token_ids"]) == 200 for r in results)
+    deadline = time.monotonic() + 30
+    while state()["draining"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    auth = {"Authorization": f"Bearer {token}"}
+    for r in cluster.replicas:  # gone from every replica once drained
+        held = {m["id"] for m in requests.get(r.url + "/v1/models", headers=auth, timeout=10).json()["data"]}
+        assert "drain-v3" not in held

@@ -169,3 +169,35 @@ def test_metrics_text_format():
     values = parse_text(text)
     assert values['lat_seconds_bucket{le="0.01"}'] == 0 and values['lat_seconds_bucket{le="+Inf"}'] == 1
     assert values["lat_seconds_count"] == 1
+
+
+def test_refused_requests_leave_no_record():
+    """Only answered requests create LRU records: a flood of refused ones cannot evict the useful ones."""
+    policy = PrefixAffinityPolicy(2, RoutingConfig(max_blocks=1000))
+    kept = policy.route(h(prompt(1)), [0, 1])
+    policy.finish(kept, ok=True)
+    records = policy.num_blocks
+    for i in range(200):
+        policy.finish(policy.route(h(prompt(100 + i)), [0, 1]), ok=False)
+    assert policy.num_blocks == records and policy.num_pending == 0
+    assert policy.route(h(prompt(1)), [0, 1]).replica == kept.replica
+
+
+def test_record_memory():
+    """The documented bytes per LRU record (module docstring: about 145 B) hold, key and LRU entry included."""
+    import random
+    import tracemalloc
+
+    policy = PrefixAffinityPolicy(4, RoutingConfig(max_blocks=1_000_000))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(150_000) for _ in range(16 * 8 + 1)] for _ in range(2500)]
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for i, p in enumerate(prompts):
+        policy.finish(policy.route(h(p, "v1"), [0, 1, 2, 3]), ok=True)
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    per_record = grown / policy.num_blocks
+    assert policy.num_blocks == 2500 * 8
+    assert per_record < 175, per_record

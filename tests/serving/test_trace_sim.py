@@ -38,3 +38,68 @@ def test_rollout_arrivals_reach_the_unmatched_floor():
     result = replay(trace, SimConfig(max_in_flight=128, arrivals="rollout"), "prefix")
     assert result.share(UNMATCHED) == result.unmatched_floor > 0.125
     assert result.share(SPILLED) < 0.02
+
+
+def test_group_consistent_versioning_brings_unmatched_to_one_in_g():
+    """One version per group (grpo_lab's async loop): no group straddles a sync, so the unmatched floor is 1/G even
+    with TRL's one-rollout-per-slot arrivals, and more prefill is saved than with per-rollout versions."""
+    trace = generate_trace(TraceConfig(num_prompts=200, num_groups=400, seed=2))
+    per_rollout = replay(trace, SimConfig(max_in_flight=128, arrivals="rollout"), "prefix", memo_hashes=True)
+    per_group = replay(trace, SimConfig(max_in_flight=128, arrivals="rollout", versioning="group"), "prefix",
+                       memo_hashes=True)
+    rr = replay(trace, SimConfig(max_in_flight=128, arrivals="rollout", versioning="group"), "round_robin")
+    assert per_group.unmatched_floor == per_group.share(UNMATCHED) == 0.125
+    assert per_rollout.unmatched_floor > 0.125
+    assert per_group.prefill_tokens < per_rollout.prefill_tokens < rr.prefill_tokens
+
+
+def test_kv_capacity_shared_with_running_requests_evicts_and_queues():
+    trace = generate_trace(TraceConfig(num_prompts=100, num_groups=150, seed=4))
+    roomy = replay(trace, SimConfig(cache_blocks=10**6, cache_holds_running=True), "prefix", memo_hashes=True)
+    tight = replay(trace, SimConfig(cache_blocks=150, cache_holds_running=True), "prefix", memo_hashes=True)
+    prefix_only = replay(trace, SimConfig(cache_blocks=150), "prefix", memo_hashes=True)
+    assert roomy.evictions == 0 and roomy.kv_waits == 0
+    assert tight.kv_waits > 0 and tight.evictions > 0 and tight.makespan_s > roomy.makespan_s
+    assert prefix_only.kv_waits == 0 and prefix_only.evictions > 0
+    assert tight.requests == roomy.requests == 1200
+
+
+def test_seed_policy_counts_template_only_matches_as_affinity():
+    """Seed 2's rule (ownership at routing time; the routed request is no successor yet): the second prompt under
+    a new adapter version 'matches' the first one's replica on the shared template block alone."""
+    from grpo_lab.serving.prefix_hash import block_hashes
+    from grpo_lab.serving.routing_baselines import SeedPolicy
+    from grpo_lab.serving.routing_policy import AFFINITY, PrefixAffinityPolicy
+
+    template = list(range(1000, 1023))
+    a, b = template + list(range(10, 60)), template + list(range(60, 110))
+    seed, ours = SeedPolicy(4), PrefixAffinityPolicy(4)
+    for policy in (seed, ours):
+        first = policy.route(block_hashes(a, "v1"), [0, 1, 2, 3])
+        policy.finish(first, ok=True)
+    second_seed = seed.route(block_hashes(b, "v1"), [0, 1, 2, 3])
+    second_ours = ours.route(block_hashes(b, "v1"), [0, 1, 2, 3])
+    assert (second_seed.kind, second_seed.matched_blocks) == (AFFINITY, 1)  # the template block
+    assert second_ours.kind == UNMATCHED
+
+
+def test_real_trace_pipeline_renders_the_chat_template(tmp_path):
+    """`sanity_prompt_ids` reads a load_from_disk folder in place and tokenizes the qwen_math chat prompts; here
+    with a stand-in tokenizer (the benchmark uses Qwen2.5's BPE from the `bench` extra)."""
+    from datasets import Dataset, DatasetDict
+
+    from grpo_lab.serving.trace import sanity_prompt_ids
+    from grpo_lab.tasks.prompts import QWEN_MATH_SYSTEM
+
+    DatasetDict({"train": Dataset.from_dict({"problem": ["1+1?", "What is 2+2?"], "answer": ["2", "4"]})}) \
+        .save_to_disk(str(tmp_path / "sanity"))
+    seen: list[str] = []
+
+    def tokenizer(texts, add_special_tokens):
+        seen.extend(texts)
+        return {"input_ids": [[ord(c) for c in t] for t in texts]}
+
+    ids = sanity_prompt_ids(str(tmp_path / "sanity"), tokenizer)
+    assert len(ids) == 2 and all(QWEN_MATH_SYSTEM in t and t.endswith("<|im_start|>assistant\n") for t in seen)
+    trace = generate_trace(TraceConfig(num_groups=4, group_size=3), prompts=ids)
+    assert {g.prompt_index for g in trace} == {0, 1} and all(g.prompt_ids in ids for g in trace)

@@ -1,0 +1,72 @@
+"""TRL's `VLLMClient` with a timeout on every call and errors that say which call failed where.
+
+TRL's client waits up to 1800 s for pause/resume/load and has no timeout at all on `/v1/models` and `/server_info`,
+so a hung router hangs the trainer; its errors read "Request failed: 500, ...". The trainer's control path (weight
+sync, the token-budget query, resume reconciliation) goes through this class instead.
+"""
+
+from __future__ import annotations
+
+import requests
+from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+
+class ControlCallError(RuntimeError):
+    """A control call to the rollout server failed; the message names the call, the URL and the answer."""
+
+
+class BoundedVLLMClient(VLLMClient):
+    def __init__(self, server_url: str, server_timeout: float = 240.0, control_timeout_s: float = 600.0):
+        super().__init__(server_url, server_timeout)
+        self.control_timeout_s = control_timeout_s
+
+    def _call(self, method: str, path: str, *, ok=(200,), **kwargs) -> requests.Response:
+        url = f"{self.server_url}{path}"
+        try:
+            response = requests.request(method, url, timeout=self.control_timeout_s, **kwargs)
+        except requests.Timeout as error:
+            raise ControlCallError(f"{method} {url} did not answer within {self.control_timeout_s:.0f}s "
+                                   "(control_timeout_s)") from error
+        except requests.ConnectionError as error:
+            raise ControlCallError(f"{method} {url} failed: cannot connect ({error.__class__.__name__}); is the "
+                                   "router (or vLLM server) running?") from error
+        if response.status_code not in ok:
+            raise ControlCallError(f"{method} {url} answered {response.status_code}: {response.text[:500]}")
+        return response
+
+    def get_max_model_len(self) -> int:
+        return self._call("GET", "/v1/models").json()["data"][0]["max_model_len"]
+
+    def get_dtype(self) -> str:
+        return self.get_server_info()["model_config"]["dtype"]
+
+    def get_server_info(self) -> dict:
+        return self._call("GET", "/server_info", params={"config_format": "json"}).json()["vllm_config"]
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, timeout: int | None = None) -> None:
+        self._call("POST", "/v1/load_lora_adapter",
+                   json={"lora_name": lora_name, "lora_path": lora_path, "load_inplace": False})
+
+    def unload_lora_adapter(self, lora_name: str, timeout: int | None = None) -> None:
+        """A name the server does not hold (404) is not an error, as in TRL."""
+        self._call("POST", "/v1/unload_lora_adapter", ok=(200, 404), json={"lora_name": lora_name})
+
+    def pause(self, timeout: int | None = None) -> None:
+        self._call("POST", "/pause", params={"mode": "keep"})
+
+    def resume(self, timeout: int | None = None) -> None:
+        self._call("POST", "/resume")
+
+    def loaded_adapters(self) -> dict[str, str | None]:
+        """Adapters the server holds now (`/v1/models` entries with a parent), name -> path."""
+        entries = self._call("GET", "/v1/models").json().get("data", [])
+        return {e["id"]: e.get("root") for e in entries if isinstance(e, dict) and e.get("parent")}
+
+    def draining_adapters(self) -> set[str] | None:
+        """Adapters the grpo_lab router is still draining (unloaded, completions in flight); None from a server that
+        does not say (plain vLLM unloads at once)."""
+        try:
+            response = requests.get(f"{self.server_url}/router/state", timeout=min(self.control_timeout_s, 10))
+            return set(response.json().get("draining", {})) if response.status_code == 200 else None
+        except (requests.RequestException, ValueError, AttributeError):
+            return None

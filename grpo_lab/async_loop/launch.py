@@ -1,0 +1,310 @@
+"""The whole async loop in one call: replicas, the router and the trainer over one storage root, torn down always.
+
+    from grpo_lab.async_loop.launch import AsyncLoop, LoopConfig, embedded_trainer_args
+
+    with AsyncLoop(LoopConfig(replicas=2), embedded_trainer_args("runs/demo", max_steps=20)) as loop:
+        loop.train()
+
+or `grpo-lab async-loop --max-steps 20 --output-dir runs/demo` (add `--resume` after a crash). Replicas are child
+processes in their own process groups that exit when this process dies (even by SIGKILL); the router runs on a
+thread of this process; the trainer's rollout worker is TRL's spawned child, which also exits with this process. A
+normal exit, an exception, Ctrl-C and SIGTERM all stop every one of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from transformers import TrainerCallback
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopConfig:
+    """What `AsyncLoop` starts around the trainer.
+
+    Args:
+        replicas: how many replica processes to start (ignored with `router_url`).
+        replica_kind: `"cpu"` (grpo_lab's CPU replica: transformers + PEFT behind vLLM's HTTP contract) or
+            `"vllm"` (real vLLM replicas; needs the vLLM venv, see docs/serving.md).
+        router_url: use a router (or vLLM server) that is already running instead of starting replicas and a router.
+        model: the model directory the replicas serve and the trainer trains; None = the embedded chat model.
+        max_model_len: the replicas' cap on prompt + completion tokens (the embedded model allows 128).
+        replica_threads: torch threads per CPU replica (1 keeps two replicas and the trainer off each other's cores).
+        ready_timeout_s: how long to wait for the replicas to listen.
+        router: extra `RouterConfig` fields (e.g. `{"spill_threshold": 8}` goes under `routing`).
+        replica_env: extra environment for the replicas (e.g. `{"VLLM_API_KEY": token}`).
+    """
+
+    replicas: int = 2
+    replica_kind: str = "cpu"
+    router_url: str | None = None
+    model: str | None = None
+    max_model_len: int = 128
+    replica_threads: int = 1
+    ready_timeout_s: float = 180.0
+    router: dict = field(default_factory=dict)
+    replica_env: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.replica_kind not in ("cpu", "vllm"):
+            raise ValueError(f"replica_kind must be 'cpu' or 'vllm', got {self.replica_kind!r}")
+        if self.router_url is None and self.replicas < 1:
+            raise ValueError("replicas must be >= 1 (or give router_url)")
+
+
+def embedded_trainer_args(output_dir: str, **overrides):
+    """`AsyncGRPOLabConfig` for the embedded task: 2 prompts x 8 rollouts a step, LoRA-sized lr, fixed-count rows."""
+    import torch
+
+    from .config import AsyncGRPOLabConfig
+
+    values = dict(
+        output_dir=output_dir, max_steps=20, learning_rate=3e-3, per_device_train_batch_size=16,
+        gradient_accumulation_steps=1, num_generations=8, max_completion_length=8, temperature=1.0,
+        max_staleness=4, token_budget=0, activation_checkpointing=False, logging_steps=1, save_strategy="steps",
+        save_steps=10, report_to=[], seed=0, use_cpu=not torch.cuda.is_available(), vllm_server_timeout=120.0,
+        bf16=False,  # the replicas serve the embedded model in float32; the IS ratio compares the two
+        dataloader_num_workers=0, disable_tqdm=True)
+    values.update(overrides)
+    return AsyncGRPOLabConfig(**values)
+
+
+def embedded_peft_config(r: int = 1, alpha: int = 2):
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+
+
+class StepLine(TrainerCallback):
+    """One short line per optimizer step: the numbers that say whether the loop is healthy and which side waits."""
+
+    KEYS = (("reward", "reward {:.3f}"), ("ratio", "ratio {:.4f}"), ("sample/staleness_mean", "staleness {:.1f}"),
+            ("perf/step_s", "step {:.2f}s"), ("perf/rollout_wait_s", "rollout wait {:.2f}s"),
+            ("sample/rollout_queue_size", "queue {:.0f}"))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or "train_runtime" in logs:
+            return
+        parts = [fmt.format(logs[k]) for k, fmt in self.KEYS if isinstance(logs.get(k), (int, float))]
+        print(f"step {state.global_step}/{state.max_steps}: " + ", ".join(parts), flush=True)
+
+
+@contextlib.contextmanager
+def quiet_setup():
+    """Building the trainer prints TRL's experimental-API warning, a deprecation TRL triggers inside transformers,
+    TRL's own duplicate-callback warning and a weight-loading bar: none is the user's to act on."""
+    import transformers
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # also for the spawned rollout worker
+    level = transformers.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated.*", category=FutureWarning)
+            yield
+    finally:
+        transformers.logging.set_verbosity(level)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
+class AsyncLoop:
+    """Replicas + router + `AsyncGRPOLabTrainer`. `start()` (or `with`), `train()`, `stop()`.
+
+    Args:
+        loop: what to start around the trainer (`LoopConfig`).
+        args: the trainer's `AsyncGRPOLabConfig`; its `vllm_server_base_url` is set to the router's URL.
+        reward_funcs, train_dataset, peft_config, processing_class, callbacks: as for the trainer; the defaults are
+            the embedded task (addition, math reward, LoRA r=1 on all linear layers).
+        progress: print one line per step (a notebook passes False and shows the live board instead).
+    """
+
+    def __init__(self, loop: LoopConfig, args, reward_funcs=None, train_dataset=None, peft_config=None,
+                 processing_class=None, callbacks=None, progress: bool = True):
+        self.loop, self.args, self.progress = loop, args, progress
+        self.reward_funcs, self.train_dataset = reward_funcs, train_dataset
+        self.peft_config, self.processing_class = peft_config, processing_class
+        self.callbacks = list(callbacks or [])
+        self.cluster = None
+        self.trainer = None
+        self.url: str | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self) -> "AsyncLoop":
+        from .recorder import LoopRecorder
+
+        model = self.loop.model
+        if model is None:
+            from ..embedded_model import embedded_model_dir
+
+            model = str(embedded_model_dir())
+        try:
+            self.url = self.loop.router_url or self._start_cluster(model)
+            self.args.vllm_server_base_url = self.url
+            self.recorder = LoopRecorder(router_url=self.url)
+            for callback in self.callbacks:  # a LoopBoard reads per-replica load from the router
+                if getattr(callback, "router_url", "") is None:
+                    callback.router_url = self.url
+            with quiet_setup():
+                self.trainer = self._build_trainer(model)
+            from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+            self.trainer.remove_callback(PrinterCallback)  # a dict of 60 metrics per step buries the progress
+            if self.progress:
+                self.trainer.remove_callback(ProgressCallback)
+                self.trainer.add_callback(StepLine())
+        except BaseException:
+            self.stop()
+            raise
+        self._announce()
+        return self
+
+    def _build_trainer(self, model: str):
+        from .embedded_task import REWARD_FUNCS, addition_dataset
+        from .trainer import AsyncGRPOLabTrainer
+
+        return AsyncGRPOLabTrainer(
+            model, reward_funcs=self.reward_funcs or REWARD_FUNCS, args=self.args,
+            train_dataset=self.train_dataset if self.train_dataset is not None else addition_dataset(),
+            processing_class=self.processing_class, peft_config=self.peft_config or embedded_peft_config(),
+            callbacks=[self.recorder, *self.callbacks])
+
+    def _start_cluster(self, model: str) -> str:
+        if self.loop.replica_kind == "vllm":
+            raise NotImplementedError("replica_kind='vllm' is started by grpo_lab.serving.vllm_launcher; start the "
+                                      "replicas and router there and pass router_url")
+        from ..serving.local_cluster import LocalCluster
+
+        rank = max(self.peft_config.r if self.peft_config is not None else 1, 1)
+        from ..serving.vllm_launcher import round_lora_rank
+
+        self.cluster = LocalCluster(
+            replicas=self.loop.replicas, model=model, max_staleness=self.args.max_staleness,
+            max_lora_rank=round_lora_rank(rank),
+            replica_args=["--max-model-len", str(self.loop.max_model_len), "--torch-threads",
+                          str(self.loop.replica_threads)],
+            env=self.loop.replica_env or None, router=dict(self.loop.router))
+        self.cluster.start(timeout=self.loop.ready_timeout_s)
+        return self.cluster.url
+
+    def _announce(self) -> None:
+        out = os.path.abspath(self.args.output_dir)
+        print(f"async loop: router {self.url} (metrics {self.url}/metrics, state {self.url}/router/state); "
+              f"adapters {self.trainer.adapter_store.url}; metrics log {out}/loop_metrics.jsonl; "
+              f"tree attention {self.trainer.tree_attention}", flush=True)
+
+    def train(self, resume_from_checkpoint=None):
+        if self.trainer is None:
+            self.start()
+        return self.trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+
+    def stop(self) -> None:
+        worker = getattr(self.trainer, "rollout_worker", None) if self.trainer is not None else None
+        if worker is not None:
+            worker.stop()  # TRL stops it at the end of train(); this covers a start() that never trained
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+
+    def __enter__(self) -> "AsyncLoop":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# -- command line ---------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grpo-lab async-loop", description=(
+        "Run TRL's AsyncGRPOTrainer with LoRA against replicas behind the grpo_lab router (the embedded addition "
+        "task by default, offline on a CPU)."))
+    p.add_argument("--output-dir", default="runs/async-loop")
+    p.add_argument("--max-steps", type=int, default=20)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--router-url", default=None, help="use a running router / vLLM server instead of starting one")
+    p.add_argument("--model", default=None, help="model directory (default: the embedded chat model)")
+    p.add_argument("--adapter-storage", default=None, help="path or fsspec URL (default <output-dir>/.vllm_lora)")
+    p.add_argument("--prompts-per-step", type=int, default=2)
+    p.add_argument("--num-generations", type=int, default=8)
+    p.add_argument("--learning-rate", type=float, default=3e-3)
+    p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--max-inflight-tasks", type=int, default=-1,
+                   help="rollout requests in flight (-1: TRL's max_staleness x samples per step)")
+    p.add_argument("--save-steps", type=int, default=10)
+    p.add_argument("--tree-attention", default="auto")
+    p.add_argument("--loss-backend", default="grpo_lab")
+    p.add_argument("--no-group-versions", action="store_true", help="TRL's per-rollout versions")
+    p.add_argument("--rollout-failure-timeout", type=float, default=120.0)
+    p.add_argument("--replica-threads", type=int, default=1, help="torch threads per CPU replica")
+    p.add_argument("--results-dir", default=None, help="also write <run-name>.csv and its doctor verdict here")
+    p.add_argument("--run-name", default="loop")
+    p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.prompts_per_step < 1 or a.num_generations < 2 or a.max_steps < 1:
+        print("error: --prompts-per-step >= 1, --num-generations >= 2 and --max-steps >= 1 are required",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # run the same teardown as Ctrl-C
+    from transformers.trainer_utils import get_last_checkpoint
+
+    resume = None
+    if a.resume:
+        resume = get_last_checkpoint(a.output_dir) if os.path.isdir(a.output_dir) else None
+        if resume is None:
+            print(f"error: --resume: no checkpoint-* folder in {a.output_dir}", file=sys.stderr)
+            return 2
+    args = embedded_trainer_args(
+        a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.prompts_per_step * a.num_generations,
+        num_generations=a.num_generations, learning_rate=a.learning_rate, max_staleness=a.max_staleness,
+        max_inflight_tasks=a.max_inflight_tasks,
+        save_steps=a.save_steps, tree_attention=a.tree_attention, loss_backend=a.loss_backend,
+        group_consistent_versions=not a.no_group_versions, rollout_failure_timeout_s=a.rollout_failure_timeout,
+        adapter_storage=a.adapter_storage, seed=a.seed)
+    loop = AsyncLoop(LoopConfig(replicas=a.replicas, router_url=a.router_url, model=a.model,
+                                replica_threads=a.replica_threads), args)
+    t0 = time.perf_counter()
+    try:
+        with loop:
+            loop.train(resume_from_checkpoint=resume)
+    except KeyboardInterrupt:
+        print("interrupted: replicas, router and rollout worker stopped", file=sys.stderr)
+        return 130
+    steps = loop.trainer.state.global_step
+    print(f"async loop done: {steps} steps in {time.perf_counter() - t0:.1f}s; last published "
+          f"{loop.trainer.published[-1]['name'] if loop.trainer.published else 'nothing'}", flush=True)
+    if a.results_dir:
+        from .results import write_run
+
+        path = write_run(loop.recorder.rows, a.results_dir, a.run_name, a.max_staleness,
+                         args.max_inflight_tasks if args.max_inflight_tasks > 0 else None,
+                         extra={"replicas": a.replicas, "tree_attention": loop.trainer.tree_attention,
+                                "wall_s": round(time.perf_counter() - t0, 1)})
+        print(f"wrote {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

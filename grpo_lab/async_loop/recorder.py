@@ -1,0 +1,67 @@
+"""Every logged step of the async loop as one JSON line, with the router's view beside the trainer's.
+
+The trainer's logs say which side waited (step time, forward/backward, rollout wait, queue size, backpressure,
+staleness, ratio); the router's `/router/state` says where rollouts went (per-replica load and routing decisions).
+Both land in `<output_dir>/loop_metrics.jsonl`, which the bottleneck board, the doctor and the tests read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import requests
+from transformers import TrainerCallback
+
+METRICS_FILE = "loop_metrics.jsonl"
+
+
+def router_snapshot(url: str | None, timeout: float = 2.0) -> dict | None:
+    """The router's routing counts and per-replica load, or None when there is no grpo_lab router at `url`."""
+    if not url:
+        return None
+    try:
+        state = requests.get(f"{url.rstrip('/')}/router/state", timeout=timeout)
+        if state.status_code != 200:
+            return None
+        body = state.json()
+    except (requests.RequestException, ValueError):
+        return None
+    return {"routing": body.get("routing", {}),
+            "in_flight": {r["url"]: r.get("in_flight", 0) for r in body.get("replicas", [])},
+            "replica_states": {r["url"]: r.get("state") for r in body.get("replicas", [])}}
+
+
+class LoopRecorder(TrainerCallback):
+    """Appends `{"step", "time", **logs, "router": {...}}` to `<output_dir>/loop_metrics.jsonl` at every log."""
+
+    def __init__(self, router_url: str | None = None, path: str | None = None):
+        self.router_url = router_url
+        self.path = path
+        self.rows: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        row = {"step": state.global_step, "time": time.time(), **logs}
+        snapshot = router_snapshot(self.router_url)
+        if snapshot is not None:
+            row["router"] = snapshot
+        self.rows.append(row)
+        path = self.path or os.path.join(args.output_dir, METRICS_FILE)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(row, default=float) + "\n")
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The rows of a `loop_metrics.jsonl` (a truncated last line, from a killed run, is skipped)."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return rows

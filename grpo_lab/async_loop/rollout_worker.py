@@ -1,0 +1,239 @@
+"""TRL's rollout worker, made to run without vLLM installed and to end cleanly on every fault.
+
+TRL 1.16's `AsyncRolloutWorker` speaks plain HTTP to the server, yet refuses to start unless `vllm` is importable;
+it retries a failing request for many minutes (30 attempts, back-off up to 16 s, three times over), so an unreachable
+router or a dead replica set shows up as a trainer waiting forever on an empty queue; it keeps retrying a request
+for an adapter version that has been unloaded (a 404 no retry can fix) until the worker dies; a SIGKILLed trainer
+leaves its child running; and each rollout names the version current when it starts, so the G rollouts of one
+prompt can straddle a weight sync. `LabRolloutWorker` keeps TRL's loop and changes exactly that:
+
+- no `vllm` import check (the child only uses aiohttp);
+- **group-consistent versions**: every rollout of a group names the version its first rollout used, and the samples
+  are stamped with that version, so staleness is measured on the policy that really generated them;
+- a group whose version falls out of the staleness window (the trainer would drop its samples anyway, and the
+  adapter is being unloaded) is abandoned instead of retried: its remaining rollouts are not sent;
+- failing requests are retried with back-off for at most `rollout_failure_timeout_s`, then the worker fails with a
+  message naming the URL and the last error; a 4xx other than a stale adapter fails at once (retrying the same
+  payload cannot fix it);
+- the child exits when the trainer process dies (parent-death signal plus a watchdog), and `check_health` notices a
+  dead child at once instead of after `heartbeat_stale_after_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import os
+import signal
+import threading
+import time
+from unittest import mock
+
+import aiohttp
+from trl.experimental.async_grpo import async_rollout_worker as trl_worker
+from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, _AsyncRolloutLoop
+
+_PINNED_VERSION: contextvars.ContextVar = contextvars.ContextVar("grpo_lab_pinned_version", default=None)
+_RETRYABLE = (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ConnectionError)
+
+
+class StaleAdapter(Exception):
+    """The server no longer serves the adapter a rollout names: its group is abandoned."""
+
+
+class RolloutServerError(RuntimeError):
+    """Rollouts cannot be generated: the server kept failing, or refused a request no retry can fix."""
+
+
+class _RetryableStatus(aiohttp.ClientError):
+    def __init__(self, status: int, text: str):
+        super().__init__(f"HTTP {status}: {text[:300]}")
+        self.status = status
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Exit when the trainer process dies, even by SIGKILL (no `finally` runs there to stop us)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the watchdog below still does it
+
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)
+            time.sleep(0.5)
+
+    if os.getppid() != parent_pid:
+        os._exit(3)
+    threading.Thread(target=watch, name="grpo-lab-parent-watchdog", daemon=True).start()
+
+
+class LabRolloutLoop(_AsyncRolloutLoop):
+    """TRL's rollout loop (in the spawned child) with pinned group versions, bounded retries and no orphans."""
+
+    def __init__(self, *, max_staleness: int = 4, group_consistent_versions: bool = True,
+                 rollout_failure_timeout_s: float = 120.0, parent_pid: int | None = None, **kwargs):
+        if parent_pid is not None:
+            _die_with_parent(parent_pid)
+        super().__init__(**kwargs)
+        self.max_staleness = max_staleness
+        self.group_consistent_versions = group_consistent_versions
+        self.rollout_failure_timeout_s = rollout_failure_timeout_s
+        self._group_versions: dict[int, int] = {}
+        self._abandoned: set[int] = set()
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            # unconsumed samples must not keep this process alive at exit (a full pipe blocks the queue's feeder)
+            for q in (self.rollout_buffer, self._metrics_queue):
+                q.cancel_join_thread()
+
+    async def _run_loops(self, stop_event: asyncio.Event) -> None:
+        """TRL's loops, but a stop request cancels the requests in flight after a short grace period: TRL waits
+        for every one of them (tens of seconds on a busy replica, then it is terminated)."""
+        loops = asyncio.ensure_future(super()._run_loops(stop_event))
+        stop = asyncio.ensure_future(stop_event.wait())
+        await asyncio.wait({loops, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not loops.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(loops), timeout=2.0)
+            except asyncio.TimeoutError:
+                loops.cancel()
+        stop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loops
+
+    # -- versions -----------------------------------------------------------------------------------------------
+    def _repeat_iterator(self):
+        for group_id, row in super()._repeat_iterator():
+            self._group_versions.setdefault(group_id, self.model_version)
+            yield group_id, row
+
+    @property
+    def _request_model(self) -> str:
+        if self.lora_name is None:
+            return self.model_name
+        pinned = _PINNED_VERSION.get()
+        return f"{self.lora_name}-v{self.model_version if pinned is None else pinned}"
+
+    def _is_stale(self, version: int) -> bool:
+        return self.model_version - version > self.max_staleness
+
+    async def _generate_one(self, prompt, tool_dict, tools, group_id: int = 0):
+        version = self._group_versions.get(group_id, self.model_version)
+        if self.group_consistent_versions:
+            _PINNED_VERSION.set(version)
+        if group_id in self._abandoned or self._is_stale(version):
+            self._abandoned.add(group_id)
+            return [], [], [], 0, 0, None
+        try:
+            return await super()._generate_one(prompt, tool_dict=tool_dict, tools=tools, group_id=group_id)
+        except StaleAdapter:
+            self._abandoned.add(group_id)
+            self._counters["rollout/stale_adapter_total"] += 1
+            return [], [], [], 0, 0, None
+
+    async def _score_group(self, group):
+        version = self._group_versions.pop(group.group_id, group.model_version)
+        if group.group_id in self._abandoned:
+            self._abandoned.discard(group.group_id)
+            self._push_metrics({"rollout/abandoned_groups_total": 1.0})
+            return []
+        group.model_version = version
+        samples = await super()._score_group(group)
+        self._push_metrics({"rollout/version_min": float(version), "rollout/version_max": float(version)})
+        return samples
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
+        client_timeout = aiohttp.ClientTimeout(total=timeout)
+        async with self.session.post(f"{self.vllm_server_url}{path}", json=payload, timeout=client_timeout) as resp:
+            if resp.status == 200:
+                content = await resp.json(content_type=None)
+                if not isinstance(content, dict) or not content.get("choices"):
+                    raise _RetryableStatus(200, f"malformed answer without choices: {str(content)[:200]}")
+                return content
+            text = await resp.text()
+        model = payload.get("model")
+        if resp.status == 404 and self.lora_name and isinstance(model, str) and model.startswith(self.lora_name):
+            version = model.rsplit("-v", 1)[-1]
+            if version.isdigit() and int(version) < self.model_version:
+                raise StaleAdapter(model)  # unloaded after a newer version went live: nothing to retry
+        if resp.status >= 500 or resp.status in (404, 408, 429):
+            raise _RetryableStatus(resp.status, text)
+        raise RolloutServerError(f"{self.vllm_server_url}{path} refused a rollout request with {resp.status}: "
+                                 f"{text[:500]}")
+
+    async def _retry(self, coro_factory, *, label: str, max_attempts: int = 1):
+        """Retry transport errors and 5xx answers with back-off, for at most `rollout_failure_timeout_s`."""
+        give_up = time.monotonic() + self.rollout_failure_timeout_s
+        attempt = 0
+        while True:
+            try:
+                return await coro_factory()
+            except _RETRYABLE as error:
+                attempt += 1
+                if time.monotonic() >= give_up:
+                    raise RolloutServerError(
+                        f"{label} to {self.vllm_server_url} kept failing for {self.rollout_failure_timeout_s:.0f}s "
+                        f"({attempt} attempts); last error: {type(error).__name__}: {error}. Is the router (or the "
+                        "vLLM server) running, with at least one replica in service?") from error
+                self._counters["rollout/vllm_retry_total"] += 1
+                await asyncio.sleep(min(0.25 * 2 ** min(attempt, 5), 5.0, max(give_up - time.monotonic(), 0.05)))
+
+
+@contextlib.contextmanager
+def _vllm_check_skipped():
+    """TRL's worker only speaks HTTP; its `vllm` import check is what would stop it here."""
+    with mock.patch.object(trl_worker, "is_vllm_available", lambda: True):
+        yield
+
+
+class LabRolloutWorker(AsyncRolloutWorker):
+    """TRL's `AsyncRolloutWorker` running `LabRolloutLoop` (see the module docstring)."""
+
+    _loop_cls = LabRolloutLoop
+
+    def __init__(self, *, max_staleness: int = 4, group_consistent_versions: bool = True,
+                 rollout_failure_timeout_s: float = 120.0, **kwargs):
+        with _vllm_check_skipped():
+            super().__init__(max_staleness=max_staleness, group_consistent_versions=group_consistent_versions,
+                             rollout_failure_timeout_s=rollout_failure_timeout_s, parent_pid=os.getpid(), **kwargs)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def stop(self) -> None:
+        """TRL's stop, minus its hang: setting the shared stop event notifies the child's waiting thread, and when
+        the child was killed while waiting, `Event.set()` blocks forever (measured: the trainer never returned)."""
+        if self._process is None:
+            return
+        if self._process.is_alive():
+            setter = threading.Thread(target=self._stop_event_mp.set, name="grpo-lab-stop-event", daemon=True)
+            setter.start()
+            setter.join(timeout=5.0)
+            self._process.join(timeout=10)
+            if self._process.is_alive():
+                self._process.terminate()
+                self._process.join(timeout=5)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(timeout=5)
+        else:
+            self._process.join(timeout=1)
+        self._process = None
+
+    def check_health(self, stale_after_s: float) -> None:
+        if self._process is not None and not self._failed_event.is_set() and not self._process.is_alive():
+            raise RuntimeError(f"The rollout worker process (pid {self._process.pid}) exited with code "
+                               f"{self._process.exitcode} without reporting an error; see its output above.")
+        super().check_health(stale_after_s)
