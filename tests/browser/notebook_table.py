@@ -26,6 +26,8 @@ class Expect:
     figures_committed: int                          # ... as committed (QUICK = False: the committed results)
     controls: dict[str, str] = field(default_factory=dict)   # what must render: name -> CSS selector
     interaction: Callable[[NotebookView, dict], str] | None = None   # returns what it showed (for the report)
+    overrides: dict[str, str] = field(default_factory=dict)  # parameters typed in first (name -> source), in both
+                                                             # frontends: keeps a long run CI-sized
 
 
 # --- helpers shared by the interactions (ipywidgets 7.7 and 8.x render these the same way) --------------------------
@@ -67,6 +69,15 @@ def wait_form_done(form, timeout_ms: int = WAIT_MS) -> str:
     text = message.inner_text().strip()
     assert text == "done", f"the form reported: {text}"
     return text
+
+
+def with_overrides(source: str, overrides: dict[str, str]) -> str:
+    """The parameters cell with `NAME = value` lines replaced, as a user edits them."""
+    for name, value in overrides.items():
+        line = re.compile(rf"^{name}\s*=.*$", re.MULTILINE)
+        assert line.search(source), f"no `{name} = ...` line in the parameters cell"
+        source = line.sub(f"{name} = {value}", source, count=1)
+    return source
 
 
 def parameters_of(source: str) -> dict:
@@ -112,6 +123,14 @@ def max_batch_rerun_one_backend(nb: NotebookView, params: dict) -> str:
                             "rel tol": "0.25"}, "fsdp_max_batch_here.csv")
 
 
+def async_loop_rerun_two_steps(nb: NotebookView, params: dict) -> str:
+    """04: a 2-step rerun of the loop from the form (CPU replicas + router + trainer start and stop again)."""
+    form = nb.cell("nb04.controls(")
+    set_text(form, "steps", "2")
+    click(form, "Run the loop")
+    return wait_form_done(form)
+
+
 def reward_curves_run_ten_steps(nb: NotebookView, params: dict) -> str:
     """03: 10 steps of one backend from the Tweak-and-rerun controls; the run must use the parameters cell's lr
     (untouched controls start at exactly the parameters' values) and plot its curves."""
@@ -146,6 +165,12 @@ EXPECT: dict[str, Expect] = {
         controls={"sliders": ".widget-slider", "backends list": ".widget-select-multiple select",
                   "rank dropdown": ".widget-dropdown select", "Run button": "button.jupyter-button:has-text('Run')"},
         interaction=reward_curves_run_ten_steps),
+    "04_async_lora": Expect(
+        figures_quick=1, figures_committed=1,
+        controls={"form text boxes": ".widget-text input",
+                  "Run button": "button.jupyter-button:has-text('Run the loop')"},
+        interaction=async_loop_rerun_two_steps,
+        overrides={"STEPS": "3", "FOLLOW_DOCTOR": "False"}),
 }
 DEFAULT = Expect(figures_quick=1, figures_committed=0)
 

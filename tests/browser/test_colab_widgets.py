@@ -12,6 +12,7 @@ import functools
 import os
 import subprocess
 
+import nbformat
 import pytest
 
 from grpo_lab.notebook_runner import find_notebooks
@@ -19,7 +20,7 @@ from grpo_lab.notebook_runner import find_notebooks
 from . import checks
 from .conftest import ROOT, missing_or_fail, serving
 from .frontends import Classic
-from .notebook_table import expect
+from .notebook_table import expect, with_overrides
 from .servers import start_classic
 
 pytestmark = pytest.mark.browser
@@ -63,8 +64,12 @@ def classic(chromium, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=NOTEBOOKS)
 def ran(request, classic, browser, artifacts):
-    """The notebook as committed (QUICK = False: the committed results, the forms and boards), Run All."""
-    with checks.notebook_run(Classic(), classic, browser, artifacts, request.param, timeout_s=600) as nb:
+    """The notebook as committed (01-03: QUICK = False, the committed results, the forms and boards) with the
+    table's overrides typed in, Run All."""
+    name, overrides = request.param, expect(request.param).overrides
+    source = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4).cells[0].source
+    parameters = with_overrides(source, overrides) if overrides else None
+    with checks.notebook_run(Classic(), classic, browser, artifacts, name, parameters, timeout_s=600) as nb:
         yield nb
 
 

@@ -16,22 +16,22 @@ from grpo_lab.notebook_runner import find_notebooks
 from . import checks
 from .conftest import ROOT, serving
 from .frontends import Lab
-from .notebook_table import expect
+from .notebook_table import expect, with_overrides
 from .servers import start_lab
 
 pytestmark = pytest.mark.browser
 
 NOTEBOOKS = [p.stem for p in find_notebooks(ROOT / "notebooks")]
 RUN_ALL_TIMEOUT_S = 900
-QUICK_LINE = re.compile(r"^QUICK\s*=\s*False\b", re.MULTILINE)
+QUICK_LINE = re.compile(r"^QUICK\s*=\s*(False|True)\b", re.MULTILINE)
 
 
 def quick_source(name: str) -> str:
-    """The parameters cell with `QUICK = True` (what a user types)."""
+    """The parameters cell with `QUICK = True` and the table's overrides (what a user types)."""
     cell = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4).cells[0]
     assert "parameters" in cell.metadata.get("tags", []), f"{name}: the first cell must be the parameters cell"
-    assert QUICK_LINE.search(cell.source), f"{name}: the parameters cell must have a `QUICK = False` line"
-    return QUICK_LINE.sub("QUICK = True", cell.source, count=1)
+    assert QUICK_LINE.search(cell.source), f"{name}: the parameters cell must have a `QUICK = ...` line"
+    return with_overrides(QUICK_LINE.sub("QUICK = True", cell.source, count=1), expect(name).overrides)
 
 
 @pytest.fixture(scope="session")
