@@ -5,3 +5,9 @@ reused adapter versions), `rollout_worker` (TRL's worker without vLLM, with pinn
 faults), `control_client` (bounded control calls), `preflight` (early, clear errors), `config` and `trainer`
 (`AsyncGRPOLabConfig`, `AsyncGRPOLabTrainer`), `launch` (replicas + router + trainer in one call).
 """
+
+import os
+
+# The loop is built on `trl.experimental.async_grpo` on purpose; TRL's import-time notice about it (a pink block in
+# notebook 04's setup cell) says nothing a user can act on. Set before any module here imports trl.experimental.
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

@@ -61,9 +61,11 @@ def board_state(cell) -> tuple[str, str]:
     return text, (imgs.last.get_attribute("src") if imgs.count() else "")
 
 
-def wait_form_done(form, timeout_ms: int = WAIT_MS) -> str:
-    """The ParamForm's message goes from "running…" to "done" (or an error, which fails the test)."""
-    message = form.locator(".widget-html").last
+def wait_form_done(form, button: str, timeout_ms: int = WAIT_MS) -> str:
+    """The ParamForm's message (next to its button) goes from "running…" to "done"; an error fails the test."""
+    row = form.locator(".widget-hbox").filter(
+        has=form.page.locator("button.jupyter-button", has_text=button)).last
+    message = row.locator(".widget-html").first
     form.page.wait_for_function("el => el.innerText.trim() !== '' && !el.innerText.includes('running')",
                                 arg=message.element_handle(), timeout=timeout_ms)
     text = message.inner_text().strip()
@@ -100,7 +102,7 @@ def _rerun_form(nb: NotebookView, values: dict, result_name: str) -> str:
     for label, value in values.items():
         set_text(form, label, value)
     click(form, "Run on this machine")
-    wait_form_done(form)
+    wait_form_done(form, "Run on this machine")
     after = board_state(board)
     assert result_name in after[0], f"the board did not report the new run: {after[0]!r}"
     assert after != before, "the board did not change"
@@ -124,11 +126,12 @@ def max_batch_rerun_one_backend(nb: NotebookView, params: dict) -> str:
 
 
 def async_loop_rerun_two_steps(nb: NotebookView, params: dict) -> str:
-    """04: a 2-step rerun of the loop from the form (CPU replicas + router + trainer start and stop again)."""
+    """04: a 4-step rerun of the loop from the form (CPU replicas + router + trainer start and stop again; with 2
+    steps the doctor can say "not enough steps logged yet", which the form shows as an error)."""
     form = nb.cell("nb04.controls(")
-    set_text(form, "steps", "2")
+    set_text(form, "steps", "4")
     click(form, "Run the loop")
-    return wait_form_done(form)
+    return wait_form_done(form, "Run the loop")
 
 
 def reward_curves_run_ten_steps(nb: NotebookView, params: dict) -> str:
