@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -64,28 +63,11 @@ def batch_of(row, device) -> dict:
     return batch
 
 
-def loss_only_trainer(device: str):
-    """An AsyncGRPOLabTrainer holding just the state TRL's `compute_loss` reads (no server, no worker)."""
-    from accelerate import Accelerator
-
-    from grpo_lab.async_loop.trainer import AsyncGRPOLabTrainer
-
-    trainer = object.__new__(AsyncGRPOLabTrainer)
-    trainer.accelerator = Accelerator(cpu=device == "cpu")
-    trainer.aux_loss_enabled = False
-    trainer.epsilon_low, trainer.epsilon_high = 0.2, 0.2
-    trainer.current_gradient_accumulation_steps = 1
-    trainer._metrics = {"train": defaultdict(list)}
-    for name in ("_step_forward_tokens", "_step_trained_tokens", "_step_seq_len_weighted", "_step_samples",
-                 "_step_forward_s"):
-        setattr(trainer, name, 0.0)
-    return trainer
-
-
 def build(model_name: str, dtype, device: str, backend: str):
     from peft import LoraConfig, get_peft_model
     from trl.trainer.utils import add_fused_lm_head
 
+    from grpo_lab.async_loop.trainer import loss_only_trainer
     from grpo_lab.models import build_model
     from grpo_lab.trl_glue import set_loss_backend
 

@@ -6,8 +6,8 @@ faults), `control_client` (bounded control calls), `preflight` (early, clear err
 (`AsyncGRPOLabConfig`, `AsyncGRPOLabTrainer`), `launch` (replicas + router + trainer in one call).
 """
 
-import os
+import os as _os
 
-# The loop is built on `trl.experimental.async_grpo` on purpose; TRL's import-time notice about it (a pink block in
-# notebook 04's setup cell) says nothing a user can act on. Set before any module here imports trl.experimental.
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+# TRL warns on every import of trl.experimental; this package is built on it on purpose, and the warning is not
+# something its users can act on.
+_os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

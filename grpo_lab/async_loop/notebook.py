@@ -26,6 +26,8 @@ class QuickSettings:
         max_inflight_tasks: rollout requests in flight; -1 is TRL's max_staleness x samples per step.
         queue_maxsize: scored samples the worker may queue ahead of the trainer (TRL's default 1024).
         seed: the run's seed.
+        replica_kind: "cpu" (grpo_lab's CPU replica, the fast default) or "vllm" (real vLLM CPU replicas: batching
+            and a paged prefix cache; needs `bash scripts/vllm_cpu_env.sh` once, and 1-2 minutes to start).
     """
 
     steps: int = 20
@@ -37,12 +39,15 @@ class QuickSettings:
     max_inflight_tasks: int = -1
     queue_maxsize: int = 1024
     seed: int = 0
+    replica_kind: str = "cpu"
 
     def validate(self) -> "QuickSettings":
         if self.steps < 2 or self.replicas < 1 or self.prompts_per_step < 1 or self.num_generations < 2:
             raise ValueError("steps >= 2, replicas >= 1, prompts_per_step >= 1 and num_generations >= 2 are needed")
         if self.max_staleness < 0 or self.learning_rate <= 0 or self.queue_maxsize < 1:
             raise ValueError("max_staleness >= 0, learning_rate > 0 and queue_maxsize >= 1 are needed")
+        if self.replica_kind not in ("cpu", "vllm"):
+            raise ValueError(f"replica_kind must be 'cpu' or 'vllm', got {self.replica_kind!r}")
         return self
 
     @property
@@ -79,7 +84,8 @@ def run_quick(settings: QuickSettings, output_dir: str | None = None, name: str 
     inflight = s.max_inflight_tasks if s.max_inflight_tasks > 0 else max(s.max_staleness, 1) * s.samples_per_step
     live = LoopBoard(s.steps, s.max_staleness, inflight, mode=board, title=f"async loop: {name}")
     t0 = time.perf_counter()
-    with AsyncLoop(LoopConfig(replicas=s.replicas), args, callbacks=[live], progress=False) as loop:
+    with AsyncLoop(LoopConfig(replicas=s.replicas, replica_kind=s.replica_kind), args, callbacks=[live],
+                   progress=False) as loop:
         loop.train()
         published = list(loop.trainer.published)
     seconds = time.perf_counter() - t0
@@ -196,4 +202,5 @@ def controls(settings: QuickSettings, on_run):
 
     from ..widgets import ParamForm
 
-    return ParamForm(asdict(settings), on_run=on_run, button="Run the loop")
+    return ParamForm(asdict(settings), on_run=on_run, button="Run the loop",
+                     choices={"replica_kind": ("cpu", "vllm")})

@@ -9,7 +9,7 @@ the `vllm serve` and router lines.
 
 from __future__ import annotations
 
-from .launch import AsyncLoop, LoopConfig
+from .launch import AsyncLoop, LoopConfig, no_checkpointing
 
 
 def sanity_args(output_dir: str = "runs/sanity-async", **overrides):
@@ -18,7 +18,7 @@ def sanity_args(output_dir: str = "runs/sanity-async", **overrides):
     values = dict(
         output_dir=output_dir, max_steps=500, learning_rate=4e-5, num_generations=8, per_device_train_batch_size=16,
         gradient_accumulation_steps=8, token_budget=16384, max_completion_length=3000, max_staleness=4,
-        max_inflight_tasks=384, activation_checkpointing=False, bf16=True, logging_steps=1, save_steps=50,
+        max_inflight_tasks=384, **no_checkpointing(), bf16=True, logging_steps=1, save_steps=50,
         report_to=[], temperature=1.0)
     values.update(overrides)
     return AsyncGRPOLabConfig(**values)
