@@ -74,6 +74,7 @@ class LoopBoard(TrainerCallback):
         self.verdict: Verdict | None = None
         self._verdict_view = None
         self._last_router = None
+        self._final_png: bytes | None = None
         if self.board.mode in ("widgets", "handle"):
             self._open_verdict()
 
@@ -124,6 +125,8 @@ class LoopBoard(TrainerCallback):
         self.close()
 
     def close(self) -> bytes:
-        """The final figure (PNG bytes) and verdict."""
-        self.refresh_verdict()
-        return self.board.close()
+        """The final figure (PNG bytes) and verdict; drawn once (training's end closes the board already)."""
+        if self._final_png is None:
+            self.refresh_verdict()
+            self._final_png = self.board.close()
+        return self._final_png

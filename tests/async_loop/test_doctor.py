@@ -99,3 +99,24 @@ def test_replica_notes_flag_an_overloaded_replica():
     notes = replica_notes(rows)
     assert "87.5% prefix affinity" in notes[0]
     assert "replica a carries" in notes[1]
+
+
+def test_board_feeds_from_logs_and_closes_once(capsys):
+    """The board takes TRL's log dicts step by step, derives completions/s and affinity, re-diagnoses every
+    `verdict_every` steps and draws its final figure once (training's end and the notebook both close it)."""
+    from types import SimpleNamespace
+
+    from grpo_lab.async_loop.board import LoopBoard, board_values
+
+    rows = [json.loads(line) for line in RECORDED.read_text().splitlines()]
+    board = LoopBoard(total_steps=len(rows), max_staleness=4, mode="print", verdict_every=5)
+    for row in rows:
+        logs = {k: v for k, v in row.items() if k not in ("step", "time", "router")}
+        board.on_log(None, SimpleNamespace(is_world_process_zero=True, global_step=row["step"]), None, logs=logs)
+    assert len(board.rows) == len([r for r in rows if "train_runtime" not in r])
+    assert "doctor: " in capsys.readouterr().out
+    png = board.close()
+    assert png[:4] == b"\x89PNG" and board.close() is png
+    values = board_values(rows[5], rows[4]["router"])
+    assert values["completions_per_s"] == rows[5]["batch/samples_per_step"] / rows[5]["perf/step_s"]
+    assert 0.0 <= values["affinity"] <= 1.0
