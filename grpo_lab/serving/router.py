@@ -69,7 +69,12 @@ def _token_ids(value) -> bool:
 
 
 class PromptError(ValueError):
-    pass
+    """A `prompt` vLLM refuses; `kind`/`param` as vLLM reports it ("Bad Request" and the field's path for what its
+    request schema rejects)."""
+
+    def __init__(self, message: str, kind: str = "BadRequestError", param: str = "prompt"):
+        super().__init__(message)
+        self.kind, self.param = kind, param
 
 
 def split_prompt(prompt) -> tuple[list, bool]:
@@ -86,6 +91,10 @@ def split_prompt(prompt) -> tuple[list, bool]:
                               f"{MAX_COMPLETION_PROMPTS}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
                               "environment variable.")
         return list(prompt), True
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = next(i for i, t in enumerate(prompt) if t < 0)  # vLLM's schema: token ids are non-negative
+        raise PromptError(f"Input should be greater than or equal to 0 (prompt[{bad}] = {prompt[bad]})",
+                          "Bad Request", f"body.prompt.{bad}")
     raise PromptError("'prompt' must be a string, a list of non-negative token ids, or a batch of either")
 
 
@@ -290,7 +299,7 @@ class Router:
         try:
             prompts, is_batch = split_prompt(body.get("prompt"))
         except PromptError as error:
-            return _fail(400, str(error), param="prompt")
+            return _fail(400, str(error), error.kind, param=error.param)
         if body.get("stream"):
             return _fail(400, "streaming completions are not supported by the router", param="stream")
         if model is not None and not self.pool.known_model(model):
@@ -437,7 +446,11 @@ class Router:
     async def load_adapter(self, request: web.Request) -> web.Response:
         body, _ = await self._json(request)
         name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        for field in ("lora_name", "lora_path"):  # what vLLM's request schema refuses, as it reports it
+            if not isinstance(body.get(field), str):
+                return _fail(400, "Field required" if field not in body else "Input should be a valid string",
+                             "Bad Request", param=f"body.{field}")
+        if not name or not path:
             return _fail(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
         if body.get("load_inplace"):
             return _fail(400, "load_inplace is not supported by the router (a reload could not be made atomic "

@@ -128,11 +128,7 @@ STEP_IDS = [
     "resume_again", "unload", "unload_again", "unload_never_loaded",
     pytest.param("load_missing_path", marks=differs(
         "vLLM 404 NotFoundError at once; the router 400 after its retry deadline (load_retry_deadline_s)")),
-    pytest.param("load_without_path", marks=differs(
-        "both 400; error.type vLLM 'Bad Request' (param 'body.lora_path'), router 'InvalidUserInput' (param null)")),
-    pytest.param("complete_negative_token", marks=differs(
-        "both 400; error.type vLLM 'Bad Request' (param 'body.prompt.1'), router 'BadRequestError' "
-        "(param 'prompt')")),
+    "load_without_path", "complete_negative_token",
     "is_paused_after_bogus", "is_paused",
 ]
 
