@@ -55,9 +55,12 @@ def artifacts() -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser(chromium, tmp_path_factory):
-    """One Chromium for the session, with a fresh profile (--user-data-dir) and Playwright's own flags off."""
+    """One Chromium for this tier, with a fresh profile (--user-data-dir) and Playwright's own flags off.
+
+    Package scope, not session: Playwright's sync API keeps an asyncio loop marked running on the main thread
+    while it is open, and every later test that calls `asyncio.run` (router, real vLLM) would fail."""
     from playwright.sync_api import sync_playwright
 
     profile = tmp_path_factory.mktemp("chromium-profile")
