@@ -1,10 +1,13 @@
 """The `grpo-lab` command.
 
-    grpo-lab reproduce --quick            execute every notebook under notebooks/ headless (CPU quick mode) → results/
+    grpo-lab lab                          open the notebooks in JupyterLab on this environment (127.0.0.1 only)
+    grpo-lab reproduce --quick            execute every notebook under notebooks/ headless (CPU quick mode) → outputs/
+                                          (--refresh-results: rewrite the committed results/ instead)
     grpo-lab memory --quick|--full ...    peak memory vs batch size (python -m grpo_lab.memory.sweep)
     grpo-lab max-batch --quick|--full ... FSDP2 + LoRA max-batch search (python -m grpo_lab.memory.max_batch)
     grpo-lab plan --model M --gpus N --gib G ...  predicted peak memory and max batch (grpo_lab.memory.planner)
     grpo-lab async-loop [--max-steps N] ... async LoRA GRPO: replicas + router + AsyncGRPOTrainer (--resume after a crash)
+    grpo-lab doctor RUN_DIR [--max-staleness S] which side of a (running) async loop waits, and the knob to turn
 
 Bad input (unknown model or backend, batch sizes that are not positive integers) is reported as one line on stderr
 with exit status 2, never as a traceback.
@@ -20,7 +23,8 @@ def _reproduce(argv) -> int:
     from .notebook_runner import run_all
 
     ap = argparse.ArgumentParser(prog="grpo-lab reproduce",
-                                 description="Execute the notebooks headless and write their results/.")
+                                 description="Execute the notebooks headless; what they measure goes to outputs/ "
+                                             "(git-ignored) unless --refresh-results.")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", default=True, help="CPU quick mode (default)")
     mode.add_argument("--full", action="store_true",
@@ -30,6 +34,9 @@ def _reproduce(argv) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="run only notebooks whose name contains one of these")
     ap.add_argument("--executed-dir", default=None, help="where executed copies go (default: a temporary folder)")
     ap.add_argument("--stop-on-error", action="store_true")
+    ap.add_argument("--refresh-results", action="store_true",
+                    help="write the measured files into the committed results/ (maintainers refreshing them) "
+                         "instead of outputs/")
     a = ap.parse_args(argv)
     from pathlib import Path
 
@@ -38,7 +45,7 @@ def _reproduce(argv) -> int:
               file=sys.stderr)
         return 2
     report = run_all(a.notebooks, executed_dir=a.executed_dir, quick=not a.full, only=a.only,
-                     stop_on_error=a.stop_on_error)
+                     stop_on_error=a.stop_on_error, refresh_results=a.refresh_results)
     if not report:
         print("error: no notebooks found", file=sys.stderr)
         return 2
@@ -68,15 +75,27 @@ def main(argv=None) -> int:
 
         return plan_main(args)
 
+    def lab(args):
+        from .lab import main as lab_main
+
+        return lab_main(args)
+
     def async_loop(args):
         from .async_loop.launch import main as loop_main
 
         return loop_main(args)
 
+    def doctor(args):
+        from .async_loop.doctor import main as doctor_main
+
+        return doctor_main(args)
+
     commands["memory"] = memory
+    commands["lab"] = lab
     commands["max-batch"] = max_batch
     commands["plan"] = plan
     commands["async-loop"] = async_loop
+    commands["doctor"] = doctor
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0 if argv else 2

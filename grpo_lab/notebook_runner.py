@@ -4,8 +4,10 @@
     grpo-lab reproduce --quick                                                   # every notebook under notebooks/
 
 Each notebook runs with its own folder as the working directory and `QUICK=True` injected after its `parameters`
-cell; the notebooks write their CSV/PNG under results/. The executed copies (with outputs) go to `executed_dir`
-(a temporary folder unless given), never over the committed, output-stripped notebooks.
+cell. What it measures goes to the scratch folder `outputs/<figure>/` of the checkout (`grpo_lab.outputs`), so a
+plain run leaves `git status` clean; `refresh_results=True` (`grpo-lab reproduce --refresh-results`) injects
+`REFRESH_RESULTS=True` and rewrites the committed files under results/ instead. The executed copies (with outputs)
+go to `executed_dir` (a temporary folder unless given), never over the committed, output-stripped notebooks.
 """
 
 from __future__ import annotations
@@ -35,12 +37,15 @@ def has_parameters_cell(path: Path) -> bool:
 
 
 def run_notebook(path: str | Path, parameters: dict | None = None, executed_dir: str | Path | None = None,
-                 quick: bool = True, timeout_s: int = 900, kernel_name: str = "python3") -> Path:
+                 quick: bool = True, timeout_s: int = 900, kernel_name: str = "python3",
+                 refresh_results: bool = False) -> Path:
     """Execute one notebook; returns the executed copy's path. Raises `NotebookFailed` with the failing cell."""
     import papermill as pm
 
     path = Path(path).resolve()
     params = {"QUICK": True} if quick else {}
+    if refresh_results:
+        params["REFRESH_RESULTS"] = True
     params.update(parameters or {})
     if executed_dir is None:
         executed_dir = Path(tempfile.mkdtemp(prefix="grpo_lab_executed_"))
@@ -69,7 +74,8 @@ def run_notebook(path: str | Path, parameters: dict | None = None, executed_dir:
 
 
 def run_all(folder: str | Path = "notebooks", executed_dir: str | Path | None = None, quick: bool = True,
-            only: list[str] | None = None, stop_on_error: bool = False) -> list[tuple[Path, str, float]]:
+            only: list[str] | None = None, stop_on_error: bool = False,
+            refresh_results: bool = False) -> list[tuple[Path, str, float]]:
     """Execute every notebook in `folder` (or those whose name contains one of `only`); returns
     (notebook, "ok" | error message, seconds) per notebook."""
     notebooks = find_notebooks(folder)
@@ -83,7 +89,7 @@ def run_all(folder: str | Path = "notebooks", executed_dir: str | Path | None = 
     for nb in notebooks:
         t0 = time.perf_counter()
         try:
-            run_notebook(nb, executed_dir=executed_dir, quick=quick)
+            run_notebook(nb, executed_dir=executed_dir, quick=quick, refresh_results=refresh_results)
             status = "ok"
         except NotebookFailed as e:
             status = str(e)

@@ -145,6 +145,19 @@ class LiveBoard:
             self._handles["table"].update(HTML(text))
 
 
+CHAR_PX = 8  # a generous average width of a 13 px UI font character, so labels and values are never cut
+
+
+def label_width_px(labels) -> int:
+    """One description width for a whole form (aligned, and wide enough that ipywidgets does not cut a label)."""
+    return max(80, CHAR_PX * max((len(t) for t in labels), default=0) + 16)
+
+
+def text_width_px(text: str, min_chars: int = 24, max_chars: int = 90) -> int:
+    """A text box wide enough to show `text` whole (up to max_chars), so a list of models is readable."""
+    return CHAR_PX * min(max(len(text) + 2, min_chars), max_chars) + 16
+
+
 class ParamForm:
     """One control per parameter (bool → Checkbox, int → IntText, float → FloatText, str/list → Text, a tuple of
     choices → Dropdown) and a Run button calling `on_run(values)`; errors show in the form, not as a traceback."""
@@ -158,21 +171,24 @@ class ParamForm:
         self.controls = {}
         if _w is None or self._display is None:
             return
+        label_px = label_width_px([name.replace("_", " ") for name in self.params])
         for name, value in self.params.items():
             desc = name.replace("_", " ")
+            style = {"description_width": f"{label_px}px"}
             if name in self.choices:
-                c = _w.Dropdown(options=list(self.choices[name]), value=value, description=desc)
+                c = _w.Dropdown(options=list(self.choices[name]), value=value, description=desc, style=style)
             elif isinstance(value, bool):
-                c = _w.Checkbox(value=value, description=desc)
+                c = _w.Checkbox(value=value, description=desc, style=style)
             elif isinstance(value, int):
-                c = _w.IntText(value=value, description=desc)
+                c = _w.IntText(value=value, description=desc, style=style)
             elif isinstance(value, float):
-                c = _w.FloatText(value=value, description=desc)
+                c = _w.FloatText(value=value, description=desc, style=style)
             else:
-                c = _w.Text(value=",".join(map(str, value)) if isinstance(value, list | tuple) else str(value),
-                            description=desc)
+                text = ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+                c = _w.Text(value=text, description=desc, style=style,
+                            layout=_w.Layout(width=f"{label_px + text_width_px(text)}px"))
             self.controls[name] = c
-        self.button = _w.Button(description=button)
+        self.button = _w.Button(description=button, button_style="primary", layout=_w.Layout(width="auto"))
         self.message = _w.HTML(value="")
         self.button.on_click(self._clicked)
         self.box = _w.VBox(list(self.controls.values()) + [_w.HBox([self.button, self.message])])

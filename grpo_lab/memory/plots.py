@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
+from matplotlib.ticker import NullFormatter
 
 BACKEND_STYLE = {
     "naive": dict(color="#d62728", marker="o"),
@@ -48,7 +49,13 @@ def plot_memory_vs_batch(df: pd.DataFrame, mode: str = "step", fig=None, dtypes=
             if len(oom):
                 ax.scatter(oom["batch_size"], [ymax * 1.06] * len(oom), marker="x", s=60,
                            color=style.get("color", "k"), zorder=5)
-        ax.set_xscale("log", base=2)
+        sizes = sorted(int(b) for b in part["batch_size"].unique())
+        if sizes:  # log2 axis labelled with the measured batch sizes as plain numbers (48, 96: not powers of 2)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [str(b) for b in sizes])
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        else:
+            ax.text(0.5, 0.5, f"no {dtype} points", ha="center", va="center", transform=ax.transAxes)
         ax.set_xlabel("batch size (sequences per step)")
         kind = part["memory_kind"].iloc[0] if len(part) else ""
         ax.set_ylabel(f"peak memory ({unit})" + (" — RSS above baseline" if kind == "cpu_rss" else ""))

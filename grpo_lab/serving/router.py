@@ -69,7 +69,12 @@ def _token_ids(value) -> bool:
 
 
 class PromptError(ValueError):
-    pass
+    """A `prompt` vLLM refuses; `kind`/`param` as vLLM reports it ("Bad Request" and the field's path for what its
+    request schema rejects)."""
+
+    def __init__(self, message: str, kind: str = "BadRequestError", param: str = "prompt"):
+        super().__init__(message)
+        self.kind, self.param = kind, param
 
 
 def split_prompt(prompt) -> tuple[list, bool]:
@@ -86,6 +91,10 @@ def split_prompt(prompt) -> tuple[list, bool]:
                               f"{MAX_COMPLETION_PROMPTS}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
                               "environment variable.")
         return list(prompt), True
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = next(i for i, t in enumerate(prompt) if t < 0)  # vLLM's schema: token ids are non-negative
+        raise PromptError(f"Input should be greater than or equal to 0 (prompt[{bad}] = {prompt[bad]})",
+                          "Bad Request", f"body.prompt.{bad}")
     raise PromptError("'prompt' must be a string, a list of non-negative token ids, or a batch of either")
 
 
@@ -145,6 +154,7 @@ class Router:
         r.add_post("/v1/unload_lora_adapter", self.unload_adapter)
         r.add_post("/pause", self.pause)
         r.add_post("/resume", self.resume)
+        r.add_get("/is_paused", self.is_paused)
         r.add_get("/router/state", self.state)
         for path in NCCL_ENDPOINTS:
             r.add_route("*", path, self.refuse_nccl)
@@ -289,7 +299,7 @@ class Router:
         try:
             prompts, is_batch = split_prompt(body.get("prompt"))
         except PromptError as error:
-            return _fail(400, str(error), param="prompt")
+            return _fail(400, str(error), error.kind, param=error.param)
         if body.get("stream"):
             return _fail(400, "streaming completions are not supported by the router", param="stream")
         if model is not None and not self.pool.known_model(model):
@@ -436,7 +446,11 @@ class Router:
     async def load_adapter(self, request: web.Request) -> web.Response:
         body, _ = await self._json(request)
         name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        for field in ("lora_name", "lora_path"):  # what vLLM's request schema refuses, as it reports it
+            if not isinstance(body.get(field), str):
+                return _fail(400, "Field required" if field not in body else "Input should be a valid string",
+                             "Bad Request", param=f"body.{field}")
+        if not name or not path:
             return _fail(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
         if body.get("load_inplace"):
             return _fail(400, "load_inplace is not supported by the router (a reload could not be made atomic "
@@ -548,6 +562,10 @@ class Router:
 
     async def resume(self, request: web.Request) -> web.Response:
         return await self._broadcast_pause_state(False, None)
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        """vLLM's dev endpoint: whether generation is paused (the router's own record of what the replicas did)."""
+        return web.json_response({"is_paused": self.pool.paused})
 
     async def _broadcast_pause_state(self, pausing: bool, params) -> web.Response:
         """Pause or resume every replica; the router's own state changes only when every replica agreed. A pause

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -72,35 +71,57 @@ def board_callback(total_steps: int) -> BoardCallback:
                                       "clip_ratio": "clip_ratio/region_mean", "step_time": "step_time"})
 
 
-def controls(cfg: EmbeddedConfig, out_dir: str = "results/reward_curves"):
-    """Sliders for steps / lr / rank / G / backends and a Run button that reruns the embedded default."""
+LR_CHOICES = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+
+
+def lr_options(lr: float) -> list[tuple[str, float]]:
+    """The learning-rate slider's stops: a log grid plus `lr` itself, as (label, exact value). A SelectionSlider
+    sends back the chosen stop's index, so the kernel gets exactly `lr` until the user moves it (a FloatLogSlider
+    snaps its value to its step grid in the browser: 3e-3 came back as 0.0031622...)."""
+    values = sorted(set(LR_CHOICES) | {float(lr)})
+    return [(f"{v:g}", v) for v in values]
+
+
+def controls(cfg: EmbeddedConfig, out_dir: str | Path | None = None):
+    """Sliders for steps / lr / rank / G / backends and a Run button that reruns the embedded default. Every control
+    starts at exactly `cfg`'s value; a run writes `interactive.*` to `out_dir` (default: grpo_lab.outputs)."""
     import ipywidgets as w
     from IPython.display import Image, display
 
-    # ranges widened to hold the parameters cell's values, so the controls start at exactly what it says
+    from grpo_lab.outputs import output_dir
+
+    style = {"description_width": "80px"}   # room for "LoRA rank", "backends" (ipywidgets cuts long labels)
     steps = w.IntSlider(value=cfg.steps, min=min(10, cfg.steps), max=max(1000, cfg.steps), step=1,
-                        description="steps")
-    lr_exp = math.log10(cfg.learning_rate)
-    lr = w.FloatLogSlider(value=cfg.learning_rate, base=10, min=min(-5.0, math.floor(lr_exp)),
-                          max=max(-1.0, math.ceil(lr_exp)), description="lr")
-    rank = w.Dropdown(options=sorted({1, 2, 4, 8, 16, cfg.lora_r}), value=cfg.lora_r, description="LoRA rank")
-    g = w.IntSlider(value=cfg.num_generations, min=2, max=max(16, cfg.num_generations), description="G")
-    be = w.SelectMultiple(options=list(BACKENDS), value=tuple(cfg.backends), description="backends")
+                        description="steps", style=style)
+    lr = w.SelectionSlider(options=lr_options(cfg.learning_rate), value=cfg.learning_rate, description="lr",
+                           style=style)
+    rank = w.Dropdown(options=sorted({1, 2, 4, 8, 16, cfg.lora_r}), value=cfg.lora_r, description="LoRA rank",
+                      style=style)
+    g = w.IntSlider(value=cfg.num_generations, min=2, max=max(16, cfg.num_generations), description="G",
+                    style=style)
+    be = w.SelectMultiple(options=list(BACKENDS), value=tuple(cfg.backends), description="backends", style=style)
     button = w.Button(description="Run", button_style="primary")
     out = w.Output()
+
+    def chosen() -> EmbeddedConfig:
+        return replace(cfg, steps=steps.value, learning_rate=lr.value, lora_r=rank.value,
+                       num_generations=g.value, backends=tuple(be.value))
 
     def on_click(_):
         with out:
             out.clear_output()
-            new = replace(cfg, steps=steps.value, learning_rate=lr.value, lora_r=rank.value,
-                          num_generations=g.value, backends=tuple(be.value))
-            s = run_reward_curves(new, out_dir, board=True, tag="interactive")
+            new = chosen()
+            print(f"training: steps {new.steps}, lr {new.learning_rate:g}, LoRA rank {new.lora_r}, "
+                  f"G {new.num_generations}, backends {', '.join(new.backends)}")
+            s = run_reward_curves(new, output_dir("reward_curves", out_dir), board=True, tag="interactive")
             display(Image(s["png"]))
             display(summary_table(s))
 
     button.on_click(on_click)
-    return w.VBox([w.HBox([steps, lr, rank]), w.HBox([g, be, button]), out])
+    box = w.VBox([w.HBox([steps, lr, rank]), w.HBox([g, be, button]), out])
+    box.chosen = chosen          # what Run would train with (the tests read it)
+    return box
 
 
-__all__ = ["quick", "committed_figures", "controls", "summary_table", "parity_table", "board_callback",
+__all__ = ["quick", "committed_figures", "controls", "lr_options", "summary_table", "parity_table", "board_callback",
            "Series", "LiveBoard"]

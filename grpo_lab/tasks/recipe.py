@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from grpo_lab.hf_compat import checkpointing_args
 from grpo_lab.tasks.data import DATASET_NAMES, load_task_dataset, to_grpo_dataset
 from grpo_lab.tasks.prompts import PROMPT_FORMATS, render_qwen_math
 from grpo_lab.tasks.rewards import math_reward
@@ -170,7 +171,7 @@ def build_recipe_trainer(cfg: RecipeConfig | None = None, callbacks=(), train_da
         num_generations=cfg.num_generations, per_device_train_batch_size=cfg.micro_batch_size,
         gradient_accumulation_steps=cfg.completions_per_step // cfg.micro_batch_size,
         max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, bf16=cfg.bf16,
-        gradient_checkpointing=cfg.gradient_checkpointing, seed=cfg.seed, logging_steps=1,
+        **checkpointing_args(cfg.gradient_checkpointing), seed=cfg.seed, logging_steps=1,
         report_to=cfg.report_to, **vllm, **extra, **cfg.extra_args,
     )
     peft = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from transformers.trainer_callback import PrinterCallback
 
+from grpo_lab.hf_compat import checkpointing_args, upstream_deprecations_silenced
 from grpo_lab.tasks.board import BoardCallback, LiveBoard, Series
 from grpo_lab.tasks.rewards import math_reward
 from grpo_lab.tasks.sanity import sanity_filter
@@ -217,8 +218,8 @@ def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, backend: str, ou
         num_generations=cfg.num_generations, steps_per_generation=1, gradient_accumulation_steps=1,
         max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, beta=cfg.beta,
         logging_steps=1, save_strategy="no", report_to="none", seed=cfg.seed, data_seed=cfg.seed,
-        use_cpu=cfg.device == "cpu", bf16=False, gradient_checkpointing=False, dataloader_num_workers=0,
-        disable_tqdm=True, loss_backend=backend,
+        use_cpu=cfg.device == "cpu", bf16=False, dataloader_num_workers=0,
+        disable_tqdm=True, loss_backend=backend, **checkpointing_args(False),
     )
     peft = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules="all-linear", lora_dropout=0.0,
                       task_type="CAUSAL_LM")
@@ -251,7 +252,8 @@ def run_grpo(cfg: EmbeddedConfig, prep: Prepared, backend: str, board: LiveBoard
              heldout_start: float | None = None, log=print) -> dict:
     """One GRPO run; returns per-step records and the held-out pass rate before/after."""
     rec = _Recorder(board)
-    with tempfile.TemporaryDirectory(prefix="grpo_lab_rc_") as tmp:
+    # PEFT (wrapping the model) and TRL (around generation) read the deprecated `is_gradient_checkpointing`
+    with tempfile.TemporaryDirectory(prefix="grpo_lab_rc_") as tmp, upstream_deprecations_silenced():
         trainer = build_embedded_trainer(cfg, prep, backend, tmp, callbacks=[rec])
         t0 = time.perf_counter()
         trainer.train()

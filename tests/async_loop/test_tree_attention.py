@@ -102,17 +102,19 @@ def test_resolve_on_cpu():
 
 @pytest.mark.gpu
 def test_flex_equals_sdpa_on_gpu():
-    """FlexAttention with the tree BlockMask equals the dense-mask SDPA, forward and backward (float64 on CUDA)."""
+    """FlexAttention with the tree BlockMask equals the dense-mask SDPA, forward and backward (float32, TF32 off)."""
     device = "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
     row = TreeRow()
     for s in samples():
         row.add(s)
     p = {k: v.to(device) for k, v in row.pack().items()}
     n = p["input_ids"].numel()
-    q = torch.randn(1, 4, n, 32, device=device, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(1, 2, n, 32, device=device, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(1, 2, n, 32, device=device, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(1, 4, n, 32, device=device, dtype=torch.float32, requires_grad=True)
+    k = torch.randn(1, 2, n, 32, device=device, dtype=torch.float32, requires_grad=True)
+    v = torch.randn(1, 2, n, 32, device=device, dtype=torch.float32, requires_grad=True)
     tree = {key: p[key] for key in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
     outs, grads = [], []
     for fn in (tree_attention.sdpa_tree_attention, tree_attention.flex_tree_attention):
@@ -120,5 +122,5 @@ def test_flex_equals_sdpa_on_gpu():
         (g,) = torch.autograd.grad(out.square().sum(), [q])
         outs.append(out.detach())
         grads.append(g)
-    torch.testing.assert_close(outs[1], outs[0], atol=1e-10, rtol=1e-9)
-    torch.testing.assert_close(grads[1], grads[0], atol=1e-10, rtol=1e-9)
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(grads[1], grads[0], atol=2e-5, rtol=2e-5)

@@ -1,14 +1,12 @@
 """The switch on TRL's `AsyncGRPOTrainer`: its own `compute_loss` gives the same loss and gradients per backend.
 
-`AsyncGRPOTrainer.train()` cannot run offline on a CPU: its packed tree attention loads a flash-attention kernel from
-the Hugging Face Hub. Its loss step can: this test calls TRL's real `AsyncGRPOTrainer.compute_loss` on a packed row
-(sdpa attention instead of the tree kernel, identical for every backend) with the trainer state that method reads.
+The whole loop runs in `tests/async_loop`; here TRL's real `AsyncGRPOTrainer.compute_loss` is called on one packed
+row (plain sdpa attention, identical for every backend) with just the trainer state that method reads, so each
+backend is compared on exactly the same inputs.
 """
 
 import pytest
 import torch
-from accelerate import Accelerator
-from collections import defaultdict
 from trl.trainer.utils import add_fused_lm_head
 
 from grpo_lab.tasks.tiny import build_char_tokenizer, build_tiny_model
@@ -19,18 +17,9 @@ from conftest import TINY
 
 def async_trainer(model):
     """An AsyncGRPOLabTrainer holding exactly the state `compute_loss` reads (no server, no rollout worker)."""
-    from grpo_lab.trl_glue import AsyncGRPOLabTrainer
+    from grpo_lab.async_loop.trainer import loss_only_trainer
 
-    trainer = object.__new__(AsyncGRPOLabTrainer)
-    trainer.accelerator = Accelerator(cpu=True)
-    trainer.aux_loss_enabled = False
-    trainer.epsilon_low, trainer.epsilon_high = 0.2, 0.28
-    trainer.current_gradient_accumulation_steps = 2
-    trainer._metrics = {"train": defaultdict(list)}
-    for name in ("_step_forward_tokens", "_step_trained_tokens", "_step_seq_len_weighted", "_step_samples",
-                 "_step_forward_s"):
-        setattr(trainer, name, 0.0)
-    return trainer
+    return loss_only_trainer("cpu", epsilon_low=0.2, epsilon_high=0.28, gradient_accumulation_steps=2)
 
 
 def packed_row(vocab, seed=0):

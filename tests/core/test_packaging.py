@@ -26,7 +26,12 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert "bash scripts/test.sh" in readme and "bash scripts/reproduce.sh" in readme
     ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
                 if line.strip() and not line.startswith("#") and not line.startswith(("set ", "cd "))]
-    assert ci_lines == ["bash scripts/test.sh"]
+    # each optional tier's install and the switch that makes its skip a failure, then README's test command
+    tiers = {"bash scripts/install_browser.sh": "export GRPO_LAB_REQUIRE_BROWSER=1",
+             "bash scripts/vllm_cpu_env.sh": "export GRPO_LAB_REQUIRE_VLLM=1"}
+    assert ci_lines[-1] == "bash scripts/test.sh"
+    assert ci_lines[:-1] == [line for pair in tiers.items() for line in pair]
+    assert "bash scripts/install_browser.sh" in readme
 
 
 def test_extras_pin_what_the_issue_names():

@@ -1,4 +1,5 @@
-"""An installed, non-editable wheel ships `kernels/` as `grpo_lab.kernels` and no top-level `kernels` module."""
+"""An installed, non-editable wheel ships `kernels/` as `grpo_lab.kernels` and no top-level `kernels` module, and every
+file of results/ and data/ (the notebooks read the committed results from the installed package on Colab)."""
 
 import os
 import subprocess
@@ -11,15 +12,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+SHIPPED_FOLDERS = {"results": "grpo_lab/reference_results", "data": "grpo_lab/data_files"}
+
+
+def _project_files(folder: str) -> list[str]:
+    """The files of `folder` as committed (git ls-files in a clone; a walk of the folder otherwise)."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "--", folder], capture_output=True, text=True,
+                             check=True).stdout.split()
+        if out:
+            return out
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return [str(p.relative_to(ROOT)) for p in (ROOT / folder).rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts]
+
+
 def test_wheel_installs_grpo_lab_kernels_not_top_level_kernels(tmp_path):
     dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
-                    str(ROOT)], check=True)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(dist), str(ROOT)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    # setuptools warns (and will one day leave the files out) for a data folder missing from `packages`
+    assert "absent from the `packages` configuration" not in build.stderr, build.stderr[-3000:]
     wheel = next(dist.glob("grpo_lab-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "grpo_lab/kernels/__init__.py" in names
     assert not any(n.startswith("kernels/") for n in names)
     assert "grpo_lab/data_files/configs/Qwen3-0.6B.json" in names
+    for folder, package in SHIPPED_FOLDERS.items():
+        files = _project_files(folder)
+        assert files, folder
+        missing = [f for f in files if f"{package}/{Path(f).relative_to(folder)}" not in names]
+        assert not missing, (f"not in the wheel: {missing}; list each folder under {folder}/ in pyproject's "
+                             "`packages` and its file types in `package-data`")
 
     # A fresh environment that sees this one's packages (torch, trl, ...) but not the source tree: a .pth adds
     # this environment's site-packages after its own, so the installed wheel is what `import grpo_lab` finds.

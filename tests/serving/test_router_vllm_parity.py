@@ -43,7 +43,13 @@ def test_adapter_answers_match_vllm(token):
         assert_vllm_error(load(url, "v1"), 400, "InvalidUserInput", "has already been loaded")  # same path too
         assert_vllm_error(load(url, "m"), 400, "InvalidUserInput", "conflicts with a served base model")
         missing = requests.post(url + "/v1/load_lora_adapter", json={"lora_name": "v2"}, timeout=10)
-        assert_vllm_error(missing, 400, "InvalidUserInput", "Both 'lora_name' and 'lora_path' must be provided.")
+        assert_vllm_error(missing, 400, "Bad Request", "Field required")  # vLLM's request schema refuses it
+        assert missing.json()["error"]["param"] == "body.lora_path"
+        empty = requests.post(url + "/v1/load_lora_adapter", json={"lora_name": "v2", "lora_path": ""}, timeout=10)
+        assert_vllm_error(empty, 400, "InvalidUserInput", "Both 'lora_name' and 'lora_path' must be provided.")
+        negative = complete(url, [5, -1, 7], model="m")
+        assert_vllm_error(negative, 400, "Bad Request", "greater than or equal to 0")
+        assert negative.json()["error"]["param"] == "body.prompt.1"
         assert unload(url, "v1").text == "Success: LoRA adapter 'v1' removed successfully."
         assert_vllm_error(unload(url, "v1"), 404, "NotFoundError", "The lora adapter 'v1' cannot be found.")
         assert_vllm_error(unload(url, ""), 400, "InvalidUserInput", "'lora_name' needs to be provided")

@@ -3,12 +3,12 @@
 import pandas as pd
 import pytest
 
+from grpo_lab.memory.sweep import PRESETS
+
 
 @pytest.mark.slow
-def test_notebook01_quick(quick_notebook):
-    out_dir = quick_notebook("01_memory_vs_batch.ipynb")
-    from grpo_lab.memory.sweep import PRESETS
-
+def test_notebook01_quick(reproduced):
+    out_dir = reproduced.outputs("memory_vs_batch")
     p = PRESETS["quick"]
     df = pd.read_csv(out_dir / "memory_vs_batch_quick.csv")
     n_points = len(p["backends"]) * len(p["dtypes"]) * (len(p["batch_sizes"]) + len(p["loss_batch_sizes"]))

@@ -3,12 +3,12 @@
 import pandas as pd
 import pytest
 
+from grpo_lab.memory.max_batch import PRESETS
+
 
 @pytest.mark.slow
-def test_notebook02_quick(quick_notebook):
-    out_dir = quick_notebook("02_fsdp_max_batch.ipynb")
-    from grpo_lab.memory.max_batch import PRESETS
-
+def test_notebook02_quick(reproduced):
+    out_dir = reproduced.outputs("fsdp_max_batch")
     p = PRESETS["quick"]
     df = pd.read_csv(out_dir / "fsdp_max_batch_quick.csv")
     assert len(df) == len(p["models"]) * len(p["backends"])

@@ -1,12 +1,9 @@
 """Notebook 03 runs headless in quick mode (papermill) and its CSV shows learning and backend parity."""
 
 import json
-from pathlib import Path
 
 import pandas as pd
 import pytest
-
-NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "03_sanity_reward_curves.ipynb"
 
 # The stated margins (docs/reward_curves.md): measured on this pipeline, quick mode, seed 0.
 REWARD_MARGIN = 0.05      # mean reward of the last 10 steps minus the first 10, every backend
@@ -21,14 +18,10 @@ ROLLING_TOLERANCE = 0.05   # max |difference of 10-step rolling mean reward| vs 
 
 
 @pytest.mark.slow
-def test_notebook03_quick_mode(tmp_path):
-    import papermill as pm
-
-    out_nb = tmp_path / "03.ipynb"
-    pm.execute_notebook(str(NOTEBOOK), str(out_nb), parameters={"QUICK": True, "OUT_DIR": str(tmp_path)},
-                        kernel_name="python3", cwd=str(tmp_path), progress_bar=False)
-    df = pd.read_csv(tmp_path / "quick.csv")
-    summary = json.loads((tmp_path / "quick.json").read_text())
+def test_notebook03_quick_mode(reproduced):
+    out = reproduced.outputs("reward_curves")
+    df = pd.read_csv(out / "quick.csv")
+    summary = json.loads((out / "quick.json").read_text())
     backends = list(summary["backends"])
     assert {"trl", "grpo_lab", "naive"} <= set(backends)
     rew = df[df.metric == "reward"].pivot(index="step", columns="backend", values="value").sort_index()
@@ -49,8 +42,9 @@ def test_notebook03_quick_mode(tmp_path):
         same = loss.index < first_div
         assert (loss[b][same] - loss["trl"][same]).abs().max() <= LOSS_ATOL, b
         assert (roll[b] - roll["trl"]).abs().max() <= ROLLING_TOLERANCE, b
-    assert (tmp_path / "quick.png").stat().st_size > 10_000
+    assert (out / "quick.png").stat().st_size > 10_000
+    assert summary["config"]["learning_rate"] == 3e-3   # the parameters cell's LR, as the figure title says
     # the committed curves are shown at once (default parameters)
-    nb = json.loads(out_nb.read_text())
+    nb = reproduced.executed_notebook("03_sanity_reward_curves.ipynb")
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
-               for c in nb["cells"] for o in c.get("outputs", []))
+               for c in nb.cells for o in c.get("outputs", []))

@@ -1,0 +1,206 @@
+"""What notebook 04 computes, kept in the package so the tests check it: runs, the doctor's follow-up, figures,
+the recipe's commands and the committed H200 results."""
+
+from __future__ import annotations
+
+import io
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .board import LoopBoard
+from .doctor import Verdict, diagnose, training_rows
+
+
+@dataclass
+class QuickSettings:
+    """The knobs of a quick run (the embedded task on CPU replicas). Every field is a notebook control.
+
+    Args:
+        steps: optimizer steps.
+        replicas: CPU replicas behind the router.
+        prompts_per_step, num_generations: a step trains prompts_per_step x num_generations completions.
+        learning_rate: LoRA (r=1, alpha=2) learning rate.
+        max_staleness: how many versions old a sample may be.
+        max_inflight_tasks: rollout requests in flight; -1 is TRL's max_staleness x samples per step.
+        queue_maxsize: scored samples the worker may queue ahead of the trainer (TRL's default 1024).
+        seed: the run's seed.
+        replica_kind: "cpu" (grpo_lab's CPU replica, the fast default) or "vllm" (real vLLM CPU replicas: batching
+            and a paged prefix cache; needs `bash scripts/vllm_cpu_env.sh` once, and 1-2 minutes to start).
+    """
+
+    steps: int = 20
+    replicas: int = 2
+    prompts_per_step: int = 2
+    num_generations: int = 8
+    learning_rate: float = 3e-3
+    max_staleness: int = 4
+    max_inflight_tasks: int = -1
+    queue_maxsize: int = 1024
+    seed: int = 0
+    replica_kind: str = "cpu"
+
+    def validate(self) -> "QuickSettings":
+        if self.steps < 2 or self.replicas < 1 or self.prompts_per_step < 1 or self.num_generations < 2:
+            raise ValueError("steps >= 2, replicas >= 1, prompts_per_step >= 1 and num_generations >= 2 are needed")
+        if self.max_staleness < 0 or self.learning_rate <= 0 or self.queue_maxsize < 1:
+            raise ValueError("max_staleness >= 0, learning_rate > 0 and queue_maxsize >= 1 are needed")
+        if self.replica_kind not in ("cpu", "vllm"):
+            raise ValueError(f"replica_kind must be 'cpu' or 'vllm', got {self.replica_kind!r}")
+        return self
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+
+@dataclass
+class LoopRun:
+    """One finished run: its settings, logged rows, verdict, board figure and wall time."""
+
+    name: str
+    settings: QuickSettings
+    rows: list[dict]
+    verdict: Verdict
+    png: bytes
+    seconds: float
+    output_dir: str
+    published: list[dict] = field(default_factory=list)
+
+
+def run_quick(settings: QuickSettings, output_dir: str | None = None, name: str = "run", board: str = "auto",
+              loss_backend: str = "grpo_lab") -> LoopRun:
+    """Start 2 CPU replicas + router + trainer on the embedded task, train with the live board, tear down."""
+    from .launch import AsyncLoop, LoopConfig, embedded_trainer_args
+
+    s = settings.validate()
+    output_dir = output_dir or tempfile.mkdtemp(prefix=f"grpo-lab-async-{name}-")
+    args = embedded_trainer_args(
+        output_dir, max_steps=s.steps, per_device_train_batch_size=s.samples_per_step,
+        num_generations=s.num_generations, learning_rate=s.learning_rate, max_staleness=s.max_staleness,
+        max_inflight_tasks=s.max_inflight_tasks, queue_maxsize=s.queue_maxsize, seed=s.seed, save_strategy="no",
+        loss_backend=loss_backend)
+    inflight = s.max_inflight_tasks if s.max_inflight_tasks > 0 else max(s.max_staleness, 1) * s.samples_per_step
+    live = LoopBoard(s.steps, s.max_staleness, inflight, mode=board, title=f"async loop: {name}")
+    t0 = time.perf_counter()
+    with AsyncLoop(LoopConfig(replicas=s.replicas, replica_kind=s.replica_kind), args, callbacks=[live],
+                   progress=False) as loop:
+        loop.train()
+        published = list(loop.trainer.published)
+    seconds = time.perf_counter() - t0
+    png = live.close()
+    return LoopRun(name, s, loop.recorder.rows, live.verdict, png, seconds, output_dir, published)
+
+
+def follow_doctor(run: LoopRun) -> tuple[QuickSettings, str]:
+    """The settings of the next run with the verdict's first knob turned (what the seed's author did by hand),
+    and a sentence saying what changed; the same settings and None-like text when there is nothing to turn."""
+    s, v = run.settings, run.verdict
+    if v.bound == "staleness" and v.knobs and "replicas" in v.knobs[0]:
+        return replace(s, replicas=s.replicas + 1), f"replicas {s.replicas} -> {s.replicas + 1}"
+    if v.bound == "staleness":
+        return (replace(s, max_inflight_tasks=s.samples_per_step, queue_maxsize=s.samples_per_step),
+                f"max_inflight_tasks and queue_maxsize -> {s.samples_per_step} (one step's worth)")
+    if v.bound == "rollout":
+        if "max_inflight_tasks" in v.knobs[0]:
+            now = s.max_inflight_tasks if s.max_inflight_tasks > 0 else s.max_staleness * s.samples_per_step
+            return replace(s, max_inflight_tasks=2 * now), f"max_inflight_tasks -> {2 * now}"
+        return replace(s, replicas=s.replicas + 1), f"replicas {s.replicas} -> {s.replicas + 1}"
+    return s, f"nothing to turn for a {v.bound} loop on the embedded task (the knobs are: {'; '.join(v.knobs)})"
+
+
+def summary(runs: list[LoopRun]):
+    """One row per run: the numbers the doctor reads, plus reward and throughput."""
+    import pandas as pd
+
+    out = []
+    for r in runs:
+        steps = training_rows(r.rows)
+        last = steps[-5:]
+        mean = lambda k, rows=steps: sum(x.get(k, 0.0) or 0.0 for x in rows) / max(len(rows), 1)  # noqa: E731
+        out.append({"run": r.name, "verdict": r.verdict.bound, "steps": len(steps), "wall_s": round(r.seconds, 1),
+                    "step_s": round(r.verdict.evidence.get("step_s", float("nan")), 2),
+                    "rollout_wait_frac": round(r.verdict.evidence.get("rollout_wait_frac", float("nan")), 3),
+                    "staleness": round(mean("sample/staleness_mean"), 2),
+                    "wasted_frac": round(r.verdict.evidence.get("stale_frac", float("nan")), 3),
+                    "ratio": round(mean("ratio"), 4), "reward_first5": round(mean("reward", steps[:5]), 3),
+                    "reward_last5": round(mean("reward", last), 3)})
+    return pd.DataFrame(out)
+
+
+def curves_png(runs: list[LoopRun], dpi: int = 90) -> bytes:
+    """Reward (rolling mean), staleness, IS ratio and step time of each run, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    from ..tasks.board import rolling_mean
+
+    panels = (("reward", "reward (rolling 5)"), ("sample/staleness_mean", "staleness (versions)"),
+              ("ratio", "IS ratio"), ("perf/step_s", "step time (s)"))
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.2))
+    for ax, (key, title) in zip(axes, panels):
+        for r in runs:
+            pts = [(x["step"], x[key]) for x in training_rows(r.rows) if isinstance(x.get(key), (int, float))]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, rolling_mean(ys, 5) if key == "reward" else ys, label=r.name)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def verdict_markdown(run: LoopRun) -> str:
+    v = run.verdict
+    lines = [f"**{run.name}: {v.headline}**", ""]
+    lines += [f"{i}. {k}" for i, k in enumerate(v.knobs, 1)]
+    lines += [f"- {n}" for n in v.notes]
+    return "\n".join(lines)
+
+
+def recipe_commands(replicas: int = 2, max_staleness: int = 4, lora_rank: int = 1) -> str:
+    """The commands of the Sanity recipe on GPUs: one `vllm serve` per GPU, the router, then the trainer."""
+    from ..serving.vllm_launcher import replica_specs, router_command
+
+    specs = replica_specs("Qwen/Qwen2.5-Math-1.5B", replicas, lora_rank=lora_rank, max_staleness=max_staleness,
+                          max_model_len=4096)
+    lines = [s.shell_line() + " &" for s in specs]
+    lines.append(router_command(specs) + " &")
+    lines.append("# then, in Python: grpo_lab.async_loop.recipe.sanity_loop(router_url='http://127.0.0.1:8000')")
+    return "\n".join(lines)
+
+
+def committed_results(folder: str = "async"):
+    """The committed results/async CSVs (installed as `grpo_lab.reference_results`), as {name: DataFrame}."""
+    import pandas as pd
+    from importlib import resources
+
+    root = resources.files("grpo_lab.reference_results").joinpath(folder)
+    if not root.is_dir():
+        return {}
+    return {Path(p.name).stem: pd.read_csv(io.BytesIO(p.read_bytes())) for p in root.iterdir()
+            if p.name.endswith(".csv")}
+
+
+def diagnose_rows(rows: list[dict], settings: QuickSettings) -> Verdict:
+    inflight = settings.max_inflight_tasks if settings.max_inflight_tasks > 0 else (
+        max(settings.max_staleness, 1) * settings.samples_per_step)
+    return diagnose(rows, settings.max_staleness, inflight)
+
+
+def controls(settings: QuickSettings, on_run):
+    """A form with one control per `QuickSettings` field, starting at exactly the current values, and a Run button."""
+    from dataclasses import asdict
+
+    from ..widgets import ParamForm
+
+    return ParamForm(asdict(settings), on_run=on_run, button="Run the loop",
+                     choices={"replica_kind": ("cpu", "vllm")})

@@ -1,0 +1,182 @@
+"""What each notebook must show in a browser, and the one interaction that proves its widgets talk to the kernel.
+
+Every notebook under notebooks/ is picked up by the browser tier; add a row here for a new one (04_async_lora ...):
+the figures it shows after Run All (quick mode, and as committed for the classic/Colab check), the controls that
+must render, and an interaction (edit controls, press a button, wait, assert that the output changed). A notebook
+without a row still gets every generic check (no errors, widgets render, labels whole); its interaction test fails
+until it has one.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .frontends import NotebookView
+
+WAIT_MS = 420_000       # an interaction's run on a busy 2-core CPU (03 as committed prepares 3000 problems first)
+OUTPUT_WIDGET = ".widget-output, .jupyter-widgets-output-area"    # an Output widget in ipywidgets 8 / 7
+
+
+@dataclass
+class Expect:
+    figures_quick: int                              # rendered PNGs after Run All with QUICK = True
+    figures_committed: int                          # ... as committed (QUICK = False: the committed results)
+    controls: dict[str, str] = field(default_factory=dict)   # what must render: name -> CSS selector
+    interaction: Callable[[NotebookView, dict], str] | None = None   # returns what it showed (for the report)
+    overrides: dict[str, str] = field(default_factory=dict)  # parameters typed in first (name -> source), in both
+                                                             # frontends: keeps a long run CI-sized
+
+
+# --- helpers shared by the interactions (ipywidgets 7.7 and 8.x render these the same way) --------------------------
+def _labelled(scope, kind: str, label: str):
+    return scope.locator(kind).filter(has=scope.page.locator(".widget-label", has_text=re.compile(f"^{label}$")))
+
+
+def set_text(scope, label: str, value: str):
+    box = _labelled(scope, ".widget-text", label).locator("input")
+    box.fill(value)
+    box.press("Enter")
+
+
+def set_readout(scope, label: str, value: str):
+    """Type a slider's value into its readout (editable in both ipywidgets 7 and 8), as a user can."""
+    readout = _labelled(scope, ".widget-slider", label).locator(".widget-readout")
+    readout.click()
+    scope.page.keyboard.press("Control+a")
+    scope.page.keyboard.type(value)
+    scope.page.keyboard.press("Enter")
+
+
+def click(scope, text: str):
+    scope.locator("button.jupyter-button", has_text=text).first.click()
+
+
+def board_state(cell) -> tuple[str, str]:
+    """(status text, src of its plot) of the live board rendered in `cell`."""
+    text = cell.locator(".jupyter-widgets").first.inner_text()
+    imgs = cell.locator(".jupyter-widgets img")
+    return text, (imgs.last.get_attribute("src") if imgs.count() else "")
+
+
+def wait_form_done(form, button: str, timeout_ms: int = WAIT_MS) -> str:
+    """The ParamForm's message (next to its button) goes from "running…" to "done"; an error fails the test."""
+    row = form.locator(".widget-hbox").filter(
+        has=form.page.locator("button.jupyter-button", has_text=button)).last
+    message = row.locator(".widget-html").first
+    form.page.wait_for_function("el => el.innerText.trim() !== '' && !el.innerText.includes('running')",
+                                arg=message.element_handle(), timeout=timeout_ms)
+    text = message.inner_text().strip()
+    assert text == "done", f"the form reported: {text}"
+    return text
+
+
+def with_overrides(source: str, overrides: dict[str, str]) -> str:
+    """The parameters cell with `NAME = value` lines replaced, as a user edits them."""
+    for name, value in overrides.items():
+        line = re.compile(rf"^{name}\s*=.*$", re.MULTILINE)
+        assert line.search(source), f"no `{name} = ...` line in the parameters cell"
+        source = line.sub(f"{name} = {value}", source, count=1)
+    return source
+
+
+def parameters_of(source: str) -> dict:
+    """The literal assignments of a parameters cell."""
+    out = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    return out
+
+
+# --- the interactions -------------------------------------------------------------------------------------------
+def _rerun_form(nb: NotebookView, values: dict, result_name: str) -> str:
+    form = nb.cell("ParamForm(")
+    board = nb.cell("LiveBoard(")
+    before = board_state(board)
+    for label, value in values.items():
+        set_text(form, label, value)
+    click(form, "Run on this machine")
+    wait_form_done(form, "Run on this machine")
+    after = board_state(board)
+    assert result_name in after[0], f"the board did not report the new run: {after[0]!r}"
+    assert after != before, "the board did not change"
+    assert after[1], "the board shows no plot after the run"
+    return after[0]
+
+
+def memory_rerun_one_point(nb: NotebookView, params: dict) -> str:
+    """01: narrow the form to one CPU-sized training-step point and rerun: the board redraws with the new point.
+    (Every field is set: as committed, the form holds the H200 sweep.)"""
+    return _rerun_form(nb, {"model": "small-qwen3", "backends": "trl", "dtypes": "fp32", "batch sizes": "2",
+                            "loss batch sizes": "2", "prompt len": "32", "completion len": "64", "modes": "step"},
+                       "memory_vs_batch_here.csv")
+
+
+def max_batch_rerun_one_backend(nb: NotebookView, params: dict) -> str:
+    """02: one small model x one backend search under a 0.5 GiB CPU budget: the board shows its bar."""
+    return _rerun_form(nb, {"models": "small-qwen3", "backends": "trl", "dtype": "fp32", "prompt len": "8",
+                            "completion len": "24", "lora r": "8", "budget gib": "0.5", "start": "4", "upper": "32",
+                            "rel tol": "0.25"}, "fsdp_max_batch_here.csv")
+
+
+def async_loop_rerun_two_steps(nb: NotebookView, params: dict) -> str:
+    """04: a 4-step rerun of the loop from the form (CPU replicas + router + trainer start and stop again; with 2
+    steps the doctor can say "not enough steps logged yet", which the form shows as an error)."""
+    form = nb.cell("nb04.controls(")
+    set_text(form, "steps", "4")
+    click(form, "Run the loop")
+    return wait_form_done(form, "Run the loop")
+
+
+def reward_curves_run_ten_steps(nb: NotebookView, params: dict) -> str:
+    """03: 10 steps of one backend from the Tweak-and-rerun controls; the run must use the parameters cell's lr
+    (untouched controls start at exactly the parameters' values) and plot its curves."""
+    controls = nb.cell("nb03.controls(")
+    set_readout(controls, "steps", "10")
+    controls.locator(".widget-select-multiple select").select_option("trl")
+    click(controls, "Run")
+    line = controls.locator(OUTPUT_WIDGET).first
+    line.get_by_text(re.compile(r"^training: ")).wait_for(timeout=WAIT_MS)
+    text = line.inner_text()
+    lr = f"{float(params['LR']):g}"
+    assert f"training: steps 10, lr {lr}, LoRA rank {params['RANK']}, G {params['G']}, backends trl" in text, text
+    line.locator("img").last.wait_for(timeout=WAIT_MS)
+    nb.page.wait_for_function("el => el.innerText.includes('reward_end')", arg=line.element_handle(),
+                              timeout=WAIT_MS)
+    return line.inner_text()
+
+
+EXPECT: dict[str, Expect] = {
+    "01_memory_vs_batch": Expect(
+        figures_quick=3, figures_committed=2,
+        controls={"progress bar": ".widget-hprogress", "form text boxes": ".widget-text input",
+                  "Run button": "button.jupyter-button:has-text('Run on this machine')"},
+        interaction=memory_rerun_one_point),
+    "02_fsdp_max_batch": Expect(
+        figures_quick=2, figures_committed=1,
+        controls={"progress bar": ".widget-hprogress", "form text boxes": ".widget-text input",
+                  "Run button": "button.jupyter-button:has-text('Run on this machine')"},
+        interaction=max_batch_rerun_one_backend),
+    "03_sanity_reward_curves": Expect(
+        figures_quick=5, figures_committed=3,
+        controls={"sliders": ".widget-slider", "backends list": ".widget-select-multiple select",
+                  "rank dropdown": ".widget-dropdown select", "Run button": "button.jupyter-button:has-text('Run')"},
+        interaction=reward_curves_run_ten_steps),
+    "04_async_lora": Expect(
+        figures_quick=1, figures_committed=1,
+        controls={"form text boxes": ".widget-text input",
+                  "Run button": "button.jupyter-button:has-text('Run the loop')"},
+        interaction=async_loop_rerun_two_steps,
+        overrides={"STEPS": "3", "FOLLOW_DOCTOR": "False"}),
+}
+DEFAULT = Expect(figures_quick=1, figures_committed=0)
+
+
+def expect(name: str) -> Expect:
+    return EXPECT.get(name, DEFAULT)
