@@ -29,7 +29,7 @@ from .planner_head import UNTOUCHED, head_backward, head_forward, head_rows, hea
 from .planner_layer import backward_levels, saved_tensors
 from .planner_shapes import ModelShape, shape_for
 
-__all__ = ["ALLOCATOR_HEADROOM", "CUDA_WORKSPACE_BYTES", "CPU_RSS_OVERHEAD_BYTES", "CPU_RSS_SLACK", "MaxBatch",
+__all__ = ["ALLOCATOR_HEADROOM", "CPU_RSS_OVERHEAD_BYTES", "CPU_RSS_SLACK", "CUDA_WORKSPACE_BYTES", "MaxBatch",
            "MemoryPlan", "PlannerConfig", "max_batch", "plan", "plan_loss_only"]
 
 GiB = 2**30

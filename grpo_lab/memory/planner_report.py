@@ -48,14 +48,15 @@ def world_size_table(base: PlannerConfig, budget_gib: float, backends=("naive", 
     return pd.DataFrame(rows)
 
 
-def article_setting() -> pd.DataFrame:
+def article_setting(models=None) -> pd.DataFrame:
     """The planner's max batch with and without a fused loss (liger) in the seed article's setting, under each
-    assumption it leaves open (`ARTICLE`), with the fused / naive ratio next to the reported 1.5–1.8×."""
+    assumption it leaves open (`ARTICLE`), with the fused / naive ratio next to the reported 1.5–1.8×. `models`:
+    a subset of the article's (default: all four)."""
     a = ARTICLE
     rows = []
     for ckpt in a["checkpointing"]:
         for completion in a["completion_lens"]:
-            for model in a["models"]:
+            for model in models or a["models"]:
                 base = PlannerConfig(model=model, dtype=a["dtype"], lora_r=a["lora_r"], world_size=a["world_size"],
                                      fsdp=True, prompt_len=a["prompt_len"], completion_len=completion,
                                      gradient_checkpointing=ckpt)
@@ -83,7 +84,7 @@ def plot_world_sizes(table: pd.DataFrame, measured: pd.DataFrame | None = None, 
                     label=f"{backend} (measured)")
     ax.set_xlabel("GPUs (FSDP2 world size)")
     ax.set_ylabel("max batch per GPU")
-    ax.set_yscale("log")
+    ax.set_ylim(bottom=0)  # linear, plain-number ticks: a max batch of 0 (does not fit) stays on the axis
     ax.set_xticks(sorted(table["world_size"].unique()))
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, ncol=2)

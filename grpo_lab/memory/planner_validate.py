@@ -23,9 +23,11 @@ from .planner import GiB, PlannerConfig, max_batch, plan, plan_loss_only
 from .results import load_reference
 
 TARGET_PCT = 10.0  # the issue's target: within 10 % of the measured peak
+# where and with what each point was measured, copied from its source row (the loss grid names the GPU `gpu`)
+PROVENANCE = ["machine", "torch", "trl", "transformers", "measured_on"]
 COLUMNS = ["source", "model", "backend", "dtype", "mode", "batch_size", "prompt_len", "completion_len", "lora_r",
            "world_size", "fsdp", "device", "measured_gib", "predicted_gib", "error_pct", "phase", "calibration",
-           "note"]
+           "note", *PROVENANCE]
 # grpo_lab kernel changes after a measurement (kernels/fused_linear_logprob.py history, docs/kernel.md)
 OLD_KERNEL_NB01 = "grpo_lab kernel of 2026-12-02 (before the run-4 tiles); the planner models today's"
 OLD_KERNEL_FROZEN = "frozen head measured before its backward temporaries were bounded (5700679)"
@@ -37,8 +39,21 @@ def _config(row, **kw) -> PlannerConfig:
                          completion_len=int(row["completion_len"]), **kw)
 
 
-def _row(source, cfg: PlannerConfig, mode, measured, predicted, phase, calibration="", note="") -> dict:
-    return {"source": source, "model": cfg.model, "backend": cfg.backend, "dtype": cfg.dtype, "mode": mode,
+def provenance(row) -> dict:
+    """The machine, versions and date a source row records (blank where it records none)."""
+    def get(*names):
+        for name in names:
+            v = row.get(name)
+            if v is not None and not (isinstance(v, float) and math.isnan(v)):
+                return str(v)
+        return ""
+
+    return {"machine": get("gpu_name", "gpu"), "torch": get("torch"), "trl": get("trl"),
+            "transformers": get("transformers"), "measured_on": get("date")[:10]}
+
+
+def _row(source, cfg: PlannerConfig, mode, measured, predicted, phase, calibration="", note="", src=None) -> dict:
+    return {**(provenance(src) if src is not None else dict.fromkeys(PROVENANCE, "")),"source": source, "model": cfg.model, "backend": cfg.backend, "dtype": cfg.dtype, "mode": mode,
             "batch_size": cfg.batch_size, "prompt_len": cfg.prompt_len, "completion_len": cfg.completion_len,
             "lora_r": cfg.lora_r, "world_size": cfg.world_size, "fsdp": cfg.fsdp, "device": cfg.device,
             "measured_gib": measured, "predicted_gib": predicted, "error_pct": 100 * (predicted / measured - 1),
@@ -52,13 +67,13 @@ def notebook01_rows(df: pd.DataFrame) -> list[dict]:
         if r["mode"] == "step":
             cfg = _config(r, lora_r=0, fsdp=False, optimizer_state=True)
             p = plan(cfg)
-            out.append(_row("H200 notebook 01 (step)", cfg, "step", r["peak_gib"], p.peak_gib, p.peak_phase))
+            out.append(_row("H200 notebook 01 (step)", cfg, "step", r["peak_gib"], p.peak_gib, p.peak_phase, src=r))
         else:
             cfg = _config(r, lora_r=0, fsdp=False)
             p = plan_loss_only(cfg)
             note = OLD_KERNEL_NB01 if r["backend"] == "grpo_lab" else ""
             out.append(_row("H200 notebook 01 (loss alone)", cfg, "loss", r["peak_gib"], p.peak_gib, p.peak_phase,
-                            note=note))
+                            note=note, src=r))
     return out
 
 
@@ -70,7 +85,7 @@ def notebook02_rows(df: pd.DataFrame) -> list[dict]:
                       optimizer_state=int(r.get("steps") if pd.notna(r.get("steps")) else 1) > 1)
         p = plan(cfg)
         out.append(_row("H200 notebook 02 (probes)", cfg, "step", r["peak_gib"], p.peak_gib, p.peak_phase,
-                        calibration="CUDA_WORKSPACE_BYTES"))
+                        calibration="CUDA_WORKSPACE_BYTES", src=r))
     return out
 
 
@@ -91,7 +106,7 @@ def loss_kernel_rows(df: pd.DataFrame) -> list[dict]:
         p = plan_loss_only(cfg, trainable=r["head"] == "trainable", entropy_grad=False, with_inputs=False)
         note = OLD_KERNEL_FROZEN if (r["backend"] == "grpo_lab" and r["head"] == "frozen") else ""
         row = _row("H200 loss kernel (head alone)", cfg, f"loss, {r['head']} head", r["loss_peak_gib"], p.peak_gib,
-                   p.peak_phase, note=note)
+                   p.peak_phase, note=note, src=r)
         row["lora_r"] = 0 if r["head"] == "trainable" else None
         out.append(row)
     return out
@@ -106,7 +121,7 @@ def planner_check_rows(df: pd.DataFrame, source: str, calibration: str = "") -> 
                       optimizer_state=int(r.get("steps") or 1) > 1)
         p = plan(cfg)
         out.append(_row(source, cfg, "step", r["peak_gib"], p.peak_gib, p.peak_phase, calibration=calibration,
-                        note=str(r.get("point", ""))))
+                        note=str(r.get("point", "")), src=r))
     return out
 
 
@@ -115,25 +130,38 @@ def search_step(batch: int, rel_tol: float) -> int:
     return max(1, math.floor(rel_tol * max(batch, 1)))
 
 
-def max_batch_rows(searches: pd.DataFrame, upper: int = 1024) -> list[dict]:
-    """Notebook 02's searches against the planner's max batch for the same budget. The search brackets the limit
-    in [max_batch, first_oom); the prediction is within one search step when it lies in that bracket widened by
-    one step on each side (a capped search: when it does not fall more than a step below the cap)."""
+def max_batch_rows(searches: pd.DataFrame) -> list[dict]:
+    """Max-batch searches (notebook 02's CSV: any device or world size) against the planner's max batch for the
+    same budget. The search brackets the limit in [max_batch, first_oom); the prediction is within one search step
+    when it lies in that bracket widened by one step on each side (a capped search: when it does not fall more
+    than a step below the cap)."""
     out = []
     for _, r in searches[searches["status"] == "ok"].iterrows():
-        cfg = _config(r, lora_r=int(r["lora_r"]), fsdp=True, world_size=int(r["world_size"]))
+        device = "cpu" if str(r.get("device", "cuda")) == "cpu" else "cuda"
+        cfg = _config(r, lora_r=int(r["lora_r"]), fsdp=True, world_size=int(r["world_size"]), device=device,
+                      optimizer_state=int(r.get("steps") if pd.notna(r.get("steps")) else 1) > 1)
+        upper = int(r["max_batch"]) if bool(r["capped"]) else 1 << 14
         pred = max_batch(cfg.replace(batch_size=1), float(r["budget_gib"]), upper=upper)
         measured, first_oom = int(r["max_batch"]), (None if pd.isna(r["first_oom"]) else int(r["first_oom"]))
         step = search_step(measured, float(r["rel_tol"]))
-        hi = upper if first_oom is None else first_oom - 1
+        hi = measured if first_oom is None else first_oom - 1
         within = measured - step <= pred.batch <= hi + step
-        out.append({"model": cfg.model, "backend": cfg.backend, "lora_r": cfg.lora_r, "world_size": cfg.world_size,
+        source = f"{'CPU' if device == 'cpu' else 'H200'} notebook 02 (searches)"
+        out.append({"source": source, "model": cfg.model, "backend": cfg.backend, "device": device,
+                    "lora_r": cfg.lora_r, "world_size": cfg.world_size,
                     "budget_gib": float(r["budget_gib"]), "measured_max_batch": measured, "first_oom": first_oom,
                     "capped": bool(r["capped"]), "predicted_max_batch": pred.batch,
                     "error_pct": 100 * (pred.batch / measured - 1), "search_step": step,
                     "within_one_step": within, "predicted_peak_gib": pred.peak_bytes / GiB,
-                    "usable_gib": pred.usable_bytes / GiB, "calibration": "ALLOCATOR_HEADROOM"})
+                    "usable_gib": pred.usable_bytes / GiB, "calibration": "ALLOCATOR_HEADROOM", **provenance(r)})
     return out
+
+
+def max_batch_table() -> pd.DataFrame:
+    """Every committed max-batch search of notebook 02 (the H200 run and the CPU quick preset) against the planner."""
+    found = [load_reference("fsdp_max_batch", name) for name in ("fsdp_max_batch.csv", "fsdp_max_batch_quick.csv")]
+    found = [df for df in found if df is not None]
+    return pd.DataFrame(max_batch_rows(pd.concat(found, ignore_index=True))) if found else pd.DataFrame()
 
 
 def heldout_max_batch_rows(df: pd.DataFrame) -> list[dict]:
@@ -182,12 +210,24 @@ def _planner_csv(name: str, extra_csvs: dict[str, Path] | None) -> pd.DataFrame 
 
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:
-    """Per source: points, max and mean |error|, share within the 10 % target (rows with a note excluded)."""
+    """Per source: points, max, median and mean |error|, share within the 10 % target (rows with a note excluded)."""
     kept = table[~table["note"].isin([OLD_KERNEL_NB01, OLD_KERNEL_FROZEN])]
     g = kept.assign(abs_err=kept["error_pct"].abs()).groupby("source", sort=False)
     return pd.DataFrame({"points": g.size(), "max_abs_error_pct": g["abs_err"].max(),
-                         "mean_abs_error_pct": g["abs_err"].mean(),
+                         "median_abs_error_pct": g["abs_err"].median(), "mean_abs_error_pct": g["abs_err"].mean(),
                          "within_10pct": g["abs_err"].apply(lambda e: f"{(e <= TARGET_PCT).sum()}/{len(e)}")})
+
+
+def max_batch_summary(searches: pd.DataFrame) -> pd.DataFrame:
+    """Per source and head kind (naive / fused): searches, max and median |error| of the max batch, how many
+    predictions lie within one search step of the measured limit."""
+    if searches.empty:
+        return pd.DataFrame()
+    kind = searches["backend"].where(searches["backend"] == "naive", "fused")
+    g = searches.assign(head=kind, abs_err=searches["error_pct"].abs()).groupby(["source", "head"], sort=False)
+    return pd.DataFrame({"searches": g.size(), "max_abs_error_pct": g["abs_err"].max(),
+                         "median_abs_error_pct": g["abs_err"].median(),
+                         "within_one_step": g["within_one_step"].apply(lambda w: f"{int(w.sum())}/{len(w)}")})
 
 
 def markdown_table(df: pd.DataFrame, index: bool = False, floatfmt: str = "{:.2f}") -> str:
@@ -212,8 +252,11 @@ def to_markdown(table: pd.DataFrame, searches: pd.DataFrame, heldout: pd.DataFra
              "(docs/memory.md, section *Memory planner*). Error = predicted / measured − 1. Rows with a note were "
              "measured with a kernel that has changed since; they are listed, not summarised.", "",
              "## Summary (peak memory)", "", markdown_table(summary(table), index=True), "",
-             "## Max batch: notebook 02's searches (H200, FSDP2 + LoRA r=16, world size 1, whole GPU)", "",
-             markdown_table(searches.drop(columns=["calibration"]), floatfmt="{:.1f}"), ""]
+             "## Summary (max batch)", "", markdown_table(max_batch_summary(searches), index=True), "",
+             "## Max batch: notebook 02's searches (H200: FSDP2 + LoRA r=16, world size 1, whole GPU; CPU: the "
+             "quick preset, a cap on peak RSS)", "",
+             markdown_table(searches.drop(columns=["calibration", "torch", "trl", "transformers"],
+                                          errors="ignore"), floatfmt="{:.1f}"), ""]
     if heldout is not None and not heldout.empty:
         lines += ["## Max batch, held out: probes 3 % below / above the predicted max batch", "",
                   markdown_table(heldout), ""]
@@ -221,7 +264,7 @@ def to_markdown(table: pd.DataFrame, searches: pd.DataFrame, heldout: pd.DataFra
     shown = table.copy()
     for col, f in fmt.items():
         shown[col] = shown[col].map(f.format)
-    lines.append(markdown_table(shown.drop(columns=["fsdp"])))
+    lines.append(markdown_table(shown.drop(columns=["fsdp", "torch", "trl", "transformers"])))
     return "\n".join(lines) + "\n"
 
 
@@ -238,8 +281,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     table = validation_table(extra)
-    searches_csv = load_reference("fsdp_max_batch", "fsdp_max_batch.csv")
-    searches = pd.DataFrame(max_batch_rows(searches_csv)) if searches_csv is not None else pd.DataFrame()
+    searches = max_batch_table()
     heldout_csv = _planner_csv("planner_heldout_h200.csv", extra)
     heldout = pd.DataFrame(heldout_max_batch_rows(heldout_csv)) if heldout_csv is not None else None
     table.to_csv(out / "validation.csv", index=False)
@@ -248,7 +290,8 @@ def main(argv=None) -> int:
     with pd.option_context("display.width", 160):
         print(summary(table).to_string())
         if not searches.empty:
-            print(searches[["model", "backend", "measured_max_batch", "first_oom", "predicted_max_batch",
+            print(max_batch_summary(searches).to_string())
+            print(searches[["source", "model", "backend", "measured_max_batch", "first_oom", "predicted_max_batch",
                             "error_pct", "within_one_step"]].to_string(index=False))
     print(f"wrote {out / 'validation.csv'}, {out / 'validation_max_batch.csv'} and {out / 'validation.md'}")
     return 0

@@ -159,9 +159,10 @@ EXPECT: dict[str, Expect] = {
                   "Run button": "button.jupyter-button:has-text('Run on this machine')"},
         interaction=memory_rerun_one_point),
     "02_fsdp_max_batch": Expect(
-        figures_quick=2, figures_committed=1,
+        figures_quick=3, figures_committed=2,   # the board's / search's figures, and the planner panel's
         controls={"progress bar": ".widget-hprogress", "form text boxes": ".widget-text input",
-                  "Run button": "button.jupyter-button:has-text('Run on this machine')"},
+                  "Run button": "button.jupyter-button:has-text('Run on this machine')",
+                  "planner dropdowns": ".widget-dropdown select"},
         interaction=max_batch_rerun_one_backend),
     "03_sanity_reward_curves": Expect(
         figures_quick=5, figures_committed=3,

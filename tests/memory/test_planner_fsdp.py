@@ -21,9 +21,8 @@ def test_two_rank_fsdp_peak_rss_is_predicted():
 
 
 def test_committed_cpu_world_size_runs_are_within_10_percent():
-    from grpo_lab.memory.results import load_reference
-
     from grpo_lab.memory.planner_validate import planner_check_rows
+    from grpo_lab.memory.results import load_reference
 
     df = load_reference("memory_planner", "planner_cpu_fsdp.csv")
     assert df is not None, "results/memory_planner/planner_cpu_fsdp.csv is committed"

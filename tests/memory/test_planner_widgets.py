@@ -1,0 +1,111 @@
+"""Notebook 02's planner panel (core ipywidgets, driven here without a kernel) and the committed planner results it
+and the docs show: the validation table, the max-batch table and the article-setting prediction are what the code
+computes today from the committed measurements."""
+
+from pathlib import Path
+
+import ipywidgets
+import matplotlib
+import pandas as pd
+import pytest
+
+from grpo_lab.memory import planner_validate
+from grpo_lab.memory.planner import PlannerConfig, max_batch
+from grpo_lab.memory.planner_report import article_setting
+from grpo_lab.memory.planner_widgets import PlannerPanel, searches_against_planner, with_committed_searches
+from grpo_lab.memory.results import load_reference
+
+matplotlib.use("Agg")
+RESULTS = Path(__file__).resolve().parents[2] / "results" / "memory_planner"
+
+
+@pytest.fixture
+def panel():
+    """A panel built with real ipywidgets, as in a kernel (the image output is left out: no kernel to capture it)."""
+    p = PlannerPanel(model="Qwen3-1.7B", searches=with_committed_searches(None))
+    p._w = ipywidgets
+    p._build()
+    p.update()
+    return p
+
+
+def test_panel_controls_change_the_prediction(panel):
+    one = panel.summary.value
+    assert "max batch per GPU:" in one and "(predicted;" in one
+    batch_one = int(one.split("max batch per GPU: ")[1].split("<")[0].split()[0])
+    cfg = PlannerConfig(model="Qwen3-1.7B", lora_r=16, fsdp=True)
+    assert batch_one == max_batch(cfg, 140.4).batch
+    panel.controls["gpus"].value = 8
+    eight = panel.summary.value
+    assert eight != one and "multi-GPU, not measured here" in eight
+    panel.controls["backend"].value = "naive"
+    assert panel.summary.value != eight
+
+
+def test_panel_shows_a_refused_setting_as_a_message(panel):
+    panel.controls["lora_r"].value = 0
+    panel.controls["backend"].value = "liger"   # liger under FSDP2 needs a frozen (LoRA) head
+    assert "color:#b00" in panel.summary.value and "liger" in panel.summary.value
+    panel.controls["lora_r"].value = 8
+    assert "max batch per GPU" in panel.summary.value
+
+
+def test_panel_figure_overlays_the_measured_searches():
+    p = PlannerPanel(model="Qwen3-8B", searches=with_committed_searches(None))
+    _, fig = p.render()
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert labels == ["naive (predicted)", "grpo_lab (predicted)", "naive (measured)", "grpo_lab (measured)"]
+    measured = fig.axes[0].get_lines()[2]
+    assert list(measured.get_xdata()) == [1] and list(measured.get_ydata()) == [76]   # the committed H200 search
+    matplotlib.pyplot.close(fig)
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(ValueError, match="Unknown model"):
+        PlannerPanel(model="Qwen3-9B")
+
+
+def test_searches_just_measured_replace_the_committed_ones():
+    committed = load_reference("fsdp_max_batch", "fsdp_max_batch.csv")
+    rerun = committed.iloc[[0]].assign(max_batch=99)
+    both = with_committed_searches(rerun)
+    assert len(both) == len(committed)
+    assert both[(both["model"] == rerun["model"].iloc[0]) & (both["backend"] == rerun["backend"].iloc[0])][
+        "max_batch"].tolist() == [99]
+
+
+def test_committed_validation_tables_are_what_the_code_computes(tmp_path):
+    """`python -m grpo_lab.memory.planner_validate` regenerates results/memory_planner's tables exactly (same
+    columns, rows and, to print precision, values); a change to the planner must come with new tables."""
+    assert planner_validate.main(["--out", str(tmp_path)]) == 0
+    for name in ("validation.csv", "validation_max_batch.csv"):
+        fresh, committed = pd.read_csv(tmp_path / name), pd.read_csv(RESULTS / name)
+        assert list(fresh.columns) == list(committed.columns), name
+        pd.testing.assert_frame_equal(fresh, committed, check_exact=False, rtol=1e-6, obj=name)
+    assert (tmp_path / "validation.md").read_text() == (RESULTS / "validation.md").read_text()
+    table = pd.read_csv(RESULTS / "validation.csv")
+    measured = table[table["source"] != "CPU gloo FSDP2 (RSS)"]
+    assert (measured["machine"] == "NVIDIA H200").all() and measured["measured_on"].notna().all()
+
+
+def test_notebook_table_matches_the_validation_table():
+    shown = searches_against_planner(load_reference("fsdp_max_batch", "fsdp_max_batch.csv"))
+    committed = pd.read_csv(RESULTS / "validation_max_batch.csv")
+    h200 = committed[committed["device"] == "cuda"]
+    assert shown["predicted_max_batch"].tolist() == h200["predicted_max_batch"].tolist()
+    assert shown["within_one_step"].tolist() == h200["within_one_step"].tolist()
+
+
+def test_committed_article_setting_is_the_planners_prediction():
+    committed = pd.read_csv(RESULTS / "article_setting.csv")
+    fresh = article_setting(models=("Qwen3-8B",))
+    rows = committed[committed["model"] == "Qwen3-8B"].reset_index(drop=True)
+    assert rows[["naive_max_batch", "liger_max_batch"]].values.tolist() == \
+        fresh[["naive_max_batch", "liger_max_batch"]].values.tolist()
+    assert (committed["status"] == "predicted").all()
+
+
+def test_validate_cli_missing_heldout_csv_is_one_line(tmp_path, capsys):
+    assert planner_validate.main(["--out", str(tmp_path), "--heldout-csv", str(tmp_path / "none.csv")]) == 2
+    err = capsys.readouterr().err
+    assert "no CSV" in err and "Traceback" not in err
