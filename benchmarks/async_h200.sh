@@ -8,6 +8,8 @@
 # 3. the whole loop for the tiny recipe with the trainer on the H200 and CPU replicas on the host's cores, with 2
 #    and then 4 replicas (the doctor's first knob on the first run), 25 steps each.
 # Writes $OUT/async/*.csv (+ verdicts, logs) to commit under results/async/.
+# PARTS picks what runs (default all three: "tests bench loop"); `PARTS=loop` fits the loops alone in one call, with
+# LOOP_TIMEOUT (default 240 s) per loop: the first step includes startup, the replicas' load and flex's compile.
 set -uo pipefail
 OUT="${1:?output folder}"
 REPO="${REPO:-$(cd "$(dirname "$0")/.." && pwd)}"
@@ -18,19 +20,27 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 python3 -c "import torch, transformers, trl, peft; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__)" >> "$OUT/async/machine.txt"
 
+PARTS="${PARTS:-tests bench loop}"
+LOOP_TIMEOUT="${LOOP_TIMEOUT:-240}"
+if [[ " $PARTS " == *" tests "* ]]; then
 timeout 200 python3 -m pytest -q -m gpu "$REPO/tests/async_loop/test_tree_attention.py" \
   "$REPO/tests/core/test_frozen_head.py" "$REPO/tests/kernels/test_fused_kernel_gpu.py" \
   -k "flex or frozen or materialized" --rootdir "$REPO" -p no:cacheprovider > "$OUT/async/pytest_gpu.log" 2>&1
 tail -5 "$OUT/async/pytest_gpu.log"
+fi
+if [[ " $PARTS " == *" bench "* ]]; then
 
 timeout 220 python3 "$REPO/benchmarks/tree_attention_bench.py" --out "$OUT/async" > "$OUT/async/tree_bench.log" 2>&1
 grep -E "ms/row|wrote|Error" "$OUT/async/tree_bench.log"
+fi
+if [[ " $PARTS " == *" loop "* ]]; then
 
 for n in 2 4; do
-  timeout 140 python3 -m grpo_lab.async_loop.launch --max-steps 25 --replicas "$n" --replica-threads 3 \
+  timeout "$LOOP_TIMEOUT" python3 -m grpo_lab.async_loop.launch --max-steps 25 --replicas "$n" --replica-threads 3 \
     --output-dir "/root/loop$n" --save-steps 1000 --results-dir "$OUT/async" --run-name "loop_h200_${n}replicas" \
     > "$OUT/async/loop_${n}replicas.log" 2>&1
   grep -E "^step 25|done|wrote|Error" "$OUT/async/loop_${n}replicas.log"
   python3 -m grpo_lab.async_loop.doctor "/root/loop$n" --max-staleness 4 | head -3
 done
+fi
 ls -la "$OUT/async"
