@@ -13,7 +13,7 @@ from __future__ import annotations
 from transformers import TrainerCallback
 
 from ..tasks.board import LiveBoard, Series
-from .doctor import Verdict, diagnose, replica_notes
+from .doctor import DoctorConfig, Verdict, diagnose, replica_notes
 from .recorder import router_snapshot
 
 SERIES = (
@@ -60,12 +60,14 @@ class LoopBoard(TrainerCallback):
         redraw_every_s: at most one plot redraw this often.
         verdict_every: re-diagnose every this many steps (and at the end).
         router_url: the router whose `/router/state` gives per-replica load and affinity (`AsyncLoop` fills it in).
+        doctor: the diagnosis' thresholds (`DoctorConfig.for_replicas("cpu")` for CPU replicas); default vLLM's.
     """
 
     def __init__(self, total_steps: int, max_staleness: int, max_inflight_tasks: int | None = None,
                  mode: str = "auto", redraw_every_s: float = 3.0, verdict_every: int = 5, title: str = "async loop",
-                 router_url: str | None = None):
+                 router_url: str | None = None, doctor: DoctorConfig | None = None):
         self.router_url = router_url
+        self.doctor = doctor
         self.board = LiveBoard(SERIES, total=total_steps, title=title, redraw_every_s=redraw_every_s, mode=mode,
                                ncols=4)
         self.max_staleness, self.max_inflight_tasks = max_staleness, max_inflight_tasks
@@ -107,7 +109,7 @@ class LoopBoard(TrainerCallback):
             self.refresh_verdict()
 
     def refresh_verdict(self) -> Verdict:
-        verdict = diagnose(self.rows, self.max_staleness, self.max_inflight_tasks)
+        verdict = diagnose(self.rows, self.max_staleness, self.max_inflight_tasks, self.doctor)
         verdict.notes = verdict.notes + replica_notes(self.rows)
         self.verdict = verdict
         if self._verdict_view is not None:

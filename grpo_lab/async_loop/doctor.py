@@ -11,6 +11,10 @@ numbers, all logged by TRL's `AsyncGRPOTrainer` (and recorded by `LoopRecorder`)
 | staleness-bound | samples dropped (or groups abandoned) as too stale: generation wasted | fewer samples waiting (`max_inflight_tasks`, `queue_maxsize`), a larger `max_staleness` (with `--max-loras` = S + 3) |
 | balanced | none of these | nothing to turn |
 
+Replicas that serve one request at a time (grpo_lab's CPU replica; `DoctorConfig.replicas_batch=False`) change two
+orders: more in flight than replicas only queues requests at the replicas, where they age, so a staleness-bound loop
+lowers `max_inflight_tasks` first, and a rollout-bound one never asks for more in flight, only for more replicas.
+
 `diagnose(rows)` reads the last `window` steps and returns a `Verdict`; thresholds are a documented `DoctorConfig`.
 """
 
@@ -33,6 +37,8 @@ class DoctorConfig:
         staleness_frac: mean staleness at this fraction of `max_staleness`, with nothing wasted, is worth a note.
         inflight_saturated: `rollout/inflight` at this fraction of `max_inflight_tasks` means every slot is busy.
         sync_frac: weight sync taking this fraction of a step is worth a note.
+        replicas_batch: whether a replica serves many requests at once (vLLM's continuous batching: True) or one at a
+            time (grpo_lab's CPU replica: False), which decides whether more in flight can speed generation up.
     """
 
     window: int = 10
@@ -43,6 +49,12 @@ class DoctorConfig:
     staleness_frac: float = 0.75
     inflight_saturated: float = 0.9
     sync_frac: float = 0.3
+    replicas_batch: bool = True
+
+    @classmethod
+    def for_replicas(cls, replica_kind: str, **overrides) -> "DoctorConfig":
+        """Thresholds for a loop on `replica_kind` replicas ("cpu": one request at a time; "vllm": batching)."""
+        return cls(replicas_batch=replica_kind != "cpu", **overrides)
 
 
 @dataclass
@@ -114,18 +126,26 @@ def diagnose(rows: list[dict], max_staleness: int, max_inflight_tasks: int | Non
     saturated = (inflight is not None and max_inflight_tasks
                  and inflight >= c.inflight_saturated * max_inflight_tasks)
     if max_staleness > 0 and staleness >= c.staleness_frac * max_staleness and evidence["stale_frac"] < c.stale_frac:
-        notes.append(f"samples arrive {staleness:.1f} versions old on average (max_staleness {max_staleness}); none "
-                     "is wasted yet, and TRL's importance ratio corrects the rest while it stays near 1")
+        wasted_now = "none is" if evidence["stale_frac"] == 0 else f"only {100 * evidence['stale_frac']:.1f}% is"
+        notes.append(f"samples arrive {staleness:.1f} versions old on average (max_staleness {max_staleness}); "
+                     f"{wasted_now} wasted so far, and TRL's importance ratio corrects the rest while it stays near 1")
     if evidence["stale_frac"] >= c.stale_frac:
         knobs = ["fewer samples waiting: lower max_inflight_tasks (or queue_maxsize) so rollouts are consumed "
                  "before they go stale",
                  f"a larger max_staleness (now {max_staleness}; start replicas with --max-loras max_staleness + 3)",
                  "weight_sync_steps=1 if it is higher"]
-        if evidence["rollout_wait_frac"] >= c.rollout_wait_frac:
+        if evidence["rollout_wait_frac"] >= c.rollout_wait_frac and c.replicas_batch:
             knobs.insert(0, "more replicas: generation is slow and what it makes arrives stale")
+        elif evidence["rollout_wait_frac"] >= c.rollout_wait_frac:
+            # one request at a time: what is in flight beyond the replicas waits in their queues, aging
+            knobs.insert(1, "more replicas, on cores the trainer does not use: generation is slow")
         return Verdict("staleness", knobs, evidence, notes)
     if evidence["rollout_wait_frac"] >= c.rollout_wait_frac and queue < c.queue_steps * per_step:
-        knobs = ["more replicas (each CPU replica serves one request at a time; a GPU per vLLM replica)",
+        if not c.replicas_batch:
+            notes.append("these replicas serve one request at a time: a higher max_inflight_tasks would only "
+                         "lengthen their queues (and the samples' staleness), not speed generation up")
+            return Verdict("rollout", ["more replicas, on cores (or GPUs) the trainer does not use"], evidence, notes)
+        knobs = ["more replicas (a GPU per vLLM replica)",
                  "a higher max_inflight_tasks (seed 2 went to 384) so each vLLM replica batches more"]
         if saturated:
             knobs.reverse()
@@ -178,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--max-inflight-tasks", type=int, default=None)
     p.add_argument("--window", type=int, default=DoctorConfig.window)
+    p.add_argument("--replica-kind", choices=("vllm", "cpu"), default="vllm",
+                   help="cpu: grpo_lab's CPU replicas, which serve one request at a time (default: vllm, batching)")
     a = p.parse_args(argv)
     path = os.path.join(a.path, "loop_metrics.jsonl") if os.path.isdir(a.path) else a.path
     if not os.path.isfile(path):
@@ -186,7 +208,7 @@ def main(argv=None) -> int:
     from .recorder import read_metrics
 
     rows = read_metrics(path)
-    verdict = diagnose(rows, a.max_staleness, a.max_inflight_tasks, DoctorConfig(window=a.window))
+    verdict = diagnose(rows, a.max_staleness, a.max_inflight_tasks, DoctorConfig.for_replicas(a.replica_kind, window=a.window))
     print(verdict.headline)
     print("evidence: " + json.dumps({k: round(v, 4) for k, v in verdict.evidence.items()}))
     for i, knob in enumerate(verdict.knobs, 1):

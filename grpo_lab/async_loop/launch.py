@@ -332,12 +332,15 @@ def main(argv=None) -> int:
     print(f"async loop done: {steps} steps in {time.perf_counter() - t0:.1f}s; last published "
           f"{loop.trainer.published[-1]['name'] if loop.trainer.published else 'nothing'}", flush=True)
     if a.results_dir:
+        from .doctor import DoctorConfig
         from .results import write_run
 
         path = write_run(loop.recorder.rows, a.results_dir, a.run_name, a.max_staleness,
                          args.max_inflight_tasks if args.max_inflight_tasks > 0 else None,
-                         extra={"replicas": a.replicas, "tree_attention": loop.trainer.tree_attention,
-                                "wall_s": round(time.perf_counter() - t0, 1)})
+                         extra={"replicas": a.replicas, "replica_kind": a.replica_kind,
+                                "tree_attention": loop.trainer.tree_attention,
+                                "wall_s": round(time.perf_counter() - t0, 1)},
+                         doctor=DoctorConfig.for_replicas(a.replica_kind))
         print(f"wrote {path}", flush=True)
     return 0
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .board import LoopBoard
-from .doctor import Verdict, diagnose, training_rows
+from .doctor import DoctorConfig, Verdict, diagnose, training_rows
 
 
 @dataclass
@@ -40,6 +40,10 @@ class QuickSettings:
     queue_maxsize: int = 1024
     seed: int = 0
     replica_kind: str = "cpu"
+
+    def doctor_config(self) -> DoctorConfig:
+        """The doctor's thresholds for these replicas (the CPU replica serves one request at a time)."""
+        return DoctorConfig.for_replicas(self.replica_kind)
 
     def validate(self) -> "QuickSettings":
         if self.steps < 2 or self.replicas < 1 or self.prompts_per_step < 1 or self.num_generations < 2:
@@ -82,7 +86,8 @@ def run_quick(settings: QuickSettings, output_dir: str | None = None, name: str 
         max_inflight_tasks=s.max_inflight_tasks, queue_maxsize=s.queue_maxsize, seed=s.seed, save_strategy="no",
         loss_backend=loss_backend)
     inflight = s.max_inflight_tasks if s.max_inflight_tasks > 0 else max(s.max_staleness, 1) * s.samples_per_step
-    live = LoopBoard(s.steps, s.max_staleness, inflight, mode=board, title=f"async loop: {name}")
+    live = LoopBoard(s.steps, s.max_staleness, inflight, mode=board, title=f"async loop: {name}",
+                     doctor=s.doctor_config())
     t0 = time.perf_counter()
     with AsyncLoop(LoopConfig(replicas=s.replicas, replica_kind=s.replica_kind), args, callbacks=[live],
                    progress=False) as loop:
@@ -190,10 +195,42 @@ def committed_results(folder: str = "async"):
             if p.name.endswith(".csv")}
 
 
+def committed_loop_runs(folder: str = "async"):
+    """One row per committed loop run (a long-format CSV with its `_verdict.json`): the doctor's verdict and first
+    knob beside the numbers it read, sorted by run name."""
+    import json
+
+    import pandas as pd
+    from importlib import resources
+
+    root = resources.files("grpo_lab.reference_results").joinpath(folder)
+    if not root.is_dir():
+        return pd.DataFrame()
+    out = []
+    for verdict_file in (p for p in root.iterdir() if p.name.endswith("_verdict.json")):
+        run = verdict_file.name[: -len("_verdict.json")]
+        csv = root.joinpath(f"{run}.csv")
+        if not csv.is_file():
+            continue
+        verdict = json.loads(verdict_file.read_text())
+        frame = pd.read_csv(io.BytesIO(csv.read_bytes()))
+        wide = frame.pivot_table(index="step", columns="metric", values="value")
+        col = lambda name: wide[name] if name in wide else pd.Series(dtype=float)  # noqa: E731
+        out.append({"run": run, "date": frame["date"].iloc[0] if "date" in frame else "",
+                    "verdict": verdict["bound"], "first knob": (verdict["knobs"] or ["-"])[0],
+                    "wall_s": frame["wall_s"].iloc[0] if "wall_s" in frame else float("nan"),
+                    "median step_s": round(col("perf/step_s").median(), 2),
+                    "rollout wait": f"{100 * verdict['evidence'].get('rollout_wait_frac', float('nan')):.0f}%",
+                    "staleness": round(col("sample/staleness_mean").mean(), 2),
+                    "completions/s": round(col("completions_per_s").median(), 1),
+                    "reward first5 -> last5": f"{col('reward').head(5).mean():.2f} -> {col('reward').tail(5).mean():.2f}"})
+    return pd.DataFrame(out).sort_values("run").reset_index(drop=True) if out else pd.DataFrame()
+
+
 def diagnose_rows(rows: list[dict], settings: QuickSettings) -> Verdict:
     inflight = settings.max_inflight_tasks if settings.max_inflight_tasks > 0 else (
         max(settings.max_staleness, 1) * settings.samples_per_step)
-    return diagnose(rows, settings.max_staleness, inflight)
+    return diagnose(rows, settings.max_staleness, inflight, settings.doctor_config())
 
 
 def controls(settings: QuickSettings, on_run):

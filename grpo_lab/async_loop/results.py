@@ -15,7 +15,7 @@ import pandas as pd
 
 from ..memory.results import environment
 from .board import board_values
-from .doctor import diagnose, replica_notes, training_rows
+from .doctor import DoctorConfig, diagnose, replica_notes, training_rows
 
 KEEP = ("reward", "ratio", "loss", "kl", "entropy", "perf/step_s", "perf/fwd_bwd_s", "perf/rollout_wait_s",
         "perf/weight_sync_s", "perf/optimizer_s", "sample/rollout_queue_size", "sample/staleness_mean",
@@ -43,13 +43,16 @@ def run_frame(rows: list[dict], run: str, device: str = "auto", extra: dict | No
 
 
 def write_run(rows: list[dict], folder: str | os.PathLike, run: str, max_staleness: int,
-              max_inflight_tasks: int | None = None, device: str = "auto", extra: dict | None = None) -> Path:
-    """Write `<folder>/<run>.csv` and `<folder>/<run>_verdict.json`; returns the CSV path."""
+              max_inflight_tasks: int | None = None, device: str = "auto", extra: dict | None = None,
+              doctor: DoctorConfig | None = None) -> Path:
+    """Write `<folder>/<run>.csv` and `<folder>/<run>_verdict.json`; returns the CSV path.
+
+    `doctor`: the diagnosis' thresholds; `DoctorConfig.for_replicas("cpu")` for a loop on CPU replicas."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{run}.csv"
     run_frame(rows, run, device, extra).to_csv(path, index=False)
-    verdict = diagnose(rows, max_staleness, max_inflight_tasks)
+    verdict = diagnose(rows, max_staleness, max_inflight_tasks, doctor)
     (folder / f"{run}_verdict.json").write_text(json.dumps({
         "run": run, "bound": verdict.bound, "headline": verdict.headline, "knobs": verdict.knobs,
         "evidence": verdict.evidence, "notes": verdict.notes + replica_notes(rows)}, indent=1))

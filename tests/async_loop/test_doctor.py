@@ -8,6 +8,7 @@ import pytest
 from grpo_lab.async_loop.doctor import DoctorConfig, diagnose, replica_notes
 
 RECORDED = Path(__file__).parent / "data" / "cpu_loop_metrics.jsonl"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def stream(n=12, *, step_s=2.0, wait=0.0, fwd_bwd=1.5, sync=0.2, queue=4.0, per_step=16.0, staleness=1.0,
@@ -65,6 +66,19 @@ def test_staleness_with_slow_generation_puts_replicas_first():
     assert v.bound == "staleness" and "replicas" in v.knobs[0]
 
 
+def test_one_request_at_a_time_replicas_never_get_more_in_flight():
+    # every slot busy on CPU replicas: more in flight would only queue at the replicas, so only replicas are asked for
+    cpu = DoctorConfig.for_replicas("cpu")
+    v = diagnose(stream(step_s=4.0, wait=2.5, queue=0.0, inflight=16), max_staleness=4, max_inflight_tasks=16,
+                 config=cpu)
+    assert v.bound == "rollout" and v.knobs and all("max_inflight_tasks" not in k for k in v.knobs)
+    assert "replicas" in v.knobs[0] and any("one request at a time" in n for n in v.notes)
+    # stale with slow generation: fewer waiting samples comes before more replicas
+    v = diagnose(stream(step_s=4.0, wait=2.0, queue=0.0, staleness=3.8, abandoned=1.0), max_staleness=4, config=cpu)
+    assert v.bound == "staleness" and "max_inflight_tasks" in v.knobs[0] and "replicas" in v.knobs[1]
+    assert DoctorConfig.for_replicas("vllm").replicas_batch and not cpu.replicas_batch
+
+
 def test_balanced():
     v = diagnose(stream(step_s=2.0, wait=0.3, queue=8.0), max_staleness=4)
     assert v.bound == "balanced" and v.knobs == []
@@ -90,6 +104,18 @@ def test_recorded_cpu_run():
     assert v.bound == "staleness", v
     notes = replica_notes(rows)
     assert notes and "prefix affinity" in notes[0]
+
+
+def test_doctor_cli_reads_a_recorded_run_for_cpu_replicas(tmp_path, capsys):
+    from grpo_lab.async_loop.doctor import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "loop_metrics.jsonl").write_text(RECORDED.read_text())
+    assert main([str(run), "--max-staleness", "4", "--max-inflight-tasks", "64", "--replica-kind", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("staleness-bound") and "1. fewer samples waiting" in out
+    assert main([str(tmp_path / "nothing")]) == 2 and "no " in capsys.readouterr().err
 
 
 def test_replica_notes_flag_an_overloaded_replica():
@@ -120,3 +146,14 @@ def test_board_feeds_from_logs_and_closes_once(capsys):
     values = board_values(rows[5], rows[4]["router"])
     assert values["completions_per_s"] == rows[5]["batch/samples_per_step"] / rows[5]["perf/step_s"]
     assert 0.0 <= values["affinity"] <= 1.0
+
+
+def test_committed_loop_runs_pair_each_csv_with_its_verdict():
+    from grpo_lab.async_loop.notebook import committed_loop_runs
+
+    table = committed_loop_runs()
+    committed = sorted(p.name[: -len("_verdict.json")] for p in (ROOT / "results" / "async").glob("loop_*_verdict.json"))
+    assert committed and list(table["run"]) == committed
+    for row, name in zip(table.itertuples(), committed):
+        verdict = json.loads((ROOT / "results" / "async" / f"{name}_verdict.json").read_text())
+        assert row.verdict == verdict["bound"] and row.wall_s > 0
