@@ -151,6 +151,14 @@ class Lab(Frontend):
         page.locator('li[data-command="runmenu:run-all"]').click()
 
 
+_WIDGET_OUTPUT_REGISTERED = """() => {
+    try {
+        const area = require("notebook/js/outputarea").OutputArea;
+        return area.output_types.includes("application/vnd.jupyter.widget-view+json");
+    } catch (e) { return false; }
+}"""
+
+
 class Classic(Frontend):
     """The classic Notebook frontend (nbclassic) with widgetsnbextension 3.6: ipywidgets 7.7.1, protocol 2."""
     name = "classic"
@@ -167,6 +175,9 @@ class Classic(Frontend):
         page.wait_for_selector(f"{self.cell_sel} {self.editor_sel}", timeout=timeout_s * 1000)
         page.wait_for_function("() => window.Jupyter && Jupyter.notebook && Jupyter.notebook.kernel && "
                                "Jupyter.notebook.kernel.is_connected()", timeout=timeout_s * 1000)
+        # widgetsnbextension registers the widget-view output type when its nbextension has loaded; a cell run
+        # before then shows no widget at all (seen on the first notebook after a cold server start)
+        page.wait_for_function(_WIDGET_OUTPUT_REGISTERED, timeout=timeout_s * 1000)
 
     def run_all(self, page):
         page.locator("#celllink").click()
