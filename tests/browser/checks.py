@@ -22,6 +22,9 @@ def notebook_run(frontend: Frontend, server, browser, artifacts, name: str, para
     until no cell shows `[*]`, take the screenshots; yields the NotebookView, then closes the page and shuts the
     kernel down."""
     page = browser.new_page()
+    console: list[str] = []   # the frontend's console errors and page errors: why a widget did not render
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"[:400]) if m.type in ("error", "warning") else None)
+    page.on("pageerror", lambda e: console.append(f"pageerror: {e}"[:400]))
     try:
         nb = frontend.open(page, server, f"notebooks/{name}.ipynb", workspace=f"t-{uuid.uuid4().hex[:8]}")
         if parameters is not None:
@@ -29,6 +32,7 @@ def notebook_run(frontend: Frontend, server, browser, artifacts, name: str, para
         else:
             parameters = nbformat.read(NOTEBOOKS_DIR / f"{name}.ipynb", as_version=4).cells[0].source
         nb.params = parameters_of(parameters)
+        nb.console = console
         frontend.run_all(page)
         nb.run_seconds = frontend.wait_done(page, timeout_s)
         page.wait_for_timeout(1500)            # the boards' last redraw
@@ -53,7 +57,8 @@ def widgets_render_as_controls(nb: NotebookView):
         assert failure not in text, failure
     reprs = WIDGET_REPR.findall(text)
     assert not reprs, f"widgets shown as text, not as controls: {reprs}"
-    assert sum(c.widgets for c in cells) > 0, "no widget rendered"
+    assert sum(c.widgets for c in cells) > 0, (
+        f"no widget rendered; the frontend's console: {nb.console[-15:]}")
     for what, selector in expect(nb.name).controls.items():
         assert nb.page.locator(selector).count() > 0, f"{what} ({selector}) not rendered"
 

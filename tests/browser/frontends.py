@@ -63,6 +63,7 @@ class NotebookView:
     params: dict = field(default_factory=dict)      # the parameters cell's values as run
     run_seconds: float = 0.0
     screenshots: list = field(default_factory=list)
+    console: list = field(default_factory=list)     # the page's console errors/warnings and page errors
 
     def cells(self) -> list[CellView]:
         f = self.frontend
@@ -151,10 +152,11 @@ class Lab(Frontend):
         page.locator('li[data-command="runmenu:run-all"]').click()
 
 
-_WIDGET_OUTPUT_REGISTERED = """() => {
+_WIDGETS_READY = """() => {
     try {
         const area = require("notebook/js/outputarea").OutputArea;
-        return area.output_types.includes("application/vnd.jupyter.widget-view+json");
+        return area.output_types.includes("application/vnd.jupyter.widget-view+json")
+            && Jupyter.notebook.kernel.widget_manager !== undefined;
     } catch (e) { return false; }
 }"""
 
@@ -175,9 +177,21 @@ class Classic(Frontend):
         page.wait_for_selector(f"{self.cell_sel} {self.editor_sel}", timeout=timeout_s * 1000)
         page.wait_for_function("() => window.Jupyter && Jupyter.notebook && Jupyter.notebook.kernel && "
                                "Jupyter.notebook.kernel.is_connected()", timeout=timeout_s * 1000)
-        # widgetsnbextension registers the widget-view output type when its nbextension has loaded; a cell run
-        # before then shows no widget at all (seen on the first notebook after a cold server start)
-        page.wait_for_function(_WIDGET_OUTPUT_REGISTERED, timeout=timeout_s * 1000)
+        # widgetsnbextension gives the kernel its widget manager and registers the widget-view output type when its
+        # nbextension loads; a cell run before then shows no widget at all. On a loaded machine the extension can
+        # also load after the kernel was created and never attach a manager to it (seen in CI): reload once, as a
+        # user facing a notebook without widgets would.
+        for attempt in (1, 2):
+            try:
+                page.wait_for_function(_WIDGETS_READY, timeout=min(60.0, timeout_s) * 1000)
+                return
+            except Exception:  # noqa: BLE001 - Playwright's TimeoutError; the second attempt raises it
+                if attempt == 2:
+                    raise
+                page.reload()
+                page.wait_for_selector(f"{self.cell_sel} {self.editor_sel}", timeout=timeout_s * 1000)
+                page.wait_for_function("() => window.Jupyter && Jupyter.notebook && Jupyter.notebook.kernel && "
+                                       "Jupyter.notebook.kernel.is_connected()", timeout=timeout_s * 1000)
 
     def run_all(self, page):
         page.locator("#celllink").click()
