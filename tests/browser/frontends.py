@@ -161,6 +161,13 @@ _WIDGETS_READY = """() => {
 }"""
 
 
+_KERNEL_QUIET = """() => {
+    const k = Jupyter.notebook.kernel;
+    return !!k && k.is_connected() && Object.keys(k.info_reply || {}).length > 0
+        && Object.keys(k._msg_callbacks || {}).length === 0;
+}"""
+
+
 class Classic(Frontend):
     """The classic Notebook frontend (nbclassic) with widgetsnbextension 3.6: ipywidgets 7.7.1, protocol 2."""
     name = "classic"
@@ -184,7 +191,7 @@ class Classic(Frontend):
         for attempt in (1, 2):
             try:
                 page.wait_for_function(_WIDGETS_READY, timeout=min(60.0, timeout_s) * 1000)
-                return
+                break
             except Exception:  # noqa: BLE001 - Playwright's TimeoutError; the second attempt raises it
                 if attempt == 2:
                     raise
@@ -192,6 +199,22 @@ class Classic(Frontend):
                 page.wait_for_selector(f"{self.cell_sel} {self.editor_sel}", timeout=timeout_s * 1000)
                 page.wait_for_function("() => window.Jupyter && Jupyter.notebook && Jupyter.notebook.kernel && "
                                        "Jupyter.notebook.kernel.is_connected()", timeout=timeout_s * 1000)
+        # The new widget manager first asks the kernel for the widgets it already has (a "jupyter.widget.control"
+        # comm; a kernel that has not imported ipywidgets yet closes it, and the manager falls back to a comm_info
+        # request and re-opens a comm to every widget listed). Cells run before that has finished get their
+        # widgets' comms re-opened under them and show nothing (seen in CI on a cold first notebook: "Control comm
+        # was closed too early"). So: Run All only once the kernel has answered kernel_info and no request has been
+        # pending for 2 s.
+        quiet_since, deadline = None, time.monotonic() + min(60.0, timeout_s)
+        while time.monotonic() < deadline:
+            if page.evaluate(_KERNEL_QUIET):
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since >= 2.0:
+                    return
+            else:
+                quiet_since = None
+            page.wait_for_timeout(250)
+        raise TimeoutError("the classic frontend's kernel never went quiet (kernel_info answered, nothing pending)")
 
     def run_all(self, page):
         page.locator("#celllink").click()
