@@ -183,13 +183,20 @@ def recipe_commands(replicas: int = 2, max_staleness: int = 4, lora_rank: int = 
     return "\n".join(lines)
 
 
-def committed_results(folder: str = "async"):
-    """The committed results/async CSVs (installed as `grpo_lab.reference_results`), as {name: DataFrame}."""
-    import pandas as pd
+def _committed_folder(folder: str):
+    """results/<folder> as installed (`grpo_lab.reference_results`), or None when it is not there."""
     from importlib import resources
 
     root = resources.files("grpo_lab.reference_results").joinpath(folder)
-    if not root.is_dir():
+    return root if root.is_dir() else None
+
+
+def committed_results(folder: str = "async"):
+    """The committed results/async CSVs (installed as `grpo_lab.reference_results`), as {name: DataFrame}."""
+    import pandas as pd
+
+    root = _committed_folder(folder)
+    if root is None:
         return {}
     return {Path(p.name).stem: pd.read_csv(io.BytesIO(p.read_bytes())) for p in root.iterdir()
             if p.name.endswith(".csv")}
@@ -201,10 +208,9 @@ def committed_loop_runs(folder: str = "async"):
     import json
 
     import pandas as pd
-    from importlib import resources
 
-    root = resources.files("grpo_lab.reference_results").joinpath(folder)
-    if not root.is_dir():
+    root = _committed_folder(folder)
+    if root is None:
         return pd.DataFrame()
     out = []
     for verdict_file in (p for p in root.iterdir() if p.name.endswith("_verdict.json")):

@@ -180,10 +180,14 @@ class Classic(Frontend):
     def url(self, server, path, workspace):
         return f"{server.url}{server.prefix}/notebooks/{path}?token={server.token}"
 
-    def wait_loaded(self, page, timeout_s):
+    def _wait_page(self, page, timeout_s):
+        """The notebook's cells are drawn and its kernel is connected."""
         page.wait_for_selector(f"{self.cell_sel} {self.editor_sel}", timeout=timeout_s * 1000)
         page.wait_for_function("() => window.Jupyter && Jupyter.notebook && Jupyter.notebook.kernel && "
                                "Jupyter.notebook.kernel.is_connected()", timeout=timeout_s * 1000)
+
+    def wait_loaded(self, page, timeout_s):
+        self._wait_page(page, timeout_s)
         # widgetsnbextension gives the kernel its widget manager and registers the widget-view output type when its
         # nbextension loads; a cell run before then shows no widget at all. On a loaded machine the extension can
         # also load after the kernel was created and never attach a manager to it (seen in CI): reload once, as a
@@ -196,9 +200,7 @@ class Classic(Frontend):
                 if attempt == 2:
                     raise
                 page.reload()
-                page.wait_for_selector(f"{self.cell_sel} {self.editor_sel}", timeout=timeout_s * 1000)
-                page.wait_for_function("() => window.Jupyter && Jupyter.notebook && Jupyter.notebook.kernel && "
-                                       "Jupyter.notebook.kernel.is_connected()", timeout=timeout_s * 1000)
+                self._wait_page(page, timeout_s)
         # The new widget manager first asks the kernel for the widgets it already has (a "jupyter.widget.control"
         # comm; a kernel that has not imported ipywidgets yet closes it, and the manager falls back to a comm_info
         # request and re-opens a comm to every widget listed). Cells run before that has finished get their
