@@ -36,3 +36,14 @@ def upstream_deprecations_silenced():
         for message in UPSTREAM_DEPRECATIONS:
             warnings.filterwarnings("ignore", message=message, category=FutureWarning)
         yield
+
+
+def cache_keyword(model) -> str:
+    """The keyword a causal LM's forward takes its KV cache by: `cache` on newer transformers 5.x,
+    `past_key_values` before. An unknown keyword is swallowed by `**kwargs` and the model silently builds a cache of
+    its own, so the caller's cache stays empty (a CPU replica then failed every prompt of 16+ tokens on 5.17)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(type(base).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

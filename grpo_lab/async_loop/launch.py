@@ -206,7 +206,7 @@ class AsyncLoop:
             replicas=self.loop.replicas, model=model, max_staleness=self.args.max_staleness, max_lora_rank=rank,
             replica_args=["--max-model-len", str(self.loop.max_model_len), "--torch-threads",
                           str(self.loop.replica_threads)],
-            env=self.loop.replica_env or None, router=dict(self.loop.router))
+            env=self.loop.replica_env or None, router=dict(self.loop.router), log_dir=self.replica_log_dir)
         self.cluster.start(timeout=self.loop.ready_timeout_s)
         return self.cluster.url
 
@@ -222,17 +222,24 @@ class AsyncLoop:
         self.vllm_replicas = start_vllm_replicas(
             self.loop.replicas, model, device=device, env=self.loop.replica_env or None,
             ready_timeout=self.loop.ready_timeout_s, lora_rank=rank, max_staleness=self.args.max_staleness,
-            max_model_len=self.loop.max_model_len)
+            max_model_len=self.loop.max_model_len, log_dir=self.replica_log_dir)
         self.router = start_router(RouterConfig(replicas=[r.url for r in self.vllm_replicas], port=0,
                                                 **dict(self.loop.router)))
         self.router.wait_ready(timeout=self.loop.ready_timeout_s)
         return self.router.url
 
+    @property
+    def replica_log_dir(self) -> str:
+        """`<output_dir>/logs`: each replica's output, the place to look when a rollout fails with a 5xx."""
+        path = os.path.join(os.path.abspath(self.args.output_dir), "logs")
+        os.makedirs(path, exist_ok=True)
+        return path
+
     def _announce(self) -> None:
         out = os.path.abspath(self.args.output_dir)
         print(f"async loop: router {self.url} (metrics {self.url}/metrics, state {self.url}/router/state); "
               f"adapters {self.trainer.adapter_store.url}; metrics log {out}/loop_metrics.jsonl; "
-              f"tree attention {self.trainer.tree_attention}", flush=True)
+              f"tree attention {self.trainer.tree_attention}; replica logs {self.replica_log_dir}", flush=True)
 
     def train(self, resume_from_checkpoint=None):
         if self.trainer is None:

@@ -184,10 +184,19 @@ class LabRolloutLoop(_AsyncRolloutLoop):
                 if time.monotonic() >= give_up:
                     raise RolloutServerError(
                         f"{label} to {self.vllm_server_url} kept failing for {self.rollout_failure_timeout_s:.0f}s "
-                        f"({attempt} attempts); last error: {type(error).__name__}: {error}. Is the router (or the "
-                        "vLLM server) running, with at least one replica in service?") from error
+                        f"({attempt} attempts); last error: {type(error).__name__}: {error}. "
+                        + _failure_hint(error)) from error
                 self._counters["rollout/vllm_retry_total"] += 1
                 await asyncio.sleep(min(0.25 * 2 ** min(attempt, 5), 5.0, max(give_up - time.monotonic(), 0.05)))
+
+
+def _failure_hint(error: BaseException) -> str:
+    """Where to look next: a 500-class answer other than the router's 503 (no replica in service) comes from a replica
+    that is up but failing, and its traceback is in its log; anything else means nothing answered."""
+    if isinstance(error, _RetryableStatus) and error.status >= 500 and error.status != 503:
+        return ("A replica answered with a server error: its traceback is in its log (grpo-lab async-loop writes "
+                "them to <output-dir>/logs/replica-<i>.log).")
+    return "Is the router (or the vLLM server) running, with at least one replica in service?"
 
 
 @contextlib.contextmanager

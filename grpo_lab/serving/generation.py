@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from ..hf_compat import cache_keyword
 from .prefix_hash import block_hashes
 from .prefix_kv_cache import PrefixKVCache
 from .replica_config import CPUReplicaConfig
@@ -89,6 +90,7 @@ class Engine:
         self.config = config
         self.base = _load_base(config).eval()
         self.model = self.base  # becomes a PeftModel once an adapter is loaded
+        self._cache_keyword = cache_keyword(self.base)
         self.adapters: dict[str, str] = {}
         self.cache = PrefixKVCache(config.prefix_cache_blocks, config.block_size)
         eos = self.base.config.eos_token_id
@@ -197,7 +199,7 @@ class Engine:
             raise RequestError(404, f"The model `{name}` does not exist.", "NotFoundError")
 
     def _forward(self, ids: list[int], cache: DynamicCache) -> torch.Tensor:
-        out = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+        out = self.model(input_ids=torch.tensor([ids]), use_cache=True, **{self._cache_keyword: cache})
         return out.logits[0, -1].float()
 
     @torch.no_grad()

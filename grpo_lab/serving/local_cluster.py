@@ -23,14 +23,17 @@ class LocalCluster:
         replica_args: extra `cpu_replica` arguments.
         env: extra environment for the replicas (e.g. `{"VLLM_API_KEY": token}`).
         router: keyword arguments for `RouterConfig` (port defaults to 0, a free port).
+        log_dir: where each replica's output also goes (`replica-<i>.log`); None keeps it in memory only.
     """
 
     def __init__(self, replicas: int = 2, model: str = "tiny-qwen3", max_staleness: int = 4, max_lora_rank: int = 16,
-                 replica_args: list[str] | None = None, env: dict | None = None, router: dict | None = None):
+                 replica_args: list[str] | None = None, env: dict | None = None, router: dict | None = None,
+                 log_dir: str | None = None):
         self.args = ["--model", model, "--served-model-name", model, "trl-policy-v0",
                      "--max-loras", str(max_staleness + 3), "--max-lora-rank", str(max_lora_rank),
                      *(replica_args or [])]
         self.n, self.env, self.router_kwargs = replicas, env, {"port": 0, **(router or {})}
+        self.log_dir = log_dir
         self.replicas: list[ReplicaProcess] = []
         self.router: RouterHandle | None = None
 
@@ -39,7 +42,7 @@ class LocalCluster:
         return self.router.url
 
     def start(self, timeout: float = 120.0) -> "LocalCluster":
-        self.replicas = start_cpu_replicas(self.n, self.args, self.env, ready_timeout=timeout)
+        self.replicas = start_cpu_replicas(self.n, self.args, self.env, ready_timeout=timeout, log_dir=self.log_dir)
         try:
             self.router = start_router(RouterConfig(replicas=[r.url for r in self.replicas], **self.router_kwargs))
             self.router.wait_ready(timeout=timeout)

@@ -14,10 +14,14 @@ import time
 class ReplicaProcess:
     """A `python -m grpo_lab.serving.cpu_replica` child; `url` is known once it printed `READY <port>`."""
 
-    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 120.0):
+    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 120.0,
+                 log_path: str | os.PathLike | None = None):
         self.args = list(args)
         self.port: int | None = None
         self.output: list[str] = []  # everything the child printed (stdout and stderr)
+        # and a copy on disk when asked: a loop that fails on a replica's 500 can only be diagnosed from its traceback
+        self.log_path = log_path
+        self._log = open(log_path, "a", buffering=1) if log_path is not None else None
         cmd = [sys.executable, "-u", "-m", "grpo_lab.serving.cpu_replica", "--exit-with-parent", *self.args]
         # its own process group (kill() takes its children too), and a stdin pipe it watches: if this process
         # dies without stopping it, the pipe closes and the replica exits instead of lingering
@@ -32,8 +36,12 @@ class ReplicaProcess:
     def _read(self, ready: queue.Queue) -> None:
         for line in self.proc.stdout:
             self.output.append(line)
+            if self._log is not None:
+                self._log.write(line)
             if line.startswith("READY "):
                 ready.put(int(line.split()[1]))
+        if self._log is not None:
+            self._log.close()
         ready.put(None)
 
     def wait_ready(self) -> "ReplicaProcess":
@@ -70,10 +78,14 @@ class ReplicaProcess:
 
 
 def start_cpu_replicas(n: int, args: list[str] | None = None, env: dict | None = None,
-                       ready_timeout: float = 120.0) -> list[ReplicaProcess]:
-    """Start `n` replicas in parallel (each with `--port 0`) and wait until all are listening."""
+                       ready_timeout: float = 120.0, log_dir: str | os.PathLike | None = None) -> list[ReplicaProcess]:
+    """Start `n` replicas in parallel (each with `--port 0`) and wait until all are listening; with `log_dir`, each
+    one's output also goes to `log_dir/replica-<i>.log`."""
     base = ["--port", "0", *(args or [])]
-    procs = [ReplicaProcess(base, env, ready_timeout) for _ in range(n)]
+    if log_dir is not None:
+        os.makedirs(log_dir, exist_ok=True)
+    procs = [ReplicaProcess(base, env, ready_timeout,
+                            None if log_dir is None else os.path.join(log_dir, f"replica-{i}.log")) for i in range(n)]
     try:
         return [p.wait_ready() for p in procs]
     except BaseException:
@@ -90,7 +102,7 @@ def restart_on_port(replica: ReplicaProcess, env: dict | None = None, timeout: f
     args[i + 1] = str(port)
     deadline = time.monotonic() + timeout
     while True:  # the old socket may linger for a moment
-        fresh = ReplicaProcess(args, env, timeout)
+        fresh = ReplicaProcess(args, env, timeout, replica.log_path)
         try:
             return fresh.wait_ready()
         except RuntimeError:

@@ -204,3 +204,5 @@ def test_ctrl_c_on_the_command_stops_every_process_it_started(tmp_path, no_lefto
             os.killpg(cli.pid, signal.SIGKILL)
     assert wait_gone(children, 20) == [], "processes outlived the interrupted command"
     assert "stopped" in (tmp_path / "cli.log").read_text()
+    for i in range(2):  # each replica's output is kept where a failing run's error message points
+        assert "READY" in (out / "logs" / f"replica-{i}.log").read_text()

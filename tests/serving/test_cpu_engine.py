@@ -109,3 +109,31 @@ def test_prefix_cache_namespace_index_holds_only_cached_blocks():
     assert len(cache) == 8 and sorted(indexed) == sorted(cache._blocks)  # evicted blocks are forgotten too
     cache.drop_namespace("trl-policy-v1")
     assert set(cache._by_namespace) == {"tiny-qwen3"} and len(cache) == len(cache._by_namespace["tiny-qwen3"])
+
+
+def test_cache_keyword_follows_the_installed_transformers():
+    """transformers renamed `past_key_values` to `cache`; an unknown keyword is swallowed by `**kwargs` and the
+    caller's cache stays empty (every 16+-token prompt then failed on transformers 5.17, the GPU host's version)."""
+    from grpo_lab.hf_compat import cache_keyword
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    class New:
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    class Wrapped:  # a PeftModel: the base model's signature decides
+        def get_base_model(self):
+            return Old()
+
+    assert cache_keyword(Old()) == "past_key_values"
+    assert cache_keyword(New()) == "cache"
+    assert cache_keyword(Wrapped()) == "past_key_values"
+
+
+def test_the_engine_forward_fills_the_cache_it_passes(engine):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=engine.base.config)
+    engine._forward(PROMPT[:20], cache)
+    assert all(layer.keys is not None and layer.keys.shape[2] == 20 for layer in cache.layers)

@@ -67,3 +67,14 @@ def test_trl_rollout_worker_through_the_router(cluster, adapters, monkeypatch):
     assert sum(metric(r.url, "grpo_replica_unknown_model_total") for r in cluster.replicas) == 0
     assert sum(metric(r.url, "vllm:prefix_cache_hits_total") for r in cluster.replicas) > hits_before
     VLLMClient(cluster.url).unload_lora_adapter("trl-policy-v3")
+
+
+def test_a_replica_server_error_points_to_its_log_and_a_dead_server_to_the_router():
+    import aiohttp
+
+    from grpo_lab.async_loop.rollout_worker import _failure_hint, _RetryableStatus
+
+    assert "logs/replica-<i>.log" in _failure_hint(_RetryableStatus(500, "Server got itself in trouble"))
+    assert "Is the router" in _failure_hint(_RetryableStatus(503, "no replica in service"))  # the router's own 503
+    assert "Is the router" in _failure_hint(aiohttp.ClientConnectionError("refused"))
+    assert "Is the router" in _failure_hint(_RetryableStatus(404, "not loaded yet"))
