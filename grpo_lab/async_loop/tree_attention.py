@@ -117,9 +117,30 @@ def _flex_attention():
     return _flex_compiled
 
 
-def _block_mask(layout: TreeLayout, n: int, sliding_window: int | None):
-    from torch.nn.attention.flex_attention import create_block_mask
+FLEX_BLOCK = 128  # FlexAttention's block size: rows are padded to a multiple of it
 
+
+def _padded_length(n: int) -> int:
+    """Packed rows are padded to a multiple of `FLEX_BLOCK`. A row shorter than 128 tokens (a tiny model's) would
+    otherwise compile to FlexAttention's decoding kernel, which found no valid configuration on the H200 for the
+    loop's float32 head_dim-32 strided queries; and one compiled graph then serves every row length."""
+    return -(-n // FLEX_BLOCK) * FLEX_BLOCK
+
+
+def _pad_layout(layout: TreeLayout, n_pad: int) -> TreeLayout:
+    """Padding queries belong to segment 0 (their outputs are dropped; a non-empty row keeps them finite); padding
+    keys lie on no path, so no real query sees them."""
+    extra = n_pad - layout.segment_of.numel()
+    if extra == 0:
+        return layout
+    segment_of = torch.nn.functional.pad(layout.segment_of, (0, extra))
+    on_path = torch.nn.functional.pad(layout.on_path, (0, extra))
+    depth = torch.nn.functional.pad(layout.depth, (0, extra))
+    return TreeLayout(segment_of, on_path, depth)
+
+
+def _mask_mod(layout: TreeLayout, sliding_window: int | None):
+    """The ancestor rule of `TreeLayout.dense_mask` as a FlexAttention `mask_mod`."""
     segment_of, on_path, depth = layout.segment_of, layout.on_path, layout.depth
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -128,7 +149,15 @@ def _block_mask(layout: TreeLayout, n: int, sliding_window: int | None):
             allowed = allowed & ((depth[q_idx] - depth[kv_idx]) < sliding_window)
         return allowed
 
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=segment_of.device)
+    return mask_mod
+
+
+def _block_mask(layout: TreeLayout, n_pad: int, sliding_window: int | None):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    layout = _pad_layout(layout, n_pad)
+    return create_block_mask(_mask_mod(layout, sliding_window), B=None, H=None, Q_LEN=n_pad, KV_LEN=n_pad,
+                             device=layout.segment_of.device)
 
 
 _block_masks = _LayoutCache()
@@ -142,15 +171,20 @@ def flex_tree_attention(module, query, key, value, attention_mask, *, tree_kv_in
         raise RuntimeError("tree_attention='flex' needs a CUDA device (FlexAttention has no CPU backward); "
                            "use tree_attention='sdpa' on a CPU")
     n = query.shape[2]
+    n_pad = _padded_length(n)
     block_mask = _block_masks.get(tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k, n, lambda: _block_mask(
-        _layout(tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k, n), n, sliding_window))
+        _layout(tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k, n), n_pad, sliding_window))
     score_mod = None
     if softcap:
         def score_mod(score, b, h, q_idx, kv_idx):
             return softcap * torch.tanh(score / softcap)
-    out = _flex_attention()(query, key.to(query.dtype), value.to(query.dtype), score_mod=score_mod,
+
+    def padded(t):
+        return torch.nn.functional.pad(t.to(query.dtype), (0, 0, 0, n_pad - n))
+
+    out = _flex_attention()(padded(query), padded(key), padded(value), score_mod=score_mod,
                             block_mask=block_mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+    return out[:, :, :n].transpose(1, 2).contiguous(), None
 
 
 IMPLEMENTATIONS = {"sdpa": sdpa_tree_attention, "flex": flex_tree_attention}

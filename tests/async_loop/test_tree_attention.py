@@ -91,6 +91,27 @@ def test_layout_matches_ancestry():
     assert not (windowed & ~mask).any()
 
 
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_flex_mask_on_a_row_padded_to_the_block_size_is_the_tree_mask(sliding_window):
+    """flex pads every row to a multiple of 128 (short rows compiled to a decoding kernel with no valid
+    configuration on the H200): real queries see exactly their ancestors, padding keys are seen by no real query,
+    and every padding query sees something (its output stays finite before it is dropped)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    row = TreeRow()
+    for s in samples():
+        row.add(s)
+    p = row.pack()
+    n = p["input_ids"].numel()
+    n_pad = tree_attention._padded_length(n)
+    assert n < 128 and n_pad == 128 and tree_attention._padded_length(256) == 256
+    layout = tree_attention.TreeLayout.from_trl(p["tree_kv_index"], p["tree_cu_seqlens_q"], p["tree_cu_seqlens_k"], n)
+    padded = tree_attention._pad_layout(layout, n_pad)
+    mask = create_mask(tree_attention._mask_mod(padded, sliding_window), None, None, n_pad, n_pad, device="cpu")[0, 0]
+    torch.testing.assert_close(mask[:n, :n], layout.dense_mask(sliding_window))
+    assert not mask[:n, n:].any() and mask[n:].any(1).all()
+
+
 def test_resolve_on_cpu():
     assert tree_attention.resolve("auto", "cpu") == "sdpa"
     assert tree_attention.resolve("sdpa", "cpu") == "sdpa"
@@ -112,14 +133,17 @@ def test_flex_equals_sdpa_on_gpu():
         row.add(s)
     p = {k: v.to(device) for k, v in row.pack().items()}
     n = p["input_ids"].numel()
-    q = torch.randn(1, 4, n, 32, device=device, dtype=torch.float32, requires_grad=True)
-    k = torch.randn(1, 2, n, 32, device=device, dtype=torch.float32, requires_grad=True)
+    # laid out as a decoder layer hands them over: [1, n, heads, 32] projections viewed as [1, heads, n, 32]
+    # (the loop's first H200 run failed on exactly these strides at n < 128, before rows were padded)
+    q_rows = torch.randn(1, n, 4, 32, device=device, dtype=torch.float32, requires_grad=True)
+    k_rows = torch.randn(1, n, 2, 32, device=device, dtype=torch.float32, requires_grad=True)
     v = torch.randn(1, 2, n, 32, device=device, dtype=torch.float32, requires_grad=True)
+    q, k = q_rows.transpose(1, 2), k_rows.transpose(1, 2)
     tree = {key: p[key] for key in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
     outs, grads = [], []
     for fn in (tree_attention.sdpa_tree_attention, tree_attention.flex_tree_attention):
         out, _ = fn(None, q, k, v, None, scaling=32 ** -0.5, **tree)
-        (g,) = torch.autograd.grad(out.square().sum(), [q])
+        (g,) = torch.autograd.grad(out.square().sum(), [q_rows])
         outs.append(out.detach())
         grads.append(g)
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
