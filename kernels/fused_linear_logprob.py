@@ -83,6 +83,11 @@ FROZEN_TILE = {"16": (8192, 8192), "32": (8192, 8192)}
 # e^(z − ref) is stored against a per-row reference (the target's logit); rows whose max exceeds it by more than this
 # are recomputed against their exact max (e^60 · V stays far inside the fp32 / bf16 range).
 REF_HEADROOM = 60.0
+# With an entropy gradient expected, P~·(z − ref) is rounded to the compute dtype before its GEMM, and the rebase
+# B − (log Z − ref)·A cancels the largest entry's share of B: its rounding error, relative to A, grows as
+# (max − ref)·eps (bf16: 2^-9), 5 % of dX at a 25-nat gap (the GPU test of peaked rows whose target is not the
+# argmax). Rows whose max exceeds ref by more than this are recomputed against it; in fp32 the error stays tiny.
+PLOGP_HEADROOM = {"16": 1.0, "32": REF_HEADROOM}
 # GiB the user allows a trainable head to keep for speed: its [N, V] probabilities in the compute dtype, so the
 # backward needs no recompute (three GEMMs instead of four). 0 (the default): never; memory stays flat in N.
 MATERIALIZE_GIB = float(os.environ.get("GRPO_LAB_MATERIALIZE_GIB", "0"))
@@ -554,19 +559,30 @@ def _frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wa
     sink = _FrozenSink(h.shape[0], weight, compute, ref, with_plogp, bn)
     stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink)
     run_m, run_s = stats[0], stats[1]
-    bad = ~(run_m - ref <= REF_HEADROOM) | ~torch.isfinite(sink.acc.sum(-1)).all(0)  # an inf / nan row sums to one
-    rows = bad.nonzero().squeeze(-1)
+    rows = _rows_to_recompute(run_m, ref, sink.acc, compute)
     if rows.numel():  # recompute these rows against their exact max, which cannot overflow
         ref[rows] = run_m[rows]
         redo = _FrozenSink(rows.numel(), weight, compute, ref[rows], with_plogp, bn)
         _forward_stats(h[rows], weight, bias, y[rows], inv_t, softcap, logit_scale, compute, _NO_EXTRAS, redo)
         sink.acc.index_copy_(1, rows, redo.acc)
-    acc = sink.acc
+    return stats, _rebase_to_log_z(sink.acc, run_m, run_s, ref)
+
+
+def _rows_to_recompute(run_m, ref, acc, compute):
+    """Rows whose P~ was stored too far below their max (overflow risk; with B, its rounding: `PLOGP_HEADROOM`) or
+    whose accumulators are not finite. One host sync."""
+    headroom = min(REF_HEADROOM, PLOGP_HEADROOM[_dtype_key(compute)]) if acc.shape[0] == 2 else REF_HEADROOM
+    bad = ~(run_m - ref <= headroom) | ~torch.isfinite(acc.sum(-1)).all(0)  # an inf / nan row sums to one
+    return bad.nonzero().squeeze(-1)
+
+
+def _rebase_to_log_z(acc, run_m, run_s, ref):
+    """A_rel = Σ P~·W and B_rel = Σ P~·(z − ref)·W (against ref) → A = Σ p·W and B = Σ p·log p·W, in place."""
     log_sum = run_m - ref + torch.log(run_s)  # log Z − ref
     if acc.shape[0] == 2:  # B = f·(B_rel − (log Z − ref)·A_rel)
         acc[1].addcmul_(acc[0], -log_sum.unsqueeze(-1))
     acc.mul_(torch.exp(-log_sum).view(1, -1, 1))
-    return stats, acc
+    return acc
 
 
 def _materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want):
