@@ -113,7 +113,27 @@ def test_plan_cli_prints_predicted_peak_and_max_batch(capsys):
     assert batch == max_batch(PlannerConfig(model="Qwen3-8B", lora_r=16, world_size=4), 80).batch
 
 
+def test_plan_cli_expandable_segments_uses_the_held_out_headroom(capsys):
+    """`--expandable-segments` plans with the 2 % headroom the held-out H200 check validated (a larger max batch
+    than the default allocator's 12 %); without it, a fused head's answer says how uncertain fragmentation makes it."""
+    from grpo_lab.memory.planner import EXPANDABLE_SEGMENTS_HEADROOM
+
+    argv = ["plan", "--model", "Qwen2.5-Math-1.5B", "--gib", "139.8", "--lora-r", "64", "--prompt", "512",
+            "--completion", "1024", "--fsdp-single"]
+    assert cli(argv) == 0
+    default_out = capsys.readouterr().out
+    assert cli([*argv, "--expandable-segments"]) == 0
+    expandable_out = capsys.readouterr().out
+    batches = [int(o.split("max batch per GPU: ")[1].split()[0]) for o in (default_out, expandable_out)]
+    cfg = PlannerConfig(model="Qwen2.5-Math-1.5B", lora_r=64, prompt_len=512, completion_len=1024, fsdp=True)
+    assert batches == [max_batch(cfg, 139.8).batch,
+                       max_batch(cfg, 139.8, headroom=EXPANDABLE_SEGMENTS_HEADROOM).batch]
+    assert batches[1] > batches[0]
+    assert "expandable_segments:True" in default_out and "fragmentation" not in expandable_out
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--expandable-segments", "--headroom", "0.1"], "not both"),
     (["--model", "Qwen3-9B"], "Unknown model"),
     (["--gpus", "0"], "world size"),
     (["--gib", "-1"], "--gib"),
