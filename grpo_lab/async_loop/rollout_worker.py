@@ -194,8 +194,8 @@ def _failure_hint(error: BaseException) -> str:
     """Where to look next: a 500-class answer other than the router's 503 (no replica in service) comes from a replica
     that is up but failing, and its traceback is in its log; anything else means nothing answered."""
     if isinstance(error, _RetryableStatus) and error.status >= 500 and error.status != 503:
-        return ("A replica answered with a server error: its traceback is in its log (grpo-lab async-loop writes "
-                "them to <output-dir>/logs/replica-<i>.log).")
+        return ("A replica answered with a server error: its traceback is in its log (grpo-lab async-loop keeps "
+                "each replica's output in <output-dir>/logs/).")
     return "Is the router (or the vLLM server) running, with at least one replica in service?"
 
 

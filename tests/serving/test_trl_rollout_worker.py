@@ -74,7 +74,7 @@ def test_a_replica_server_error_points_to_its_log_and_a_dead_server_to_the_route
 
     from grpo_lab.async_loop.rollout_worker import _failure_hint, _RetryableStatus
 
-    assert "logs/replica-<i>.log" in _failure_hint(_RetryableStatus(500, "Server got itself in trouble"))
+    assert "<output-dir>/logs/" in _failure_hint(_RetryableStatus(500, "Server got itself in trouble"))
     assert "Is the router" in _failure_hint(_RetryableStatus(503, "no replica in service"))  # the router's own 503
     assert "Is the router" in _failure_hint(aiohttp.ClientConnectionError("refused"))
     assert "Is the router" in _failure_hint(_RetryableStatus(404, "not loaded yet"))
