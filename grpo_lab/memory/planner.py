@@ -272,6 +272,8 @@ def usable_budget(config: PlannerConfig, budget_bytes: float, headroom: float | 
     """The share of a device budget the predicted allocated peak may use (CUDA: less the allocator's headroom)."""
     if config.device == "cpu":
         return budget_bytes
+    if headroom is None and config.expandable_segments:
+        headroom = EXPANDABLE_SEGMENTS_HEADROOM
     if headroom is None:
         headroom = ALLOCATOR_HEADROOM["naive" if config.backend == "naive" else "fused"]
     return budget_bytes * (1.0 - headroom)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .planner import EXPANDABLE_SEGMENTS_HEADROOM, GiB, PlannerConfig, max_batch, plan, usable_budget
+from .planner import GiB, PlannerConfig, max_batch, plan, usable_budget
 from .spec import parse_int_list
 
 
@@ -63,14 +63,12 @@ def main(argv=None) -> int:
             raise ValueError(f"--gib must be positive, got {a.gib}")
         if a.headroom is not None and not 0 <= a.headroom < 1:
             raise ValueError(f"--headroom must be in [0, 1), got {a.headroom}")
-        if a.expandable_segments:
-            if a.headroom is not None:
-                raise ValueError("give --headroom or --expandable-segments, not both")
-            a.headroom = EXPANDABLE_SEGMENTS_HEADROOM
+        if a.expandable_segments and a.headroom is not None:
+            raise ValueError("give --headroom or --expandable-segments, not both")
         base = PlannerConfig(model=a.model, backend=a.backend, dtype=a.dtype, lora_r=a.lora_r, world_size=a.gpus,
                              fsdp=True if (a.gpus > 1 or a.fsdp_single) else False, prompt_len=a.prompt,
                              completion_len=a.completion, gradient_checkpointing=not a.no_checkpointing,
-                             batch_size=a.batch or 1)
+                             batch_size=a.batch or 1, expandable_segments=a.expandable_segments)
         sizes = _world_sizes(a.world_sizes) if a.world_sizes else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -90,7 +88,7 @@ def main(argv=None) -> int:
         print(f"max batch per GPU: {best.batch}{more} ({note}; {best.batch * a.gpus} sequences per step over all "
               f"GPUs) — peak {best.peak_bytes / GiB:.1f} GiB of {usable:.1f} usable "
               f"({a.gib:g} GiB less the allocator's headroom)")
-    if a.headroom is None and base.backend != "naive":
+    if a.headroom is None and not a.expandable_segments and base.backend != "naive":
         print("  the default CUDA allocator loses 7-17 % to fragmentation at the limit, so this is the least certain "
               "part; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (plan with --expandable-segments) the "
               "held-out H200 check was within one search step")

@@ -59,6 +59,10 @@ class PlannerConfig:
             bf16 on CUDA and `math` for fp32 on CUDA (what the H200 runs show for Qwen3's grouped-query attention).
         optimizer_state (`bool`, defaults to `True`):
             AdamW's two moments exist (every step after the first); `False` predicts a first step.
+        expandable_segments (`bool`, defaults to `False`):
+            The run sets `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`. Peaks are the same; the max batch keeps
+            `EXPANDABLE_SEGMENTS_HEADROOM` (2 %) of the budget for fragmentation instead of the default caching
+            allocator's `ALLOCATOR_HEADROOM` (validated by the held-out H200 check).
     """
 
     model: str = "Qwen3-0.6B"
@@ -75,6 +79,7 @@ class PlannerConfig:
     device: str = "cuda"
     attention: str = "auto"
     optimizer_state: bool = True
+    expandable_segments: bool = False
     model_config: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):

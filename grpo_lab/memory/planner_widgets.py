@@ -21,7 +21,7 @@ BACKENDS = ("naive", "trl", "grpo_lab", "liger")
 H200_GIB = 140.4  # what torch reports for one H200 (notebook 02's committed budget)
 LABELS = {"model": "model", "gpus": "GPUs", "gib": "GiB per GPU", "dtype": "dtype", "lora_r": "LoRA r",
           "backend": "backend", "prompt_len": "prompt len", "completion_len": "completion len",
-          "checkpointing": "checkpointing"}
+          "checkpointing": "checkpointing", "expandable_segments": "expandable segments"}
 
 
 def summary_html(config: PlannerConfig, budget_gib: float) -> str:
@@ -82,12 +82,14 @@ class PlannerPanel:
     """The interactive planner (see the module docstring). `searches`: notebook 02's searches to overlay."""
 
     def __init__(self, model="Qwen3-8B", gpus=1, gib=H200_GIB, dtype="bf16", lora_r=16, backend="grpo_lab",
-                 prompt_len=256, completion_len=512, checkpointing=True, searches: pd.DataFrame | None = None):
+                 prompt_len=256, completion_len=512, checkpointing=True, expandable_segments=False,
+                 searches: pd.DataFrame | None = None):
         from grpo_lab.models import known_model_names
 
         self.searches = searches
         self.values = dict(model=model, gpus=gpus, gib=gib, dtype=dtype, lora_r=lora_r, backend=backend,
-                           prompt_len=prompt_len, completion_len=completion_len, checkpointing=checkpointing)
+                           prompt_len=prompt_len, completion_len=completion_len, checkpointing=checkpointing,
+                           expandable_segments=expandable_segments)
         self.models = known_model_names()
         if model not in self.models:
             raise ValueError(f"Unknown model {model!r}: use one of {', '.join(self.models)}.")
@@ -104,7 +106,8 @@ class PlannerPanel:
         v = self.current()
         cfg = PlannerConfig(model=v["model"], backend=v["backend"], dtype=v["dtype"], lora_r=int(v["lora_r"]),
                             world_size=int(v["gpus"]), fsdp=True, prompt_len=int(v["prompt_len"]),
-                            completion_len=int(v["completion_len"]), gradient_checkpointing=bool(v["checkpointing"]))
+                            completion_len=int(v["completion_len"]), gradient_checkpointing=bool(v["checkpointing"]),
+                            expandable_segments=bool(v["expandable_segments"]))
         if not float(v["gib"]) > 0:
             raise ValueError(f"GiB per GPU must be positive, got {v['gib']}")
         return cfg, float(v["gib"])
@@ -149,6 +152,8 @@ class PlannerPanel:
             "completion_len": number("completion_len", 1, 131072),
             "checkpointing": w.Checkbox(value=v["checkpointing"], description=LABELS["checkpointing"], style=style,
                                         layout=box),
+            "expandable_segments": w.Checkbox(value=v["expandable_segments"],
+                                              description=LABELS["expandable_segments"], style=style, layout=box),
         }
         self.summary, self.plot = w.HTML(), w.Output()
         for c in self.controls.values():

@@ -40,6 +40,11 @@ def test_panel_controls_change_the_prediction(panel):
     assert eight != one and "multi-GPU, not measured here" in eight
     panel.controls["backend"].value = "naive"
     assert panel.summary.value != eight
+    panel.controls["backend"].value = "grpo_lab"
+    panel.controls["gpus"].value = 1
+    panel.controls["expandable_segments"].value = True  # 2 % headroom instead of the default allocator's 12 %
+    expandable = int(panel.summary.value.split("max batch per GPU: ")[1].split("<")[0].split()[0])
+    assert expandable == max_batch(cfg.replace(expandable_segments=True), 140.4).batch > batch_one
 
 
 def test_panel_shows_a_refused_setting_as_a_message(panel):
