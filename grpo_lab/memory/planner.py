@@ -29,8 +29,9 @@ from .planner_head import UNTOUCHED, head_backward, head_forward, head_rows, hea
 from .planner_layer import backward_levels, saved_tensors
 from .planner_shapes import ModelShape, shape_for
 
-__all__ = ["ALLOCATOR_HEADROOM", "EXPANDABLE_SEGMENTS_HEADROOM", "CPU_RSS_OVERHEAD_BYTES", "CPU_RSS_SLACK", "CUDA_WORKSPACE_BYTES", "MaxBatch",
-           "MemoryPlan", "PlannerConfig", "max_batch", "plan", "plan_loss_only"]
+__all__ = ["ALLOCATOR_HEADROOM", "CPU_RSS_OVERHEAD_BYTES", "CPU_RSS_SLACK", "CUDA_WORKSPACE_BYTES",
+           "EXPANDABLE_SEGMENTS_HEADROOM", "MaxBatch", "MemoryPlan", "PlannerConfig", "max_batch", "plan",
+           "plan_loss_only"]
 
 GiB = 2**30
 MiB = 2**20

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .planner import EXPANDABLE_SEGMENTS_HEADROOM, GiB, PlannerConfig, max_batch, plan
+from .planner import GiB, PlannerConfig, max_batch, plan
 from .probe import ProbeError, run_point
 from .results import environment, make_row, target_csv, write_csv
 from .spec import PointSpec
@@ -65,8 +65,8 @@ def heldout_h200_points(budget_gib: float) -> list[CheckPoint]:
     full_ft = CheckPoint(PointSpec(model="Qwen3-4B", backend="trl", dtype="bf16", batch_size=16, prompt_len=256,
                                    completion_len=512, lora_r=0, steps=2, device="cuda"), "full fine-tuning")
     for alloc, label in ((None, "default allocator"), (EXPANDABLE, "expandable segments")):
-        headroom = None if alloc is None else EXPANDABLE_SEGMENTS_HEADROOM
-        pred = max_batch(planner_config(PointSpec(batch_size=8, **base)), budget_gib, headroom=headroom).batch
+        config = planner_config(PointSpec(batch_size=8, **base), expandable_segments=alloc is not None)
+        pred = max_batch(config, budget_gib).batch
         extra = {"cuda_alloc_conf": alloc} if alloc else {}
         lo, hi = math.floor(pred * (1 - REL_STEP)), math.ceil(pred * (1 + REL_STEP))
         points += [CheckPoint(PointSpec(batch_size=lo, extra=extra, **base), f"{label}: 3 % below max {pred}", "fits",

@@ -23,7 +23,8 @@ def notebook_run(frontend: Frontend, server, browser, artifacts, name: str, para
     kernel down."""
     page = browser.new_page()
     console: list[str] = []   # the frontend's console errors and page errors: why a widget did not render
-    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"[:400]) if m.type in ("error", "warning") else None)
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"[:400])
+            if m.type in ("error", "warning") else None)
     page.on("pageerror", lambda e: console.append(f"pageerror: {e}"[:400]))
     try:
         nb = frontend.open(page, server, f"notebooks/{name}.ipynb", workspace=f"t-{uuid.uuid4().hex[:8]}")
