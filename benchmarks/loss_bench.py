@@ -29,6 +29,7 @@ import contextlib
 import csv
 import datetime
 import gc
+import json
 import math
 import os
 import statistics
@@ -209,6 +210,10 @@ def liger_point(dname, hdim, tokens) -> bool:
     return (hdim, tokens) in ((1024, 2048), (1024, 8192), (4096, 2048)) and (dname == "bf16" or tokens == 2048)
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def parse_points(text: str):
     """`head:dtype:H:tokens[:T]`, comma-separated, e.g. `frozen:bf16:1024:2048,trainable:fp32:4096:8192`."""
     pts = []
@@ -228,8 +233,8 @@ def grid_points(args):
         return parse_points(args.points)
     pts = list(ISSUE_ROWS) if args.issue_rows else []
     grid = []
-    hs = [int(x) for x in args.hidden.split(",")]
-    toks = [int(x) for x in args.tokens.split(",")]
+    hs = _ints(args.hidden) if args.hidden else list(GRID_H)
+    toks = _ints(args.tokens) if args.tokens else list(GRID_TOKENS)
     for dname in args.dtypes.split(","):
         for hdim in hs:
             for tokens in toks:
@@ -395,10 +400,15 @@ TUNE_EXPERIMENTS = {
     # Runs 2 and 3 measured earlier lists (tune_run2.csv, tune_run3.csv; their labels use that time's knob names).
     "bf16": [
         {},
-        {"cfg": (128, 256, 64, 8, 8, 4)},
-        {"cfg": (128, 128, 64, 8, 4, 4)},
-        {"frozen_tile": (8192, 16384)},
-        {"frozen_tile": (32768, 4096)},
+        {"p_tma": True},
+        {"frozen_cfg": (128, 128, 64, 8, 8, 3)},
+        {"frozen_cfg": (128, 128, 64, 8, 8, 3), "p_tma": True},
+        {"frozen_cfg": (128, 128, 64, 8, 8, 4), "p_tma": True},
+        {"frozen_cfg": (128, 128, 64, 8, 8, 3), "p_tma": True, "frozen_tile": (8192, 16384)},
+        {"p_tma": True, "frozen_tile": (8192, 16384)},
+        {"frozen_cfg": (128, 128, 64, 8, 8, 3), "p_tma": True, "frozen_tile": (4096, 16384)},
+        {"p_tma": True, "frozen_tile": (4096, 16384)},
+        {"frozen_two_gemm": False},
     ],
     "fp32": [
         {},
@@ -427,6 +437,14 @@ def apply_experiment(F, exp, dname):
             F.FROZEN_TILE[key] = v
         elif k == "dz_tma":
             F.DZ_TMA[key] = v
+        elif k == "frozen_two_gemm":
+            F.FROZEN_TWO_GEMM = v
+        elif k == "frozen_recompute_below":
+            F.FROZEN_RECOMPUTE_BELOW[key] = v
+        elif k == "p_tma":
+            F.P_TMA[key] = v
+        elif k == "frozen_cfg":
+            F.CONFIGS[f"frozen_{key}"] = v
         elif k == "persistent":
             F.PERSISTENT[f"fwd_{key}"] = F.PERSISTENT[f"bwd_{key}"] = v
         else:
@@ -439,22 +457,32 @@ def kernel_setting(F) -> str:
     tiles = " ".join(f"{k}:{t}x{v}" for k, (t, v) in F.BWD_TILE.items())
     frozen = " ".join(f"{k}:{t}x{v}" for k, (t, v) in F.FROZEN_TILE.items())
     dz = [k for k, v in F.DZ_TMA.items() if v]
+    p_desc = [k for k, v in F.P_TMA.items() if v]
     cfg = " ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in F.CONFIGS.items())
     return (f"TMA loads {'on' if F.USE_TMA else 'off'}; persistent {','.join(on) or 'none'}; dZ tile {tiles}; "
-            f"frozen {'two-GEMM' if F.FROZEN_TWO_GEMM else 'recompute'} tile {frozen}; dZ descriptor store "
+            f"frozen {'two-GEMM' if F.FROZEN_TWO_GEMM else 'recompute'} tile {frozen}, P~ descriptor store "
+            f"{','.join(p_desc) or 'off'}; dZ descriptor store "
             f"{','.join(dz) or 'off'}; fp32 dot {F.FP32_DOT}, fp32 dX/dW {F.FP32_MM}; materialize "
             f"{F.MATERIALIZE_GIB:g} GiB; tiles {cfg}")
 
 
-def tune(out_dir, hidden_sizes=(1024, 4096), tokens=32768):
-    """Tile sweep of the grpo_lab head alone (no loss): frozen and trainable fwd+bwd for each experiment."""
+FROZEN_KNOBS = ("frozen_cfg", "frozen_tile", "p_tma", "frozen_two_gemm", "frozen_recompute_below")
+
+
+def tune(out_dir, hidden_sizes=(1024, 4096), token_counts=(32768,), heads=("frozen", "trainable"), dtypes=None,
+         experiments=None):
+    """Tile sweep of the grpo_lab head alone (no loss): frozen and trainable fwd+bwd for each experiment (an
+    experiment that sets only frozen-head knobs is timed on the frozen head only). bf16 at `token_counts`, fp32 at
+    8192 tokens. `experiments` replaces TUNE_EXPERIMENTS (the same per-dtype lists)."""
     import triton.testing as tt
 
     import grpo_lab.kernels.fused_linear_logprob as F
 
     rows = []
-    saved = {name: dict(getattr(F, name)) for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "FROZEN_TILE", "DZ_TMA")}
-    saved.update({name: getattr(F, name) for name in ("FP32_MM", "FP32_DOT")})
+    saved = {name: dict(getattr(F, name))
+             for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "FROZEN_TILE", "DZ_TMA", "P_TMA",
+                          "FROZEN_RECOMPUTE_BELOW")}
+    saved.update({name: getattr(F, name) for name in ("FP32_MM", "FP32_DOT", "FROZEN_TWO_GEMM")})
 
     def restore():
         for name, value in saved.items():
@@ -463,36 +491,39 @@ def tune(out_dir, hidden_sizes=(1024, 4096), tokens=32768):
             else:
                 setattr(F, name, value)
 
-    for dname, dtype in DTYPES.items():
-        n = tokens if dname == "bf16" else 8192
-        for hdim in hidden_sizes:
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            h = torch.randn(n, hdim, device="cuda", generator=gen).to(dtype).requires_grad_()
-            w = (torch.randn(V, hdim, device="cuda", generator=gen) * hdim ** -0.5 * 2).to(dtype)
-            y = torch.randint(0, V, (n,), device="cuda", generator=gen)
-            g = torch.randn(n, device="cuda", generator=gen)
-            for exp in TUNE_EXPERIMENTS[dname]:
-                apply_experiment(F, exp, dname)
-                label = " ".join(f"{k}={v}" for k, v in exp.items()) or "default"
-                for head in ("frozen", "trainable"):
-                    w.requires_grad_(head == "trainable")
+    points = [(dname, n, hdim) for dname in (dtypes or DTYPES) for n in (token_counts if dname == "bf16" else (8192,))
+              for hdim in hidden_sizes]
+    for dname, n, hdim in points:
+        dtype = DTYPES[dname]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        h = torch.randn(n, hdim, device="cuda", generator=gen).to(dtype).requires_grad_()
+        w = (torch.randn(V, hdim, device="cuda", generator=gen) * hdim ** -0.5 * 2).to(dtype)
+        y = torch.randint(0, V, (n,), device="cuda", generator=gen)
+        g = torch.randn(n, device="cuda", generator=gen)
+        for exp in (experiments or TUNE_EXPERIMENTS)[dname]:
+            apply_experiment(F, exp, dname)
+            label = " ".join(f"{k}={v}" for k, v in exp.items()) or "default"
+            for head in heads:
+                if head == "trainable" and exp and set(exp) <= set(FROZEN_KNOBS):
+                    continue
+                w.requires_grad_(head == "trainable")
 
-                    def run():
-                        h.grad = w.grad = None
-                        (F.fused_linear_logprobs(h, w, None, y, 1.0, None, None, 1.0, ("entropy",))[0] * g).sum() \
-                            .backward()
-                    try:
-                        ms = tt.do_bench(run, warmup=1, rep=300 if dname == "bf16" else 1, return_mode="median")
-                    except Exception as err:  # a config that does not compile or fit
-                        print(f"tune {dname} H={hdim} {head} {label} failed: {type(err).__name__}: "
-                              f"{str(err)[:200]}", flush=True)
-                        ms = float("nan")
-                    rows.append({"dtype": dname, "H": hdim, "tokens": n, "head": head, "config": label, "ms": ms,
-                                 "exp": exp})
-                    print(f"tune {dname} H={hdim} N={n} {head:9s} {label}: {ms:.2f} ms", flush=True)
-                restore()
-            del h, w
-            torch.cuda.empty_cache()
+                def run():
+                    h.grad = w.grad = None
+                    (F.fused_linear_logprobs(h, w, None, y, 1.0, None, None, 1.0, ("entropy",))[0] * g).sum() \
+                        .backward()
+                try:
+                    ms = tt.do_bench(run, warmup=1, rep=300 if dname == "bf16" else 1, return_mode="median")
+                except Exception as err:  # a config that does not compile or fit
+                    print(f"tune {dname} H={hdim} {head} {label} failed: {type(err).__name__}: "
+                          f"{str(err)[:200]}", flush=True)
+                    ms = float("nan")
+                rows.append({"dtype": dname, "H": hdim, "tokens": n, "head": head, "config": label, "ms": ms,
+                             "exp": exp})
+                print(f"tune {dname} H={hdim} N={n} {head:9s} {label}: {ms:.2f} ms", flush=True)
+            restore()
+        del h, w
+        torch.cuda.empty_cache()
     write_csv(os.path.join(out_dir, "tune.csv"), [{k: v for k, v in r.items() if k != "exp"} for r in rows])
     return rows
 
@@ -562,8 +593,10 @@ def report(in_dir, out_dir=None):
     lines += ["", "Whole grid: grpo_lab / min(naive, trl) time (lean default; in brackets with memory allowed where "
               "that differs). ≤ 1.02 meets the issue's bar.", ""]
     keys = sorted({_key(r) for r in rows if r["T"] == str(T_COMPLETION)}, key=lambda k: (k[1], k[0], k[2], k[3]))
-    latest = max(r["date"] for r in rows if r["backend"].startswith("grpo_lab"))
-    older = {_key(r) for r in rows if r["backend"].startswith("grpo_lab") and r["date"] < latest}
+    # † marks a cell whose grpo_lab row ran under other kernel knobs than the newest run's (an older kernel)
+    newest = max((r for r in rows if r["backend"] == "grpo_lab"), key=lambda r: r["date"])
+    latest = newest["date"]
+    older = {_key(r) for r in rows if r["backend"] == "grpo_lab" and r["setting"] != newest["setting"]}
     worst = {}
     for dname in dict.fromkeys(k[1] for k in keys):
         for head in ("frozen", "trainable"):
@@ -588,8 +621,8 @@ def report(in_dir, out_dir=None):
                 lines.append(f"| {hdim} | " + " | ".join(cells) + " |")
             lines.append("")
     if older:
-        lines.append(f"†: grpo_lab measured in an earlier run than the latest ({latest[:16]}); see the CSVs' `date` "
-                     "and `setting` columns.")
+        lines.append(f"†: grpo_lab measured with other kernel settings than the newest run's ({latest[:16]}): an "
+                     "older kernel; see the CSVs' `date` and `setting` columns.")
     lines.append("Worst grpo_lab (memory allowed where it helps) / min(naive, trl): "
                  + ", ".join(f"{d} {h} {v:.3f}" for (d, h), v in sorted(worst.items())))
     text = "\n".join(lines)
@@ -636,8 +669,8 @@ def main(argv=None):
     global V
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results/loss_kernel")
-    p.add_argument("--hidden", default=",".join(map(str, GRID_H)))
-    p.add_argument("--tokens", default=",".join(map(str, GRID_TOKENS)))
+    p.add_argument("--hidden", default=None, help=f"H values (grid: {','.join(map(str, GRID_H))}; tune: 1024,4096)")
+    p.add_argument("--tokens", default=None, help=f"token counts (grid: {','.join(map(str, GRID_TOKENS))}; tune: 32768)")
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--fp32-full", action="store_true", help="every fp32 grid point (slow: plain SGEMM)")
@@ -649,7 +682,11 @@ def main(argv=None):
     p.add_argument("--max-minutes", type=float, default=60.0, help="stop the grid (cleanly) after this long")
     p.add_argument("--points", default="", help="only these points: head:dtype:H:tokens[:T],... (e.g. a re-run)")
     p.add_argument("--profile", default="", help="torch.profiler kernel table of grpo_lab at these points, first")
-    p.add_argument("--tune", action="store_true", help="only the tile sweep of the grpo_lab head")
+    p.add_argument("--tune", action="store_true", help="only the tile sweep of the grpo_lab head (--hidden, "
+                   "--tokens, --dtypes and --heads narrow it)")
+    p.add_argument("--heads", default="frozen,trainable", help="head modes of the tile sweep")
+    p.add_argument("--experiments", default="", help='tile sweep list instead of TUNE_EXPERIMENTS, as JSON: '
+                   '{"bf16": [{}, {"p_tma": false}], ...} (tile tuples as lists)')
     p.add_argument("--report", metavar="DIR", help="tables + figure from DIR's loss_grid.csv; no GPU needed")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the harness on the chunked torch path")
     p.add_argument("--vocab", type=int, default=V, help="vocabulary size (smaller only for smoke runs)")
@@ -666,7 +703,10 @@ def main(argv=None):
     meta = versions()
     os.makedirs(args.out, exist_ok=True)
     if args.tune:
-        tune(args.out)
+        experiments = {d: [{k: tuple(v) if isinstance(v, list) else v for k, v in e.items()} for e in exps]
+                       for d, exps in json.loads(args.experiments).items()} if args.experiments else None
+        tune(args.out, _ints(args.hidden or "1024,4096"), _ints(args.tokens or "32768"), tuple(args.heads.split(",")),
+             tuple(args.dtypes.split(",")), experiments)
         return 0
     if device.type == "cuda":
         import grpo_lab.kernels.fused_linear_logprob as F

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from grpo_lab.backends.base import (OPTIONAL_OUTPUTS, check_logprob_inputs, compute_dtype_of, entropy_grad_expected,
-                                    frozen_input_grad, head_mode, note_entropy_grad)
+                                    frozen_coefficients, head_mode, note_entropy_grad)
 
 # Tile configuration per compute dtype: (BM, BN, BK, GROUP_M, num_warps, num_stages). Chosen on the H200 by
 # benchmarks/loss_bench.py --tune (see docs/kernel.md); overridable for experiments.
@@ -37,6 +37,11 @@ CONFIGS = {
     "fwd_32": (128, 128, 32, 8, 8, 3),
     "bwd_32": (128, 128, 32, 8, 8, 3),
     "mm_32": (128, 128, 32, 8, 8, 3),
+    # the frozen head's forward (statistics + the P~ store), tuned apart from the statistics-only forward
+    # 128 x 128 x 64, 8 warps, 4 stages with P~ through descriptors: 42.7 vs 48.5 ms (128 x 256, 3 stages) at
+    # H = 1024, 32k tokens, 138.5 vs 143.2 at H = 4096 (results/loss_kernel/tune_run4.csv)
+    "frozen_16": (128, 128, 64, 8, 8, 4),
+    "frozen_32": (128, 128, 32, 8, 8, 3),
 }
 # Tensor-descriptor (TMA) loads in the fused kernels where the strides allow; fp32 path's dX/dW GEMMs in Triton
 # ("triton", split-TF32 when FP32_DOT is tf32x3) or cuBLAS ("cublas", plain SGEMM with TF32 off).
@@ -52,13 +57,15 @@ BWD_TILE = {
     for key, tokens in (("16", 16384), ("32", 8192))
 }
 PART_BUDGET_BYTES = 32 * 2**20
+# The partial-statistics merge: rows per program and vocabulary blocks per load of `_merge_kernel`.
+MERGE_ROWS, MERGE_BLOCKS = 128, 32
 # Persistent launch per fused kernel and dtype (keys as CONFIGS): one program per SM loops over the tiles, its loop
 # flattened with the K loop so the next tile's loads are issued while this tile's softmax epilogue runs, instead of
 # one program per tile.
 # On by default for 16-bit: bf16 B=64 head fwd+bwd 71.7 vs 75.2 ms on the H200 (tune_run3.csv); fp32 gained nothing
 # (662 vs 658 ms). GRPO_LAB_PERSISTENT, when set, lists the keys to turn on ("" for none). Needs a Triton whose
 # `tl.range` has `flatten` (3.3+); older ones get the one-program-per-tile launch.
-PERSISTENT = {key: False for key in CONFIGS if key != "mm_32"}
+PERSISTENT = {key: False for key in CONFIGS if key.startswith(("fwd", "bwd"))}  # the frozen forward follows fwd
 _PERSISTENT_ON = [k.strip() for k in os.environ.get("GRPO_LAB_PERSISTENT", "fwd_16,bwd_16").split(",") if k.strip()]
 if set(_PERSISTENT_ON) - set(PERSISTENT):
     raise ValueError(f"GRPO_LAB_PERSISTENT={os.environ.get('GRPO_LAB_PERSISTENT')!r}: keys are {sorted(PERSISTENT)}")
@@ -71,11 +78,24 @@ PERSISTENT_PROGRAMS = None
 # The backward writes dZ through a tensor descriptor (bulk store, clipped at the tile's edges) when TMA loads are on;
 # per compute dtype. Off: no gain on the H200 (tune_run3.csv). GRPO_LAB_DZ_TMA=1 turns it on for both.
 DZ_TMA = {key: os.environ.get("GRPO_LAB_DZ_TMA", "0") == "1" for key in ("16", "32")}
+# The frozen forward stores its P~ blocks through a tensor descriptor (an asynchronous bulk copy from shared memory,
+# which the next tile's loads can overlap) when TMA loads are on; per compute dtype. GRPO_LAB_P_TMA=0/1 sets both.
+# On for 16-bit (with the frozen tiles above), off for fp32 (not measured there).
+P_TMA = {key: os.environ.get("GRPO_LAB_P_TMA", default) == "1" for key, default in (("16", "1"), ("32", "0"))}
 # fp32 dot: "ieee" (plain fp32 FMA) or "tf32x3" (three TF32 products, fp32-level error, on tensor cores)
 FP32_DOT = os.environ.get("GRPO_LAB_FP32_DOT", "tf32x3")
 # Frozen head (only the hidden states need a gradient): the two-GEMM path (forward accumulates Σ p·W, backward
 # elementwise) unless GRPO_LAB_FROZEN=recompute asks for the trainable head's recomputing backward.
 FROZEN_TWO_GEMM = os.environ.get("GRPO_LAB_FROZEN", "two_gemm") != "recompute"
+# A frozen head with fewer than FROZEN_RECOMPUTE_ROWS valid rows and rows × hidden below FROZEN_RECOMPUTE_BELOW
+# takes the recompute path (dX only) instead: at so few rows
+# the step is bound by host work, and the two-GEMM path's extra launches and reductions cost more than its saved
+# GEMM. H200, bf16, head fwd+bwd (tune_run4.csv, tune_run5.csv): recompute 3.8 / 5.2 / 6.4 / 5.6 ms against
+# 4.6 / 5.7 / 7.3 / 5.9 at 2048 rows × H 1024 / 1536 / 2048 and 3072 × 1024; two-GEMM ahead from 3072 × 1536
+# (7.2 vs 7.6) and at 2048 × 4096 (9.8 vs 12.4); in the whole loss at 4096 × 1024 two-GEMM 7.7 ms, recompute 8.5
+# (TRL 8.0-8.2; loss_grid.csv). Its dZ tile keeps the frozen P~ tile's budget (same memory).
+FROZEN_RECOMPUTE_ROWS = {"16": 4096, "32": 0}
+FROZEN_RECOMPUTE_BELOW = {"16": int(os.environ.get("GRPO_LAB_FROZEN_RECOMPUTE_BELOW", 9 * 2**19)), "32": 0}
 # The frozen path's P~ buffer per compute dtype, (tokens, vocabulary): 128 MiB bf16 / 256 MiB fp32, widened in the
 # vocabulary when there are fewer rows. (16384 x 8192 bf16 held the loss peak at 0.59 GiB at B = 64, H = 1024, over
 # TRL's 0.44: results/loss_kernel, run 5.)
@@ -164,7 +184,7 @@ def _fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_pt
                 COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                 PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, P_MODE: tl.constexpr,
-                STORE_PZ: tl.constexpr):
+                STORE_PZ: tl.constexpr, P_TMA: tl.constexpr):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(v_hi - v_lo, BN)
     if PERSISTENT:
@@ -173,13 +193,13 @@ def _fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_pt
             _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
                       v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
                       HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
-                      USE_TMA, BM, BN, BK, P_MODE, STORE_PZ)
+                      USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA)
     else:
         pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
                   v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
                   HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
-                  USE_TMA, BM, BN, BK, P_MODE, STORE_PZ)
+                  USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA)
 
 
 @triton.jit
@@ -189,11 +209,13 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
               HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
               COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_MODE: tl.constexpr, STORE_PZ: tl.constexpr):
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_MODE: tl.constexpr, STORE_PZ: tl.constexpr,
+              P_TMA: tl.constexpr):
     """One [BM, BN] block: its logits, reduced to per-row partial statistics in `part`; with P_MODE, also the
     block's e^(z − ref) (ref: a per-row reference, `ref_ptr`) stored at `p_ptr` for a cuBLAS GEMM to consume —
     P_MODE 1 (frozen head): times the softcap factor, target column 0, and e^(z − ref)·(z − ref) at `pz_ptr` when
-    STORE_PZ; P_MODE 2 (materialised head): e^(z − ref) as is."""
+    STORE_PZ; P_MODE 2 (materialised head): e^(z − ref) as is. With P_TMA, `p_ptr` / `pz_ptr` are tensor
+    descriptors of this launch's [rows, chunk] views (bulk stores, clipped at their edges)."""
     z, t, offs_m, offs_n, row_ok, col_ok = _tile_logits(
         h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, stride_w, logit_scale, softcap, inv_t,
         HAS_BIAS, HAS_SOFTCAP, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
@@ -225,11 +247,16 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
             if HAS_SOFTCAP:
                 pe = pe * (1.0 - t * t)
             pe = tl.where(hit, 0.0, pe)
-        p_off = offs_m.to(tl.int64)[:, None] * stride_p + (offs_n - v_lo)[None, :]
-        p_ok = row_ok[:, None] & col_ok[None, :]
-        tl.store(p_ptr + p_off, pe.to(p_ptr.dtype.element_ty), mask=p_ok)
-        if STORE_PZ:
-            tl.store(pz_ptr + p_off, (pe * (z - ref[:, None])).to(pz_ptr.dtype.element_ty), mask=p_ok)
+        if P_TMA:
+            p_ptr.store([pid_m * BM, pid_n * BN], pe.to(p_ptr.dtype))
+            if STORE_PZ:
+                pz_ptr.store([pid_m * BM, pid_n * BN], (pe * (z - ref[:, None])).to(pz_ptr.dtype))
+        else:
+            p_off = offs_m.to(tl.int64)[:, None] * stride_p + (offs_n - v_lo)[None, :]
+            p_ok = row_ok[:, None] & col_ok[None, :]
+            tl.store(p_ptr + p_off, pe.to(p_ptr.dtype.element_ty), mask=p_ok)
+            if STORE_PZ:
+                tl.store(pz_ptr + p_off, (pe * (z - ref[:, None])).to(pz_ptr.dtype.element_ty), mask=p_ok)
 
 
 @triton.jit
@@ -320,6 +347,76 @@ def _dz_from_p_kernel(p_ptr, tgt_ptr, shift_ptr, lp_ptr, ent_ptr, g_ptr, ge_ptr,
 
 
 @triton.jit
+def _frozen_dx_kernel(acc_ptr, w_ptr, y_ptr, cy_ptr, ca_ptr, cb_ptr, out_ptr, M, K, acc_plane, stride_w, stride_out,
+                      HAS_B: tl.constexpr, COMPUTE: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
+    """The frozen head's input gradient in one pass: out = coef_y·W_y + coef_a·A (+ coef_b·B), per row (the math:
+    `grpo_lab.backends.base.frozen_input_grad`); W_y gathered by target and read as the projection saw it."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    r_ok = offs_r < M
+    ok = r_ok[:, None] & (offs_h < K)[None, :]
+    rows = offs_r.to(tl.int64)[:, None]
+    y = tl.load(y_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)
+    w_y = tl.load(w_ptr + y[:, None] * stride_w + offs_h[None, :], mask=ok, other=0.0).to(COMPUTE).to(tl.float32)
+    a = tl.load(acc_ptr + rows * K + offs_h[None, :], mask=ok, other=0.0)
+    out = tl.load(cy_ptr + offs_r, mask=r_ok, other=0.0)[:, None] * w_y
+    out += tl.load(ca_ptr + offs_r, mask=r_ok, other=0.0)[:, None] * a
+    if HAS_B:
+        b = tl.load(acc_ptr + acc_plane + rows * K + offs_h[None, :], mask=ok, other=0.0)
+        out += tl.load(cb_ptr + offs_r, mask=r_ok, other=0.0)[:, None] * b
+    tl.store(out_ptr + rows * stride_out + offs_h[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, run_ptr, part_stat_stride, run_stat_stride, M, n_blocks,
+                  HAS_ENTROPY: tl.constexpr, HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
+                  BR: tl.constexpr, BV: tl.constexpr):
+    """Folds one launch's per-block partial statistics (`part`, [stat, block, row]) into the running ones (`run`,
+    [stat, row]) in place: the online-LSE merge, one launch instead of a dozen torch ops per vocabulary chunk."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_ok = offs_r < M
+    old_m = tl.load(run_ptr + offs_r, mask=r_ok, other=0.0)
+    new_m = old_m
+    for b0 in range(0, n_blocks, BV):
+        offs_b = b0 + tl.arange(0, BV)
+        ok = (offs_b < n_blocks)[:, None] & r_ok[None, :]
+        pm = tl.load(part_ptr + offs_b[:, None] * M + offs_r[None, :], mask=ok, other=-float("inf"))
+        new_m = tl.maximum(new_m, tl.max(pm, axis=0))
+    alpha = tl.exp(old_m - new_m)
+    at_s = run_ptr + run_stat_stride + offs_r  # all six running statistics exist; the unwanted ones stay untouched
+    s = tl.load(at_s, mask=r_ok, other=0.0) * alpha
+    xs = tl.load(at_s + run_stat_stride, mask=r_ok, other=0.0) * alpha
+    sq = tl.load(at_s + 2 * run_stat_stride, mask=r_ok, other=0.0) * alpha * alpha
+    zs = tl.load(at_s + 3 * run_stat_stride, mask=r_ok, other=0.0)
+    mbt = tl.load(at_s + 4 * run_stat_stride, mask=r_ok, other=-float("inf"))
+    for b0 in range(0, n_blocks, BV):
+        offs_b = b0 + tl.arange(0, BV)
+        ok = (offs_b < n_blocks)[:, None] & r_ok[None, :]
+        at = part_ptr + offs_b[:, None] * M + offs_r[None, :]
+        w = tl.exp(tl.load(at, mask=ok, other=-float("inf")) - new_m[None, :])
+        w = tl.where(ok, w, 0.0)
+        s += tl.sum(tl.load(at + part_stat_stride, mask=ok, other=0.0) * w, axis=0)
+        if HAS_ENTROPY:
+            xs += tl.sum(tl.load(at + 2 * part_stat_stride, mask=ok, other=0.0) * w, axis=0)
+        if HAS_SQ:
+            sq += tl.sum(tl.load(at + 3 * part_stat_stride, mask=ok, other=0.0) * w * w, axis=0)
+        if HAS_MEAN:
+            zs += tl.sum(tl.load(at + 4 * part_stat_stride, mask=ok, other=0.0), axis=0)
+        if HAS_TOP1:
+            mbt = tl.maximum(mbt, tl.max(tl.load(at + 5 * part_stat_stride, mask=ok, other=-float("inf")), axis=0))
+    tl.store(run_ptr + offs_r, new_m, mask=r_ok)
+    tl.store(at_s, s, mask=r_ok)
+    if HAS_ENTROPY:
+        tl.store(at_s + run_stat_stride, xs, mask=r_ok)
+    if HAS_SQ:
+        tl.store(at_s + 2 * run_stat_stride, sq, mask=r_ok)
+    if HAS_MEAN:
+        tl.store(at_s + 3 * run_stat_stride, zs, mask=r_ok)
+    if HAS_TOP1:
+        tl.store(at_s + 4 * run_stat_stride, mbt, mask=r_ok)
+
+
+@triton.jit
 def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
                ACC: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                GROUP_M: tl.constexpr):
@@ -360,6 +457,11 @@ def _triton_mm_acc(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _dtype_key(compute: torch.dtype) -> str:
     return "32" if compute == torch.float32 else "16"
+
+
+def _forward_kind(sink) -> str:
+    """The CONFIGS family of a forward launch: the frozen head's (it also stores P~) or the statistics-only one."""
+    return "frozen" if sink is not None and sink.p_mode == 1 else "fwd"
 
 
 def _config(kind: str, compute: torch.dtype):
@@ -413,8 +515,13 @@ def _programs(kind: str, compute: torch.dtype, n_tiles: int, device: torch.devic
 
 def _dz_target(tile: torch.Tensor, bm: int, bn: int, tma_loads: bool):
     """(dz arg, use_tma): a tensor descriptor of the dZ tile when DZ_TMA is on and its layout allows it."""
-    ok = (DZ_TMA[_dtype_key(tile.dtype)] and tma_loads and tile.stride(1) == 1
-          and (tile.stride(0) * tile.element_size()) % 16 == 0 and tile.data_ptr() % 16 == 0)
+    return _store_target(tile, bm, bn, DZ_TMA[_dtype_key(tile.dtype)] and tma_loads)
+
+
+def _store_target(tile: torch.Tensor, bm: int, bn: int, wanted: bool):
+    """(arg, use_tma): a [bm, bn]-block tensor descriptor of `tile` when wanted and its layout allows bulk stores."""
+    ok = (wanted and tile.stride(1) == 1 and (tile.stride(0) * tile.element_size()) % 16 == 0
+          and tile.data_ptr() % 16 == 0)
     if not ok:
         return tile, False
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -445,9 +552,16 @@ class _FrozenSink:
         self.acc = torch.zeros((depth, m_rows, weight.shape[1]), device=ref.device, dtype=torch.float32)
         self.weight, self.compute, self.ref = weight, compute, ref
 
-    def views(self, t0, t1, v0, v1):
-        """(p, pz, ref rows, row stride, store pz) for the launch on rows t0:t1 and vocabulary v0:v1."""
-        return (self.buf[0], self.buf[-1], self.ref[t0:t1], self.buf.stride(1), self.buf.shape[0] == 2)
+    def views(self, t0, t1, v0, v1, bm, bn, tma_loads):
+        """(p, pz, ref rows, row stride, store pz, through descriptors) for the launch on rows t0:t1 and vocabulary
+        v0:v1: the buffer's planes, or descriptors of their [rows, chunk] views (P_TMA)."""
+        p, pz = self.buf[0], self.buf[-1]
+        if P_TMA[_dtype_key(self.compute)] and tma_loads:
+            (p, tma_p), (pz, tma_pz) = (_store_target(x[: t1 - t0, : v1 - v0], bm, bn, True) for x in (p, pz))
+            if tma_p and tma_pz:
+                return p, pz, self.ref[t0:t1], self.buf.stride(1), self.buf.shape[0] == 2, True
+            p, pz = self.buf[0], self.buf[-1]
+        return p, pz, self.ref[t0:t1], self.buf.stride(1), self.buf.shape[0] == 2, False
 
     def consume(self, t0, t1, v0, v1):
         w_c = self.weight[v0:v1].to(self.compute)
@@ -466,9 +580,9 @@ class _MaterializedSink:
     def __init__(self, full, ref):
         self.full, self.ref = full, ref
 
-    def views(self, t0, t1, v0, v1):
+    def views(self, t0, t1, v0, v1, bm, bn, tma_loads):
         view = self.full[t0:t1, v0:]
-        return view, view, self.ref[t0:t1], self.full.stride(0), False
+        return view, view, self.ref[t0:t1], self.full.stride(0), False, False
 
     def consume(self, t0, t1, v0, v1):
         pass
@@ -480,57 +594,44 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
     m_rows, k = h.shape
     vocab = weight.shape[0]
     dev = h.device
-    bm, bn, bk, group_m, warps, stages = _config("fwd", compute)
+    bm, bn, bk, group_m, warps, stages = _config(_forward_kind(sink), compute)
     t_tile = (sink.t_tile if sink is not None else None) or m_rows
     v_tile = (sink.v_tile if sink is not None else None) or bn * max(
         1, min(triton.cdiv(vocab, bn), PART_BUDGET_BYTES // (t_tile * 4 * 6)))
     part = torch.empty((6, triton.cdiv(min(v_tile, vocab), bn) * t_tile), device=dev, dtype=torch.float32)
-    run_m = torch.full((m_rows,), float("-inf"), device=dev)
-    run_s = torch.zeros(m_rows, device=dev)
-    run_xs = torch.zeros(m_rows, device=dev) if want["entropy"] else None
-    run_sq = torch.zeros(m_rows, device=dev) if want["log_sum_sq_probs"] else None
-    run_zs = torch.zeros(m_rows, device=dev) if want["mean_logits"] else None
-    run_mbt = torch.full((m_rows,), float("-inf"), device=dev) if want["is_top1"] else None
+    run = torch.zeros((6, m_rows), device=dev)  # max, Σexp, Σexp·z, Σexp², Σz, max before the target
+    run[0].fill_(float("-inf"))
+    run[5].fill_(float("-inf"))
     target_logit = torch.zeros(m_rows, device=dev)
+    flags = dict(HAS_ENTROPY=want["entropy"], HAS_SQ=want["log_sum_sq_probs"], HAS_MEAN=want["mean_logits"],
+                 HAS_TOP1=want["is_top1"])
     for t0 in range(0, m_rows, t_tile):
         t1 = min(m_rows, t0 + t_tile)
         rows = t1 - t0
         h_arg, w_arg, tma = _operands(h[t0:t1], weight, compute, bm, bn, bk)
+        run_t = run[:, t0:t1]
         for v0 in range(0, vocab, v_tile):
             v1 = min(vocab, v0 + v_tile)
             nvb = triton.cdiv(v1 - v0, bn)
             n_progs, persistent = _programs("fwd", compute, triton.cdiv(rows, bm) * nvb, dev)
-            p, pz, ref, stride_p, store_pz = sink.views(t0, t1, v0, v1) if sink is not None else (
-                part, part, part, 0, False)
+            p, pz, ref, stride_p, store_pz, p_tma = sink.views(t0, t1, v0, v1, bm, bn, tma) if sink else (
+                part, part, part, 0, False, False)
             _fwd_kernel[(n_progs,)](
                 h_arg, w_arg, bias if bias is not None else h, y[t0:t1], part, target_logit[t0:t1], p, pz, ref,
                 rows, v0, v1, k, h.stride(0), weight.stride(0), part.stride(0), stride_p,
                 float(logit_scale), float(softcap or 1.0), float(inv_t),
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY=want["entropy"],
-                HAS_SQ=want["log_sum_sq_probs"], HAS_MEAN=want["mean_logits"], HAS_TOP1=want["is_top1"],
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, **flags,
                 COMPUTE=_TL_DTYPE[compute], PRECISION=_precision(compute), EVEN_K=k % bk == 0, USE_TMA=tma,
                 BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
-                P_MODE=sink.p_mode if sink is not None else 0, STORE_PZ=store_pz,
+                P_MODE=sink.p_mode if sink is not None else 0, STORE_PZ=store_pz, P_TMA=p_tma,
                 num_warps=warps, num_stages=stages)
-            pv = part[:, : nvb * rows].view(6, nvb, rows)
-            sl = slice(t0, t1)
-            old_m = run_m[sl]
-            new_m = torch.maximum(old_m, pv[0].amax(0))
-            alpha = torch.exp(old_m - new_m)
-            w = torch.exp(pv[0] - new_m)
-            run_s[sl] = run_s[sl] * alpha + (pv[1] * w).sum(0)
-            if run_xs is not None:
-                run_xs[sl] = run_xs[sl] * alpha + (pv[2] * w).sum(0)
-            if run_sq is not None:
-                run_sq[sl] = run_sq[sl] * alpha * alpha + (pv[3] * w * w).sum(0)
-            if run_zs is not None:
-                run_zs[sl] += pv[4].sum(0)
-            if run_mbt is not None:
-                run_mbt[sl] = torch.maximum(run_mbt[sl], pv[5].amax(0))
-            run_m[sl] = new_m
+            _merge_kernel[(triton.cdiv(rows, MERGE_ROWS),)](
+                part, run_t, part.stride(0), run_t.stride(0), rows, nvb, **flags, BR=MERGE_ROWS, BV=MERGE_BLOCKS,
+                num_warps=4)
             if sink is not None:
                 sink.consume(t0, t1, v0, v1)
-    return run_m, run_s, run_xs, run_sq, run_zs, run_mbt, target_logit
+    return (run[0], run[1], run[2] if want["entropy"] else None, run[3] if want["log_sum_sq_probs"] else None,
+            run[4] if want["mean_logits"] else None, run[5] if want["is_top1"] else None, target_logit)
 
 
 _NO_EXTRAS = dict.fromkeys(OPTIONAL_OUTPUTS, False)
@@ -556,7 +657,7 @@ def _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale):
 
 def _frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, with_plogp):
     """Statistics + A (+ B) of the frozen head, relative to log Z (see `base.frozen_input_grad`)."""
-    bn = _config("fwd", compute)[1]
+    bn = _config("frozen", compute)[1]
     ref = _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale)
     sink = _FrozenSink(h.shape[0], weight, compute, ref, with_plogp, bn)
     stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink)
@@ -615,12 +716,15 @@ def materialize_fits(n_rows: int, vocab: int, compute: torch.dtype, device: torc
     return need + 2**31 <= free
 
 
-def _choose_path(mode: str, compute: torch.dtype, softcap, n_valid: int, vocab: int, device) -> str:
-    """`stats` (no gradient), `frozen` (two GEMMs), `materialized` (three, memory allowed) or `recompute` (four)."""
+def _choose_path(mode: str, compute: torch.dtype, softcap, n_valid: int, vocab: int, device, hidden: int) -> str:
+    """`stats` (no gradient), `frozen` (two GEMMs), `materialized` (three, memory allowed) or `recompute` (four; three
+    for a frozen head, which needs no weight gradient)."""
     if mode == "inference" or n_valid == 0:
         return "stats"
     if mode == "frozen":
-        return "frozen" if FROZEN_TWO_GEMM and compute != torch.float16 else "recompute"
+        key = _dtype_key(compute)
+        small = n_valid < FROZEN_RECOMPUTE_ROWS[key] and n_valid * hidden < FROZEN_RECOMPUTE_BELOW[key]
+        return "frozen" if FROZEN_TWO_GEMM and compute != torch.float16 and not small else "recompute"
     if softcap is None and compute != torch.float16 and materialize_fits(n_valid, vocab, compute, device):
         return "materialized"
     return "recompute"
@@ -649,8 +753,8 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
         h = h.contiguous()
         y = y.contiguous()
         dev = hidden.device
-        path = _choose_path(mode, compute, softcap, n_valid, vocab, dev)
-        ctx.path, ctx.extra = path, None
+        path = _choose_path(mode, compute, softcap, n_valid, vocab, dev, hidden.shape[1])
+        ctx.path, ctx.extra, ctx.mode = path, None, mode
         if n_valid > 0:
             if path == "frozen":
                 with_plogp = want["entropy"] and entropy_grad_expected()
@@ -719,8 +823,9 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
             grads = _materialized_backward(ctx.extra, hidden, weight, bias, y, g, ge, entropy, logit_scale * inv_t,
                                            compute, rows, need_h, need_w, need_b)
         if grads is None:
+            tile = (FROZEN_TILE if ctx.mode == "frozen" else BWD_TILE)[_dtype_key(compute)]
             grads = _recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, softcap, logit_scale,
-                                        inv_t, compute, n_valid, need_h, need_w, need_b)
+                                        inv_t, compute, n_valid, need_h, need_w, need_b, tile)
         ctx.extra = None
         grad_h, grad_w, grad_b = grads
         return (grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype),
@@ -742,10 +847,14 @@ def _frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy, tlogit, s
     if softcap is not None:
         t_y = tlogit / (softcap * inv_t)
         c_target = 1 - t_y * t_y
-    out = torch.empty((logprobs.shape[0], hidden.shape[1]), device=hidden.device, dtype=hidden.dtype)
-    frozen_input_grad(acc[0], acc[1] if acc.shape[0] == 2 else None,
-                      lambda r0, r1: weight.index_select(0, y[r0:r1]).to(compute), g, ge, logprobs, entropy,
-                      c_target, inv_t * logit_scale, out)
+    n, k = logprobs.shape[0], hidden.shape[1]
+    out = torch.empty((n, k), device=hidden.device, dtype=hidden.dtype)
+    coef_y, coef_a, coef_b = frozen_coefficients(g, ge, logprobs, entropy, c_target, inv_t * logit_scale)
+    br, bh = 32, 128
+    _frozen_dx_kernel[(triton.cdiv(n, br), triton.cdiv(k, bh))](
+        acc, weight, y, coef_y.contiguous(), coef_a.contiguous(), coef_b.contiguous(), out, n, k, acc.stride(0),
+        weight.stride(0), out.stride(0), HAS_B=acc.shape[0] == 2, COMPUTE=_TL_DTYPE[compute], BR=br, BH=bh,
+        num_warps=4)
     return _scatter_rows(out, hidden, rows)
 
 
@@ -775,9 +884,10 @@ def _materialized_backward(extra, hidden, weight, bias, y, g, ge, entropy, scale
 
 
 def _recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, softcap, logit_scale, inv_t, compute,
-                        n_valid, need_h, need_w, need_b):
+                        n_valid, need_h, need_w, need_b, dz_tile):
     """The memory-lean backward: recompute each [token tile, vocabulary chunk] of logits in the fused kernel, write
-    dZ once, then cuBLAS for dX and dW (vocabulary-outer, so each chunk's weight gradient is finished at once)."""
+    dZ once into a `dz_tile` (tokens, vocabulary) buffer, then cuBLAS for dX and dW (vocabulary-outer, so each
+    chunk's weight gradient is finished at once)."""
     dev = hidden.device
     vocab, k = weight.shape
     grad_w = torch.zeros_like(weight) if need_w else None
@@ -788,7 +898,7 @@ def _recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, so
         h = h.contiguous()
         h_c = h.to(compute)
         bm, bn, bk, group_m, warps, stages = _config("bwd", compute)
-        tokens, vocab_tile = BWD_TILE[_dtype_key(compute)]
+        tokens, vocab_tile = dz_tile
         t_tile = min(n_valid, tokens)
         v_tile = _widened_vocab_tile(vocab, tokens, vocab_tile, t_tile, bn)
         dz = torch.empty((t_tile, v_tile), device=dev, dtype=compute)

@@ -99,6 +99,20 @@ def note_entropy_grad(seen: bool) -> None:
     _ENTROPY_GRAD_SEEN[0] = bool(seen)
 
 
+def frozen_coefficients(g, h, logprobs, entropy, c_target, scale):
+    """Per-row (coef_y, coef_a, coef_b) of the frozen head's input gradient coef_y·W_y + coef_a·A + coef_b·B (see
+    `frozen_input_grad`): 1 − p_y as −expm1(log p_y), exact when p_y → 1. g / h: fp32 [N] or None."""
+    zero = torch.zeros_like(logprobs)
+    g = zero if g is None else g
+    h = zero if h is None else h
+    coef_y = -torch.expm1(logprobs) * g
+    coef_a = -g
+    if entropy is not None:
+        coef_y = coef_y - h * torch.exp(logprobs) * (logprobs + entropy)
+        coef_a = coef_a - h * entropy
+    return coef_y * c_target * scale, coef_a * scale, -h * scale
+
+
 def frozen_input_grad(acc_p, acc_plogp, weight_rows, g, h, logprobs, entropy, c_target, scale, out):
     """dX of a frozen head from the vectors its forward accumulated, elementwise (no GEMM).
 
@@ -113,18 +127,7 @@ def frozen_input_grad(acc_p, acc_plogp, weight_rows, g, h, logprobs, entropy, c_
     chunks of 2^22 elements (16 MiB fp32) so that the temporaries stay small next to A, B and `out`.
     """
     n = acc_p.shape[0]
-    zero = torch.zeros_like(logprobs)
-    g = zero if g is None else g
-    h = zero if h is None else h
-    p_y = torch.exp(logprobs)
-    coef_y = -torch.expm1(logprobs) * g
-    coef_a = -g
-    if entropy is not None:
-        coef_y = coef_y - h * p_y * (logprobs + entropy)
-        coef_a = coef_a - h * entropy
-    coef_y = coef_y * c_target * scale
-    coef_a = coef_a * scale
-    coef_b = -h * scale
+    coef_y, coef_a, coef_b = frozen_coefficients(g, h, logprobs, entropy, c_target, scale)
     step = max(1, 2**22 // max(acc_p.shape[1], 1))
     for r0 in range(0, n, step):
         r1 = min(r0 + step, n)

@@ -27,9 +27,13 @@ CHUNKED_TOKEN_TILE = 1024
 # trainable dZ tile (tokens × vocab)
 KERNEL_PART_BYTES = 32 * MiB
 KERNEL_FWD_BN = {2: 256, 4: 128}
+KERNEL_FROZEN_BN = {2: 128, 4: 128}
 KERNEL_FROZEN_TILE = (8192, 8192)
+# under this many rows and rows × hidden a frozen 16-bit head recomputes (dX only) in dZ tiles of the frozen tile's
+# budget
+KERNEL_FROZEN_RECOMPUTE_ROWS = {2: 4096}
+KERNEL_FROZEN_RECOMPUTE_BELOW = {2: 9 * 2**19}
 KERNEL_DZ_TILE = {2: (16384, 8192), 4: (8192, 8192)}
-KERNEL_FROZEN_CHUNK_BYTES = 16 * MiB  # `frozen_input_grad` writes dX in 2^22-element fp32 chunks
 # Liger 0.8.5: one sequence per chunk; its selective log-prob streams [≤ 2048 rows, 4096 vocab] fp32 tiles
 LIGER_SEQ_CHUNK = 2048
 LIGER_VOCAB_CHUNK = 4096
@@ -71,6 +75,11 @@ def head_rows(batch: int, prompt_len: int, completion_len: int, device: str) -> 
     return batch * completion_len if device == "cuda" else batch * (prompt_len + completion_len - 1)
 
 
+def _frozen_recomputes(rows: int, hidden: int, b: int) -> bool:
+    """Whether the kernel's frozen head takes its small-N recompute path (`FROZEN_RECOMPUTE_BELOW`)."""
+    return rows < KERNEL_FROZEN_RECOMPUTE_ROWS.get(b, 0) and rows * hidden < KERNEL_FROZEN_RECOMPUTE_BELOW.get(b, 0)
+
+
 def _widened(rows: int, tokens: int, vocab_tile: int, vocab: int) -> int:
     """The kernel's vocabulary tile: the same element budget spread over fewer rows (`_widened_vocab_tile`)."""
     width = max(vocab_tile, tokens * vocab_tile // max(rows, 1))
@@ -101,12 +110,12 @@ def head_forward(backend: str, shape: ModelShape, rows: int, b: int, device: str
         # `_forward_stats`: partial statistics [6, vocab blocks, token tile] fp32, within the 32 MiB budget (frozen:
         # over the P~ tile's vocabulary chunk)
         bn = KERNEL_FWD_BN[b]
-        if trainable:
+        if trainable or _frozen_recomputes(rows, h, b):
             blocks = min(math.ceil(v / bn), max(1, KERNEL_PART_BYTES // (rows * 6 * FP32)))
             return {"grpo_lab.partial_stats": 6 * FP32 * blocks * rows, "grpo_lab.row_stats": 8 * FP32 * rows}
         t_tile = min(rows, KERNEL_FROZEN_TILE[0])
         v_tile = _widened(t_tile, *KERNEL_FROZEN_TILE, v)
-        return {"grpo_lab.partial_stats": 6 * FP32 * math.ceil(v_tile / bn) * t_tile,
+        return {"grpo_lab.partial_stats": 6 * FP32 * math.ceil(v_tile / KERNEL_FROZEN_BN[b]) * t_tile,
                 "grpo_lab.row_stats": 8 * FP32 * rows, "grpo_lab.frozen_P_tile": t_tile * v_tile * b,
                 "grpo_lab.frozen_A": FP32 * h * rows}
     if backend == "liger":
@@ -155,17 +164,19 @@ def head_backward(backend: str, shape: ModelShape, rows: int, b: int, device: st
             tiles, n, vt = _chunked_tiles(rows, v, CHUNKED_BWD_TILES)
             return {"grpo_lab.grad_hidden_fp32": FP32 * h * rows, "grpo_lab.grad_weight_fp32": FP32 * v * h,
                     "grpo_lab.cpu_tiles": FP32 * max(tiles * n * vt, (tiles - 1) * n * vt + vt * h)}
-        if not trainable:
+        if not trainable and not _frozen_recomputes(rows, h, b):
+            # `_frozen_dx_kernel` writes dX in one pass; the per-row coefficients are its only temporaries
             return {"grpo_lab.frozen_A": FP32 * h * rows, "grpo_lab.grad_hidden": b * h * rows,
-                    "grpo_lab.frozen_chunks": KERNEL_FROZEN_CHUNK_BYTES}
-        tokens, vocab_tile = KERNEL_DZ_TILE[b]
+                    "grpo_lab.frozen_coefficients": 6 * FP32 * rows}
+        tokens, vocab_tile = KERNEL_DZ_TILE[b] if trainable else KERNEL_FROZEN_TILE
         t_tile = min(rows, tokens)
         v_tile = _widened(t_tile, tokens, vocab_tile, v)
-        out = {"grpo_lab.grad_weight": b * v * h, "grpo_lab.grad_hidden_fp32": FP32 * h * rows,
-               "grpo_lab.dz_tile": t_tile * v_tile * b}
+        out = {"grpo_lab.grad_hidden_fp32": FP32 * h * rows, "grpo_lab.dz_tile": t_tile * v_tile * b}
+        if trainable:
+            out["grpo_lab.grad_weight"] = b * v * h
         if b < FP32:
             out["grpo_lab.grad_hidden_cast"] = b * h * rows
-        if b < FP32 and rows > t_tile:
+        if trainable and b < FP32 and rows > t_tile:
             out["grpo_lab.dw_chunk_fp32"] = FP32 * v_tile * h
         return out
     if backend == "liger":

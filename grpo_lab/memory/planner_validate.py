@@ -31,6 +31,8 @@ COLUMNS = ["source", "model", "backend", "dtype", "mode", "batch_size", "prompt_
 # grpo_lab kernel changes after a measurement (kernels/fused_linear_logprob.py history, docs/kernel.md)
 OLD_KERNEL_NB01 = "grpo_lab kernel of 2026-12-02 (before the run-4 tiles); the planner models today's"
 OLD_KERNEL_FROZEN = "frozen head measured before its backward temporaries were bounded (5700679)"
+# benchmarks/loss_bench.py's grid runs, oldest first; where several measured a point, the latest (by date) counts
+LOSS_GRID_RUNS = ("loss_grid.csv", "loss_grid_run6.csv", "loss_grid_run7.csv")
 
 
 def _config(row, **kw) -> PlannerConfig:
@@ -104,7 +106,8 @@ def loss_kernel_rows(df: pd.DataFrame) -> list[dict]:
         cfg = PlannerConfig(model=f"head H={int(r['H'])}", model_config=head, backend=r["backend"], dtype=r["dtype"],
                             batch_size=int(r["B"]), prompt_len=1, completion_len=int(r["T"]))
         p = plan_loss_only(cfg, trainable=r["head"] == "trainable", entropy_grad=False, with_inputs=False)
-        note = OLD_KERNEL_FROZEN if (r["backend"] == "grpo_lab" and r["head"] == "frozen") else ""
+        old = "P~ descriptor store" not in str(r.get("setting", ""))  # the setting column names it since run 7
+        note = OLD_KERNEL_FROZEN if (r["backend"] == "grpo_lab" and r["head"] == "frozen" and old) else ""
         row = _row("H200 loss kernel (head alone)", cfg, f"loss, {r['head']} head", r["loss_peak_gib"], p.peak_gib,
                    p.peak_phase, note=note, src=r)
         row["lora_r"] = 0 if r["head"] == "trainable" else None
@@ -191,10 +194,10 @@ def validation_table(extra_csvs: dict[str, Path] | None = None) -> pd.DataFrame:
     nb02 = load_reference("fsdp_max_batch", "fsdp_max_batch_probes.csv")
     if nb02 is not None:
         rows += notebook02_rows(nb02)
-    grid = [load_reference("loss_kernel", name) for name in ("loss_grid.csv", "loss_grid_run6.csv")]
+    grid = [load_reference("loss_kernel", name) for name in LOSS_GRID_RUNS]
     grid = [g for g in grid if g is not None]
     if grid:
-        rows += loss_kernel_rows(pd.concat(grid, ignore_index=True))
+        rows += loss_kernel_rows(pd.concat(grid, ignore_index=True).sort_values("date", kind="stable"))
     for name, source, calibration in (("planner_cpu_fsdp.csv", "CPU gloo FSDP2 (RSS)", "CPU_RSS_OVERHEAD_BYTES"),
                                       ("planner_heldout_h200.csv", "H200 held-out", "")):
         df = _planner_csv(name, extra_csvs)

@@ -42,21 +42,23 @@ def main(variant: dict) -> dict:
     from grpo_lab.backends.base import expect_entropy_grad
 
     small = (32, 64, 32, 2, 4, 2)
-    F.CONFIGS.update({"fwd_32": small, "bwd_32": small})
+    F.CONFIGS.update({"fwd_32": small, "bwd_32": small, "frozen_32": small})
     # The 16-bit settings differ from the fp32 ones, so a lookup under the wrong dtype key shows in the counts.
     F.BWD_TILE = {"16": (4096, 4096), "32": (48, 256)}
     F.FROZEN_TILE = {"16": (4096, 4096), "32": (48, 256)}
     F.USE_TMA = variant["tma"]
     F.DZ_TMA = {"16": not variant["dz_tma"], "32": variant["dz_tma"]}
+    F.P_TMA = {"16": not variant.get("p_tma", False), "32": variant.get("p_tma", False)}
     F.PERSISTENT = {key: variant["persistent"] == key.endswith("_32") for key in F.PERSISTENT}
     F.PERSISTENT_PROGRAMS = None
     path = variant.get("path", "recompute")
     F.MATERIALIZE_GIB = 1.0 if path == "materialized" else 0.0
     F.REF_HEADROOM = variant.get("headroom", F.REF_HEADROOM)
-    programs, loads, stores, paths = [], [], [], []
+    programs, loads, stores, bulk, paths = [], [], [], [], []
     spy("_programs", programs)
     spy("_operands", loads)
     spy("_dz_target", stores)
+    spy("_store_target", bulk)
     choose = F._choose_path
     F._choose_path = lambda *a: paths.append(choose(*a)) or paths[-1]
     gen = torch.Generator().manual_seed(0)
@@ -98,6 +100,7 @@ def main(variant: dict) -> dict:
         "tma_launches": sum(loads),
         "dz_descriptor_launches": sum(stores),
         "backward_launches": len(stores),
+        "p_descriptor_stores": sum(bulk) - sum(stores),  # P~ (and P~·(z − ref)) views stored through descriptors
     }
 
 

@@ -237,6 +237,8 @@ def paths(monkeypatch):
     taken = []
     real = F._choose_path
     monkeypatch.setattr(F, "_choose_path", lambda *a: taken.append(real(*a)) or taken[-1])
+    # these tests' heads are small: without this a frozen 16-bit head would take the small-N recompute path
+    monkeypatch.setattr(F, "FROZEN_RECOMPUTE_BELOW", dict.fromkeys(F.FROZEN_RECOMPUTE_BELOW, 0))
     return taken
 
 
@@ -283,13 +285,15 @@ def test_frozen_rows_recomputed_against_their_max(monkeypatch, paths, dtype):
     assert paths == ["frozen"]
 
 
-@pytest.mark.parametrize("tma,persistent", [(True, True), (False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("tma,persistent,p_tma", [(True, True, True), (True, True, False), (False, False, False),
+                                                  (True, False, True), (False, True, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_frozen_kernel_variants(monkeypatch, paths, tma, persistent, dtype):
+def test_frozen_kernel_variants(monkeypatch, paths, tma, persistent, p_tma, dtype):
     import grpo_lab.kernels.fused_linear_logprob as F
     from grpo_lab.backends.base import expect_entropy_grad
 
     monkeypatch.setattr(F, "USE_TMA", tma)
+    monkeypatch.setattr(F, "P_TMA", {key: p_tma for key in F.P_TMA})
     monkeypatch.setattr(F, "PERSISTENT", {key: persistent for key in F.PERSISTENT})
     monkeypatch.setattr(F, "PERSISTENT_PROGRAMS", 7)
     monkeypatch.setattr(F, "FROZEN_TILE", {"16": (1024, 2048), "32": (1024, 2048)})
@@ -297,6 +301,30 @@ def test_frozen_kernel_variants(monkeypatch, paths, tma, persistent, dtype):
     with expect_entropy_grad():
         check(*run_both(*data, frozen=True), dtype)
     assert paths == ["frozen"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_frozen_heads_take_the_recompute_path_with_the_frozen_tile(monkeypatch, paths, dtype):
+    """Under FROZEN_RECOMPUTE_BELOW rows × hidden (and FROZEN_RECOMPUTE_ROWS rows) a frozen head recomputes (dX
+    only, exact) in dZ tiles of the frozen P~ tile's budget; at or above it, the two-GEMM path."""
+    import grpo_lab.kernels.fused_linear_logprob as F
+    from grpo_lab.backends.base import expect_entropy_grad
+
+    n, h, v = 2500, 200, 5003
+    key = "32" if dtype == torch.float32 else "16"
+    monkeypatch.setattr(F, "FROZEN_TILE", {"16": (1024, 2048), "32": (1024, 2048)})
+    monkeypatch.setattr(F, "FROZEN_RECOMPUTE_ROWS", {"16": 10**9, "32": 10**9})
+    tiles = []
+    real = F._recompute_backward
+    monkeypatch.setattr(F, "_recompute_backward", lambda *a: tiles.append(a[-1]) or real(*a))
+    data = make(n, h, v, dtype, masked=100, seed=5)
+    valid_rows = int((data[3] >= 0).sum())
+    for below in (valid_rows * h + 1, valid_rows * h):
+        monkeypatch.setattr(F, "FROZEN_RECOMPUTE_BELOW", {**F.FROZEN_RECOMPUTE_BELOW, key: below})
+        with expect_entropy_grad():
+            check(*run_both(*data, frozen=True), dtype)
+    assert paths == ["recompute", "frozen"]
+    assert tiles == [(1024, 2048)]
 
 
 def test_frozen_all_masked_and_the_choice_of_path(paths):

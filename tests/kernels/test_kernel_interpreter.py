@@ -44,6 +44,8 @@ def test_kernels_match_float64_in_the_interpreter(tma, persistent, dz_tma):
 PATH_CASES = [
     # frozen head, entropy gradient expected: forward only (6 launches), the backward is elementwise
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True}, 6),
+    # the same with P~ and P~·(z − ref) stored through tensor descriptors
+    ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "p_tma": True}, 6),
     # frozen head, an entropy gradient the forward did not prepare for (the backward recomputes: 6 more), and every
     # row recomputed against its exact max (6 more)
     ({"tma": False, "persistent": False, "dz_tma": False, "path": "frozen", "headroom": 0.5}, 18),
@@ -52,7 +54,7 @@ PATH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant,launches", PATH_CASES, ids=["frozen", "frozen-fallback-rescue",
+@pytest.mark.parametrize("variant,launches", PATH_CASES, ids=["frozen", "frozen-p-descriptors", "frozen-fallback-rescue",
                                                                "materialized-rescue"])
 def test_frozen_and_materialized_paths_match_float64_in_the_interpreter(variant, launches):
     proc = subprocess.run([sys.executable, CASE, json.dumps(variant)], capture_output=True, text=True, timeout=300)
@@ -67,6 +69,7 @@ def test_frozen_and_materialized_paths_match_float64_in_the_interpreter(variant,
     else:
         assert err["grad_weight"] < 2e-6 and err["grad_bias"] < 2e-6, err
     assert err["launches"] == launches, err
+    assert err["p_descriptor_stores"] == (2 * launches if variant.get("p_tma") else 0), err
 
 
 def _settings_under(env: dict) -> subprocess.CompletedProcess:
@@ -103,3 +106,23 @@ def test_persistent_launch_needs_a_triton_with_flattened_ranges(monkeypatch):
     assert F._programs("bwd", torch.float32, 3, torch.device("cpu")) == (3, True)
     monkeypatch.setattr(F, "_FLATTEN_OK", False)
     assert F._programs("fwd", torch.bfloat16, 100, torch.device("cpu")) == (100, False)
+
+
+@pytest.mark.parametrize("rows,hidden,dtype,path", [
+    (2048, 1024, "bf16", "recompute"), (2048, 2048, "bf16", "recompute"), (3072, 1024, "bf16", "recompute"),
+    (3072, 1536, "bf16", "frozen"),  # rows × hidden at the bound
+    (4096, 1024, "bf16", "frozen"),  # rows at the bound
+    (2048, 4096, "bf16", "frozen"), (32768, 1024, "bf16", "frozen"),
+    (2048, 1024, "fp32", "frozen"), (100, 64, "fp32", "frozen"),
+    (2048, 1024, "fp16", "recompute"),  # e^60 does not fit in fp16: always the recompute path
+])
+def test_a_frozen_head_takes_the_path_measured_fastest_for_its_shape(rows, hidden, dtype, path):
+    """Small 16-bit frozen heads are host-bound, so they recompute (fewer launches); larger ones and fp32 take the
+    two-GEMM path (the thresholds come from the H200 sweeps quoted in the kernel module)."""
+    import torch
+
+    import grpo_lab.kernels.fused_linear_logprob as F
+
+    compute = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
+    assert F._choose_path("frozen", compute, None, rows, 151936, torch.device("cpu"), hidden) == path
+    assert F._choose_path("inference", compute, None, rows, 151936, torch.device("cpu"), hidden) == "stats"

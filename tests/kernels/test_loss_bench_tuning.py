@@ -18,7 +18,7 @@ def bench(monkeypatch):
     spec = importlib.util.spec_from_file_location("loss_bench", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "FROZEN_TILE", "DZ_TMA"):
+    for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "FROZEN_TILE", "DZ_TMA", "P_TMA"):
         monkeypatch.setattr(F, name, dict(getattr(F, name)))
     return module
 
@@ -32,6 +32,15 @@ def test_a_bf16_experiment_leaves_the_fp32_settings_alone(bench):
     assert F.PERSISTENT == {**before["PERSISTENT"], "fwd_16": False, "bwd_16": False}
     assert F.CONFIGS["fwd_16"] == F.CONFIGS["bwd_16"] == (64, 64, 32, 8, 4, 2)
     assert F.CONFIGS["fwd_32"] != (64, 64, 32, 8, 4, 2)
+
+
+def test_frozen_head_knobs_set_only_the_frozen_forward_of_their_dtype(bench):
+    before = {"fwd_16": F.CONFIGS["fwd_16"], "frozen_32": F.CONFIGS["frozen_32"], "p_tma": dict(F.P_TMA)}
+    bench.apply_experiment(F, {"frozen_cfg": (128, 128, 64, 8, 4, 4), "p_tma": True}, "bf16")
+    assert F.CONFIGS["frozen_16"] == (128, 128, 64, 8, 4, 4)
+    assert F.CONFIGS["fwd_16"] == before["fwd_16"] and F.CONFIGS["frozen_32"] == before["frozen_32"]
+    assert F.P_TMA == {**before["p_tma"], "16": True}
+    assert "P~ descriptor store 16" in bench.kernel_setting(F)
 
 
 def test_unknown_and_cross_dtype_knobs_are_refused(bench):

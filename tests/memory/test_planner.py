@@ -174,3 +174,19 @@ def test_max_batch_against_the_committed_searches():
     assert len(rows) == 16
     assert rows[rows["backend"] == "naive"]["within_one_step"].all()
     assert rows["error_pct"].abs().max() < 8
+
+
+def test_the_kernel_terms_follow_the_kernel_settings():
+    """The planner reads the Triton kernel's buffers from constants of its own (it must import on machines without
+    Triton); they must be the kernel module's defaults, or the GPU predictions drift silently."""
+    pytest.importorskip("triton", reason="Triton is a dependency on Linux only")
+    import grpo_lab.kernels.fused_linear_logprob as F
+    import grpo_lab.memory.planner_head as P
+
+    assert P.KERNEL_PART_BYTES == F.PART_BUDGET_BYTES
+    assert P.KERNEL_FROZEN_TILE == F.FROZEN_TILE["16"] == F.FROZEN_TILE["32"]
+    assert P.KERNEL_DZ_TILE == {2: F.BWD_TILE["16"], 4: F.BWD_TILE["32"]}
+    assert P.KERNEL_FWD_BN == {2: F.CONFIGS["fwd_16"][1], 4: F.CONFIGS["fwd_32"][1]}
+    assert P.KERNEL_FROZEN_BN == {2: F.CONFIGS["frozen_16"][1], 4: F.CONFIGS["frozen_32"][1]}
+    assert P.KERNEL_FROZEN_RECOMPUTE_BELOW == {2: F.FROZEN_RECOMPUTE_BELOW["16"]} and F.FROZEN_RECOMPUTE_BELOW["32"] == 0
+    assert P.KERNEL_FROZEN_RECOMPUTE_ROWS == {2: F.FROZEN_RECOMPUTE_ROWS["16"]} and F.FROZEN_RECOMPUTE_ROWS["32"] == 0
