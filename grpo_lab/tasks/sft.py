@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from grpo_lab.hf_compat import cache_keyword
 from grpo_lab.tasks.rewards import grade, last_boxed
 from grpo_lab.tasks.tiny import completion_for
 
@@ -26,6 +27,7 @@ def sample(model, tokenizer, problems: list[str], k: int = 1, temperature: float
     gen = torch.Generator(device=device).manual_seed(seed)
     eos = tokenizer.eos_token_id
     ids = torch.tensor(tokenizer(problems)["input_ids"], device=device).repeat_interleave(k, dim=0)
+    keyword = cache_keyword(model)
     out: list[str] = []
     for start in range(0, ids.shape[0], batch_size):
         seq = ids[start:start + batch_size]
@@ -34,8 +36,7 @@ def sample(model, tokenizer, problems: list[str], k: int = 1, temperature: float
         step_in, cache_kw = seq, {}
         for _ in range(max_new_tokens):
             res = model(input_ids=step_in, use_cache=True, **cache_kw)
-            # transformers >= 5.2x returns/accepts `cache`; older versions `past_key_values`
-            cache_kw = {"cache": res["cache"]} if "cache" in res else {"past_key_values": res.past_key_values}
+            cache_kw = {keyword: res[keyword]}  # the output names the cache as the forward takes it
             logits = res.logits[:, -1, :].float()
             if temperature > 0:
                 nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen).squeeze(1)
