@@ -133,6 +133,24 @@ def _wait(predicate, proc, timeout: float, what: str):
         time.sleep(0.5)
 
 
+def _published_past_checkpoint(out: Path) -> bool:
+    """Whether the run has published an adapter newer than its last checkpoint's policy version (what a kill must
+    leave behind for the resume to prove it skips it); False while either is still being written."""
+    try:
+        checkpoint = get_last_checkpoint(str(out))
+        if checkpoint is None:
+            return False
+        saved = json.loads(Path(checkpoint, "rollout_state.json").read_text())["model_version"]
+        return max(version_of(n, "trl-policy") for n in AdapterStore(out / ".vllm_lora").history()) > saved
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _default_sigint():
+    """A terminal's foreground command gets Ctrl-C; a child of a background shell inherits SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_kill_9_then_resume_reuses_no_name_and_serves_nothing_stale(cluster, tmp_path, no_leftover_children):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "grpo_lab.async_loop.launch", "--router-url", cluster.url, "--output-dir", str(out),
@@ -141,8 +159,8 @@ def test_kill_9_then_resume_reuses_no_name_and_serves_nothing_stale(cluster, tmp
     first = subprocess.Popen(cmd + ["--max-steps", "100"], stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
     try:
-        _wait(lambda: (out / "checkpoint-3").is_dir() and _logged_steps(out) >= 5, first, 400,
-              "checkpoint-3 and 5 logged steps")
+        _wait(lambda: (out / "checkpoint-3").is_dir() and _logged_steps(out) >= 5 and _published_past_checkpoint(out),
+              first, 400, "checkpoint-3, 5 logged steps and an adapter newer than the last checkpoint")
         children = descendants(first.pid)
         assert children, "the trainer should have a rollout worker child"
         os.kill(first.pid, signal.SIGKILL)
@@ -192,7 +210,7 @@ def test_ctrl_c_on_the_command_stops_every_process_it_started(tmp_path, no_lefto
     log = open(tmp_path / "cli.log", "w")
     cli = subprocess.Popen([sys.executable, "-m", "grpo_lab.cli", "async-loop", "--output-dir", str(out),
                             "--max-steps", "200", "--save-steps", "1000"], stdout=log, stderr=subprocess.STDOUT,
-                           start_new_session=True)
+                           start_new_session=True, preexec_fn=_default_sigint)
     try:
         _wait(lambda: _logged_steps(out) >= 2, cli, 400, "2 logged steps")
         children = descendants(cli.pid)
