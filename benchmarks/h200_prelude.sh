@@ -1,6 +1,6 @@
 # Sourced at the start of an H200 command: installs the carried wheels (.whl/: trl, datasets and its pure-Python
 # needs, liger-kernel, math-verify, and a wheel of this repo built with `pip wheel --no-deps .`) into /root/site and
-# runs from /root/run, so the installed package (with grpo_lab.kernels mapped from kernels/) is what imports.
+# runs from /root/run, so the installed package (grpo_lab.kernels included) is what imports.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 REPO="$(pwd)"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site .whl/*.whl

@@ -28,7 +28,7 @@ PROVENANCE = ["machine", "torch", "trl", "transformers", "measured_on"]
 COLUMNS = ["source", "model", "backend", "dtype", "mode", "batch_size", "prompt_len", "completion_len", "lora_r",
            "world_size", "fsdp", "device", "measured_gib", "predicted_gib", "error_pct", "phase", "calibration",
            "note", *PROVENANCE]
-# grpo_lab kernel changes after a measurement (kernels/fused_linear_logprob.py history, docs/kernel.md)
+# grpo_lab kernel changes after a measurement (grpo_lab/kernels/fused_linear_logprob.py history, docs/kernel.md)
 OLD_KERNEL_NB01 = "grpo_lab kernel of 2026-12-02 (before the run-4 tiles); the planner models today's"
 OLD_KERNEL_FROZEN = "frozen head measured before its backward temporaries were bounded (5700679)"
 # benchmarks/loss_bench.py's grid runs, oldest first; where several measured a point, the latest (by date) counts

@@ -1,4 +1,4 @@
-"""An installed, non-editable wheel ships `kernels/` as `grpo_lab.kernels` and no top-level `kernels` module, and every
+"""An installed, non-editable wheel ships `grpo_lab.kernels` and no top-level `kernels` module, and every
 file of results/ and data/ (the notebooks read the committed results from the installed package on Colab)."""
 
 import os
@@ -70,3 +70,16 @@ def test_wheel_installs_grpo_lab_kernels_not_top_level_kernels(tmp_path):
     assert str(env_dir) in kernels_file and "site-packages" in kernels_file
     assert no_top_level == "True"
     assert hidden == "1024"
+
+
+def test_a_checkout_root_on_sys_path_does_not_shadow_hugging_face_kernels():
+    """`python -m ...` from the repository root puts the root first on sys.path; a top-level `kernels` package there
+    would shadow Hugging Face's `kernels`, which transformers imports when it is installed (a hard dependency from
+    transformers 5.25), and every model import would fail."""
+    code = ("import importlib.util, sys; spec = importlib.util.find_spec('kernels');"
+            "print(spec is None or not str(spec.origin or spec.submodule_search_locations).startswith(sys.argv[1]));"
+            "from transformers import Qwen2ForCausalLM; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], cwd=ROOT, capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", "ok"], out.stdout

@@ -1,4 +1,4 @@
-"""Triton kernels of grpo-lab, installed as `grpo_lab.kernels` (never as a top-level `kernels` module).
+"""Triton kernels of grpo-lab: `grpo_lab.kernels` (never a top-level `kernels` package, which is Hugging Face's).
 
 `fused_linear_logprobs` always imports: on a machine without Triton (or without CUDA) it is a thin function that
 raises a clear error when called with CUDA tensors it cannot serve, and `grpo_lab.backends.dispatch` checks
