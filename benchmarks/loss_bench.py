@@ -670,7 +670,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results/loss_kernel")
     p.add_argument("--hidden", default=None, help=f"H values (grid: {','.join(map(str, GRID_H))}; tune: 1024,4096)")
-    p.add_argument("--tokens", default=None, help=f"token counts (grid: {','.join(map(str, GRID_TOKENS))}; tune: 32768)")
+    p.add_argument("--tokens", default=None,
+                   help=f"token counts (grid: {','.join(map(str, GRID_TOKENS))}; tune: 32768)")
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--fp32-full", action="store_true", help="every fp32 grid point (slow: plain SGEMM)")

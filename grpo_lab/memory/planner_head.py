@@ -6,7 +6,7 @@ clamped). A head is `trainable` in full fine-tuning (its weight needs a gradient
 returns named byte counts; the planner adds them to what the rest of the step holds at that moment.
 
 Sources: `trl/kernels/chunked_logprob.py` (TRL 1.16), `grpo_lab/backends/naive.py`, `grpo_lab/backends/chunked.py`,
-`kernels/fused_linear_logprob.py`, `liger_kernel/chunked_loss/fused_linear_ppo.py` (0.8.5).
+`grpo_lab/kernels/fused_linear_logprob.py`, `liger_kernel/chunked_loss/fused_linear_ppo.py` (0.8.5).
 """
 
 from __future__ import annotations

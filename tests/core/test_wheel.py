@@ -76,8 +76,9 @@ def test_a_checkout_root_on_sys_path_does_not_shadow_hugging_face_kernels():
     """`python -m ...` from the repository root puts the root first on sys.path; a top-level `kernels` package there
     would shadow Hugging Face's `kernels`, which transformers imports when it is installed (a hard dependency from
     transformers 5.25), and every model import would fail."""
-    code = ("import importlib.util, sys; spec = importlib.util.find_spec('kernels');"
-            "print(spec is None or not str(spec.origin or spec.submodule_search_locations).startswith(sys.argv[1]));"
+    code = ("import importlib.util, pathlib, sys; spec = importlib.util.find_spec('kernels');"  # not <root>/kernels
+            "where = [pathlib.Path(p).resolve() for p in ((spec and spec.submodule_search_locations) or [])];"
+            "print(pathlib.Path(sys.argv[1]).resolve() / 'kernels' not in where);"
             "from transformers import Qwen2ForCausalLM; print('ok')")
     out = subprocess.run([sys.executable, "-c", code, str(ROOT)], cwd=ROOT, capture_output=True, text=True,
                          env={k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"})

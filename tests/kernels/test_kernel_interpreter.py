@@ -54,8 +54,8 @@ PATH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant,launches", PATH_CASES, ids=["frozen", "frozen-p-descriptors", "frozen-fallback-rescue",
-                                                               "materialized-rescue"])
+@pytest.mark.parametrize("variant,launches", PATH_CASES,
+                         ids=["frozen", "frozen-p-descriptors", "frozen-fallback-rescue", "materialized-rescue"])
 def test_frozen_and_materialized_paths_match_float64_in_the_interpreter(variant, launches):
     proc = subprocess.run([sys.executable, CASE, json.dumps(variant)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -188,5 +188,6 @@ def test_the_kernel_terms_follow_the_kernel_settings():
     assert P.KERNEL_DZ_TILE == {2: F.BWD_TILE["16"], 4: F.BWD_TILE["32"]}
     assert P.KERNEL_FWD_BN == {2: F.CONFIGS["fwd_16"][1], 4: F.CONFIGS["fwd_32"][1]}
     assert P.KERNEL_FROZEN_BN == {2: F.CONFIGS["frozen_16"][1], 4: F.CONFIGS["frozen_32"][1]}
-    assert P.KERNEL_FROZEN_RECOMPUTE_BELOW == {2: F.FROZEN_RECOMPUTE_BELOW["16"]} and F.FROZEN_RECOMPUTE_BELOW["32"] == 0
+    assert P.KERNEL_FROZEN_RECOMPUTE_BELOW == {2: F.FROZEN_RECOMPUTE_BELOW["16"]}
+    assert F.FROZEN_RECOMPUTE_BELOW["32"] == 0
     assert P.KERNEL_FROZEN_RECOMPUTE_ROWS == {2: F.FROZEN_RECOMPUTE_ROWS["16"]} and F.FROZEN_RECOMPUTE_ROWS["32"] == 0
