@@ -99,6 +99,20 @@ def note_entropy_grad(seen: bool) -> None:
     _ENTROPY_GRAD_SEEN[0] = bool(seen)
 
 
+def outputs_from_stats(run_max, sum_exp, z_sum_exp, sq_sum_exp, z_sum, max_before_target, target_logit, vocab, want):
+    """(log Z, log-probs, entropy, (log Σp², mean logit, is_top1)) from a row's online-LSE statistics (max, Σe^(z−max),
+    Σe^(z−max)·z, Σe^(2(z−max)), Σz, max before the target, target logit); unwanted outputs are None. The torch and
+    Triton paths both end their forward here."""
+    log_z = run_max + torch.log(sum_exp)
+    entropy = log_z - z_sum_exp / sum_exp if want["entropy"] else None
+    extras = (
+        torch.log(sq_sum_exp) - 2 * torch.log(sum_exp) if want["log_sum_sq_probs"] else None,
+        z_sum / vocab if want["mean_logits"] else None,
+        (target_logit >= run_max) & (target_logit > max_before_target) if want["is_top1"] else None,
+    )
+    return log_z, target_logit - log_z, entropy, extras
+
+
 def frozen_coefficients(g, h, logprobs, entropy, c_target, scale):
     """Per-row (coef_y, coef_a, coef_b) of the frozen head's input gradient coef_y·W_y + coef_a·A + coef_b·B (see
     `frozen_input_grad`): 1 − p_y as −expm1(log p_y), exact when p_y → 1. g / h: fp32 [N] or None."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .base import (OPTIONAL_OUTPUTS, check_logprob_inputs, compute_dtype_of, entropy_grad_expected,
-                   frozen_input_grad, head_mode, note_entropy_grad)
+                   frozen_input_grad, head_mode, note_entropy_grad, outputs_from_stats)
 
 TOKEN_TILE = 1024
 VOCAB_TILE = 8192
@@ -95,14 +95,8 @@ class ChunkedLogProbFunction(torch.autograd.Function):
                     running_max[t0:t1] = new_max
                     picked = z.gather(-1, local.clamp(0, v1 - v0 - 1).unsqueeze(-1)).squeeze(-1)
                     target_logit[t0:t1] = torch.where(inside, picked, target_logit[t0:t1])
-        log_z = running_max + torch.log(sum_exp)
-        logprobs = target_logit - log_z
-        entropy = log_z - z_sum_exp / sum_exp if want["entropy"] else None
-        extras = (
-            torch.log(sq_sum_exp) - 2 * torch.log(sum_exp) if want["log_sum_sq_probs"] else None,
-            z_sum / vocab if want["mean_logits"] else None,
-            (target_logit >= running_max) & (target_logit > max_before_target) if want["is_top1"] else None,
-        )
+        log_z, logprobs, entropy, extras = outputs_from_stats(running_max, sum_exp, z_sum_exp, sq_sum_exp, z_sum,
+                                                              max_before_target, target_logit, vocab, want)
 
         if frozen:  # relative to the running max -> relative to log Z: A = f·A_rel, B = f·(B_rel − log(Σ)·A_rel)
             f = torch.exp(running_max - log_z).unsqueeze(-1)

@@ -4,7 +4,7 @@ Forward. One Triton matmul kernel computes `[BM tokens, BN vocab]` blocks of `hi
 (K = H loop, tensor cores for bf16/fp16, IEEE fp32 or split-TF32 ("tf32x3") for fp32) and, in the epilogue, applies
 scale / softcap / temperature and reduces the block to per-row partial online-LSE statistics (max, sum of exps,
 sum of exp·z for the entropy, ...). The logits never reach HBM: only `n_vblocks × N` partial stats do, for one
-vocabulary chunk at a time (a fixed budget, so memory is flat in N); torch merges them into running stats.
+vocabulary chunk at a time (a fixed budget, so memory is flat in N); `_merge_kernel` folds them into running stats.
 
 Backward. The same GEMM recomputes the logits of a `[token tile, vocab chunk]` tile and its epilogue turns them
 into the logits gradient `dL/dz_j = (1/T)·[g·(δ_jy − p_j) − h·p_j·(log p_j + H)]` (through softcap and scale),
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from grpo_lab.backends.base import (OPTIONAL_OUTPUTS, check_logprob_inputs, compute_dtype_of, entropy_grad_expected,
-                                    frozen_coefficients, head_mode, note_entropy_grad)
+                                    frozen_coefficients, head_mode, note_entropy_grad, outputs_from_stats)
 
 # Tile configuration per compute dtype: (BM, BN, BK, GROUP_M, num_warps, num_stages). Chosen on the H200 by
 # benchmarks/loss_bench.py --tune (see docs/kernel.md); overridable for experiments.
@@ -88,9 +88,8 @@ FP32_DOT = os.environ.get("GRPO_LAB_FP32_DOT", "tf32x3")
 # elementwise) unless GRPO_LAB_FROZEN=recompute asks for the trainable head's recomputing backward.
 FROZEN_TWO_GEMM = os.environ.get("GRPO_LAB_FROZEN", "two_gemm") != "recompute"
 # A frozen head with fewer than FROZEN_RECOMPUTE_ROWS valid rows and rows × hidden below FROZEN_RECOMPUTE_BELOW
-# takes the recompute path (dX only) instead: at so few rows
-# the step is bound by host work, and the two-GEMM path's extra launches and reductions cost more than its saved
-# GEMM. H200, bf16, head fwd+bwd (tune_run4.csv, tune_run5.csv): recompute 3.8 / 5.2 / 6.4 / 5.6 ms against
+# takes the recompute path (dX only) instead: at so few rows the step is bound by host work, and the two-GEMM path's
+# extra launches and reductions cost more than its saved GEMM. H200, bf16, head fwd+bwd (tune_run4.csv, tune_run5.csv): recompute 3.8 / 5.2 / 6.4 / 5.6 ms against
 # 4.6 / 5.7 / 7.3 / 5.9 at 2048 rows × H 1024 / 1536 / 2048 and 3072 × 1024; two-GEMM ahead from 3072 × 1536
 # (7.2 vs 7.6) and at 2048 × 4096 (9.8 vs 12.4); in the whole loss at 4096 × 1024 two-GEMM 7.7 ms, recompute 8.5
 # (TRL 8.0-8.2; loss_grid.csv). Its dZ tile keeps the frozen P~ tile's budget (same memory).
@@ -765,17 +764,9 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
                                                            want)
             else:
                 stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
-            m, s, xs, sq, zs, mbt, tlogit = stats
-            log_z = m + torch.log(s)
-            logprobs = tlogit - log_z
-            entropy = log_z - xs / s if want["entropy"] else None
-            extras = (
-                torch.log(sq) - 2 * torch.log(s) if want["log_sum_sq_probs"] else None,
-                zs / vocab if want["mean_logits"] else None,
-                (tlogit >= m) & (tlogit > mbt) if want["is_top1"] else None,
-            )
+            log_z, logprobs, entropy, extras = outputs_from_stats(*stats, vocab, want)
             if path == "frozen":
-                ctx.extra = (acc, logprobs.clone(), tlogit)
+                ctx.extra = (acc, logprobs.clone(), stats[-1])  # the target logit (softcap factor of the target)
             elif path == "materialized":
                 ctx.extra = (full, logprobs.clone(), shift)
         else:
