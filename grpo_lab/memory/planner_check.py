@@ -2,13 +2,16 @@
 
     python -m grpo_lab.memory.planner_check --preset cpu_fsdp --out results/memory_planner      # CPU, gloo, W = 1, 2, 4
     python -m grpo_lab.memory.planner_check --preset heldout_h200 --out results/memory_planner  # one H200, ~3 min
+    python -m grpo_lab.memory.planner_check --preset nb02_expandable --out results/memory_planner  # one H200, ~7 min
 
 `cpu_fsdp`: FSDP2 + LoRA on world sizes 1, 2 and 4 over gloo, each rank's peak RSS metered by the harness (the
 planner predicts the largest rank's). `heldout_h200`: configurations no constant was fitted to — another
 architecture (Qwen2.5: q/k/v bias, no q/k norm), other lengths and LoRA rank, the current `grpo_lab` kernel (frozen
 head), full fine-tuning of a 4B model — and two probes around the planner's max batch (3 % below it should fit, 3 %
 above should not: then the true limit is within one search step of the prediction), with the default caching
-allocator and with `expandable_segments`. Every row is the harness's CSV row plus the prediction and its error.
+allocator and with `expandable_segments`. `nb02_expandable`: notebook 02's fused-head searches (Qwen3 1.7B-8B,
+FSDP2 + LoRA r=16, 256 + 512 tokens) re-asked as the same pair of probes under `expandable_segments`, the allocator
+setting the planner's max batch is validated for. Every row is the harness's CSV row plus the prediction and its error.
 """
 
 from __future__ import annotations
@@ -78,6 +81,26 @@ def heldout_h200_points(budget_gib: float) -> list[CheckPoint]:
     return points
 
 
+def nb02_expandable_points(budget_gib: float, models=("Qwen3-4B", "Qwen3-8B", "Qwen3-1.7B"),
+                           backends=("grpo_lab", "trl", "liger")) -> list[CheckPoint]:
+    """Notebook 02's H200 setting, probed 3 % below / above the planner's max batch with `expandable_segments`
+    (the default allocator's fragmentation put 6 of its 12 fused searches more than one step off). Ordered so
+    that a time limit cuts the models that already matched under the default allocator (1.7B) last."""
+    points = []
+    for model in models:
+        for backend in backends:
+            base = dict(model=model, backend=backend, dtype="bf16", prompt_len=256, completion_len=512, lora_r=16,
+                        fsdp=True, world_size=1, steps=1, device="cuda", extra={"cuda_alloc_conf": EXPANDABLE})
+            pred = max_batch(planner_config(PointSpec(batch_size=8, **base), expandable_segments=True),
+                             budget_gib).batch
+            lo, hi = math.floor(pred * (1 - REL_STEP)), math.ceil(pred * (1 + REL_STEP))
+            points += [CheckPoint(PointSpec(batch_size=lo, **base), f"expandable segments: 3 % below max {pred}",
+                                  "fits", {"predicted_max_batch": pred}),
+                       CheckPoint(PointSpec(batch_size=hi, **base), f"expandable segments: 3 % above max {pred}",
+                                  "oom", {"predicted_max_batch": pred})]
+    return points
+
+
 def run_checks(points: list[CheckPoint], out_csv: Path | None = None, max_seconds: float | None = None,
                on_point=None) -> pd.DataFrame:
     """Measure each point (fresh processes), predict it, and write the CSV after every point."""
@@ -137,12 +160,12 @@ def _print(row, i, n):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m grpo_lab.memory.planner_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=["cpu_fsdp", "heldout_h200"])
+    ap.add_argument("--preset", choices=["cpu_fsdp", "heldout_h200", "nb02_expandable"])
     ap.add_argument("--out", default="results/memory_planner")
     ap.add_argument("--world-sizes", default="1,2,4", help="cpu_fsdp: comma-separated world sizes")
     ap.add_argument("--backends", default="trl,naive", help="cpu_fsdp: comma-separated backends")
     ap.add_argument("--budget-gib", type=float, default=None,
-                    help="heldout_h200: the GPU's memory (default: asked of nvidia-smi)")
+                    help="heldout_h200, nb02_expandable: the GPU's memory (default: asked of nvidia-smi)")
     ap.add_argument("--max-minutes", type=float, default=None, help="start no new point after this long")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing CSV")
     ap.add_argument("--repredict", metavar="CSV", help="only recompute the prediction columns of an existing CSV")
@@ -156,7 +179,8 @@ def main(argv=None) -> int:
         print(f"rewrote the predictions in {path}")
         return 0
     if a.preset is None:
-        print("error: give --preset (cpu_fsdp or heldout_h200) or --repredict CSV", file=sys.stderr)
+        print("error: give --preset (cpu_fsdp, heldout_h200 or nb02_expandable) or --repredict CSV",
+              file=sys.stderr)
         return 2
     try:
         if a.preset == "cpu_fsdp":
@@ -171,9 +195,9 @@ def main(argv=None) -> int:
 
                 total = _gpu_total_bytes()
                 if total is None:
-                    raise ValueError("heldout_h200 needs a CUDA GPU (or --budget-gib to only list its points)")
+                    raise ValueError(f"{a.preset} needs a CUDA GPU (or --budget-gib to only list its points)")
                 budget = total / GiB
-            points = heldout_h200_points(budget)
+            points = (heldout_h200_points if a.preset == "heldout_h200" else nb02_expandable_points)(budget)
         csv = target_csv(a.out, f"planner_{a.preset}", keep=False, overwrite=a.overwrite)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

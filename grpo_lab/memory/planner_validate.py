@@ -171,7 +171,8 @@ def heldout_max_batch_rows(df: pd.DataFrame) -> list[dict]:
     """The held-out check's probe pairs 3 % below / above the predicted max batch."""
     out = []
     pairs = df[df["expect"].isin(["fits", "oom"])] if "expect" in df else df.iloc[0:0]
-    for alloc, g in pairs.groupby(pairs["cuda_alloc_conf"].fillna("")):
+    keys = [pairs["model"], pairs["backend"], pairs["lora_r"], pairs["cuda_alloc_conf"].fillna("")]
+    for (*_, alloc), g in pairs.groupby(keys, sort=False):
         lo, hi = g[g["expect"] == "fits"], g[g["expect"] == "oom"]
         if lo.empty or hi.empty:
             continue
