@@ -445,10 +445,6 @@ def apply_experiment(F, exp, dname):
             F.P_TMA[key] = v
         elif k == "frozen_cfg":
             F.CONFIGS[f"frozen_{key}"] = v
-        elif k == "warp_spec":
-            F.WARP_SPECIALIZE[f"fwd_{key}"] = F.WARP_SPECIALIZE[f"bwd_{key}"] = int(v)
-        elif k == "frozen_warp_spec":
-            F.WARP_SPECIALIZE[f"frozen_{key}"] = int(v)
         elif k == "persistent":
             F.PERSISTENT[f"fwd_{key}"] = F.PERSISTENT[f"bwd_{key}"] = v
         else:
@@ -463,16 +459,14 @@ def kernel_setting(F) -> str:
     dz = [k for k, v in F.DZ_TMA.items() if v]
     p_desc = [k for k, v in F.P_TMA.items() if v]
     cfg = " ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in F.CONFIGS.items())
-    ws = " ".join(f"{k}:{v}" for k, v in F.WARP_SPECIALIZE.items() if v)
     return (f"TMA loads {'on' if F.USE_TMA else 'off'}; persistent {','.join(on) or 'none'}; dZ tile {tiles}; "
             f"frozen {'two-GEMM' if F.FROZEN_TWO_GEMM else 'recompute'} tile {frozen}, P~ descriptor store "
             f"{','.join(p_desc) or 'off'}; dZ descriptor store "
             f"{','.join(dz) or 'off'}; fp32 dot {F.FP32_DOT}, fp32 dX/dW {F.FP32_MM}; materialize "
-            f"{F.MATERIALIZE_GIB:g} GiB; tiles {cfg}" + (f"; warp-specialised {ws}" if ws else ""))
+            f"{F.MATERIALIZE_GIB:g} GiB; tiles {cfg}")
 
 
-FROZEN_KNOBS = ("frozen_cfg", "frozen_tile", "p_tma", "frozen_two_gemm", "frozen_recompute_below",
-                "frozen_warp_spec")
+FROZEN_KNOBS = ("frozen_cfg", "frozen_tile", "p_tma", "frozen_two_gemm", "frozen_recompute_below")
 
 
 def tune(out_dir, hidden_sizes=(1024, 4096), token_counts=(32768,), heads=("frozen", "trainable"), dtypes=None,
@@ -487,7 +481,7 @@ def tune(out_dir, hidden_sizes=(1024, 4096), token_counts=(32768,), heads=("froz
     rows = []
     saved = {name: dict(getattr(F, name))
              for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "FROZEN_TILE", "DZ_TMA", "P_TMA",
-                          "FROZEN_RECOMPUTE_BELOW", "WARP_SPECIALIZE")}
+                          "FROZEN_RECOMPUTE_BELOW")}
     saved.update({name: getattr(F, name) for name in ("FP32_MM", "FP32_DOT", "FROZEN_TWO_GEMM")})
 
     def restore():

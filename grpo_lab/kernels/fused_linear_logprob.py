@@ -70,11 +70,7 @@ _PERSISTENT_ON = [k.strip() for k in os.environ.get("GRPO_LAB_PERSISTENT", "fwd_
 if set(_PERSISTENT_ON) - set(PERSISTENT):
     raise ValueError(f"GRPO_LAB_PERSISTENT={os.environ.get('GRPO_LAB_PERSISTENT')!r}: keys are {sorted(PERSISTENT)}")
 PERSISTENT.update({key: True for key in _PERSISTENT_ON})
-_FLATTEN_OK = {"flatten", "warp_specialize"} <= set(inspect.signature(tl.range).parameters)
-# Triton's automatic warp specialisation of a persistent launch's tile loop (producer warps issue the TMA loads,
-# consumer warps run the dots and the epilogue), per CONFIGS key: 0 off, 1 on with the loop flattened, 2 on without.
-# Off everywhere until measured on the H200 (loss_bench.py --tune, knobs warp_spec / frozen_warp_spec).
-WARP_SPECIALIZE = {key: 0 for key in CONFIGS if key.startswith(("fwd", "bwd", "frozen"))}
+_FLATTEN_OK = "flatten" in inspect.signature(tl.range).parameters
 # Programs of a persistent launch: None = one per SM (3 off CUDA, for Triton's interpreter), fewer when there are
 # fewer tiles. The count is a compile-time constant: launches of under one program per SM compile their own variant
 # (a bounded few: small token tiles and the last vocabulary chunk).
@@ -187,12 +183,11 @@ def _fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_pt
                 COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                 PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, P_MODE: tl.constexpr,
-                STORE_PZ: tl.constexpr, P_TMA: tl.constexpr, WARP_SPEC: tl.constexpr = 0):
+                STORE_PZ: tl.constexpr, P_TMA: tl.constexpr):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(v_hi - v_lo, BN)
     if PERSISTENT:
-        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=WARP_SPEC != 2,
-                             warp_specialize=WARP_SPEC != 0):
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
             pid_m, pid_n = _grouped_pid(tile, num_pid_m, num_pid_n, GROUP_M)
             _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
                       v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
@@ -270,13 +265,11 @@ def _bwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, 
                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_G: tl.constexpr, HAS_GE: tl.constexpr,
                 COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DZ_TMA: tl.constexpr,
-                WARP_SPEC: tl.constexpr = 0):
+                PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DZ_TMA: tl.constexpr):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(v_hi - v_lo, BN)
     if PERSISTENT:
-        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=WARP_SPEC != 2,
-                             warp_specialize=WARP_SPEC != 0):
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
             pid_m, pid_n = _grouped_pid(tile, num_pid_m, num_pid_n, GROUP_M)
             _bwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, dz_ptr, pid_m, pid_n, M, v_lo,
                       v_hi, K, stride_h, stride_w, stride_dz, logit_scale, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP,
@@ -629,7 +622,6 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, **flags,
                 COMPUTE=_TL_DTYPE[compute], PRECISION=_precision(compute), EVEN_K=k % bk == 0, USE_TMA=tma,
                 BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
-                WARP_SPEC=WARP_SPECIALIZE[f"{_forward_kind(sink)}_{_dtype_key(compute)}"] if persistent else 0,
                 P_MODE=sink.p_mode if sink is not None else 0, STORE_PZ=store_pz, P_TMA=p_tma,
                 num_warps=warps, num_stages=stages)
             _merge_kernel[(triton.cdiv(rows, MERGE_ROWS),)](
@@ -930,7 +922,6 @@ def _recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, so
                     HAS_GE=ge is not None, COMPUTE=_TL_DTYPE[compute], PRECISION=_precision(compute),
                     EVEN_K=k % bk == 0, USE_TMA=tma, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
                     PERSISTENT=persistent, NUM_PROGRAMS=n_progs, DZ_TMA=dz_tma,
-                    WARP_SPEC=WARP_SPECIALIZE[f"bwd_{_dtype_key(compute)}"] if persistent else 0,
                     num_warps=warps, num_stages=stages)
                 if tri_mm:
                     if need_h:

@@ -163,7 +163,10 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", choices=["cpu_fsdp", "heldout_h200", "nb02_expandable"])
     ap.add_argument("--out", default="results/memory_planner")
     ap.add_argument("--world-sizes", default="1,2,4", help="cpu_fsdp: comma-separated world sizes")
-    ap.add_argument("--backends", default="trl,naive", help="cpu_fsdp: comma-separated backends")
+    ap.add_argument("--backends", default=None,
+                    help="comma-separated backends (cpu_fsdp: trl,naive; nb02_expandable: grpo_lab,trl,liger)")
+    ap.add_argument("--models", default=None,
+                    help="nb02_expandable: comma-separated models (default Qwen3-4B,Qwen3-8B,Qwen3-1.7B)")
     ap.add_argument("--budget-gib", type=float, default=None,
                     help="heldout_h200, nb02_expandable: the GPU's memory (default: asked of nvidia-smi)")
     ap.add_argument("--max-minutes", type=float, default=None, help="start no new point after this long")
@@ -186,7 +189,7 @@ def main(argv=None) -> int:
         if a.preset == "cpu_fsdp":
             from .spec import parse_int_list, parse_str_list
 
-            points = cpu_fsdp_points(backends=parse_str_list(a.backends, "backends"),
+            points = cpu_fsdp_points(backends=parse_str_list(a.backends or "trl,naive", "backends"),
                                      world_sizes=parse_int_list(a.world_sizes, "world sizes"))
         else:
             budget = a.budget_gib
@@ -197,7 +200,17 @@ def main(argv=None) -> int:
                 if total is None:
                     raise ValueError(f"{a.preset} needs a CUDA GPU (or --budget-gib to only list its points)")
                 budget = total / GiB
-            points = (heldout_h200_points if a.preset == "heldout_h200" else nb02_expandable_points)(budget)
+            if a.preset == "heldout_h200":
+                points = heldout_h200_points(budget)
+            else:
+                from .spec import parse_str_list
+
+                picked = {}
+                if a.models:
+                    picked["models"] = parse_str_list(a.models, "models")
+                if a.backends:
+                    picked["backends"] = parse_str_list(a.backends, "backends")
+                points = nb02_expandable_points(budget, **picked)
         csv = target_csv(a.out, f"planner_{a.preset}", keep=False, overwrite=a.overwrite)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -51,8 +51,6 @@ def main(variant: dict) -> dict:
     F.P_TMA = {"16": not variant.get("p_tma", False), "32": variant.get("p_tma", False)}
     F.PERSISTENT = {key: variant["persistent"] == key.endswith("_32") for key in F.PERSISTENT}
     F.PERSISTENT_PROGRAMS = None
-    # warp specialisation of the persistent tile loop (on the GPU a compiler transform; here the same loop must run)
-    F.WARP_SPECIALIZE = {key: variant.get("warp_spec", 0) for key in F.WARP_SPECIALIZE}
     path = variant.get("path", "recompute")
     F.MATERIALIZE_GIB = 1.0 if path == "materialized" else 0.0
     F.REF_HEADROOM = variant.get("headroom", F.REF_HEADROOM)
