@@ -90,8 +90,8 @@ def main(argv=None) -> int:
               f"({a.gib:g} GiB less the allocator's headroom)")
     if a.headroom is None and not a.expandable_segments and base.backend != "naive":
         print("  the default CUDA allocator loses 7-17 % to fragmentation at the limit, so this is the least certain "
-              "part; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (plan with --expandable-segments) the "
-              "held-out H200 check was within one search step")
+              "part; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (plan with --expandable-segments) all "
+              "10 H200 probe pairs (notebook 02's fused searches and a held-out model) were within one search step")
     shown = plan(base.replace(batch_size=a.batch or max(1, best.batch)))
     print(f"peak at batch {shown.config.batch_size}: {shown.peak_gib:.2f} GiB per GPU ({note}), "
           f"in phase {shown.peak_phase}:")

@@ -342,3 +342,38 @@ def test_search_settings_are_checked(tmp_path, capsys):
     (tmp_path / "fsdp_max_batch_quick.csv").write_text("x\n")
     assert max_batch.main(["--budget-gib", "0.5", "--out", str(tmp_path)]) == 2
     assert "--overwrite" in capsys.readouterr().err and (tmp_path / "fsdp_max_batch_quick.csv").read_text() == "x\n"
+
+
+def test_expandable_segments_search_probes_with_it_and_resumes_only_from_its_own_probes(tmp_path, monkeypatch):
+    """A search with expandable_segments hands the allocator setting to every probe, records it in both CSVs, and
+    a resumed search never reuses probes measured under the other allocator (their limits differ by 12-16 %)."""
+    seen, calls = [], []
+    fake = _linear_fake_probe(calls)
+
+    def probe(spec):
+        seen.append(spec.extra.get("cuda_alloc_conf", ""))
+        return fake(spec)
+
+    monkeypatch.setattr(max_batch, "run_point", probe)
+    searches = build_searches(models="tiny-qwen3", backends="trl", dtype="bf16", prompt_len=8, completion_len=8,
+                              lora_r=4, budget_gib=5.1, start=1, upper=512, device="cuda", rel_tol=0.0,
+                              expandable_segments=True)
+    csv = tmp_path / "mb.csv"
+    df = run_searches(searches, out_csv=csv, guess=False)
+    assert seen and set(seen) == {"expandable_segments:True"}
+    assert list(df["cuda_alloc_conf"]) == ["expandable_segments:True"]
+    assert set(pd.read_csv(tmp_path / "mb_probes.csv")["cuda_alloc_conf"]) == {"expandable_segments:True"}
+    n_first = len(calls)
+    plain = build_searches(models="tiny-qwen3", backends="trl", dtype="bf16", prompt_len=8, completion_len=8,
+                           lora_r=4, budget_gib=5.1, start=1, upper=512, device="cuda", rel_tol=0.0)
+    df = run_searches(plain, out_csv=csv, resume=True, guess=False)
+    assert len(calls) > n_first and "resumed" not in str(df.iloc[0]["message"])
+    assert seen[n_first:] and set(seen[n_first:]) == {""}
+
+
+def test_expandable_segments_on_cpu_is_refused_with_a_message(tmp_path, capsys):
+    with pytest.raises(ValueError, match="CUDA caching allocator"):
+        build_searches(models="tiny-qwen3", backends="trl", budget_gib=1.0, device="cpu", expandable_segments=True)
+    rc = max_batch.main(["--quick", "--device", "cpu", "--expandable-segments", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "allocator" in err and "Traceback" not in err

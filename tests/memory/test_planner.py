@@ -191,3 +191,41 @@ def test_the_kernel_terms_follow_the_kernel_settings():
     assert P.KERNEL_FROZEN_RECOMPUTE_BELOW == {2: F.FROZEN_RECOMPUTE_BELOW["16"]}
     assert F.FROZEN_RECOMPUTE_BELOW["32"] == 0
     assert P.KERNEL_FROZEN_RECOMPUTE_ROWS == {2: F.FROZEN_RECOMPUTE_ROWS["16"]} and F.FROZEN_RECOMPUTE_ROWS["32"] == 0
+
+
+def test_a_search_under_expandable_segments_is_predicted_with_its_headroom():
+    """A notebook-02 search row that ran with expandable_segments is compared with the planner's prediction for
+    that allocator (2 % headroom), not the default allocator's."""
+    from grpo_lab.memory.planner_validate import max_batch_rows
+    from grpo_lab.memory.results import load_reference
+
+    row = load_reference("fsdp_max_batch", "fsdp_max_batch.csv").query("model == 'Qwen3-8B' and backend == 'trl'")
+    plain = max_batch_rows(row)[0]["predicted_max_batch"]
+    expandable = max_batch_rows(row.assign(cuda_alloc_conf="expandable_segments:True"))[0]["predicted_max_batch"]
+    assert plain == 272 and expandable == 308
+
+
+def test_notebook_02_setting_under_expandable_segments_is_within_one_step():
+    """The committed probes of notebook 02's fused searches under expandable_segments (planner_check preset
+    nb02_expandable, H200): every pair has the batch 3 % below the prediction fit and 3 % above it fail."""
+    from grpo_lab.memory.planner_validate import probe_pair_summary, probe_pairs
+
+    pairs = probe_pairs()
+    nb02 = pairs[pairs["source"].str.contains("notebook 02")]
+    assert len(nb02) == 9 and set(nb02["backend"]) == {"trl", "grpo_lab", "liger"}
+    assert (nb02["within_one_step"] == True).all(), nb02  # noqa: E712 (None = a pair not run)
+    assert (nb02["below_status"] == "ok").all() and (nb02["above_status"] == "oom").all()
+    summary = probe_pair_summary(pairs)
+    assert summary.loc[("H200 held-out", "default"), "within_one_step"] == "0/1"
+
+
+def test_nb02_expandable_points_bracket_the_prediction():
+    from grpo_lab.memory.planner_check import REL_STEP, nb02_expandable_points
+
+    points = nb02_expandable_points(140.4, models=("Qwen3-8B",), backends=("trl",))
+    below, above = points
+    pred = below.extra["predicted_max_batch"]
+    assert below.expect == "fits" and above.expect == "oom"
+    assert below.spec.batch_size < pred < above.spec.batch_size
+    assert above.spec.batch_size - below.spec.batch_size <= 2 * REL_STEP * pred + 2
+    assert {p.spec.extra["cuda_alloc_conf"] for p in points} == {"expandable_segments:True"}
