@@ -6,8 +6,9 @@ max-batch searches against the planner's max batch.
 Sources (all committed under `results/`): notebook 01's H200 sweep (full fine-tuning steps, and the loss alone),
 notebook 02's H200 max-batch probes and searches (FSDP2 + LoRA, world size 1), the loss-kernel grid (the LM head
 alone, both head modes), the CPU gloo runs at world sizes 1, 2, 4, the held-out H200 check and notebook 02's
-setting probed under `expandable_segments` (`planner_check`). `calibration` names the constant a source was used to fit (empty: a pure prediction); rows
-measured with a kernel that has changed since are kept, marked, and left out of the summary.
+setting probed under `expandable_segments` (`planner_check`). `calibration` names the constant a source was used to
+fit (empty: a pure prediction); rows measured with a kernel that has changed since are kept, marked, and left out
+of the summary.
 """
 
 from __future__ import annotations
