@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .planner import GiB, PlannerConfig, max_batch, plan, usable_budget
+from .planner import GiB, PlannerConfig, max_batch, max_batch_band, plan, usable_budget
 from .spec import parse_int_list
 
 
@@ -88,10 +88,12 @@ def main(argv=None) -> int:
         print(f"max batch per GPU: {best.batch}{more} ({note}; {best.batch * a.gpus} sequences per step over all "
               f"GPUs) — peak {best.peak_bytes / GiB:.1f} GiB of {usable:.1f} usable "
               f"({a.gib:g} GiB less the allocator's headroom)")
-    if a.headroom is None and not a.expandable_segments and base.backend != "naive":
-        print("  the default CUDA allocator loses 7-17 % to fragmentation at the limit, so this is the least certain "
-              "part; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (plan with --expandable-segments) all "
-              "10 H200 probe pairs (notebook 02's fused searches and a held-out model) were within one search step")
+    band = max_batch_band(base, a.gib) if a.headroom is None and best.batch and not best.capped else None
+    if band is not None:
+        print(f"  the default CUDA allocator loses 7-17 % to fragmentation at the limit, so the true limit can lie "
+              f"anywhere in {band[0]}-{band[1]} (every H200 search so far did); with "
+              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (plan with --expandable-segments) all 10 H200 probe "
+              "pairs were within one search step")
     shown = plan(base.replace(batch_size=a.batch or max(1, best.batch)))
     print(f"peak at batch {shown.config.batch_size}: {shown.peak_gib:.2f} GiB per GPU ({note}), "
           f"in phase {shown.peak_phase}:")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .planner import GiB, PlannerConfig, max_batch, plan, plan_loss_only
+from .planner import GiB, PlannerConfig, max_batch, max_batch_band, plan, plan_loss_only
 from .results import load_reference
 
 TARGET_PCT = 10.0  # the target: within 10 % of the measured peak
@@ -152,13 +152,18 @@ def max_batch_rows(searches: pd.DataFrame) -> list[dict]:
         step = search_step(measured, float(r["rel_tol"]))
         hi = measured if first_oom is None else first_oom - 1
         within = measured - step <= pred.batch <= hi + step
+        band = max_batch_band(cfg, float(r["budget_gib"]), upper=upper) if not bool(r["capped"]) else None
+        # the limit lies in [measured, hi]; the band holds it when the two ranges overlap
+        in_band = None if band is None else bool(band[0] <= hi and measured <= band[1])
         source = f"{'CPU' if device == 'cpu' else 'H200'} notebook 02 (searches)"
         out.append({"source": source, "model": cfg.model, "backend": cfg.backend, "device": device,
                     "lora_r": cfg.lora_r, "world_size": cfg.world_size,
                     "budget_gib": float(r["budget_gib"]), "measured_max_batch": measured, "first_oom": first_oom,
                     "capped": bool(r["capped"]), "predicted_max_batch": pred.batch,
                     "error_pct": 100 * (pred.batch / measured - 1), "search_step": step,
-                    "within_one_step": within, "predicted_peak_gib": pred.peak_bytes / GiB,
+                    "within_one_step": within,
+                    "default_allocator_band": "" if band is None else f"{band[0]}-{band[1]}", "within_band": in_band,
+                    "predicted_peak_gib": pred.peak_bytes / GiB,
                     "usable_gib": pred.usable_bytes / GiB, "calibration": "ALLOCATOR_HEADROOM", **provenance(r)})
     return out
 
@@ -259,7 +264,9 @@ def max_batch_summary(searches: pd.DataFrame) -> pd.DataFrame:
     g = searches.assign(head=kind, abs_err=searches["error_pct"].abs()).groupby(["source", "head"], sort=False)
     return pd.DataFrame({"searches": g.size(), "max_abs_error_pct": g["abs_err"].max(),
                          "median_abs_error_pct": g["abs_err"].median(),
-                         "within_one_step": g["within_one_step"].apply(lambda w: f"{int(w.sum())}/{len(w)}")})
+                         "within_one_step": g["within_one_step"].apply(lambda w: f"{int(w.sum())}/{len(w)}"),
+                         "within_default_allocator_band": g["within_band"].apply(
+                             lambda w: f"{int(w.dropna().sum())}/{int(w.notna().sum())}" if w.notna().any() else "")})
 
 
 def markdown_table(df: pd.DataFrame, index: bool = False, floatfmt: str = "{:.2f}") -> str:

@@ -229,3 +229,31 @@ def test_nb02_expandable_points_bracket_the_prediction():
     assert below.spec.batch_size < pred < above.spec.batch_size
     assert above.spec.batch_size - below.spec.batch_size <= 2 * REL_STEP * pred + 2
     assert {p.spec.extra["cuda_alloc_conf"] for p in points} == {"expandable_segments:True"}
+
+
+def test_default_allocator_band_holds_every_uncapped_fused_search():
+    """Under the default allocator the planner gives a band for a fused head's max batch; every committed uncapped
+    H200 fused search lies in it, the band contains the point answer, and it is absent where one answer holds."""
+    from grpo_lab.memory.planner import max_batch_band
+    from grpo_lab.memory.planner_validate import max_batch_rows
+    from grpo_lab.memory.results import load_reference
+
+    rows = [r for r in max_batch_rows(load_reference("fsdp_max_batch", "fsdp_max_batch.csv"))
+            if r["backend"] != "naive" and not r["capped"]]
+    assert len(rows) == 9 and all(r["within_band"] for r in rows)
+    cfg = PlannerConfig(model="Qwen3-4B", backend="grpo_lab", lora_r=16, prompt_len=256, completion_len=512,
+                        fsdp=True, device="cuda")
+    lo, hi = max_batch_band(cfg, 140.4)
+    assert lo < max_batch(cfg, 140.4).batch < hi
+    assert max_batch_band(cfg.replace(expandable_segments=True), 140.4) is None
+    assert max_batch_band(cfg.replace(backend="naive"), 140.4) is None
+
+
+def test_plan_cli_prints_the_default_allocator_band(capsys):
+    assert cli(["plan", "--model", "Qwen3-4B", "--backend", "grpo_lab", "--gib", "140.4", "--lora-r", "16",
+                "--prompt", "256", "--completion", "512", "--fsdp-single"]) == 0
+    out = capsys.readouterr().out
+    assert "can lie anywhere in" in out
+    assert cli(["plan", "--model", "Qwen3-4B", "--backend", "grpo_lab", "--gib", "140.4", "--lora-r", "16",
+                "--expandable-segments"]) == 0
+    assert "can lie anywhere in" not in capsys.readouterr().out
