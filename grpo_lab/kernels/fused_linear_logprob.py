@@ -89,10 +89,11 @@ FP32_DOT = os.environ.get("GRPO_LAB_FP32_DOT", "tf32x3")
 FROZEN_TWO_GEMM = os.environ.get("GRPO_LAB_FROZEN", "two_gemm") != "recompute"
 # A frozen head with fewer than FROZEN_RECOMPUTE_ROWS valid rows and rows × hidden below FROZEN_RECOMPUTE_BELOW
 # takes the recompute path (dX only) instead: at so few rows the step is bound by host work, and the two-GEMM path's
-# extra launches and reductions cost more than its saved GEMM. H200, bf16, head fwd+bwd (tune_run4.csv, tune_run5.csv): recompute 3.8 / 5.2 / 6.4 / 5.6 ms against
-# 4.6 / 5.7 / 7.3 / 5.9 at 2048 rows × H 1024 / 1536 / 2048 and 3072 × 1024; two-GEMM ahead from 3072 × 1536
-# (7.2 vs 7.6) and at 2048 × 4096 (9.8 vs 12.4); in the whole loss at 4096 × 1024 two-GEMM 7.7 ms, recompute 8.5
-# (TRL 8.0-8.2; loss_grid.csv). Its dZ tile keeps the frozen P~ tile's budget (same memory).
+# extra launches and reductions cost more than its saved GEMM. H200, bf16, head fwd+bwd (tune_run4.csv,
+# tune_run5.csv): recompute 3.8 / 5.2 / 6.4 / 5.6 ms against 4.6 / 5.7 / 7.3 / 5.9 at 2048 rows × H 1024 / 1536 /
+# 2048 and 3072 × 1024; two-GEMM ahead from 3072 × 1536 (7.2 vs 7.6) and at 2048 × 4096 (9.8 vs 12.4); in the whole
+# loss at 4096 × 1024 two-GEMM 7.7 ms, recompute 8.5 (TRL 8.0-8.2; loss_grid.csv). Its dZ tile keeps the frozen P~
+# tile's budget (same memory).
 FROZEN_RECOMPUTE_ROWS = {"16": 4096, "32": 0}
 FROZEN_RECOMPUTE_BELOW = {"16": int(os.environ.get("GRPO_LAB_FROZEN_RECOMPUTE_BELOW", 9 * 2**19)), "32": 0}
 # The frozen path's P~ buffer per compute dtype, (tokens, vocabulary): 128 MiB bf16 / 256 MiB fp32, widened in the

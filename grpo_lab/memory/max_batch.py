@@ -31,8 +31,8 @@ import pandas as pd
 
 from .probe import ProbeError, run_point
 from .results import GiB, environment, make_row, target_csv, write_csv
-from .spec import (PointSpec, check_backend, check_model, check_positive_int, normalize_dtype, parse_str_list,
-                   require_liger_if_named)
+from .spec import (EXPANDABLE_SEGMENTS, PointSpec, check_backend, check_model, check_positive_int, normalize_dtype,
+                   parse_str_list, require_liger_if_named)
 
 FIGURE = "fsdp_max_batch"
 
@@ -203,9 +203,6 @@ def _gpu_total_bytes() -> int | None:
         return None
 
 
-EXPANDABLE_SEGMENTS = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF of a search with expandable_segments
-
-
 @dataclass
 class Search:
     base: PointSpec  # batch_size is replaced by each probe's
@@ -235,6 +232,10 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
         raise ValueError(f"rel_tol must be in [0, 1), got {rel_tol}: the search's gap as a fraction of the batch")
     if lora_r is None or int(lora_r) <= 0:
         raise ValueError("the FSDP max-batch search trains LoRA adapters: lora_r must be a positive integer")
+    @functools.cache
+    def no_gpu() -> bool:
+        return device == "cpu" or (device == "auto" and _gpu_total_bytes() is None)
+
     budget = None
     if budget_gib is not None:
         if float(budget_gib) <= 0:
@@ -256,9 +257,9 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
         r = run_point(one)
         used = r["peak_bytes"] - (r.get("base_bytes", 0) if r.get("memory_kind") == "cpu_rss" else 0)
         budget = int(used + float(budget_above_one_gib) * GiB)
-    elif device == "cpu" or (device == "auto" and _gpu_total_bytes() is None):
+    elif no_gpu():
         raise ValueError("on CPU give a memory budget (budget_gib): there is no device limit to run into")
-    if expandable_segments and (device == "cpu" or (device == "auto" and _gpu_total_bytes() is None)):
+    if expandable_segments and no_gpu():
         raise ValueError("expandable_segments is a setting of the CUDA caching allocator: there is no GPU here")
     extra = {"cuda_alloc_conf": EXPANDABLE_SEGMENTS} if expandable_segments else {}
     out = []

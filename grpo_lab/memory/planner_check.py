@@ -28,9 +28,8 @@ import pandas as pd
 from .planner import GiB, PlannerConfig, max_batch, plan
 from .probe import ProbeError, run_point
 from .results import environment, make_row, target_csv, write_csv
-from .spec import PointSpec
+from .spec import EXPANDABLE_SEGMENTS, PointSpec, parse_int_list, parse_str_list
 
-EXPANDABLE = "expandable_segments:True"
 REL_STEP = 0.03  # notebook 02's search resolution: one search step
 
 
@@ -67,18 +66,23 @@ def heldout_h200_points(budget_gib: float) -> list[CheckPoint]:
     points = [CheckPoint(PointSpec(batch_size=8, **base), "peak B=8")]
     full_ft = CheckPoint(PointSpec(model="Qwen3-4B", backend="trl", dtype="bf16", batch_size=16, prompt_len=256,
                                    completion_len=512, lora_r=0, steps=2, device="cuda"), "full fine-tuning")
-    for alloc, label in ((None, "default allocator"), (EXPANDABLE, "expandable segments")):
-        config = planner_config(PointSpec(batch_size=8, **base), expandable_segments=alloc is not None)
-        pred = max_batch(config, budget_gib).batch
-        extra = {"cuda_alloc_conf": alloc} if alloc else {}
-        lo, hi = math.floor(pred * (1 - REL_STEP)), math.ceil(pred * (1 + REL_STEP))
-        points += [CheckPoint(PointSpec(batch_size=lo, extra=extra, **base), f"{label}: 3 % below max {pred}", "fits",
-                              {"predicted_max_batch": pred}),
-                   CheckPoint(PointSpec(batch_size=hi, extra=extra, **base), f"{label}: 3 % above max {pred}", "oom",
-                              {"predicted_max_batch": pred})]
-        if alloc is None:  # before the expandable-segments pair: the order in which a time limit cuts
-            points.append(full_ft)
-    return points
+    points += probe_pair(base, budget_gib, expandable=False)
+    points.append(full_ft)  # before the expandable-segments pair: the order in which a time limit cuts
+    return points + probe_pair(base, budget_gib, expandable=True)
+
+
+def probe_pair(base: dict, budget_gib: float, expandable: bool) -> list[CheckPoint]:
+    """Two probes of the point `base` (PointSpec fields but the batch), 3 % below and 3 % above the planner's max
+    batch for that allocator setting: the first should fit, the second not."""
+    extra = {"cuda_alloc_conf": EXPANDABLE_SEGMENTS} if expandable else {}
+    label = "expandable segments" if expandable else "default allocator"
+    pred = max_batch(planner_config(PointSpec(batch_size=8, extra=extra, **base), expandable_segments=expandable),
+                     budget_gib).batch
+    lo, hi = math.floor(pred * (1 - REL_STEP)), math.ceil(pred * (1 + REL_STEP))
+    return [CheckPoint(PointSpec(batch_size=lo, extra=extra, **base), f"{label}: 3 % below max {pred}", "fits",
+                       {"predicted_max_batch": pred}),
+            CheckPoint(PointSpec(batch_size=hi, extra=extra, **base), f"{label}: 3 % above max {pred}", "oom",
+                       {"predicted_max_batch": pred})]
 
 
 def nb02_expandable_points(budget_gib: float, models=("Qwen3-4B", "Qwen3-8B", "Qwen3-1.7B"),
@@ -86,19 +90,10 @@ def nb02_expandable_points(budget_gib: float, models=("Qwen3-4B", "Qwen3-8B", "Q
     """Notebook 02's H200 setting, probed 3 % below / above the planner's max batch with `expandable_segments`
     (the default allocator's fragmentation put 6 of its 12 fused searches more than one step off). Ordered so
     that a time limit cuts the models that already matched under the default allocator (1.7B) last."""
-    points = []
-    for model in models:
-        for backend in backends:
-            base = dict(model=model, backend=backend, dtype="bf16", prompt_len=256, completion_len=512, lora_r=16,
-                        fsdp=True, world_size=1, steps=1, device="cuda", extra={"cuda_alloc_conf": EXPANDABLE})
-            pred = max_batch(planner_config(PointSpec(batch_size=8, **base), expandable_segments=True),
-                             budget_gib).batch
-            lo, hi = math.floor(pred * (1 - REL_STEP)), math.ceil(pred * (1 + REL_STEP))
-            points += [CheckPoint(PointSpec(batch_size=lo, **base), f"expandable segments: 3 % below max {pred}",
-                                  "fits", {"predicted_max_batch": pred}),
-                       CheckPoint(PointSpec(batch_size=hi, **base), f"expandable segments: 3 % above max {pred}",
-                                  "oom", {"predicted_max_batch": pred})]
-    return points
+    return [point for model in models for backend in backends
+            for point in probe_pair(dict(model=model, backend=backend, dtype="bf16", prompt_len=256,
+                                         completion_len=512, lora_r=16, fsdp=True, world_size=1, steps=1,
+                                         device="cuda"), budget_gib, expandable=True)]
 
 
 def run_checks(points: list[CheckPoint], out_csv: Path | None = None, max_seconds: float | None = None,
@@ -187,8 +182,6 @@ def main(argv=None) -> int:
         return 2
     try:
         if a.preset == "cpu_fsdp":
-            from .spec import parse_int_list, parse_str_list
-
             points = cpu_fsdp_points(backends=parse_str_list(a.backends or "trl,naive", "backends"),
                                      world_sizes=parse_int_list(a.world_sizes, "world sizes"))
         else:
@@ -203,8 +196,6 @@ def main(argv=None) -> int:
             if a.preset == "heldout_h200":
                 points = heldout_h200_points(budget)
             else:
-                from .spec import parse_str_list
-
                 picked = {}
                 if a.models:
                     picked["models"] = parse_str_list(a.models, "models")

@@ -22,6 +22,7 @@ import pandas as pd
 
 from .planner import GiB, PlannerConfig, max_batch, max_batch_band, plan, plan_loss_only
 from .results import load_reference
+from .spec import EXPANDABLE_SEGMENTS
 
 TARGET_PCT = 10.0  # the issue's target: within 10 % of the measured peak
 # where and with what each point was measured, copied from its source row (the loss grid names the GPU `gpu`)
@@ -145,7 +146,7 @@ def max_batch_rows(searches: pd.DataFrame) -> list[dict]:
         alloc = r.get("cuda_alloc_conf")
         cfg = _config(r, lora_r=int(r["lora_r"]), fsdp=True, world_size=int(r["world_size"]), device=device,
                       optimizer_state=int(r.get("steps") if pd.notna(r.get("steps")) else 1) > 1,
-                      expandable_segments=isinstance(alloc, str) and "expandable_segments:True" in alloc)
+                      expandable_segments=isinstance(alloc, str) and EXPANDABLE_SEGMENTS in alloc)
         upper = int(r["max_batch"]) if bool(r["capped"]) else 1 << 14
         pred = max_batch(cfg.replace(batch_size=1), float(r["budget_gib"]), upper=upper)
         measured, first_oom = int(r["max_batch"]), (None if pd.isna(r["first_oom"]) else int(r["first_oom"]))
@@ -175,8 +176,9 @@ def max_batch_table() -> pd.DataFrame:
     return pd.DataFrame(max_batch_rows(pd.concat(found, ignore_index=True))) if found else pd.DataFrame()
 
 
-def heldout_max_batch_rows(df: pd.DataFrame) -> list[dict]:
-    """The held-out check's probe pairs 3 % below / above the predicted max batch."""
+def probe_pair_rows(df: pd.DataFrame) -> list[dict]:
+    """A planner_check CSV's probe pairs 3 % below / above the predicted max batch, one row per model, backend,
+    LoRA rank and allocator setting."""
     out = []
     pairs = df[df["expect"].isin(["fits", "oom"])] if "expect" in df else df.iloc[0:0]
     keys = [pairs["model"], pairs["backend"], pairs["lora_r"], pairs["cuda_alloc_conf"].fillna("")]
@@ -226,7 +228,7 @@ def probe_pairs(extra_csvs: dict[str, Path] | None = None) -> pd.DataFrame:
     for name, source in PROBE_CSVS:
         df = _planner_csv(name, extra_csvs)
         if df is not None:
-            rows += [{"source": source, **r} for r in heldout_max_batch_rows(df)]
+            rows += [{"source": source, **r} for r in probe_pair_rows(df)]
     return pd.DataFrame(rows)
 
 
@@ -237,7 +239,13 @@ def probe_pair_summary(pairs: pd.DataFrame) -> pd.DataFrame:
     ran = pairs[pairs["within_one_step"].notna()]
     g = ran.groupby(["source", "allocator"], sort=False)
     return pd.DataFrame({"pairs": g.size(),
-                         "within_one_step": g["within_one_step"].apply(lambda w: f"{int(w.sum())}/{len(w)}")})
+                         "within_one_step": g["within_one_step"].apply(_tally)})
+
+
+def _tally(flags: pd.Series) -> str:
+    """"k/n": how many of the known flags hold (missing ones, a check that does not apply, are not counted)."""
+    known = flags.dropna()
+    return f"{int(known.sum())}/{len(known)}"
 
 
 def _planner_csv(name: str, extra_csvs: dict[str, Path] | None) -> pd.DataFrame | None:
@@ -264,9 +272,9 @@ def max_batch_summary(searches: pd.DataFrame) -> pd.DataFrame:
     g = searches.assign(head=kind, abs_err=searches["error_pct"].abs()).groupby(["source", "head"], sort=False)
     return pd.DataFrame({"searches": g.size(), "max_abs_error_pct": g["abs_err"].max(),
                          "median_abs_error_pct": g["abs_err"].median(),
-                         "within_one_step": g["within_one_step"].apply(lambda w: f"{int(w.sum())}/{len(w)}"),
+                         "within_one_step": g["within_one_step"].apply(_tally),
                          "within_default_allocator_band": g["within_band"].apply(
-                             lambda w: f"{int(w.dropna().sum())}/{int(w.notna().sum())}" if w.notna().any() else "")})
+                             lambda w: _tally(w) if w.notna().any() else "")})
 
 
 def markdown_table(df: pd.DataFrame, index: bool = False, floatfmt: str = "{:.2f}") -> str:

@@ -109,6 +109,10 @@ def parse_str_list(values, what: str = "list") -> list[str]:
     return out
 
 
+# PYTORCH_CUDA_ALLOC_CONF of a point (`PointSpec.extra["cuda_alloc_conf"]`) run with expandable segments
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
 @dataclass(frozen=True)
 class PointSpec:
     """One measurement. `batch_size` is per device: the sequences (prompt + completion) in one training micro-step."""
