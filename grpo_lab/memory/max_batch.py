@@ -2,6 +2,7 @@
 
     python -m grpo_lab.memory.max_batch --quick --out results/fsdp_max_batch   # CPU, gloo, tiny models
     python -m grpo_lab.memory.max_batch --full  --out results/fsdp_max_batch   # one H200: Qwen3 0.6B-8B, bf16 LoRA
+    # --full writes fsdp_max_batch_expandable.csv (expandable_segments); with --default-allocator, fsdp_max_batch.csv
 
 A probe is `spec.steps` real TRL GRPO optimizer steps (FSDP2 + LoRA, synthetic fixed-length completions, see
 `grpo_step`) at one batch size; it fits when every rank finishes without running out of memory (on CUDA the cap is
@@ -44,10 +45,13 @@ PRESETS = {
     "quick": dict(models=["small-qwen3"], backends=["naive", "trl", "grpo_lab"], dtype="fp32",
                   prompt_len=8, completion_len=24, world_size=1, lora_r=8, budget_above_one_gib=0.03, start=4, upper=32,
                   rel_tol=0.25, steps=1, device="cpu"),
-    # One H200 (world size 1), bf16 LoRA r=16, 256 prompt + 512 completion tokens, the whole GPU as budget
+    # One H200 (world size 1), bf16 LoRA r=16, 256 prompt + 512 completion tokens, the whole GPU as budget, probes
+    # under expandable_segments (the allocator setting the memory planner's max batch is validated for; 7-19 % more
+    # batch for the fused heads than the default allocator, results/fsdp_max_batch/H200_RUN.md)
     "full": dict(models=["Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B", "Qwen3-8B"], backends=["naive", "trl", "grpo_lab",
                  "liger"], dtype="bf16", prompt_len=256, completion_len=512, world_size=1, lora_r=16,
-                 budget_fraction=None, start=8, upper=1024, rel_tol=0.03, steps=1, device="cuda"),
+                 budget_fraction=None, start=8, upper=1024, rel_tol=0.03, steps=1, device="cuda",
+                 expandable_segments=True),
 }
 
 
@@ -203,6 +207,11 @@ def _gpu_total_bytes() -> int | None:
         return None
 
 
+def gpu_present() -> bool:
+    """Whether this machine has a CUDA GPU (asked without initialising CUDA here)."""
+    return _gpu_total_bytes() is not None
+
+
 @dataclass
 class Search:
     base: PointSpec  # batch_size is replaced by each probe's
@@ -234,7 +243,7 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
         raise ValueError("the FSDP max-batch search trains LoRA adapters: lora_r must be a positive integer")
     @functools.cache
     def no_gpu() -> bool:
-        return device == "cpu" or (device == "auto" and _gpu_total_bytes() is None)
+        return device == "cpu" or (device == "auto" and not gpu_present())
 
     budget = None
     if budget_gib is not None:
@@ -274,7 +283,8 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
 
 def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_probe=None, on_search=None,
                  guess: bool = True, keep_going: bool = False, append: bool = False,
-                 max_seconds: float | None = None, resume: bool = False) -> pd.DataFrame:
+                 max_seconds: float | None = None, resume: bool = False,
+                 seed_probes: str | Path | pd.DataFrame | None = None) -> pd.DataFrame:
     """Run each search; returns one row per search (max batch, first OOM, probes) and, next to `out_csv`, writes
     `<name>_probes.csv` with one row per probe (the memory-harness columns).
 
@@ -284,7 +294,10 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
     is recorded as `incomplete` (its bracket in max_batch / first_oom) and the ones not started as `skipped`. With
     `resume` (implies `append`), a search starts from the probes already in `<name>_probes.csv` for the same
     model, backend, dtype, lengths, LoRA rank, world size, steps and budget, so a search cut short goes on where it
-    stopped."""
+    stopped. `seed_probes` (implies `resume`): probes measured elsewhere with the same harness (planner_check's pairs
+    around the planner's max batch, say); its rows with a search's exact setting become known probes of that search
+    and are copied into `<name>_probes.csv`, so a search can start from a bracket another run measured."""
+    resume = resume or seed_probes is not None
     append = append or resume
     env = environment(searches[0].base.device if searches else "auto")
     rows, probe_rows = [], []
@@ -308,6 +321,9 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
                                zip(previous_probes["model"], previous_probes["backend"])], dtype=bool)
             previous_probes = previous_probes[others | reusable]
 
+    if seed_probes is not None:
+        previous_probes = _with_seeds(previous_probes, seed_probes, searches)
+
     def merged(frame, old):
         return frame if old is None or old.empty else pd.concat([old, frame], ignore_index=True)
 
@@ -330,7 +346,7 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
             if out_csv is not None:
                 from .results import COLUMNS
 
-                frame = pd.DataFrame(probe_rows, columns=[*COLUMNS, "cuda_alloc_conf"])
+                frame = pd.DataFrame(probe_rows, columns=[*COLUMNS, "cuda_alloc_conf", "seeded_from"])
                 write_csv(merged(frame, previous_probes), _probes_path(out_csv))
             return r["status"] == "ok", r
 
@@ -419,6 +435,28 @@ def _with_recorded_budget(probes: pd.DataFrame, s: Search) -> Search:
     return Search(s.base.replace(budget_bytes=recorded), s.start, s.upper, s.rel_tol)
 
 
+def _with_seeds(previous: pd.DataFrame | None, seeds: str | Path | pd.DataFrame,
+                searches: list[Search]) -> pd.DataFrame | None:
+    """`previous` (a probes CSV's rows, or None) plus the rows of `seeds` that probe one of `searches` under its
+    exact setting and are not in `previous` already, in the probes CSV's columns; `seeded_from` names their file
+    (so a validation does not count a measurement twice)."""
+    from .results import COLUMNS
+
+    seeds_path = None if isinstance(seeds, pd.DataFrame) else Path(seeds)
+    seeds = seeds if seeds_path is None else pd.read_csv(seeds_path)
+    match = np.zeros(len(seeds), dtype=bool)
+    for s in searches:
+        match |= _same_search(seeds, s)
+    source = getattr(seeds_path, "name", "another run")
+    new = seeds[match].reindex(columns=[*COLUMNS, "cuda_alloc_conf"]).assign(figure=FIGURE, seeded_from=source)
+    if previous is None or previous.empty:
+        return new
+    key = ["model", "backend", "dtype", "prompt_len", "completion_len", "lora_r", "world_size", "batch_size",
+           "cuda_alloc_conf"]
+    both = pd.concat([previous, new], ignore_index=True)
+    return both[~both[key].fillna("").duplicated()]  # a probe already in the CSV is kept, not seeded twice
+
+
 def _known_probes(probes: pd.DataFrame, s: Search) -> dict[int, dict]:
     """The earlier probes of search `s` as search results (peaks back in bytes)."""
     out = {}
@@ -458,8 +496,12 @@ def main(argv=None) -> int:
     p.add_argument("--rel-tol", type=float)
     p.add_argument("--steps", type=int)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--expandable-segments", action="store_true", default=None,
-                   help="probe with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation at the limit)")
+    alloc = p.add_mutually_exclusive_group()
+    alloc.add_argument("--expandable-segments", action="store_true", default=None,
+                       help="probe with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation at the "
+                            "limit; the --full preset's default)")
+    alloc.add_argument("--default-allocator", dest="expandable_segments", action="store_false",
+                       help="probe with PyTorch's default caching allocator (the committed fsdp_max_batch.csv)")
     p.add_argument("--name")
     p.add_argument("--keep-going", action="store_true", help="record a failing search as an error and go on")
     p.add_argument("--append", action="store_true", help="keep the other (model, backend) rows of an existing CSV")
@@ -469,6 +511,9 @@ def main(argv=None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an existing CSV (refused otherwise)")
     p.add_argument("--resume", action="store_true",
                    help="go on from the probes already in <name>_probes.csv for the same setting (implies --append)")
+    p.add_argument("--seed-probes", metavar="CSV",
+                   help="also start from the probes of this CSV (e.g. planner_check's pairs) measured under the same "
+                        "setting (implies --resume)")
     p.add_argument("--replot", metavar="CSV", help="only redraw the PNG of an existing CSV (next to it)")
     a = p.parse_args(argv)
     if a.replot:
@@ -493,11 +538,16 @@ def main(argv=None) -> int:
             if k in ("budget_gib", "budget_fraction"):
                 preset.pop("budget_above_one_gib", None)
                 preset["budget_fraction" if k == "budget_gib" else "budget_gib"] = None
+    if a.expandable_segments is None and preset["device"] == "cpu":
+        preset["expandable_segments"] = False  # the preset's allocator setting is for CUDA; on CPU it has no meaning
     try:
         require_liger_if_named(parse_str_list(preset["backends"], "backends"))
         searches = build_searches(**preset)
-        name = a.name or (FIGURE if a.full else f"{FIGURE}_quick")
-        csv = target_csv(a.out, name, keep=a.append or a.resume, overwrite=a.overwrite)
+        name = a.name or (f"{FIGURE}_quick" if not a.full else
+                          f"{FIGURE}_expandable" if preset["expandable_segments"] else FIGURE)
+        csv = target_csv(a.out, name, keep=a.append or a.resume or bool(a.seed_probes), overwrite=a.overwrite)
+        if a.seed_probes and not Path(a.seed_probes).is_file():
+            raise ValueError(f"no probes CSV {a.seed_probes} to seed the searches from")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -515,7 +565,7 @@ def main(argv=None) -> int:
     try:
         df = run_searches(searches, out_csv=csv, on_probe=on_probe, on_search=on_search, keep_going=a.keep_going,
                           append=a.append, max_seconds=None if a.max_minutes is None else a.max_minutes * 60,
-                          resume=a.resume)
+                          resume=a.resume, seed_probes=a.seed_probes or None)
     except ProbeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

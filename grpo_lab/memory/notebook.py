@@ -113,8 +113,40 @@ def closing_note_memory(df: pd.DataFrame | None) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # notebook 02
 # ---------------------------------------------------------------------------------------------------------------
-def reference_max_batch() -> pd.DataFrame | None:
-    return load_reference("fsdp_max_batch", "fsdp_max_batch.csv")
+# the committed H200 searches per allocator setting (expandable_segments: True / False)
+REFERENCE_MAX_BATCH = {True: "fsdp_max_batch_expandable.csv", False: "fsdp_max_batch.csv"}
+
+
+def reference_max_batch(expandable_segments: bool = True) -> pd.DataFrame | None:
+    """The committed H200 searches made under that allocator setting (None where there are none)."""
+    return load_reference("fsdp_max_batch", REFERENCE_MAX_BATCH[bool(expandable_segments)])
+
+
+def allocator_comparison() -> pd.DataFrame:
+    """Max batch per model × backend under the default caching allocator and under expandable_segments (the
+    committed H200 searches), with the gain: what the allocator setting alone is worth."""
+    frames = {k: reference_max_batch(k) for k in (False, True)}
+    if any(f is None or f.empty for f in frames.values()):
+        return pd.DataFrame()
+    key = ["model", "backend"]
+    both = frames[False].merge(frames[True], on=key, suffixes=("_default", "_expandable"))
+    both = both[(both["status_default"] == "ok") & (both["status_expandable"] == "ok")]
+    out = both[key].copy()
+    for k in ("default", "expandable"):
+        capped = both[f"capped_{k}"].astype(bool)
+        out[k] = [f"≥{b}" if c else str(b) for b, c in zip(both[f"max_batch_{k}"], capped)]
+    bounded = both["capped_default"].astype(bool) | both["capped_expandable"].astype(bool)
+    gain = 100 * (both["max_batch_expandable"] / both["max_batch_default"] - 1)
+    out["gain"] = ["" if b else f"{g:+.0f} %" for g, b in zip(gain, bounded)]
+    return out.sort_values(key, key=_preset_order).set_index(key)
+
+
+def _preset_order(column: pd.Series) -> pd.Series:
+    """Rows in the full preset's order (models by size, then naive, trl, grpo_lab, liger); others after them."""
+    from .max_batch import PRESETS
+
+    order = list(PRESETS["full"]["models"]) + list(PRESETS["full"]["backends"])
+    return column.map(lambda v: order.index(v) if v in order else len(order))
 
 
 def run_max_batch(params: dict, out_dir: str | Path, name: str, board=None):
@@ -195,8 +227,11 @@ def closing_note_max_batch(df: pd.DataFrame | None) -> str:
         return "_No committed H200 results yet: run `python -m grpo_lab.memory.max_batch --full` on a GPU._"
     t = ratio_table(df)
     r = df.iloc[0]
+    alloc = r.get("cuda_alloc_conf")
+    alloc = f"PYTORCH_CUDA_ALLOC_CONF={alloc}" if isinstance(alloc, str) and alloc else "default caching allocator"
     lines = [f"**{r['gpu_name']}, FSDP2 + LoRA r={r['lora_r']}, {r['dtype']}, {r['prompt_len']}+{r['completion_len']} "
-             f"tokens, world size {r['world_size']}, budget {r['budget_gib']:.1f} GiB ({r['date']})** — max per-device "
+             f"tokens, world size {r['world_size']}, budget {r['budget_gib']:.1f} GiB, {alloc} ({r['date']})** — "
+             "max per-device "
              "batch (the seed article: *1.5–1.8×* larger with the chunked loss):", "",
              "| model | " + " | ".join(map(str, t.columns)) + " |", "|---|" + "---|" * len(t.columns)]
     for m, row in t.iterrows():

@@ -16,6 +16,7 @@ import pandas as pd
 
 from .planner import GiB, PlannerConfig, max_batch, plan, usable_budget
 from .planner_report import plot_world_sizes, world_size_table
+from .spec import EXPANDABLE_SEGMENTS
 
 BACKENDS = ("naive", "trl", "grpo_lab", "liger")
 H200_GIB = 140.4  # what torch reports for one H200 (notebook 02's committed budget)
@@ -42,11 +43,13 @@ def summary_html(config: PlannerConfig, budget_gib: float) -> str:
 
 
 def measured_points(searches: pd.DataFrame | None, config: PlannerConfig, budget_gib: float) -> pd.DataFrame:
-    """The finished searches of `searches` (notebook 02's CSV) made in `config`'s setting under the same budget
-    (±1 GiB)."""
+    """The finished searches of `searches` (notebook 02's CSV) made in `config`'s setting (allocator included)
+    under the same budget (±1 GiB)."""
     if searches is None or searches.empty:
         return pd.DataFrame(columns=["backend", "world_size", "max_batch"])
-    same = searches[(searches["model"] == config.model) & (searches["dtype"] == config.dtype)
+    expandable = _alloc(searches).str.contains(EXPANDABLE_SEGMENTS, regex=False)
+    same = searches[(expandable == bool(config.expandable_segments))
+                    & (searches["model"] == config.model) & (searches["dtype"] == config.dtype)
                     & (searches["lora_r"] == config.lora_r) & (searches["prompt_len"] == config.prompt_len)
                     & (searches["completion_len"] == config.completion_len) & (searches["status"] == "ok")
                     & ((searches["budget_gib"] - budget_gib).abs() <= 1.0)]
@@ -66,16 +69,27 @@ def world_size_figure(config: PlannerConfig, budget_gib: float, searches: pd.Dat
 
 
 def with_committed_searches(searches: pd.DataFrame | None) -> pd.DataFrame | None:
-    """`searches` (just measured in the notebook) together with the committed H200 searches, so the plot overlays
-    every measurement of a setting; a search repeated in both is kept once (the newer, from `searches`)."""
-    from .results import load_reference
+    """`searches` (just measured in the notebook) together with the committed H200 searches of both allocator
+    settings, so the plot overlays every measurement of a setting; a search repeated is kept once (the newer, from
+    `searches`)."""
+    from .notebook import reference_max_batch
 
-    frames = [df for df in (load_reference("fsdp_max_batch", "fsdp_max_batch.csv"), searches)
+    frames = [df for df in (reference_max_batch(False), reference_max_batch(True), searches)
               if df is not None and not df.empty]
     if not frames:
         return None
-    keys = ["model", "backend", "dtype", "lora_r", "world_size", "prompt_len", "completion_len", "budget_gib", "device"]
-    return pd.concat(frames, ignore_index=True).drop_duplicates(subset=keys, keep="last")
+    both = pd.concat(frames, ignore_index=True)
+    both["cuda_alloc_conf"] = _alloc(both)
+    keys = ["model", "backend", "dtype", "lora_r", "world_size", "prompt_len", "completion_len", "budget_gib", "device",
+            "cuda_alloc_conf"]
+    return both.drop_duplicates(subset=keys, keep="last")
+
+
+def _alloc(searches: pd.DataFrame) -> pd.Series:
+    """Each search's PYTORCH_CUDA_ALLOC_CONF ("" = the default allocator; CSVs from before the column too)."""
+    if "cuda_alloc_conf" not in searches:
+        return pd.Series("", index=searches.index)
+    return searches["cuda_alloc_conf"].fillna("").astype(str)
 
 
 class PlannerPanel:
@@ -212,8 +226,9 @@ def searches_against_planner(searches: pd.DataFrame | None) -> pd.DataFrame:
     rows = pd.DataFrame(max_batch_rows(searches))
     if rows.empty:
         return rows
-    return rows[["model", "backend", "device", "world_size", "budget_gib", "measured_max_batch", "first_oom",
-                 "predicted_max_batch", "error_pct", "within_one_step"]].round({"error_pct": 1, "budget_gib": 2})
+    return rows[["model", "backend", "device", "allocator", "world_size", "budget_gib", "measured_max_batch",
+                 "first_oom", "predicted_max_batch", "error_pct", "within_one_step"]].round(
+        {"error_pct": 1, "budget_gib": 2})
 
 
 __all__ = ["PlannerPanel", "searches_against_planner", "summary_html", "with_committed_searches",

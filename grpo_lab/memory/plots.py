@@ -144,9 +144,11 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
     ax.legend(title="loss backend (×n = vs naive, ×t = vs trl)", fontsize=8, loc="upper left",
               bbox_to_anchor=(1.0, 1.0))
     r = title_row
+    alloc = r.get("cuda_alloc_conf")
+    alloc = f" · {alloc}" if isinstance(alloc, str) and alloc else ""
     ax.set_title(f"FSDP2 + LoRA r={r.get('lora_r', '')}: max batch, {r.get('dtype', '')}, "
                  f"{r.get('prompt_len', '')}+{r.get('completion_len', '')} tokens, world size {r.get('world_size', '')}"
-                 f", budget {r.get('budget_gib', 0):.3g} GiB\n{r.get('gpu_name', '')} · {r.get('date', '')}",
+                 f", budget {r.get('budget_gib', 0):.3g} GiB\n{r.get('gpu_name', '')} · {r.get('date', '')}{alloc}",
                  fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

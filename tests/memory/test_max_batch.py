@@ -1,5 +1,6 @@
 """The max-batch search finds the right answer against a known memory model; the CLI validates its input."""
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -377,3 +378,64 @@ def test_expandable_segments_on_cpu_is_refused_with_a_message(tmp_path, capsys):
     rc = max_batch.main(["--quick", "--device", "cpu", "--expandable-segments", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "allocator" in err and "Traceback" not in err
+
+
+def test_a_seeded_search_starts_from_another_runs_probes_and_says_where_they_came_from(tmp_path, monkeypatch):
+    """`seed_probes` (planner_check's pair around a predicted limit, say): the pair measured under the search's
+    setting brackets the search from the start, is not probed again, lands in the probes CSV marked with its file;
+    a row of another allocator setting is not taken."""
+    calls = []
+    monkeypatch.setattr(max_batch, "run_point", _linear_fake_probe(calls))
+    kw = dict(models="tiny-qwen3", backends="trl", dtype="bf16", prompt_len=8, completion_len=8, lora_r=4,
+              budget_gib=5.1, start=1, upper=512, device="cuda", rel_tol=0.0)
+    plain = run_searches(build_searches(**kw, expandable_segments=True), out_csv=tmp_path / "a.csv", guess=False)
+    n_plain = len(calls)
+    probes = pd.read_csv(tmp_path / "a_probes.csv")
+    pair = probes[probes["batch_size"].isin([8, 32])].assign(figure="memory_planner", expect=["fits", "oom"])
+    other = pair.iloc[[0]].assign(batch_size=17, status="ok", cuda_alloc_conf=np.nan)  # default allocator: wrong
+    seeds = tmp_path / "planner_pairs.csv"
+    pd.concat([pair, other]).to_csv(seeds, index=False)
+    calls.clear()
+    csv = tmp_path / "seeded.csv"
+    df = run_searches(build_searches(**kw, expandable_segments=True), out_csv=csv, seed_probes=seeds, guess=False)
+    row = df.iloc[0]
+    assert row["max_batch"] == plain.iloc[0]["max_batch"] == 16 and row["first_oom"] == 17
+    assert "resumed from 2 earlier probes" in row["message"] and row["probes"].startswith("8:ok 32:oom")
+    assert {b for _, b, _ in calls}.isdisjoint({8, 32}) and len(calls) < n_plain
+    written = pd.read_csv(tmp_path / "seeded_probes.csv")
+    assert set(written["figure"]) == {"fsdp_max_batch"} and len(written) == row["n_probes"]
+    marked = written[written["seeded_from"].fillna("") == "planner_pairs.csv"]
+    assert sorted(marked["batch_size"]) == [8, 32]
+    # seeding again (a resumed job) does not duplicate the pair
+    run_searches(build_searches(**kw, expandable_segments=True), out_csv=csv, seed_probes=seeds, guess=False)
+    assert not pd.read_csv(tmp_path / "seeded_probes.csv").duplicated(["batch_size"]).any()
+
+
+def test_cli_seed_probes_that_do_not_exist_is_a_message(tmp_path, capsys):
+    rc = max_batch.main(["--quick", "--budget-gib", "0.5", "--seed-probes", str(tmp_path / "nope.csv"),
+                         "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "nope.csv" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag, name, alloc", [([], "fsdp_max_batch_expandable", "expandable_segments:True"),
+                                               (["--default-allocator"], "fsdp_max_batch", "")])
+def test_full_preset_probes_under_expandable_segments_unless_told_otherwise(tmp_path, monkeypatch, flag, name,
+                                                                           alloc):
+    """The H200 preset's searches run under expandable_segments and write their own CSV, so the committed
+    default-allocator searches are never mixed with them; --default-allocator gives the old setting and name."""
+    calls, seen = [], []
+    fake = _linear_fake_probe(calls, per_gib=0.25)
+
+    def probe(spec):
+        seen.append(spec.extra.get("cuda_alloc_conf", ""))
+        return fake(spec)
+
+    monkeypatch.setattr(max_batch, "run_point", probe)
+    monkeypatch.setattr(max_batch, "_gpu_total_bytes", lambda: int(140 * GiB))  # a GPU is here
+    rc = max_batch.main(["--full", "--models", "Qwen3-0.6B", "--backends", "trl", "--upper", "64", "--budget-gib", "5.1",
+                         *flag,
+                         "--out", str(tmp_path)])
+    df = pd.read_csv(tmp_path / f"{name}.csv")
+    assert rc == 0 and set(seen) == {alloc} and df.iloc[0]["max_batch"] == 16
+    assert df["cuda_alloc_conf"].fillna("").tolist() == [alloc]

@@ -257,3 +257,43 @@ def test_plan_cli_prints_the_default_allocator_band(capsys):
     assert cli(["plan", "--model", "Qwen3-4B", "--backend", "grpo_lab", "--gib", "140.4", "--lora-r", "16",
                 "--expandable-segments"]) == 0
     assert "can lie anywhere in" not in capsys.readouterr().out
+
+
+def test_notebook_02_searches_under_expandable_segments_are_within_one_step():
+    """Notebook 02's default since 2026-12-03: the whole H200 search (16 searches: 4 Qwen3 sizes × 4 heads) under
+    expandable_segments, against the planner's max batch for that allocator: every one within one search step, the
+    uncapped fused ones within 1 %; each fused limit above the default allocator's (the fragmentation it removes)."""
+    import pandas as pd
+
+    from grpo_lab.memory.planner_validate import max_batch_rows
+    from grpo_lab.memory.results import load_reference
+
+    searches = load_reference("fsdp_max_batch", "fsdp_max_batch_expandable.csv")
+    assert (searches["cuda_alloc_conf"] == "expandable_segments:True").all() and (searches["status"] == "ok").all()
+    rows = pd.DataFrame(max_batch_rows(searches))
+    assert len(rows) == 16 and rows["within_one_step"].all(), rows
+    fused = rows[(rows["backend"] != "naive") & ~rows["capped"]]
+    assert len(fused) == 9 and fused["error_pct"].abs().max() < 1
+    assert set(rows["source"]) == {"H200 notebook 02 (searches, expandable segments)"}
+    default = load_reference("fsdp_max_batch", "fsdp_max_batch.csv").set_index(["model", "backend"])
+    for _, r in fused.iterrows():
+        assert r["measured_max_batch"] > default.loc[(r["model"], r["backend"]), "max_batch"]
+
+
+def test_seeded_probes_are_validated_once():
+    """The expandable searches started from planner_check's pairs: those 18 probes are rows of the planner-check
+    source, not counted a second time among the searches' own probes."""
+    import pandas as pd
+
+    from grpo_lab.memory.planner_validate import validation_table
+    from grpo_lab.memory.results import load_reference
+
+    probes = load_reference("fsdp_max_batch", "fsdp_max_batch_expandable_probes.csv")
+    seeded = probes["seeded_from"].fillna("") == "planner_nb02_expandable.csv"
+    assert seeded.sum() == 18
+    table = validation_table()
+    own = table[table["source"] == "H200 notebook 02 (probes, expandable segments)"]
+    assert len(own) == int(((probes["status"] == "ok") & ~seeded).sum())
+    keys = ["model", "backend", "batch_size"]
+    pairs = table[table["source"] == "H200 notebook 02 setting, expandable segments"]
+    assert pd.merge(own[keys], pairs[keys]).empty

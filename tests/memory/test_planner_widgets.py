@@ -71,12 +71,15 @@ def test_unknown_model_is_refused():
 
 
 def test_searches_just_measured_replace_the_committed_ones():
+    """A search rerun in the notebook replaces the committed one of its setting, allocator included; the other
+    allocator's search of the same model and backend stays."""
     committed = load_reference("fsdp_max_batch", "fsdp_max_batch.csv")
+    expandable = load_reference("fsdp_max_batch", "fsdp_max_batch_expandable.csv")
     rerun = committed.iloc[[0]].assign(max_batch=99)
     both = with_committed_searches(rerun)
-    assert len(both) == len(committed)
-    assert both[(both["model"] == rerun["model"].iloc[0]) & (both["backend"] == rerun["backend"].iloc[0])][
-        "max_batch"].tolist() == [99]
+    assert len(both) == len(committed) + len(expandable)
+    same = both[(both["model"] == rerun["model"].iloc[0]) & (both["backend"] == rerun["backend"].iloc[0])]
+    assert sorted(same["max_batch"].tolist()) == [99, 100]
 
 
 def test_committed_validation_tables_are_what_the_code_computes(tmp_path):
@@ -93,10 +96,14 @@ def test_committed_validation_tables_are_what_the_code_computes(tmp_path):
     assert (measured["machine"] == "NVIDIA H200").all() and measured["measured_on"].notna().all()
 
 
-def test_notebook_table_matches_the_validation_table():
-    shown = searches_against_planner(load_reference("fsdp_max_batch", "fsdp_max_batch.csv"))
+@pytest.mark.parametrize("name, source", [("fsdp_max_batch.csv", "H200 notebook 02 (searches)"),
+                                          ("fsdp_max_batch_expandable.csv",
+                                           "H200 notebook 02 (searches, expandable segments)")])
+def test_notebook_table_matches_the_validation_table(name, source):
+    shown = searches_against_planner(load_reference("fsdp_max_batch", name))
     committed = pd.read_csv(RESULTS / "validation_max_batch.csv")
-    h200 = committed[committed["device"] == "cuda"]
+    h200 = committed[committed["source"] == source]
+    assert len(shown) == len(h200) == 16
     assert shown["predicted_max_batch"].tolist() == h200["predicted_max_batch"].tolist()
     assert shown["within_one_step"].tolist() == h200["within_one_step"].tolist()
 
@@ -114,3 +121,32 @@ def test_validate_cli_missing_heldout_csv_is_one_line(tmp_path, capsys):
     assert planner_validate.main(["--out", str(tmp_path), "--heldout-csv", str(tmp_path / "none.csv")]) == 2
     err = capsys.readouterr().err
     assert "no CSV" in err and "Traceback" not in err
+
+
+def test_committed_searches_of_both_allocators_are_overlaid_each_on_its_own_setting():
+    """with_committed_searches keeps the default-allocator and the expandable_segments searches apart (same model and
+    backend, different limits); the panel draws a search only on the allocator setting it was made with."""
+    from grpo_lab.memory.planner import PlannerConfig
+    from grpo_lab.memory.planner_widgets import measured_points
+
+    both = with_committed_searches(None)
+    assert len(both) == 32
+    cfg = PlannerConfig(model="Qwen3-4B", backend="grpo_lab", lora_r=16, prompt_len=256, completion_len=512)
+    plain = measured_points(both, cfg, 140.4).set_index("backend")["max_batch"]
+    expandable = measured_points(both, cfg.replace(expandable_segments=True), 140.4).set_index("backend")["max_batch"]
+    assert plain["grpo_lab"] == 397 and expandable["grpo_lab"] == 474
+    assert plain["naive"] == 86 and expandable["naive"] == 88
+
+
+def test_allocator_comparison_tabulates_the_gain_of_expandable_segments():
+    from grpo_lab.memory import notebook as nb
+
+    t = nb.allocator_comparison()
+    assert t.loc[("Qwen3-4B", "grpo_lab"), "default"] == "397" and t.loc[("Qwen3-4B", "grpo_lab"), "gain"] == "+19 %"
+    assert t.loc[("Qwen3-0.6B", "trl"), "expandable"] == "≥1024" and t.loc[("Qwen3-0.6B", "trl"), "gain"] == ""
+    assert list(t.index.get_level_values(0)[:4]) == ["Qwen3-0.6B"] * 4
+    assert nb.reference_max_batch(True)["cuda_alloc_conf"].eq("expandable_segments:True").all()
+    assert "cuda_alloc_conf" not in nb.reference_max_batch(False) or \
+        nb.reference_max_batch(False)["cuda_alloc_conf"].isna().all()
+    assert "expandable_segments:True" in nb.closing_note_max_batch(nb.reference_max_batch(True))
+    assert "default caching allocator" in nb.closing_note_max_batch(nb.reference_max_batch(False))
