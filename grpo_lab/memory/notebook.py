@@ -231,8 +231,7 @@ def closing_note_max_batch(df: pd.DataFrame | None) -> str:
     alloc = f"PYTORCH_CUDA_ALLOC_CONF={alloc}" if isinstance(alloc, str) and alloc else "default caching allocator"
     lines = [f"**{r['gpu_name']}, FSDP2 + LoRA r={r['lora_r']}, {r['dtype']}, {r['prompt_len']}+{r['completion_len']} "
              f"tokens, world size {r['world_size']}, budget {r['budget_gib']:.1f} GiB, {alloc} ({r['date']})** — "
-             "max per-device "
-             "batch (the seed article: *1.5–1.8×* larger with the chunked loss):", "",
+             "max per-device batch (the seed article: *1.5–1.8×* larger with the chunked loss):", "",
              "| model | " + " | ".join(map(str, t.columns)) + " |", "|---|" + "---|" * len(t.columns)]
     for m, row in t.iterrows():
         lines.append(f"| {m} | " + " | ".join(str(v) for v in row) + " |")
