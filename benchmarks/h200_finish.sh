@@ -24,7 +24,7 @@ case "$STEP" in
     ;;
   fsdp)  # notebook 02: grpo_lab on Qwen3-4B, and the end of its Qwen3-8B search (4 probes from the committed ones)
     mkdir -p "$OUT/fsdp" && cp "$REPO"/results/fsdp_max_batch/fsdp_max_batch{,_probes}.csv "$OUT/fsdp/"
-    python3 -m grpo_lab.memory.max_batch --full --models Qwen3-8B,Qwen3-4B --backends grpo_lab --resume \
+    python3 -m grpo_lab.memory.max_batch --full --default-allocator --models Qwen3-8B,Qwen3-4B --backends grpo_lab --resume \
       --keep-going --max-minutes 8 --out "$OUT/fsdp" 2>&1 | grep -v Warning | tail -40
     ;;
   sweep)  # notebook 01: the one preset point not measured (liger fp32 B=96)
@@ -34,7 +34,7 @@ case "$STEP" in
     ;;
   liger-fsdp)  # notebook 02's liger bars (all four sizes; rerun to continue if cut)
     mkdir -p "$OUT/fsdp" && cp "$REPO"/results/fsdp_max_batch/fsdp_max_batch{,_probes}.csv "$OUT/fsdp/"
-    python3 -m grpo_lab.memory.max_batch --full --backends liger --resume --keep-going --max-minutes 8 \
+    python3 -m grpo_lab.memory.max_batch --full --default-allocator --backends liger --resume --keep-going --max-minutes 8 \
       --out "$OUT/fsdp" 2>&1 | grep -v Warning | tail -40
     ;;
   liger-curves)  # notebook 03: the liger curve of the GPU variant (its own tag; merge with h200.csv afterwards)
