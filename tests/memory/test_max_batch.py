@@ -433,8 +433,8 @@ def test_full_preset_probes_under_expandable_segments_unless_told_otherwise(tmp_
 
     monkeypatch.setattr(max_batch, "run_point", probe)
     monkeypatch.setattr(max_batch, "_gpu_total_bytes", lambda: int(140 * GiB))  # a GPU is here
-    rc = max_batch.main(["--full", "--models", "Qwen3-0.6B", "--backends", "trl", "--upper", "64", "--budget-gib", "5.1",
-                         *flag,
+    rc = max_batch.main(["--full", "--models", "Qwen3-0.6B", "--backends", "trl", "--upper", "64",
+                         "--budget-gib", "5.1", *flag,
                          "--out", str(tmp_path)])
     df = pd.read_csv(tmp_path / f"{name}.csv")
     assert rc == 0 and set(seen) == {alloc} and df.iloc[0]["max_batch"] == 16
