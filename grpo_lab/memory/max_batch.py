@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from .probe import ProbeError, run_point
-from .results import GiB, environment, make_row, target_csv, write_csv
+from .results import GiB, environment, make_row, target_csv, text_column, write_csv
 from .spec import (EXPANDABLE_SEGMENTS, PointSpec, check_backend, check_model, check_positive_int, normalize_dtype,
                    parse_str_list, require_liger_if_named)
 
@@ -413,8 +413,7 @@ def _same_search(probes: pd.DataFrame, s: Search, budget_rtol: float = 1e-3) -> 
         same &= (probes[col] == v).to_numpy()
     steps = probes["steps"].fillna(1) if "steps" in probes else pd.Series(1, index=probes.index)
     same &= (steps == b.steps).to_numpy()
-    alloc = probes["cuda_alloc_conf"].fillna("") if "cuda_alloc_conf" in probes else pd.Series("", index=probes.index)
-    same &= (alloc == b.extra.get("cuda_alloc_conf", "")).to_numpy()
+    same &= (text_column(probes, "cuda_alloc_conf") == b.extra.get("cuda_alloc_conf", "")).to_numpy()
     budget = probes["budget_gib"].to_numpy(dtype=float)
     if b.budget_bytes is None:
         same &= np.isnan(budget)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from .planner import GiB, PlannerConfig, max_batch, max_batch_band, plan, plan_loss_only
-from .results import load_reference
+from .results import load_reference, text_column
 from .spec import EXPANDABLE_SEGMENTS
 
 TARGET_PCT = 10.0  # the issue's target: within 10 % of the measured peak
@@ -189,7 +189,7 @@ def probe_pair_rows(df: pd.DataFrame) -> list[dict]:
     LoRA rank and allocator setting."""
     out = []
     pairs = df[df["expect"].isin(["fits", "oom"])] if "expect" in df else df.iloc[0:0]
-    keys = [pairs["model"], pairs["backend"], pairs["lora_r"], pairs["cuda_alloc_conf"].fillna("")]
+    keys = [pairs["model"], pairs["backend"], pairs["lora_r"], text_column(pairs, "cuda_alloc_conf")]
     for (*_, alloc), g in pairs.groupby(keys, sort=False):
         lo, hi = g[g["expect"] == "fits"], g[g["expect"] == "oom"]
         if lo.empty or hi.empty:
@@ -215,8 +215,8 @@ def validation_table(extra_csvs: dict[str, Path] | None = None) -> pd.DataFrame:
         rows += notebook02_rows(nb02)
     nb02 = load_reference("fsdp_max_batch", "fsdp_max_batch_expandable_probes.csv")
     if nb02 is not None:  # less the probes seeded from planner_check's CSV: those are its rows below
-        seeded = nb02["seeded_from"].fillna("").astype(bool) if "seeded_from" in nb02 else False
-        rows += notebook02_rows(nb02[~seeded], "H200 notebook 02 (probes, expandable segments)")
+        own = text_column(nb02, "seeded_from") == ""
+        rows += notebook02_rows(nb02[own], "H200 notebook 02 (probes, expandable segments)")
     grid = [load_reference("loss_kernel", name) for name in LOSS_GRID_RUNS]
     grid = [g for g in grid if g is not None]
     if grid:

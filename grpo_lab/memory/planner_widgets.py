@@ -16,6 +16,7 @@ import pandas as pd
 
 from .planner import GiB, PlannerConfig, max_batch, plan, usable_budget
 from .planner_report import plot_world_sizes, world_size_table
+from .results import text_column
 from .spec import EXPANDABLE_SEGMENTS
 
 BACKENDS = ("naive", "trl", "grpo_lab", "liger")
@@ -47,7 +48,7 @@ def measured_points(searches: pd.DataFrame | None, config: PlannerConfig, budget
     under the same budget (±1 GiB)."""
     if searches is None or searches.empty:
         return pd.DataFrame(columns=["backend", "world_size", "max_batch"])
-    expandable = _alloc(searches).str.contains(EXPANDABLE_SEGMENTS, regex=False)
+    expandable = text_column(searches, "cuda_alloc_conf").str.contains(EXPANDABLE_SEGMENTS, regex=False)
     same = searches[(expandable == bool(config.expandable_segments))
                     & (searches["model"] == config.model) & (searches["dtype"] == config.dtype)
                     & (searches["lora_r"] == config.lora_r) & (searches["prompt_len"] == config.prompt_len)
@@ -79,17 +80,10 @@ def with_committed_searches(searches: pd.DataFrame | None) -> pd.DataFrame | Non
     if not frames:
         return None
     both = pd.concat(frames, ignore_index=True)
-    both["cuda_alloc_conf"] = _alloc(both)
+    both["cuda_alloc_conf"] = text_column(both, "cuda_alloc_conf")
     keys = ["model", "backend", "dtype", "lora_r", "world_size", "prompt_len", "completion_len", "budget_gib", "device",
             "cuda_alloc_conf"]
     return both.drop_duplicates(subset=keys, keep="last")
-
-
-def _alloc(searches: pd.DataFrame) -> pd.Series:
-    """Each search's PYTORCH_CUDA_ALLOC_CONF ("" = the default allocator; CSVs from before the column too)."""
-    if "cuda_alloc_conf" not in searches:
-        return pd.Series("", index=searches.index)
-    return searches["cuda_alloc_conf"].fillna("").astype(str)
 
 
 class PlannerPanel:

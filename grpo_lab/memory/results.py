@@ -153,6 +153,14 @@ def reference_csv(folder: str, name: str) -> Path | None:
     return local if local.is_file() else None
 
 
+def text_column(frame: pd.DataFrame, name: str) -> pd.Series:
+    """`frame[name]` as strings, "" where empty: also for a CSV written before the column existed (e.g.
+    `cuda_alloc_conf`, "" = the default allocator; `seeded_from`, "" = measured by the run itself)."""
+    if name not in frame:
+        return pd.Series("", index=frame.index, dtype=object)
+    return frame[name].fillna("").astype(str)
+
+
 def load_reference(folder: str, name: str) -> pd.DataFrame | None:
     p = reference_csv(folder, name)
     return None if p is None else pd.read_csv(p)

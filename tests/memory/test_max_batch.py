@@ -439,3 +439,14 @@ def test_full_preset_probes_under_expandable_segments_unless_told_otherwise(tmp_
     df = pd.read_csv(tmp_path / f"{name}.csv")
     assert rc == 0 and set(seen) == {alloc} and df.iloc[0]["max_batch"] == 16
     assert df["cuda_alloc_conf"].fillna("").tolist() == [alloc]
+
+
+def test_text_column_reads_a_missing_or_empty_column_as_empty_strings():
+    """CSVs written before `cuda_alloc_conf` / `seeded_from` existed mean the default allocator / a probe of the run
+    itself: every reader sees "" for them, as for an empty cell."""
+    from grpo_lab.memory.results import text_column
+
+    old = pd.DataFrame({"model": ["a", "b"]})
+    assert text_column(old, "cuda_alloc_conf").tolist() == ["", ""]
+    new = pd.DataFrame({"cuda_alloc_conf": [np.nan, "expandable_segments:True"]})
+    assert text_column(new, "cuda_alloc_conf").tolist() == ["", "expandable_segments:True"]
