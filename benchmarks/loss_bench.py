@@ -447,6 +447,16 @@ def apply_experiment(F, exp, dname):
             F.CONFIGS[f"frozen_{key}"] = v
         elif k == "persistent":
             F.PERSISTENT[f"fwd_{key}"] = F.PERSISTENT[f"bwd_{key}"] = v
+        elif k in ("fwd_cfg", "bwd_cfg"):
+            F.CONFIGS[f"{k[:3]}_{key}"] = v
+        elif k == "ref_stats":
+            F.REF_STATS[key] = v
+        elif k == "materialize_gib":
+            F.MATERIALIZE_GIB = v
+        elif k == "programs_per_sm":  # {"frozen": 2, "bwd": 2}: programs per SM of those persistent launches
+            F.PROGRAMS_PER_SM.update({f"{kind}_{key}": n for kind, n in v.items()})
+        elif k == "launch":  # {"frozen": {"maxnreg": 128}}: extra Triton compile options of those kernels
+            F.LAUNCH_OPTIONS.update({f"{kind}_{key}": dict(opts) for kind, opts in v.items()})
         else:
             raise ValueError(f"unknown tuning knob {k!r}")
 
@@ -463,10 +473,36 @@ def kernel_setting(F) -> str:
             f"frozen {'two-GEMM' if F.FROZEN_TWO_GEMM else 'recompute'} tile {frozen}, P~ descriptor store "
             f"{','.join(p_desc) or 'off'}; dZ descriptor store "
             f"{','.join(dz) or 'off'}; fp32 dot {F.FP32_DOT}, fp32 dX/dW {F.FP32_MM}; materialize "
-            f"{F.MATERIALIZE_GIB:g} GiB; tiles {cfg}")
+            f"{F.MATERIALIZE_GIB:g} GiB; statistics against ref "
+            f"{','.join(k for k, v in F.REF_STATS.items() if v) or 'off'}; tiles {cfg}")
 
 
-FROZEN_KNOBS = ("frozen_cfg", "frozen_tile", "p_tma", "frozen_two_gemm", "frozen_recompute_below")
+def compiled_summary(F, head: str, dname: str) -> str:
+    """Registers / spills / shared memory of the fused kernels the last run launched, and how many programs of
+    each fit one H100/H200 SM (64K registers, 227 KiB shared memory): the tile sweep's occupancy column."""
+    key = "16" if dname == "bf16" else "32"
+    kinds = ("frozen",) if head == "frozen" else ("fwd", "bwd")
+    parts = []
+    for kind in kinds:
+        info = F.LAST_COMPILED.get(f"{kind}_{key}")
+        if not info or info.get("n_regs") is None:
+            continue
+        warps = F.CONFIGS[f"{kind}_{key}"][4]
+        fit_regs = 65536 // max(1, info["n_regs"] * 32 * warps)
+        fit_smem = (227 * 1024) // max(1, (info["shared"] or 0) + 1024)
+        parts.append(f"{kind}: {info['n_regs']} regs, {info['n_spills']} spills, {info['shared']} B smem, "
+                     f"{min(fit_regs, fit_smem)}/SM")
+    return "; ".join(parts)
+
+
+FROZEN_KNOBS = ("frozen_cfg", "frozen_tile", "p_tma", "frozen_two_gemm", "frozen_recompute_below", "ref_stats")
+
+
+def frozen_only(exp: dict) -> bool:
+    """Whether an experiment changes only the frozen head's path (programs_per_sm / launch count when they name
+    only the frozen forward), so the tile sweep need not time the trainable head under it."""
+    per_kernel = ("programs_per_sm", "launch")
+    return bool(exp) and all(k in FROZEN_KNOBS or (k in per_kernel and set(v) == {"frozen"}) for k, v in exp.items())
 
 
 def tune(out_dir, hidden_sizes=(1024, 4096), token_counts=(32768,), heads=("frozen", "trainable"), dtypes=None,
@@ -481,8 +517,8 @@ def tune(out_dir, hidden_sizes=(1024, 4096), token_counts=(32768,), heads=("froz
     rows = []
     saved = {name: dict(getattr(F, name))
              for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "FROZEN_TILE", "DZ_TMA", "P_TMA",
-                          "FROZEN_RECOMPUTE_BELOW")}
-    saved.update({name: getattr(F, name) for name in ("FP32_MM", "FP32_DOT", "FROZEN_TWO_GEMM")})
+                          "FROZEN_RECOMPUTE_BELOW", "PROGRAMS_PER_SM", "LAUNCH_OPTIONS", "REF_STATS")}
+    saved.update({name: getattr(F, name) for name in ("FP32_MM", "FP32_DOT", "FROZEN_TWO_GEMM", "MATERIALIZE_GIB")})
 
     def restore():
         for name, value in saved.items():
@@ -504,7 +540,7 @@ def tune(out_dir, hidden_sizes=(1024, 4096), token_counts=(32768,), heads=("froz
             apply_experiment(F, exp, dname)
             label = " ".join(f"{k}={v}" for k, v in exp.items()) or "default"
             for head in heads:
-                if head == "trainable" and exp and set(exp) <= set(FROZEN_KNOBS):
+                if head == "trainable" and frozen_only(exp):
                     continue
                 w.requires_grad_(head == "trainable")
 
@@ -518,9 +554,11 @@ def tune(out_dir, hidden_sizes=(1024, 4096), token_counts=(32768,), heads=("froz
                     print(f"tune {dname} H={hdim} {head} {label} failed: {type(err).__name__}: "
                           f"{str(err)[:200]}", flush=True)
                     ms = float("nan")
+                compiled = compiled_summary(F, head, dname)
+                F.LAST_COMPILED.clear()
                 rows.append({"dtype": dname, "H": hdim, "tokens": n, "head": head, "config": label, "ms": ms,
-                             "exp": exp})
-                print(f"tune {dname} H={hdim} N={n} {head:9s} {label}: {ms:.2f} ms", flush=True)
+                             "compiled": compiled, "exp": exp})
+                print(f"tune {dname} H={hdim} N={n} {head:9s} {label}: {ms:.2f} ms [{compiled}]", flush=True)
             restore()
         del h, w
         torch.cuda.empty_cache()
@@ -686,8 +724,8 @@ def main(argv=None):
     p.add_argument("--tune", action="store_true", help="only the tile sweep of the grpo_lab head (--hidden, "
                    "--tokens, --dtypes and --heads narrow it)")
     p.add_argument("--heads", default="frozen,trainable", help="head modes of the tile sweep")
-    p.add_argument("--experiments", default="", help='tile sweep list instead of TUNE_EXPERIMENTS, as JSON: '
-                   '{"bf16": [{}, {"p_tma": false}], ...} (tile tuples as lists)')
+    p.add_argument("--experiments", default="", help='tile sweep list instead of TUNE_EXPERIMENTS, as JSON or a '
+                   'JSON file: {"bf16": [{}, {"p_tma": false}], ...} (tile tuples as lists)')
     p.add_argument("--report", metavar="DIR", help="tables + figure from DIR's loss_grid.csv; no GPU needed")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the harness on the chunked torch path")
     p.add_argument("--vocab", type=int, default=V, help="vocabulary size (smaller only for smoke runs)")
@@ -704,8 +742,12 @@ def main(argv=None):
     meta = versions()
     os.makedirs(args.out, exist_ok=True)
     if args.tune:
+        text = args.experiments
+        if text and os.path.isfile(text):
+            with open(text) as f:
+                text = f.read()
         experiments = {d: [{k: tuple(v) if isinstance(v, list) else v for k, v in e.items()} for e in exps]
-                       for d, exps in json.loads(args.experiments).items()} if args.experiments else None
+                       for d, exps in json.loads(text).items()} if text else None
         tune(args.out, _ints(args.hidden or "1024,4096"), _ints(args.tokens or "32768"), tuple(args.heads.split(",")),
              tuple(args.dtypes.split(",")), experiments)
         return 0

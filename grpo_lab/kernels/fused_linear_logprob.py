@@ -75,6 +75,14 @@ _FLATTEN_OK = "flatten" in inspect.signature(tl.range).parameters
 # fewer tiles. The count is a compile-time constant: launches of under one program per SM compile their own variant
 # (a bounded few: small token tiles and the last vocabulary chunk).
 PERSISTENT_PROGRAMS = None
+# Programs per SM of a persistent launch, per CONFIGS key: 2 lets two programs share an SM when their registers and
+# shared memory allow it, so one's softmax epilogue can overlap the other's tensor-core work.
+PROGRAMS_PER_SM = {key: 1 for key in CONFIGS}
+# Extra Triton compile options per CONFIGS key (e.g. {"maxnreg": 128}, which lets two 8-warp programs fit one SM).
+LAUNCH_OPTIONS = {key: {} for key in CONFIGS}
+# What the last launch of each fused kernel compiled to (registers per thread, spills, shared-memory bytes): read by
+# benchmarks/loss_bench.py --tune to say how many programs an SM can hold.
+LAST_COMPILED = {}
 # The backward writes dZ through a tensor descriptor (bulk store, clipped at the tile's edges) when TMA loads are on;
 # per compute dtype. Off: no gain on the H200 (tune_run3.csv). GRPO_LAB_DZ_TMA=1 turns it on for both.
 DZ_TMA = {key: os.environ.get("GRPO_LAB_DZ_TMA", "0") == "1" for key in ("16", "32")}
@@ -113,6 +121,16 @@ PLOGP_EXCESS = {"16": 2.0, "32": float("inf")}
 # GiB the user allows a trainable head to keep for speed: its [N, V] probabilities in the compute dtype, so the
 # backward needs no recompute (three GEMMs instead of four). 0 (the default): never; memory stays flat in N.
 MATERIALIZE_GIB = float(os.environ.get("GRPO_LAB_MATERIALIZE_GIB", "0"))
+# A forward that stores e^(z − ref) (frozen and materialised heads) takes its statistics against that same per-row
+# ref instead of each block's max: the exponentials start as soon as the logits are there (no row max to reduce and
+# broadcast first, fewer live registers) and the partial sums add without rescaling. The sums are brought back to
+# the row max once at the end; a row whose max is over REF_HEADROOM above ref (where e^(z − ref) could overflow) is
+# recomputed, statistics included, against its max as before. Per compute dtype; GRPO_LAB_REF_STATS=0/1 sets both.
+REF_STATS = {key: os.environ.get("GRPO_LAB_REF_STATS", "1") == "1" for key in ("16", "32")}
+# With REF_STATS, Σ e^(2(z − ref)) (log Σp², when asked for) overflows fp32 once the max is ~38 nats above ref
+# (V·e^(2·gap) > 3.4e38), and its way back to the max multiplies by e^(−2·gap): rows with a larger gap than this are
+# recomputed against their max when that statistic is wanted (the GPU test's peaked rows found it).
+SQ_REF_HEADROOM = 30.0
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -184,7 +202,7 @@ def _fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_pt
                 COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                 PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, P_MODE: tl.constexpr,
-                STORE_PZ: tl.constexpr, P_TMA: tl.constexpr):
+                STORE_PZ: tl.constexpr, P_TMA: tl.constexpr, REF_STATS: tl.constexpr):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(v_hi - v_lo, BN)
     if PERSISTENT:
@@ -193,13 +211,13 @@ def _fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_pt
             _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
                       v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
                       HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
-                      USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA)
+                      USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS)
     else:
         pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
                   v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
                   HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
-                  USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA)
+                  USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS)
 
 
 @triton.jit
@@ -210,18 +228,24 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
               HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
               COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_MODE: tl.constexpr, STORE_PZ: tl.constexpr,
-              P_TMA: tl.constexpr):
+              P_TMA: tl.constexpr, REF_STATS: tl.constexpr):
     """One [BM, BN] block: its logits, reduced to per-row partial statistics in `part`; with P_MODE, also the
     block's e^(z − ref) (ref: a per-row reference, `ref_ptr`) stored at `p_ptr` for a cuBLAS GEMM to consume —
     P_MODE 1 (frozen head): times the softcap factor, target column 0, and e^(z − ref)·(z − ref) at `pz_ptr` when
     STORE_PZ; P_MODE 2 (materialised head): e^(z − ref) as is. With P_TMA, `p_ptr` / `pz_ptr` are tensor
-    descriptors of this launch's [rows, chunk] views (bulk stores, clipped at their edges)."""
+    descriptors of this launch's [rows, chunk] views (bulk stores, clipped at their edges). With REF_STATS (only
+    with P_MODE), the partial sums are taken against ref rather than the block's max (which is still stored)."""
     z, t, offs_m, offs_n, row_ok, col_ok = _tile_logits(
         h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, stride_w, logit_scale, softcap, inv_t,
         HAS_BIAS, HAS_SOFTCAP, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
     zm = tl.where(col_ok[None, :], z, -float("inf"))
-    m = tl.max(zm, axis=1)
-    e = tl.exp(zm - m[:, None])
+    if REF_STATS:
+        ref = tl.load(ref_ptr + offs_m, mask=row_ok, other=0.0)
+        e = tl.exp(zm - ref[:, None])  # e^(z − ref): no wait for the row max
+        m = tl.max(zm, axis=1)
+    else:
+        m = tl.max(zm, axis=1)
+        e = tl.exp(zm - m[:, None])
     base = part_ptr + pid_n * M + offs_m
     tl.store(base, m, mask=row_ok)
     tl.store(base + part_stat_stride, tl.sum(e, axis=1), mask=row_ok)
@@ -241,8 +265,11 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
     mine = row_ok & (tgt >= blk_lo) & (tgt < blk_lo + BN) & (tgt < v_hi)
     tl.store(tlogit_ptr + offs_m, tz, mask=mine)
     if P_MODE != 0:  # last, so that e is dead once pe exists (one [BM, BN] fp32 block fewer live)
-        ref = tl.load(ref_ptr + offs_m, mask=row_ok, other=0.0)
-        pe = e * tl.exp(m - ref)[:, None]  # e^(z − ref); rows where that overflows are recomputed by the host
+        if REF_STATS:
+            pe = e
+        else:
+            ref = tl.load(ref_ptr + offs_m, mask=row_ok, other=0.0)
+            pe = e * tl.exp(m - ref)[:, None]  # e^(z − ref); rows where that overflows are recomputed by the host
         if P_MODE == 1:
             if HAS_SOFTCAP:
                 pe = pe * (1.0 - t * t)
@@ -370,9 +397,10 @@ def _frozen_dx_kernel(acc_ptr, w_ptr, y_ptr, cy_ptr, ca_ptr, cb_ptr, out_ptr, M,
 @triton.jit
 def _merge_kernel(part_ptr, run_ptr, part_stat_stride, run_stat_stride, M, n_blocks,
                   HAS_ENTROPY: tl.constexpr, HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
-                  BR: tl.constexpr, BV: tl.constexpr):
+                  BR: tl.constexpr, BV: tl.constexpr, REF_STATS: tl.constexpr):
     """Folds one launch's per-block partial statistics (`part`, [stat, block, row]) into the running ones (`run`,
-    [stat, row]) in place: the online-LSE merge, one launch instead of a dozen torch ops per vocabulary chunk."""
+    [stat, row]) in place: the online-LSE merge, one launch instead of a dozen torch ops per vocabulary chunk. With
+    REF_STATS every sum is against the same per-row ref, so they add as they are (the max is still merged)."""
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = offs_r < M
     old_m = tl.load(run_ptr + offs_r, mask=r_ok, other=0.0)
@@ -383,6 +411,8 @@ def _merge_kernel(part_ptr, run_ptr, part_stat_stride, run_stat_stride, M, n_blo
         pm = tl.load(part_ptr + offs_b[:, None] * M + offs_r[None, :], mask=ok, other=-float("inf"))
         new_m = tl.maximum(new_m, tl.max(pm, axis=0))
     alpha = tl.exp(old_m - new_m)
+    if REF_STATS:
+        alpha = tl.where(r_ok, 1.0, 0.0)
     at_s = run_ptr + run_stat_stride + offs_r  # all six running statistics exist; the unwanted ones stay untouched
     s = tl.load(at_s, mask=r_ok, other=0.0) * alpha
     xs = tl.load(at_s + run_stat_stride, mask=r_ok, other=0.0) * alpha
@@ -393,8 +423,11 @@ def _merge_kernel(part_ptr, run_ptr, part_stat_stride, run_stat_stride, M, n_blo
         offs_b = b0 + tl.arange(0, BV)
         ok = (offs_b < n_blocks)[:, None] & r_ok[None, :]
         at = part_ptr + offs_b[:, None] * M + offs_r[None, :]
-        w = tl.exp(tl.load(at, mask=ok, other=-float("inf")) - new_m[None, :])
-        w = tl.where(ok, w, 0.0)
+        if REF_STATS:
+            w = tl.where(ok, 1.0, 0.0)
+        else:
+            w = tl.exp(tl.load(at, mask=ok, other=-float("inf")) - new_m[None, :])
+            w = tl.where(ok, w, 0.0)
         s += tl.sum(tl.load(at + part_stat_stride, mask=ok, other=0.0) * w, axis=0)
         if HAS_ENTROPY:
             xs += tl.sum(tl.load(at + 2 * part_stat_stride, mask=ok, other=0.0) * w, axis=0)
@@ -504,13 +537,22 @@ def _operands(h, weight, compute, bm, bn, bk):
 
 
 def _programs(kind: str, compute: torch.dtype, n_tiles: int, device: torch.device) -> tuple[int, bool]:
-    """(grid size, persistent): one program per SM looping over the tiles, or one program per tile."""
-    if not (PERSISTENT[f"{kind}_{_dtype_key(compute)}"] and _FLATTEN_OK):
+    """(grid size, persistent): PROGRAMS_PER_SM programs per SM looping over the tiles, or one program per tile.
+    The frozen forward follows the statistics forward's PERSISTENT switch."""
+    key = f"{kind}_{_dtype_key(compute)}"
+    if not (PERSISTENT[key.replace("frozen", "fwd")] and _FLATTEN_OK):
         return n_tiles, False
     slots = PERSISTENT_PROGRAMS
     if slots is None:
-        slots = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
+        slots = sms * PROGRAMS_PER_SM[key]
     return min(n_tiles, slots), True
+
+
+def _record(key: str, compiled) -> None:
+    """Keep what a fused launch compiled to (for the tile sweep's report); quiet where Triton does not say."""
+    LAST_COMPILED[key] = {name: getattr(compiled, name, None) for name in ("n_regs", "n_spills")}
+    LAST_COMPILED[key]["shared"] = getattr(getattr(compiled, "metadata", None), "shared", None)
 
 
 def _dz_target(tile: torch.Tensor, bm: int, bn: int, tma_loads: bool):
@@ -594,7 +636,8 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
     m_rows, k = h.shape
     vocab = weight.shape[0]
     dev = h.device
-    bm, bn, bk, group_m, warps, stages = _config(_forward_kind(sink), compute)
+    kind = _forward_kind(sink)
+    bm, bn, bk, group_m, warps, stages = _config(kind, compute)
     t_tile = (sink.t_tile if sink is not None else None) or m_rows
     v_tile = (sink.v_tile if sink is not None else None) or bn * max(
         1, min(triton.cdiv(vocab, bn), PART_BUDGET_BYTES // (t_tile * 4 * 6)))
@@ -605,6 +648,7 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
     target_logit = torch.zeros(m_rows, device=dev)
     flags = dict(HAS_ENTROPY=want["entropy"], HAS_SQ=want["log_sum_sq_probs"], HAS_MEAN=want["mean_logits"],
                  HAS_TOP1=want["is_top1"])
+    ref_stats = sink is not None and REF_STATS[_dtype_key(compute)]
     for t0 in range(0, m_rows, t_tile):
         t1 = min(m_rows, t0 + t_tile)
         rows = t1 - t0
@@ -613,28 +657,31 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
         for v0 in range(0, vocab, v_tile):
             v1 = min(vocab, v0 + v_tile)
             nvb = triton.cdiv(v1 - v0, bn)
-            n_progs, persistent = _programs("fwd", compute, triton.cdiv(rows, bm) * nvb, dev)
+            n_progs, persistent = _programs(kind, compute, triton.cdiv(rows, bm) * nvb, dev)
             p, pz, ref, stride_p, store_pz, p_tma = sink.views(t0, t1, v0, v1, bm, bn, tma) if sink else (
                 part, part, part, 0, False, False)
-            _fwd_kernel[(n_progs,)](
+            compiled = _fwd_kernel[(n_progs,)](
                 h_arg, w_arg, bias if bias is not None else h, y[t0:t1], part, target_logit[t0:t1], p, pz, ref,
                 rows, v0, v1, k, h.stride(0), weight.stride(0), part.stride(0), stride_p,
                 float(logit_scale), float(softcap or 1.0), float(inv_t),
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, **flags,
                 COMPUTE=_TL_DTYPE[compute], PRECISION=_precision(compute), EVEN_K=k % bk == 0, USE_TMA=tma,
                 BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
-                P_MODE=sink.p_mode if sink is not None else 0, STORE_PZ=store_pz, P_TMA=p_tma,
-                num_warps=warps, num_stages=stages)
+                P_MODE=sink.p_mode if sink is not None else 0, STORE_PZ=store_pz, P_TMA=p_tma, REF_STATS=ref_stats,
+                num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS[f"{kind}_{_dtype_key(compute)}"])
+            _record(f"{kind}_{_dtype_key(compute)}", compiled)
             _merge_kernel[(triton.cdiv(rows, MERGE_ROWS),)](
                 part, run_t, part.stride(0), run_t.stride(0), rows, nvb, **flags, BR=MERGE_ROWS, BV=MERGE_BLOCKS,
-                num_warps=4)
+                REF_STATS=ref_stats, num_warps=4)
             if sink is not None:
                 sink.consume(t0, t1, v0, v1)
+    if ref_stats:  # the sums against ref → against the row max, as the rest of the module expects
+        to_max = torch.exp(sink.ref - run[0])
+        run[1:3].mul_(to_max)
+        run[3].mul_(to_max * to_max)
     return (run[0], run[1], run[2] if want["entropy"] else None, run[3] if want["log_sum_sq_probs"] else None,
             run[4] if want["mean_logits"] else None, run[5] if want["is_top1"] else None, target_logit)
 
-
-_NO_EXTRAS = dict.fromkeys(OPTIONAL_OUTPUTS, False)
 
 
 def _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale):
@@ -662,20 +709,37 @@ def _frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wa
     sink = _FrozenSink(h.shape[0], weight, compute, ref, with_plogp, bn)
     stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink)
     run_m, run_s = stats[0], stats[1]
-    rows = _rows_to_recompute(run_m, run_s, ref, sink.acc, compute)
+    rows = _rows_to_recompute(run_m, run_s, ref, sink.acc, compute, _ref_limit(compute, want))
     if rows.numel():  # recompute these rows against their exact max, which cannot overflow
         ref[rows] = run_m[rows]
         redo = _FrozenSink(rows.numel(), weight, compute, ref[rows], with_plogp, bn)
-        _forward_stats(h[rows], weight, bias, y[rows], inv_t, softcap, logit_scale, compute, _NO_EXTRAS, redo)
+        _copy_rows(stats, rows, _forward_stats(h[rows], weight, bias, y[rows], inv_t, softcap, logit_scale, compute,
+                                               want, redo))
         sink.acc.index_copy_(1, rows, redo.acc)
     return stats, _rebase_to_log_z(sink.acc, run_m, run_s, ref)
 
 
-def _rows_to_recompute(run_m, run_s, ref, acc, compute):
-    """Rows whose P~ was stored too far below their max (overflow risk; with B, its rounding: `PLOGP_EXCESS`, where
-    p_max = 1 / run_s) or whose accumulators are not finite. One host sync."""
+def _copy_rows(stats, rows, redone):
+    """Puts the recomputed rows' statistics in place (with REF_STATS, an overflowing row's first sums are not
+    usable)."""
+    for kept, new in zip(stats, redone):
+        if kept is not None:
+            kept.index_copy_(0, rows, new)
+
+
+def _ref_limit(compute: torch.dtype, want: dict) -> float:
+    """How far a row's max may sit above its ref before the row is recomputed against its max."""
+    if REF_STATS[_dtype_key(compute)] and want["log_sum_sq_probs"]:
+        return min(REF_HEADROOM, SQ_REF_HEADROOM)
+    return REF_HEADROOM
+
+
+def _rows_to_recompute(run_m, run_s, ref, acc, compute, limit=None):
+    """Rows whose P~ was stored too far below their max (overflow risk: `limit`, REF_HEADROOM by default; with B,
+    its rounding: `PLOGP_EXCESS`, where p_max = 1 / run_s) or whose accumulators are not finite. One host sync."""
+    limit = REF_HEADROOM if limit is None else limit
     gap = run_m - ref
-    bad = ~(gap <= REF_HEADROOM) | ~torch.isfinite(acc.sum(-1)).all(0)  # an inf / nan row sums to one
+    bad = ~(gap <= limit) | ~torch.isfinite(acc.sum(-1)).all(0)  # an inf / nan row sums to one
     if acc.shape[0] == 2:
         bad |= gap / run_s > PLOGP_EXCESS[_dtype_key(compute)]
     return bad.nonzero().squeeze(-1)
@@ -696,12 +760,12 @@ def _materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compu
     full = torch.empty((h.shape[0], weight.shape[0]), device=h.device, dtype=compute)
     stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, _MaterializedSink(full, ref))
     run_m, run_s = stats[0], stats[1]
-    rows = (~(run_m - ref <= REF_HEADROOM)).nonzero().squeeze(-1)
+    rows = (~(run_m - ref <= _ref_limit(compute, want))).nonzero().squeeze(-1)
     if rows.numel():
         ref[rows] = run_m[rows]
         redo = torch.empty((rows.numel(), weight.shape[0]), device=h.device, dtype=compute)
-        _forward_stats(h[rows], weight, bias, y[rows], inv_t, softcap, logit_scale, compute, _NO_EXTRAS,
-                       _MaterializedSink(redo, ref[rows]))
+        _copy_rows(stats, rows, _forward_stats(h[rows], weight, bias, y[rows], inv_t, softcap, logit_scale, compute,
+                                               want, _MaterializedSink(redo, ref[rows])))
         full.index_copy_(0, rows, redo)
     return stats, full, ref - (run_m + torch.log(run_s))
 
@@ -914,7 +978,7 @@ def _recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, so
                                                 dev)
                 h_arg, w_arg, tma = _operands(h[t0:t1], weight, compute, bm, bn, bk)
                 dz_arg, dz_tma = _dz_target(tile, bm, bn, tma)
-                _bwd_kernel[(n_progs,)](
+                compiled = _bwd_kernel[(n_progs,)](
                     h_arg, w_arg, bias if bias is not None else h, y[t0:t1], log_z[t0:t1],
                     entropy[t0:t1], g[t0:t1] if g is not None else dummy, ge[t0:t1] if ge is not None else dummy,
                     dz_arg, rows_t, v0, v1, k, h.stride(0), weight.stride(0), tile.stride(0),
@@ -923,7 +987,8 @@ def _recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, so
                     HAS_GE=ge is not None, COMPUTE=_TL_DTYPE[compute], PRECISION=_precision(compute),
                     EVEN_K=k % bk == 0, USE_TMA=tma, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
                     PERSISTENT=persistent, NUM_PROGRAMS=n_progs, DZ_TMA=dz_tma,
-                    num_warps=warps, num_stages=stages)
+                    num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS[f"bwd_{_dtype_key(compute)}"])
+                _record(f"bwd_{_dtype_key(compute)}", compiled)
                 if tri_mm:
                     if need_h:
                         _triton_mm_acc(grad_h_valid[t0:t1], tile, weight[v0:v1])

@@ -6,7 +6,11 @@ looping over many tiles all occur; fp32 only (the interpreter computes in numpy,
 
 `variant["path"]`: "recompute" (trainable head, the default), "frozen" (the head needs no gradient: the two-GEMM
 path) or "materialized" (trainable head with memory allowed for speed). `headroom` shrinks REF_HEADROOM so that rows
-are recomputed against their exact max; `entropy_hint` forces what the frozen forward prepares for.
+are recomputed against their exact max; `entropy_hint` forces what the frozen forward prepares for. `extreme_rows`
+gives every seventh row logits hundreds of nats apart with the lowest one as its target, so that e^(z − ref)
+overflows fp32 there and those rows must be recomputed, statistics included (`softcap`: null turns the softcap off,
+which would bound the logits; `target_gap` picks the target that many nats below the max instead); `ref_stats`
+sets REF_STATS.
 """
 
 import json
@@ -54,6 +58,7 @@ def main(variant: dict) -> dict:
     path = variant.get("path", "recompute")
     F.MATERIALIZE_GIB = 1.0 if path == "materialized" else 0.0
     F.REF_HEADROOM = variant.get("headroom", F.REF_HEADROOM)
+    F.REF_STATS = dict.fromkeys(F.REF_STATS, variant.get("ref_stats", True))
     programs, loads, stores, bulk, paths = [], [], [], [], []
     spy("_programs", programs)
     spy("_operands", loads)
@@ -68,9 +73,15 @@ def main(variant: dict) -> dict:
     bias = torch.randn(v, generator=gen)
     targets = torch.randint(0, v, (n,), generator=gen)
     targets[::5] = -100
+    if variant.get("extreme_rows"):
+        hidden[3::7] *= 40
+        z = hidden[3::7] @ weight.T
+        gap = variant.get("target_gap")  # the target this far below the max, else the lowest logit
+        targets[3::7] = z.argmin(-1) if gap is None else (z - (z.max(-1, keepdim=True).values - gap)).abs().argmin(-1)
     g, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     valid = targets >= 0
     softcap = None if path == "materialized" else 5.0  # the materialised path is not taken under a softcap
+    softcap = variant.get("softcap", softcap)
     frozen = path == "frozen"
     mine = [x.clone().requires_grad_(not frozen or i == 0) for i, x in enumerate((hidden, weight, bias))]
     ref_in = [x.double().requires_grad_(not frozen or i == 0) for i, x in enumerate((hidden, weight, bias))]

@@ -110,3 +110,18 @@ def test_the_rule_is_per_dtype_and_only_with_b():
     assert rows(acc_b[:1], torch.bfloat16) == [3]  # A alone has no cancellation
     acc_b[0, 0, 1] = float("nan")
     assert rows(acc_b, torch.float32) == [0, 3]
+
+
+def test_rows_are_recomputed_sooner_when_log_sum_sq_is_taken_against_ref(monkeypatch):
+    """Σ e^(2(z − ref)) overflows fp32 from a gap of ~38 nats, so with REF_STATS and log Σp² wanted the limit drops to
+    SQ_REF_HEADROOM; without either, it stays REF_HEADROOM."""
+    monkeypatch.setattr(F, "REF_STATS", {"16": True, "32": False})
+    sq = {"log_sum_sq_probs": True}
+    assert F._ref_limit(torch.bfloat16, sq) == F.SQ_REF_HEADROOM < F.REF_HEADROOM
+    assert F._ref_limit(torch.bfloat16, {"log_sum_sq_probs": False}) == F.REF_HEADROOM
+    assert F._ref_limit(torch.float32, sq) == F.REF_HEADROOM
+    run_m, run_s, ref = torch.tensor([0.0, 0.0, 0.0]), torch.ones(3), torch.tensor([-10.0, -45.0, -70.0])
+    acc = torch.zeros(1, 3, 4)
+    assert F._rows_to_recompute(run_m, run_s, ref, acc, torch.bfloat16).tolist() == [2]
+    assert F._rows_to_recompute(run_m, run_s, ref, acc, torch.bfloat16, F._ref_limit(torch.bfloat16, sq)).tolist() \
+        == [1, 2]

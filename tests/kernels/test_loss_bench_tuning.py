@@ -18,8 +18,11 @@ def bench(monkeypatch):
     spec = importlib.util.spec_from_file_location("loss_bench", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "FROZEN_TILE", "DZ_TMA", "P_TMA"):
+    for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "FROZEN_TILE", "DZ_TMA", "P_TMA", "FROZEN_RECOMPUTE_BELOW",
+                 "PROGRAMS_PER_SM", "LAUNCH_OPTIONS", "REF_STATS"):
         monkeypatch.setattr(F, name, dict(getattr(F, name)))
+    for name in ("FP32_MM", "FP32_DOT", "FROZEN_TWO_GEMM", "MATERIALIZE_GIB"):  # experiments replace these outright
+        monkeypatch.setattr(F, name, getattr(F, name))
     return module
 
 
@@ -41,6 +44,41 @@ def test_frozen_head_knobs_set_only_the_frozen_forward_of_their_dtype(bench):
     assert F.CONFIGS["fwd_16"] == before["fwd_16"] and F.CONFIGS["frozen_32"] == before["frozen_32"]
     assert F.P_TMA == {**before["p_tma"], "16": True}
     assert "P~ descriptor store 16" in bench.kernel_setting(F)
+
+
+def test_per_kernel_knobs_set_programs_and_compile_options_of_the_named_kernels_only(bench):
+    bench.apply_experiment(F, {"programs_per_sm": {"frozen": 2}, "launch": {"frozen": {"maxnreg": 128}},
+                               "frozen_cfg": (128, 128, 64, 8, 8, 2)}, "bf16")
+    assert F.PROGRAMS_PER_SM == {**dict.fromkeys(F.CONFIGS, 1), "frozen_16": 2}
+    assert F.LAUNCH_OPTIONS["frozen_16"] == {"maxnreg": 128} and F.LAUNCH_OPTIONS["bwd_16"] == {}
+    assert bench.frozen_only({"programs_per_sm": {"frozen": 2}, "frozen_cfg": (128, 128, 64, 8, 8, 2)})
+    assert not bench.frozen_only({"programs_per_sm": {"frozen": 2, "bwd": 2}})
+    assert not bench.frozen_only({})
+    bench.apply_experiment(F, {"bwd_cfg": (128, 128, 64, 8, 4, 2)}, "fp32")
+    assert F.CONFIGS["bwd_32"] == (128, 128, 64, 8, 4, 2) and F.CONFIGS["fwd_32"] != F.CONFIGS["bwd_32"]
+
+
+def test_the_occupancy_column_counts_programs_per_sm_from_registers_and_shared_memory(bench, monkeypatch):
+    monkeypatch.setattr(F, "LAST_COMPILED", {"frozen_16": {"n_regs": 128, "n_spills": 0, "shared": 98304}})
+    monkeypatch.setitem(F.CONFIGS, "frozen_16", (128, 128, 64, 8, 8, 2))
+    assert bench.compiled_summary(F, "frozen", "bf16") == "frozen: 128 regs, 0 spills, 98304 B smem, 2/SM"
+    F.LAST_COMPILED["frozen_16"] = {"n_regs": 168, "n_spills": 0, "shared": 98304}  # registers allow only one
+    assert bench.compiled_summary(F, "frozen", "bf16").endswith("1/SM")
+    assert bench.compiled_summary(F, "trainable", "bf16") == ""  # nothing launched for it
+
+
+def test_every_committed_sweep_file_applies(bench):
+    import glob
+    import json
+
+    paths = glob.glob(os.path.join(os.path.dirname(BENCH), "tune_*.json"))
+    assert paths
+    for path in paths:
+        with open(path) as f:
+            for dname, experiments in json.load(f).items():
+                for exp in experiments:
+                    bench.apply_experiment(F, {k: tuple(v) if isinstance(v, list) else v for k, v in exp.items()},
+                                           dname)
 
 
 def test_unknown_and_cross_dtype_knobs_are_refused(bench):
