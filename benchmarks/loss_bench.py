@@ -451,6 +451,8 @@ def apply_experiment(F, exp, dname):
             F.CONFIGS[f"{k[:3]}_{key}"] = v
         elif k == "ref_stats":
             F.REF_STATS[key] = v
+        elif k == "ref_stats_plain":
+            F.REF_STATS_PLAIN[key] = v
         elif k == "materialize_gib":
             F.MATERIALIZE_GIB = v
         elif k == "programs_per_sm":  # {"frozen": 2, "bwd": 2}: programs per SM of those persistent launches
@@ -474,7 +476,8 @@ def kernel_setting(F) -> str:
             f"{','.join(p_desc) or 'off'}; dZ descriptor store "
             f"{','.join(dz) or 'off'}; fp32 dot {F.FP32_DOT}, fp32 dX/dW {F.FP32_MM}; materialize "
             f"{F.MATERIALIZE_GIB:g} GiB; statistics against ref "
-            f"{','.join(k for k, v in F.REF_STATS.items() if v) or 'off'}; tiles {cfg}")
+            f"{','.join(k for k, v in F.REF_STATS.items() if v) or 'off'}, statistics-only forward against ref "
+            f"{','.join(k for k, v in F.REF_STATS_PLAIN.items() if v) or 'off'}; tiles {cfg}")
 
 
 def compiled_summary(F, head: str, dname: str) -> str:
@@ -517,7 +520,8 @@ def tune(out_dir, hidden_sizes=(1024, 4096), token_counts=(32768,), heads=("froz
     rows = []
     saved = {name: dict(getattr(F, name))
              for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "FROZEN_TILE", "DZ_TMA", "P_TMA",
-                          "FROZEN_RECOMPUTE_BELOW", "PROGRAMS_PER_SM", "LAUNCH_OPTIONS", "REF_STATS")}
+                          "FROZEN_RECOMPUTE_BELOW", "PROGRAMS_PER_SM", "LAUNCH_OPTIONS", "REF_STATS",
+                          "REF_STATS_PLAIN")}
     saved.update({name: getattr(F, name) for name in ("FP32_MM", "FP32_DOT", "FROZEN_TWO_GEMM", "MATERIALIZE_GIB")})
 
     def restore():

@@ -131,6 +131,9 @@ REF_STATS = {key: os.environ.get("GRPO_LAB_REF_STATS", "1") == "1" for key in ("
 # (V·e^(2·gap) > 3.4e38), and its way back to the max multiplies by e^(−2·gap): rows with a larger gap than this are
 # recomputed against their max when that statistic is wanted (the GPU test's peaked rows found it).
 SQ_REF_HEADROOM = 30.0
+# The statistics-only forward (a trainable head's, and old / reference log-probs) against the same kind of ref: the
+# target's logit from a row-wise dot first, the same rescue after. Per compute dtype; GRPO_LAB_REF_STATS_PLAIN=0/1.
+REF_STATS_PLAIN = {key: os.environ.get("GRPO_LAB_REF_STATS_PLAIN", "0") == "1" for key in ("16", "32")}
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -611,6 +614,23 @@ class _FrozenSink:
             _mm_acc(self.acc[i, t0:t1], self.buf[i, : t1 - t0, : v1 - v0], w_c)
 
 
+class _RefSink:
+    """No stores: only the per-row ref the statistics are taken against (`REF_STATS_PLAIN`)."""
+
+    p_mode = 0
+    t_tile = None
+    v_tile = None
+
+    def __init__(self, ref):
+        self.ref = ref
+
+    def views(self, t0, t1, v0, v1, bm, bn, tma_loads):
+        return self.ref, self.ref, self.ref[t0:t1], 0, False, False
+
+    def consume(self, t0, t1, v0, v1):
+        pass
+
+
 class _MaterializedSink:
     """Trainable head with memory allowed for speed: e^(z − ref) of every row and vocabulary entry is kept
     (`full`, [rows, V] in the compute dtype), so the backward is an elementwise pass and two GEMMs, no recompute."""
@@ -648,7 +668,7 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
     target_logit = torch.zeros(m_rows, device=dev)
     flags = dict(HAS_ENTROPY=want["entropy"], HAS_SQ=want["log_sum_sq_probs"], HAS_MEAN=want["mean_logits"],
                  HAS_TOP1=want["is_top1"])
-    ref_stats = sink is not None and REF_STATS[_dtype_key(compute)]
+    ref_stats = sink is not None and (sink.p_mode == 0 or REF_STATS[_dtype_key(compute)])
     for t0 in range(0, m_rows, t_tile):
         t1 = min(m_rows, t0 + t_tile)
         rows = t1 - t0
@@ -719,6 +739,21 @@ def _frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wa
     return stats, _rebase_to_log_z(sink.acc, run_m, run_s, ref)
 
 
+def _statistics_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want):
+    """The statistics-only forward; with REF_STATS_PLAIN against each row's target logit, rows too far below their
+    max recomputed against it."""
+    if not REF_STATS_PLAIN[_dtype_key(compute)]:
+        return _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
+    ref = _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale)
+    stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, _RefSink(ref))
+    rows = (~(stats[0] - ref <= _ref_limit(compute, want, True))).nonzero().squeeze(-1)
+    if rows.numel():
+        ref[rows] = stats[0][rows]
+        _copy_rows(stats, rows, _forward_stats(h[rows], weight, bias, y[rows], inv_t, softcap, logit_scale, compute,
+                                               want, _RefSink(ref[rows])))
+    return stats
+
+
 def _copy_rows(stats, rows, redone):
     """Puts the recomputed rows' statistics in place (with REF_STATS, an overflowing row's first sums are not
     usable)."""
@@ -727,9 +762,12 @@ def _copy_rows(stats, rows, redone):
             kept.index_copy_(0, rows, new)
 
 
-def _ref_limit(compute: torch.dtype, want: dict) -> float:
-    """How far a row's max may sit above its ref before the row is recomputed against its max."""
-    if REF_STATS[_dtype_key(compute)] and want["log_sum_sq_probs"]:
+def _ref_limit(compute: torch.dtype, want: dict, against_ref: bool | None = None) -> float:
+    """How far a row's max may sit above its ref before the row is recomputed against its max (`against_ref`: the
+    statistics were taken against ref; REF_STATS by default)."""
+    if against_ref is None:
+        against_ref = REF_STATS[_dtype_key(compute)]
+    if against_ref and want["log_sum_sq_probs"]:
         return min(REF_HEADROOM, SQ_REF_HEADROOM)
     return REF_HEADROOM
 
@@ -828,7 +866,7 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
                 stats, full, shift = _materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute,
                                                            want)
             else:
-                stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
+                stats = _statistics_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
             log_z, logprobs, entropy, extras = outputs_from_stats(*stats, vocab, want)
             if path == "frozen":
                 ctx.extra = (acc, logprobs.clone(), stats[-1])  # the target logit (softcap factor of the target)

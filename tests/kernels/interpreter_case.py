@@ -10,7 +10,7 @@ are recomputed against their exact max; `entropy_hint` forces what the frozen fo
 gives every seventh row logits hundreds of nats apart with the lowest one as its target, so that e^(z − ref)
 overflows fp32 there and those rows must be recomputed, statistics included (`softcap`: null turns the softcap off,
 which would bound the logits; `target_gap` picks the target that many nats below the max instead); `ref_stats`
-sets REF_STATS.
+sets REF_STATS, `ref_stats_plain` REF_STATS_PLAIN.
 """
 
 import json
@@ -59,6 +59,7 @@ def main(variant: dict) -> dict:
     F.MATERIALIZE_GIB = 1.0 if path == "materialized" else 0.0
     F.REF_HEADROOM = variant.get("headroom", F.REF_HEADROOM)
     F.REF_STATS = dict.fromkeys(F.REF_STATS, variant.get("ref_stats", True))
+    F.REF_STATS_PLAIN = dict.fromkeys(F.REF_STATS_PLAIN, variant.get("ref_stats_plain", False))
     programs, loads, stores, bulk, paths = [], [], [], [], []
     spy("_programs", programs)
     spy("_operands", loads)

@@ -61,6 +61,12 @@ PATH_CASES = [
       "extreme_rows": True, "target_gap": 50.0}, 7),
     ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "extreme_rows": True,
       "target_gap": 50.0}, 2),
+    # the trainable head's statistics-only forward against ref (REF_STATS_PLAIN): one launch, one for the 8 rescued
+    # rows, then the 6 dZ launches of the recomputing backward
+    ({"tma": True, "persistent": True, "dz_tma": False, "path": "recompute", "softcap": None, "extreme_rows": True,
+      "ref_stats_plain": True}, 8),
+    ({"tma": True, "persistent": True, "dz_tma": False, "path": "recompute", "softcap": None, "extreme_rows": True,
+      "target_gap": 50.0, "ref_stats_plain": True}, 8),
     # the same rows with the statistics taken against the block max (REF_STATS off): only P~ needs the rescue
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "softcap": None,
       "extreme_rows": True, "ref_stats": False}, 7),
@@ -70,7 +76,8 @@ PATH_CASES = [
 @pytest.mark.parametrize("variant,launches", PATH_CASES,
                          ids=["frozen", "frozen-p-descriptors", "frozen-fallback-rescue", "materialized-rescue",
                               "frozen-overflow", "materialized-overflow", "frozen-sq-overflow",
-                              "materialized-sq-overflow", "frozen-overflow-block-max-stats"])
+                              "materialized-sq-overflow", "plain-overflow", "plain-sq-overflow",
+                              "frozen-overflow-block-max-stats"])
 def test_frozen_and_materialized_paths_match_float64_in_the_interpreter(variant, launches):
     proc = subprocess.run([sys.executable, CASE, json.dumps(variant)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,7 +19,7 @@ def bench(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "FROZEN_TILE", "DZ_TMA", "P_TMA", "FROZEN_RECOMPUTE_BELOW",
-                 "PROGRAMS_PER_SM", "LAUNCH_OPTIONS", "REF_STATS"):
+                 "PROGRAMS_PER_SM", "LAUNCH_OPTIONS", "REF_STATS", "REF_STATS_PLAIN"):
         monkeypatch.setattr(F, name, dict(getattr(F, name)))
     for name in ("FP32_MM", "FP32_DOT", "FROZEN_TWO_GEMM", "MATERIALIZE_GIB"):  # experiments replace these outright
         monkeypatch.setattr(F, name, getattr(F, name))
