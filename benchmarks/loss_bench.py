@@ -420,6 +420,15 @@ TUNE_EXPERIMENTS = {
 FP32_ONLY = ("mm", "FP32_MM", "FP32_DOT")
 
 
+# Knobs that set one entry (the experiment's dtype) of a per-dtype table of the kernel module, and knobs that set a
+# module attribute outright.
+PER_DTYPE_KNOBS = {"bwd_tile": "BWD_TILE", "frozen_tile": "FROZEN_TILE", "dz_tma": "DZ_TMA", "p_tma": "P_TMA",
+                   "frozen_recompute_below": "FROZEN_RECOMPUTE_BELOW", "ref_stats": "REF_STATS",
+                   "ref_stats_plain": "REF_STATS_PLAIN"}
+MODULE_KNOBS = {"FP32_MM": "FP32_MM", "FP32_DOT": "FP32_DOT", "frozen_two_gemm": "FROZEN_TWO_GEMM",
+                "materialize_gib": "MATERIALIZE_GIB"}
+
+
 def apply_experiment(F, exp, dname):
     key = "16" if dname == "bf16" else "32"
     for k, v in exp.items():
@@ -429,32 +438,16 @@ def apply_experiment(F, exp, dname):
             F.CONFIGS[f"fwd_{key}"] = F.CONFIGS[f"bwd_{key}"] = v
         elif k == "mm":
             F.CONFIGS["mm_32"] = v
-        elif k in ("FP32_MM", "FP32_DOT"):
-            setattr(F, k, v)
-        elif k == "bwd_tile":
-            F.BWD_TILE[key] = v
-        elif k == "frozen_tile":
-            F.FROZEN_TILE[key] = v
-        elif k == "dz_tma":
-            F.DZ_TMA[key] = v
-        elif k == "frozen_two_gemm":
-            F.FROZEN_TWO_GEMM = v
-        elif k == "frozen_recompute_below":
-            F.FROZEN_RECOMPUTE_BELOW[key] = v
-        elif k == "p_tma":
-            F.P_TMA[key] = v
+        elif k in PER_DTYPE_KNOBS:
+            getattr(F, PER_DTYPE_KNOBS[k])[key] = v
+        elif k in MODULE_KNOBS:
+            setattr(F, MODULE_KNOBS[k], v)
         elif k == "frozen_cfg":
             F.CONFIGS[f"frozen_{key}"] = v
         elif k == "persistent":
             F.PERSISTENT[f"fwd_{key}"] = F.PERSISTENT[f"bwd_{key}"] = v
         elif k in ("fwd_cfg", "bwd_cfg"):
             F.CONFIGS[f"{k[:3]}_{key}"] = v
-        elif k == "ref_stats":
-            F.REF_STATS[key] = v
-        elif k == "ref_stats_plain":
-            F.REF_STATS_PLAIN[key] = v
-        elif k == "materialize_gib":
-            F.MATERIALIZE_GIB = v
         elif k == "programs_per_sm":  # {"frozen": 2, "bwd": 2}: programs per SM of those persistent launches
             F.PROGRAMS_PER_SM.update({f"{kind}_{key}": n for kind, n in v.items()})
         elif k == "launch":  # {"frozen": {"maxnreg": 128}}: extra Triton compile options of those kernels
