@@ -703,7 +703,6 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
             run[4] if want["mean_logits"] else None, run[5] if want["is_top1"] else None, target_logit)
 
 
-
 def _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale):
     """Each row's target logit, cheaply (a row-wise dot in the compute dtype): the reference e^(z − ref) is taken
     against. Any value ≤ the row's max does (no overflow unless the max is REF_HEADROOM above it, and such rows are
