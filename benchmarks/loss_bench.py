@@ -480,14 +480,15 @@ def compiled_summary(F, head: str, dname: str) -> str:
     kinds = ("frozen",) if head == "frozen" else ("fwd", "bwd")
     parts = []
     for kind in kinds:
-        info = F.LAST_COMPILED.get(f"{kind}_{key}")
-        if not info or info.get("n_regs") is None:
+        compiled = F.LAST_COMPILED.get(f"{kind}_{key}")
+        regs = getattr(compiled, "n_regs", None)  # None off CUDA (Triton's interpreter)
+        if regs is None:
             continue
+        shared = compiled.metadata.shared
         warps = F.CONFIGS[f"{kind}_{key}"][4]
-        fit_regs = 65536 // max(1, info["n_regs"] * 32 * warps)
-        fit_smem = (227 * 1024) // max(1, (info["shared"] or 0) + 1024)
-        parts.append(f"{kind}: {info['n_regs']} regs, {info['n_spills']} spills, {info['shared']} B smem, "
-                     f"{min(fit_regs, fit_smem)}/SM")
+        fit_regs = 65536 // max(1, regs * 32 * warps)
+        fit_smem = (227 * 1024) // max(1, shared + 1024)
+        parts.append(f"{kind}: {regs} regs, {compiled.n_spills} spills, {shared} B smem, {min(fit_regs, fit_smem)}/SM")
     return "; ".join(parts)
 
 
@@ -512,10 +513,8 @@ def tune(out_dir, hidden_sizes=(1024, 4096), token_counts=(32768,), heads=("froz
 
     rows = []
     saved = {name: dict(getattr(F, name))
-             for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "FROZEN_TILE", "DZ_TMA", "P_TMA",
-                          "FROZEN_RECOMPUTE_BELOW", "PROGRAMS_PER_SM", "LAUNCH_OPTIONS", "REF_STATS",
-                          "REF_STATS_PLAIN")}
-    saved.update({name: getattr(F, name) for name in ("FP32_MM", "FP32_DOT", "FROZEN_TWO_GEMM", "MATERIALIZE_GIB")})
+             for name in ("CONFIGS", "PERSISTENT", "PROGRAMS_PER_SM", "LAUNCH_OPTIONS", *PER_DTYPE_KNOBS.values())}
+    saved.update({name: getattr(F, name) for name in MODULE_KNOBS.values()})
 
     def restore():
         for name, value in saved.items():

@@ -80,7 +80,7 @@ PERSISTENT_PROGRAMS = None
 PROGRAMS_PER_SM = {key: 1 for key in CONFIGS}
 # Extra Triton compile options per CONFIGS key (e.g. {"maxnreg": 128}, which lets two 8-warp programs fit one SM).
 LAUNCH_OPTIONS = {key: {} for key in CONFIGS}
-# What the last launch of each fused kernel compiled to (registers per thread, spills, shared-memory bytes): read by
+# The last launch of each fused kernel, as Triton compiled it (registers per thread, spills, shared memory): read by
 # benchmarks/loss_bench.py --tune to say how many programs an SM can hold.
 LAST_COMPILED = {}
 # The backward writes dZ through a tensor descriptor (bulk store, clipped at the tile's edges) when TMA loads are on;
@@ -413,9 +413,10 @@ def _merge_kernel(part_ptr, run_ptr, part_stat_stride, run_stat_stride, M, n_blo
         ok = (offs_b < n_blocks)[:, None] & r_ok[None, :]
         pm = tl.load(part_ptr + offs_b[:, None] * M + offs_r[None, :], mask=ok, other=-float("inf"))
         new_m = tl.maximum(new_m, tl.max(pm, axis=0))
-    alpha = tl.exp(old_m - new_m)
     if REF_STATS:
         alpha = tl.where(r_ok, 1.0, 0.0)
+    else:
+        alpha = tl.exp(old_m - new_m)
     at_s = run_ptr + run_stat_stride + offs_r  # all six running statistics exist; the unwanted ones stay untouched
     s = tl.load(at_s, mask=r_ok, other=0.0) * alpha
     xs = tl.load(at_s + run_stat_stride, mask=r_ok, other=0.0) * alpha
@@ -552,12 +553,6 @@ def _programs(kind: str, compute: torch.dtype, n_tiles: int, device: torch.devic
     return min(n_tiles, slots), True
 
 
-def _record(key: str, compiled) -> None:
-    """Keep what a fused launch compiled to (for the tile sweep's report); quiet where Triton does not say."""
-    LAST_COMPILED[key] = {name: getattr(compiled, name, None) for name in ("n_regs", "n_spills")}
-    LAST_COMPILED[key]["shared"] = getattr(getattr(compiled, "metadata", None), "shared", None)
-
-
 def _dz_target(tile: torch.Tensor, bm: int, bn: int, tma_loads: bool):
     """(dz arg, use_tma): a tensor descriptor of the dZ tile when DZ_TMA is on and its layout allows it."""
     return _store_target(tile, bm, bn, DZ_TMA[_dtype_key(tile.dtype)] and tma_loads)
@@ -689,7 +684,7 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
                 BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
                 P_MODE=sink.p_mode if sink is not None else 0, STORE_PZ=store_pz, P_TMA=p_tma, REF_STATS=ref_stats,
                 num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS[f"{kind}_{_dtype_key(compute)}"])
-            _record(f"{kind}_{_dtype_key(compute)}", compiled)
+            LAST_COMPILED[f"{kind}_{_dtype_key(compute)}"] = compiled
             _merge_kernel[(triton.cdiv(rows, MERGE_ROWS),)](
                 part, run_t, part.stride(0), run_t.stride(0), rows, nvb, **flags, BR=MERGE_ROWS, BV=MERGE_BLOCKS,
                 REF_STATS=ref_stats, num_warps=4)
@@ -729,11 +724,9 @@ def _frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wa
     stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink)
     run_m, run_s = stats[0], stats[1]
     rows = _rows_to_recompute(run_m, run_s, ref, sink.acc, compute, _ref_limit(compute, want))
-    if rows.numel():  # recompute these rows against their exact max, which cannot overflow
-        ref[rows] = run_m[rows]
-        redo = _FrozenSink(rows.numel(), weight, compute, ref[rows], with_plogp, bn)
-        _copy_rows(stats, rows, _forward_stats(h[rows], weight, bias, y[rows], inv_t, softcap, logit_scale, compute,
-                                               want, redo))
+    if rows.numel():
+        redo = _redo_rows(rows, stats, ref, lambda r: _FrozenSink(rows.numel(), weight, compute, r, with_plogp, bn),
+                          h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
         sink.acc.index_copy_(1, rows, redo.acc)
     return stats, _rebase_to_log_z(sink.acc, run_m, run_s, ref)
 
@@ -745,20 +738,28 @@ def _statistics_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute
         return _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
     ref = _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale)
     stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, _RefSink(ref))
-    rows = (~(stats[0] - ref <= _ref_limit(compute, want, True))).nonzero().squeeze(-1)
+    rows = _far_below_max(stats[0], ref, _ref_limit(compute, want, True)).nonzero().squeeze(-1)
     if rows.numel():
-        ref[rows] = stats[0][rows]
-        _copy_rows(stats, rows, _forward_stats(h[rows], weight, bias, y[rows], inv_t, softcap, logit_scale, compute,
-                                               want, _RefSink(ref[rows])))
+        _redo_rows(rows, stats, ref, _RefSink, h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
     return stats
 
 
-def _copy_rows(stats, rows, redone):
-    """Puts the recomputed rows' statistics in place (with REF_STATS, an overflowing row's first sums are not
-    usable)."""
+def _far_below_max(run_m, ref, limit):
+    """Rows whose max sits more than `limit` above their ref (or is not a number): e^(z − ref) may overflow there."""
+    return ~(run_m - ref <= limit)
+
+
+def _redo_rows(rows, stats, ref, make_sink, h, weight, bias, y, inv_t, softcap, logit_scale, compute, want):
+    """Recomputes `rows` against their exact max, which cannot overflow: `ref` is set to it, the rows' statistics
+    replace the first pass's (against ref, an overflowing row's sums are not usable), and the sink made by
+    `make_sink(ref of the rows)` holds their stores for the caller to put in place."""
+    ref[rows] = stats[0][rows]
+    sink = make_sink(ref[rows])
+    redone = _forward_stats(h[rows], weight, bias, y[rows], inv_t, softcap, logit_scale, compute, want, sink)
     for kept, new in zip(stats, redone):
         if kept is not None:
             kept.index_copy_(0, rows, new)
+    return sink
 
 
 def _ref_limit(compute: torch.dtype, want: dict, against_ref: bool | None = None) -> float:
@@ -776,7 +777,7 @@ def _rows_to_recompute(run_m, run_s, ref, acc, compute, limit=None):
     its rounding: `PLOGP_EXCESS`, where p_max = 1 / run_s) or whose accumulators are not finite. One host sync."""
     limit = REF_HEADROOM if limit is None else limit
     gap = run_m - ref
-    bad = ~(gap <= limit) | ~torch.isfinite(acc.sum(-1)).all(0)  # an inf / nan row sums to one
+    bad = _far_below_max(run_m, ref, limit) | ~torch.isfinite(acc.sum(-1)).all(0)  # an inf / nan row sums to one
     if acc.shape[0] == 2:
         bad |= gap / run_s > PLOGP_EXCESS[_dtype_key(compute)]
     return bad.nonzero().squeeze(-1)
@@ -797,13 +798,12 @@ def _materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compu
     full = torch.empty((h.shape[0], weight.shape[0]), device=h.device, dtype=compute)
     stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, _MaterializedSink(full, ref))
     run_m, run_s = stats[0], stats[1]
-    rows = (~(run_m - ref <= _ref_limit(compute, want))).nonzero().squeeze(-1)
+    rows = _far_below_max(run_m, ref, _ref_limit(compute, want)).nonzero().squeeze(-1)
     if rows.numel():
-        ref[rows] = run_m[rows]
-        redo = torch.empty((rows.numel(), weight.shape[0]), device=h.device, dtype=compute)
-        _copy_rows(stats, rows, _forward_stats(h[rows], weight, bias, y[rows], inv_t, softcap, logit_scale, compute,
-                                               want, _MaterializedSink(redo, ref[rows])))
-        full.index_copy_(0, rows, redo)
+        redo = _redo_rows(rows, stats, ref, lambda r: _MaterializedSink(
+            torch.empty((rows.numel(), weight.shape[0]), device=h.device, dtype=compute), r),
+            h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
+        full.index_copy_(0, rows, redo.full)
     return stats, full, ref - (run_m + torch.log(run_s))
 
 
@@ -1025,7 +1025,7 @@ def _recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, so
                     EVEN_K=k % bk == 0, USE_TMA=tma, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
                     PERSISTENT=persistent, NUM_PROGRAMS=n_progs, DZ_TMA=dz_tma,
                     num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS[f"bwd_{_dtype_key(compute)}"])
-                _record(f"bwd_{_dtype_key(compute)}", compiled)
+                LAST_COMPILED[f"bwd_{_dtype_key(compute)}"] = compiled
                 if tri_mm:
                     if need_h:
                         _triton_mm_acc(grad_h_valid[t0:t1], tile, weight[v0:v1])

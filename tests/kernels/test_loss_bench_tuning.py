@@ -18,10 +18,9 @@ def bench(monkeypatch):
     spec = importlib.util.spec_from_file_location("loss_bench", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for name in ("CONFIGS", "PERSISTENT", "BWD_TILE", "FROZEN_TILE", "DZ_TMA", "P_TMA", "FROZEN_RECOMPUTE_BELOW",
-                 "PROGRAMS_PER_SM", "LAUNCH_OPTIONS", "REF_STATS", "REF_STATS_PLAIN"):
+    for name in ("CONFIGS", "PERSISTENT", "PROGRAMS_PER_SM", "LAUNCH_OPTIONS", *module.PER_DTYPE_KNOBS.values()):
         monkeypatch.setattr(F, name, dict(getattr(F, name)))
-    for name in ("FP32_MM", "FP32_DOT", "FROZEN_TWO_GEMM", "MATERIALIZE_GIB"):  # experiments replace these outright
+    for name in module.MODULE_KNOBS.values():  # experiments replace these outright
         monkeypatch.setattr(F, name, getattr(F, name))
     return module
 
@@ -59,10 +58,14 @@ def test_per_kernel_knobs_set_programs_and_compile_options_of_the_named_kernels_
 
 
 def test_the_occupancy_column_counts_programs_per_sm_from_registers_and_shared_memory(bench, monkeypatch):
-    monkeypatch.setattr(F, "LAST_COMPILED", {"frozen_16": {"n_regs": 128, "n_spills": 0, "shared": 98304}})
+    from types import SimpleNamespace
+
+    def compiled(regs):  # what Triton's compiled kernel reports
+        return SimpleNamespace(n_regs=regs, n_spills=0, metadata=SimpleNamespace(shared=98304))
+    monkeypatch.setattr(F, "LAST_COMPILED", {"frozen_16": compiled(128)})
     monkeypatch.setitem(F.CONFIGS, "frozen_16", (128, 128, 64, 8, 8, 2))
     assert bench.compiled_summary(F, "frozen", "bf16") == "frozen: 128 regs, 0 spills, 98304 B smem, 2/SM"
-    F.LAST_COMPILED["frozen_16"] = {"n_regs": 168, "n_spills": 0, "shared": 98304}  # registers allow only one
+    F.LAST_COMPILED["frozen_16"] = compiled(168)  # registers allow only one
     assert bench.compiled_summary(F, "frozen", "bf16").endswith("1/SM")
     assert bench.compiled_summary(F, "trainable", "bf16") == ""  # nothing launched for it
 
