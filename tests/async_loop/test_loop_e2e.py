@@ -133,6 +133,19 @@ def _wait(predicate, proc, timeout: float, what: str):
         time.sleep(0.5)
 
 
+def _freeze_when(predicate, proc, timeout: float, what: str):
+    """Wait for `predicate`, then SIGSTOP the process group and check it again: the trainer cannot save a checkpoint
+    or publish between the check and what the test does next (a kill), so the state the test saw is the state the
+    kill leaves. The group stays stopped; the caller kills it or sends SIGCONT."""
+    while True:
+        _wait(predicate, proc, timeout, what)
+        os.killpg(proc.pid, signal.SIGSTOP)
+        if predicate():
+            return
+        os.killpg(proc.pid, signal.SIGCONT)
+        time.sleep(0.5)
+
+
 def _published_past_checkpoint(out: Path) -> bool:
     """Whether the run has published an adapter newer than its last checkpoint's policy version (what a kill must
     leave behind for the resume to prove it skips it); False while either is still being written."""
@@ -144,6 +157,15 @@ def _published_past_checkpoint(out: Path) -> bool:
         return max(version_of(n, "trl-policy") for n in AdapterStore(out / ".vllm_lora").history()) > saved
     except (OSError, ValueError, KeyError):
         return False
+
+
+def _continue(pids):
+    """SIGCONT the frozen children, so that they meet the trainer's death as running processes would."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
 
 def _default_sigint():
@@ -159,12 +181,14 @@ def test_kill_9_then_resume_reuses_no_name_and_serves_nothing_stale(cluster, tmp
     first = subprocess.Popen(cmd + ["--max-steps", "100"], stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
     try:
-        _wait(lambda: (out / "checkpoint-3").is_dir() and _logged_steps(out) >= 5 and _published_past_checkpoint(out),
-              first, 400, "checkpoint-3, 5 logged steps and an adapter newer than the last checkpoint")
+        _freeze_when(lambda: (out / "checkpoint-3").is_dir() and _logged_steps(out) >= 5
+                     and _published_past_checkpoint(out),
+                     first, 400, "checkpoint-3, 5 logged steps and an adapter newer than the last checkpoint")
         children = descendants(first.pid)
         assert children, "the trainer should have a rollout worker child"
-        os.kill(first.pid, signal.SIGKILL)
+        os.kill(first.pid, signal.SIGKILL)  # the trainer alone, as an OOM killer would; its children must follow
         first.wait(timeout=10)
+        _continue(children)
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
