@@ -40,15 +40,21 @@ class Variant:
     cluster_m: int = 1
     cluster_n: int = 2
     pingpong: bool = True
+    dag: bool = False  # the epilogue as a graph with shared nodes (one exp per element) instead of a tree
+    epilogue_tile: tuple[int, int] | None = None  # None: CUTLASS's automatic choice
 
     @property
     def name(self) -> str:
         kind = "pingpong" if self.pingpong else "coop"
-        return f"{kind}_{self.tile_m}x{self.tile_n}x{self.tile_k}_c{self.cluster_m}x{self.cluster_n}"
+        extra = ("_dag" if self.dag else "") + (f"_e{self.epilogue_tile[0]}x{self.epilogue_tile[1]}"
+                                                if self.epilogue_tile else "")
+        return f"{kind}_{self.tile_m}x{self.tile_n}x{self.tile_k}_c{self.cluster_m}x{self.cluster_n}{extra}"
 
     def defines(self) -> list[str]:
+        epi_m, epi_n = self.epilogue_tile or (0, 0)
         return [f"-DTILE_M={self.tile_m}", f"-DTILE_N={self.tile_n}", f"-DTILE_K={self.tile_k}",
-                f"-DCLUSTER_M={self.cluster_m}", f"-DCLUSTER_N={self.cluster_n}", f"-DPINGPONG={int(self.pingpong)}"]
+                f"-DCLUSTER_M={self.cluster_m}", f"-DCLUSTER_N={self.cluster_n}", f"-DPINGPONG={int(self.pingpong)}",
+                f"-DDAG={int(self.dag)}", f"-DEPI_M={epi_m}", f"-DEPI_N={epi_n}"]
 
 
 VARIANTS = {v.name: v for v in (
@@ -56,6 +62,9 @@ VARIANTS = {v.name: v for v in (
     Variant(tile_n=256, pingpong=False),
     Variant(tile_m=64, tile_n=256),
     Variant(cluster_m=2, cluster_n=1),
+    Variant(cluster_m=2, cluster_n=1, dag=True),
+    Variant(cluster_m=2, cluster_n=1, dag=True, epilogue_tile=(64, 64)),
+    Variant(tile_n=256, cluster_m=2, cluster_n=1, pingpong=False, dag=True),
 )}
 DEFAULT_VARIANT = Variant().name
 
