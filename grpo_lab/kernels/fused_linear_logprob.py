@@ -134,11 +134,6 @@ SQ_REF_HEADROOM = 30.0
 # The statistics-only forward (a trainable head's, and old / reference log-probs) against the same kind of ref: the
 # target's logit from a row-wise dot first, the same rescue after. Per compute dtype; GRPO_LAB_REF_STATS_PLAIN=0/1.
 REF_STATS_PLAIN = {key: os.environ.get("GRPO_LAB_REF_STATS_PLAIN", "0") == "1" for key in ("16", "32")}
-# The frozen bf16 head's first GEMM in CUTLASS (`grpo_lab.kernels.cutlass_head`: Hopper warp-specialised, the
-# e^(z − ref) epilogue overlapping the next tile's tensor-core work, which Triton 3.6 does not do) when the library is
-# built or buildable here, no bias / softcap, and only log-probs and entropy are asked for. "auto": when available;
-# "0": never (GRPO_LAB_CUTLASS).
-CUTLASS_FROZEN = os.environ.get("GRPO_LAB_CUTLASS", "auto")
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -400,15 +395,6 @@ def _frozen_dx_kernel(acc_ptr, w_ptr, y_ptr, cy_ptr, ca_ptr, cb_ptr, out_ptr, M,
         b = tl.load(acc_ptr + acc_plane + rows * K + offs_h[None, :], mask=ok, other=0.0)
         out += tl.load(cb_ptr + offs_r, mask=r_ok, other=0.0)[:, None] * b
     tl.store(out_ptr + rows * stride_out + offs_h[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _zero_target_kernel(p_ptr, y_ptr, M, v0, v1, stride_p, BR: tl.constexpr):
-    """P~[r, y_r − v0] = 0 for the rows whose target lies in the vocabulary chunk v0:v1 (A leaves the target out)."""
-    offs = tl.program_id(0) * BR + tl.arange(0, BR)
-    y = tl.load(y_ptr + offs, mask=offs < M, other=-1)
-    hit = (offs < M) & (y >= v0) & (y < v1)
-    tl.store(p_ptr + offs.to(tl.int64) * stride_p + (y - v0), tl.zeros([BR], dtype=p_ptr.dtype.element_ty), mask=hit)
 
 
 @triton.jit
@@ -712,19 +698,15 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
             run[4] if want["mean_logits"] else None, run[5] if want["is_top1"] else None, target_logit)
 
 
-def _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale, exact=False):
+def _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale):
     """Each row's target logit, cheaply (a row-wise dot in the compute dtype): the reference e^(z − ref) is taken
     against. Any value ≤ the row's max does (no overflow unless the max is REF_HEADROOM above it, and such rows are
-    recomputed against their exact max); the target's own logit is close to the max for sampled tokens. `exact`: in
-    fp32 like the GEMM's accumulation, for a caller that also uses it as the log-prob's target logit."""
+    recomputed against their exact max); the target's own logit is close to the max for sampled tokens."""
     out = torch.empty(h.shape[0], device=h.device)
     for r0 in range(0, h.shape[0], 8192):
         r1 = min(r0 + 8192, h.shape[0])
         w_rows = weight.index_select(0, y[r0:r1]).to(compute)
-        h_rows = h[r0:r1].to(compute).unsqueeze(1)
-        if exact:  # the products of the rounded operands, summed in fp32 as the GEMM does
-            h_rows, w_rows = h_rows.float(), w_rows.float()
-        z = torch.bmm(h_rows, w_rows.unsqueeze(2)).view(-1).float()
+        z = torch.bmm(h[r0:r1].to(compute).unsqueeze(1), w_rows.unsqueeze(2)).view(-1).float()
         if bias is not None:
             z = z + bias.index_select(0, y[r0:r1]).to(compute).float()
         z = z * logit_scale
@@ -736,13 +718,6 @@ def _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale, 
 
 def _frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, with_plogp):
     """Statistics + A (+ B) of the frozen head, relative to log Z (see `base.frozen_input_grad`)."""
-    if _cutlass_frozen_ok(h, weight, bias, softcap, compute, want, with_plogp):
-        return _cutlass_frozen_forward(h, weight, y, inv_t, logit_scale, compute, want)
-    return _triton_frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, with_plogp)
-
-
-def _triton_frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, with_plogp):
-    """The frozen forward in Triton: the fused kernel stores P~ block by block, cuBLAS adds P~·W (`_FrozenSink`)."""
     bn = _config("frozen", compute)[1]
     ref = _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale)
     sink = _FrozenSink(h.shape[0], weight, compute, ref, with_plogp, bn)
@@ -754,58 +729,6 @@ def _triton_frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, comp
                           h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
         sink.acc.index_copy_(1, rows, redo.acc)
     return stats, _rebase_to_log_z(sink.acc, run_m, run_s, ref)
-
-
-def _cutlass_frozen_ok(h, weight, bias, softcap, compute, want, with_plogp) -> bool:
-    """Whether the CUTLASS first GEMM serves this frozen head: bf16 operands as stored, no bias, softcap or B, only
-    log-probs and entropy wanted, a Hopper GPU and the library there (`CUTLASS_FROZEN`)."""
-    if CUTLASS_FROZEN == "0" or compute != torch.bfloat16 or bias is not None or softcap is not None or with_plogp:
-        return False
-    if want["log_sum_sq_probs"] or want["mean_logits"] or want["is_top1"]:
-        return False
-    if h.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        return False
-    from . import cutlass_head
-
-    return cutlass_head.available() and cutlass_head.supports(h, weight)
-
-
-def _cutlass_frozen_forward(h, weight, y, inv_t, logit_scale, compute, want):
-    """The two-GEMM frozen forward with CUTLASS for P~ = e^(z − ref) and its row sums, cuBLAS for A += P~·W (the
-    `_FrozenSink` buffer and GEMM). Statistics stay against ref (the target's exact logit); rows whose sum says the
-    max may sit over the headroom above ref, or whose A is not finite, are redone by the Triton path."""
-    from . import cutlass_head
-
-    m_rows = h.shape[0]
-    ref = _reference_logits(h, weight, None, y, compute, inv_t, None, logit_scale, exact=True)
-    neg_ref = -ref
-    sink = _FrozenSink(m_rows, weight, compute, ref, False, 128)
-    depth = 2 if want["entropy"] else 1
-    run = torch.zeros((depth, m_rows), device=h.device)
-    vocab = weight.shape[0]
-    for t0 in range(0, m_rows, sink.t_tile):
-        t1 = min(m_rows, t0 + sink.t_tile)
-        for v0 in range(0, vocab, sink.v_tile):
-            v1 = min(vocab, v0 + sink.v_tile)
-            p = sink.buf[0, : t1 - t0, : v1 - v0]
-            sums = cutlass_head.frozen_logits_exp(h[t0:t1], weight[v0:v1], neg_ref[t0:t1], p, logit_scale * inv_t,
-                                                  depth == 2)
-            run[:, t0:t1] += sums.sum(1)[:, : t1 - t0]
-            _zero_target_kernel[(triton.cdiv(t1 - t0, 1024),)](p, y[t0:t1], t1 - t0, v0, v1, p.stride(0), BR=1024)
-            sink.consume(t0, t1, v0, v1)
-    run_s = run[0]
-    stats = [ref.clone(), run_s, run[1] + ref * run_s if depth == 2 else None, None, None, None, ref]
-    bad = ~(torch.log(run_s) <= _ref_limit(compute, want, True)) | ~torch.isfinite(sink.acc[0].sum(-1))
-    acc = _rebase_to_log_z(sink.acc, stats[0], run_s, ref)
-    rows = bad.nonzero().squeeze(-1)
-    if rows.numel():  # against their exact max, by the Triton path
-        redo_stats, redo_acc = _triton_frozen_forward(h[rows], weight, None, y[rows], inv_t, None, logit_scale,
-                                                      compute, want, False)
-        for kept, new in zip(stats, redo_stats):
-            if kept is not None:
-                kept.index_copy_(0, rows, new)
-        acc.index_copy_(1, rows, redo_acc)
-    return tuple(stats), acc
 
 
 def _statistics_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want):
