@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
+from .checkpoints import last_complete_checkpoint
+
 log = logging.getLogger(__name__)
 
 
@@ -242,6 +244,16 @@ class AsyncLoop:
               f"tree attention {self.trainer.tree_attention}; replica logs {self.replica_log_dir}", flush=True)
 
     def train(self, resume_from_checkpoint=None):
+        """`trainer.train`; `resume_from_checkpoint=True` means the last complete checkpoint of the output directory
+        (`checkpoints.last_complete_checkpoint`: one a kill cut short while saving is skipped, with a warning)."""
+        if resume_from_checkpoint is True:
+            point = last_complete_checkpoint(self.args.output_dir)
+            if point.skipped:
+                log.warning("skipping incomplete checkpoints: %s", point.describe_skipped())
+            if point.checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint-* folder in "
+                                 f"{self.args.output_dir}")
+            resume_from_checkpoint = point.checkpoint
         if self.trainer is None:
             self.start()
         return self.trainer.train(resume_from_checkpoint=resume_from_checkpoint)
@@ -311,14 +323,16 @@ def main(argv=None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # run the same teardown as Ctrl-C
-    from transformers.trainer_utils import get_last_checkpoint
-
     resume = None
     if a.resume:
-        resume = get_last_checkpoint(a.output_dir) if os.path.isdir(a.output_dir) else None
-        if resume is None:
-            print(f"error: --resume: no checkpoint-* folder in {a.output_dir}", file=sys.stderr)
+        point = last_complete_checkpoint(a.output_dir)
+        if point.skipped:
+            print(f"--resume: skipping incomplete checkpoints: {point.describe_skipped()}", file=sys.stderr)
+        if point.checkpoint is None:
+            print(f"error: --resume: no complete checkpoint-* folder in {a.output_dir}", file=sys.stderr)
             return 2
+        resume = point.checkpoint
+        print(f"resuming from {resume}", file=sys.stderr, flush=True)
     args = embedded_trainer_args(
         a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.prompts_per_step * a.num_generations,
         num_generations=a.num_generations, learning_rate=a.learning_rate, max_staleness=a.max_staleness,

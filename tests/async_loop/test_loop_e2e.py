@@ -137,8 +137,9 @@ def _freeze_when(predicate, proc, timeout: float, what: str):
     """Wait for `predicate`, then SIGSTOP the process group and check it again: the trainer cannot save a checkpoint
     or publish between the check and what the test does next (a kill), so the state the test saw is the state the
     kill leaves. The group stays stopped; the caller kills it or sends SIGCONT."""
+    deadline = time.monotonic() + timeout
     while True:
-        _wait(predicate, proc, timeout, what)
+        _wait(predicate, proc, max(deadline - time.monotonic(), 0.0), what)
         os.killpg(proc.pid, signal.SIGSTOP)
         if predicate():
             return
@@ -201,11 +202,18 @@ def test_kill_9_then_resume_reuses_no_name_and_serves_nothing_stale(cluster, tmp
     ckpt_version = json.loads(Path(checkpoint, "rollout_state.json").read_text())["model_version"]
     assert killed_max > ckpt_version  # the killed run published weights the checkpoint does not have
     rows_before = len(read_metrics(out / METRICS_FILE))
+    # and what a kill while saving leaves: TRL's rollout_state.json and the adapter, not transformers' trainer state
+    cut = out / f"checkpoint-{ckpt_step + 1}"
+    cut.mkdir()
+    (cut / "rollout_state.json").write_text(json.dumps({"prompt_index": 0, "model_version": killed_max}))
+    (cut / "adapter_model.safetensors").write_bytes(b"")
 
     target = ckpt_step + 4
     resumed = subprocess.run(cmd + ["--max-steps", str(target), "--resume"], capture_output=True, text=True,
                              timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"skipping incomplete checkpoints: {cut.name}: trainer_state.json missing" in resumed.stderr
+    assert f"resuming from {checkpoint}" in resumed.stderr
 
     history = AdapterStore(out / ".vllm_lora").history()
     new = {n: p for n, p in history.items() if n not in killed}

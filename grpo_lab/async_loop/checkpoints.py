@@ -1,0 +1,60 @@
+"""Which checkpoint a resume may start from: the last complete one, never one a kill cut short.
+
+TRL's `AsyncGRPOTrainer._save_checkpoint` writes `rollout_state.json` first, then transformers writes the adapter,
+the optimizer and RNG states and, last, `trainer_state.json` — none of it atomically. A run killed while saving (the
+OOM killer, a preempted node) leaves a `checkpoint-N` folder without `trainer_state.json`, or with a truncated one,
+and `transformers.trainer_utils.get_last_checkpoint` still returns it, so the resume would crash on it. Here a
+checkpoint counts as complete when both JSON files are there and parse; incomplete ones newer than it are named
+and skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME, written last
+ROLLOUT_STATE = "rollout_state.json"  # TRL's prompt position and adapter version, written first
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass
+class ResumePoint:
+    """The checkpoint to resume from (None: there is none) and the incomplete ones after it, newest first."""
+
+    checkpoint: str | None
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (folder, what is wrong with it)
+
+    def describe_skipped(self) -> str:
+        return "; ".join(f"{Path(folder).name}: {why}" for folder, why in self.skipped)
+
+
+def _problem(folder: Path) -> str | None:
+    """Why `folder` cannot be resumed from, or None when it is complete."""
+    for name in (ROLLOUT_STATE, TRAINER_STATE):
+        path = folder / name
+        if not path.is_file():
+            return f"{name} missing (killed while saving?)"
+        try:
+            json.loads(path.read_text())
+        except (ValueError, OSError) as err:
+            return f"{name} unreadable ({err.__class__.__name__}: cut short while saving?)"
+    return None
+
+
+def last_complete_checkpoint(output_dir: str | Path) -> ResumePoint:
+    """The newest `checkpoint-N` under `output_dir` whose state files are whole (by step, as transformers orders)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return ResumePoint(None)
+    steps = sorted(((int(m.group(1)), p) for p in root.iterdir()
+                    if p.is_dir() and (m := _CHECKPOINT.match(p.name))), reverse=True)
+    skipped = []
+    for _, folder in steps:
+        problem = _problem(folder)
+        if problem is None:
+            return ResumePoint(str(folder), skipped)
+        skipped.append((str(folder), problem))
+    return ResumePoint(None, skipped)
