@@ -14,6 +14,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME, written last
 ROLLOUT_STATE = "rollout_state.json"  # TRL's prompt position and adapter version, written first
@@ -58,3 +59,14 @@ def last_complete_checkpoint(output_dir: str | Path) -> ResumePoint:
             return ResumePoint(str(folder), skipped)
         skipped.append((str(folder), problem))
     return ResumePoint(None, skipped)
+
+
+def resume_checkpoint(output_dir: str | Path, warn: Callable[[str], object]) -> str:
+    """The checkpoint a resume starts from; `warn` hears which incomplete ones were skipped. ValueError (a one-line
+    message for the user) when none is complete."""
+    point = last_complete_checkpoint(output_dir)
+    if point.skipped:
+        warn(f"skipping incomplete checkpoints: {point.describe_skipped()}")
+    if point.checkpoint is None:
+        raise ValueError(f"no complete checkpoint-* folder in {output_dir}")
+    return point.checkpoint

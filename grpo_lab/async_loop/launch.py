@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
-from .checkpoints import last_complete_checkpoint
+from .checkpoints import resume_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -247,13 +247,7 @@ class AsyncLoop:
         """`trainer.train`; `resume_from_checkpoint=True` means the last complete checkpoint of the output directory
         (`checkpoints.last_complete_checkpoint`: one a kill cut short while saving is skipped, with a warning)."""
         if resume_from_checkpoint is True:
-            point = last_complete_checkpoint(self.args.output_dir)
-            if point.skipped:
-                log.warning("skipping incomplete checkpoints: %s", point.describe_skipped())
-            if point.checkpoint is None:
-                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint-* folder in "
-                                 f"{self.args.output_dir}")
-            resume_from_checkpoint = point.checkpoint
+            resume_from_checkpoint = resume_checkpoint(self.args.output_dir, log.warning)
         if self.trainer is None:
             self.start()
         return self.trainer.train(resume_from_checkpoint=resume_from_checkpoint)
@@ -325,13 +319,11 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # run the same teardown as Ctrl-C
     resume = None
     if a.resume:
-        point = last_complete_checkpoint(a.output_dir)
-        if point.skipped:
-            print(f"--resume: skipping incomplete checkpoints: {point.describe_skipped()}", file=sys.stderr)
-        if point.checkpoint is None:
-            print(f"error: --resume: no complete checkpoint-* folder in {a.output_dir}", file=sys.stderr)
+        try:
+            resume = resume_checkpoint(a.output_dir, lambda message: print(f"--resume: {message}", file=sys.stderr))
+        except ValueError as err:
+            print(f"error: --resume: {err}", file=sys.stderr)
             return 2
-        resume = point.checkpoint
         print(f"resuming from {resume}", file=sys.stderr, flush=True)
     args = embedded_trainer_args(
         a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.prompts_per_step * a.num_generations,

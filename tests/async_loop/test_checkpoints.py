@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from grpo_lab.async_loop import launch
-from grpo_lab.async_loop.checkpoints import ROLLOUT_STATE, TRAINER_STATE, last_complete_checkpoint
+from grpo_lab.async_loop.checkpoints import ROLLOUT_STATE, TRAINER_STATE, last_complete_checkpoint, resume_checkpoint
 
 
 def _checkpoint(root: Path, step: int, *, rollout=True, trainer: str | None = "{}") -> Path:
@@ -69,3 +69,11 @@ def test_train_with_resume_true_resolves_before_starting_anything(tmp_path):
     with pytest.raises(ValueError, match="no complete checkpoint"):
         loop.train(resume_from_checkpoint=True)
     assert loop.trainer is None and loop.cluster is None  # nothing was started
+
+
+def test_resume_checkpoint_warns_about_what_it_skips(tmp_path):
+    _checkpoint(tmp_path, 6)
+    _checkpoint(tmp_path, 7, trainer=None)
+    heard = []
+    assert resume_checkpoint(tmp_path, heard.append) == str(tmp_path / "checkpoint-6")
+    assert heard == ["skipping incomplete checkpoints: checkpoint-7: trainer_state.json missing (killed while saving?)"]
