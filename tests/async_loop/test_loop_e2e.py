@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 from transformers import TrainerCallback
@@ -160,13 +161,29 @@ def _published_past_checkpoint(out: Path) -> bool:
         return False
 
 
-def _continue(pids):
-    """SIGCONT the frozen children, so that they meet the trainer's death as running processes would."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+def _continue_group(pgid: int):
+    """SIGCONT what is left of a frozen process group (rollout worker, multiprocessing's resource tracker), so that
+    it meets the trainer's death as running processes would; a stopped process never would, and never exits."""
+    try:
+        os.killpg(pgid, signal.SIGCONT)
+    except ProcessLookupError:  # nothing left
+        pass
+
+
+def _group_left(pgid: int, timeout: float = 20.0) -> list[int]:
+    """Processes still in process group `pgid` after `timeout` (zombies aside), e.g. a resource tracker left behind."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for proc in psutil.process_iter(["pid", "status"]):
+            try:
+                if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append(proc.pid)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def _default_sigint():
@@ -189,11 +206,12 @@ def test_kill_9_then_resume_reuses_no_name_and_serves_nothing_stale(cluster, tmp
         assert children, "the trainer should have a rollout worker child"
         os.kill(first.pid, signal.SIGKILL)  # the trainer alone, as an OOM killer would; its children must follow
         first.wait(timeout=10)
-        _continue(children)
+        _continue_group(first.pid)
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
     assert wait_gone(children, 20) == [], "the rollout worker outlived its SIGKILLed trainer"
+    assert _group_left(first.pid) == [], "processes of the killed trainer's group (e.g. a stopped one) outlived it"
 
     killed = AdapterStore(out / ".vllm_lora").history()
     killed_max = max(version_of(n, "trl-policy") for n in killed)
