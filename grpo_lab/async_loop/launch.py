@@ -315,8 +315,6 @@ def main(argv=None) -> int:
         print("error: --prompts-per-step >= 1, --num-generations >= 2 and --max-steps >= 1 are required",
               file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # run the same teardown as Ctrl-C
     resume = None
     if a.resume:
         try:
@@ -325,6 +323,8 @@ def main(argv=None) -> int:
             print(f"error: --resume: {err}", file=sys.stderr)
             return 2
         print(f"resuming from {resume}", file=sys.stderr, flush=True)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # run the same teardown as Ctrl-C
     args = embedded_trainer_args(
         a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.prompts_per_step * a.num_generations,
         num_generations=a.num_generations, learning_rate=a.learning_rate, max_staleness=a.max_staleness,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,9 @@ def test_nothing_to_resume_from(tmp_path):
 
 def test_the_command_says_what_it_skips_and_stops_cleanly_without_a_complete_one(tmp_path, capsys):
     _checkpoint(tmp_path, 3, trainer=None)
+    sigterm = signal.getsignal(signal.SIGTERM)
     assert launch.main(["--resume", "--output-dir", str(tmp_path)]) == 2
+    assert signal.getsignal(signal.SIGTERM) is sigterm  # a refused resume changes nothing in the calling process
     err = capsys.readouterr().err
     assert "skipping incomplete checkpoints: checkpoint-3: trainer_state.json missing" in err
     assert "error: --resume: no complete checkpoint-* folder" in err and "Traceback" not in err
