@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME, written last
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+TRAINER_STATE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME (that module is heavy), written last
 ROLLOUT_STATE = "rollout_state.json"  # TRL's prompt position and adapter version, written first
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 @dataclass

@@ -170,20 +170,16 @@ def _continue_group(pgid: int):
         pass
 
 
-def _group_left(pgid: int, timeout: float = 20.0) -> list[int]:
-    """Processes still in process group `pgid` after `timeout` (zombies aside), e.g. a resource tracker left behind."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = []
-        for proc in psutil.process_iter(["pid", "status"]):
-            try:
-                if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
-                    left.append(proc.pid)
-            except (ProcessLookupError, psutil.Error):
-                continue
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
+def _group_members(pgid: int) -> list[int]:
+    """Processes now in process group `pgid` (what a kill of its leader leaves, e.g. a resource tracker)."""
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                members.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
 
 
 def _default_sigint():
@@ -210,8 +206,9 @@ def test_kill_9_then_resume_reuses_no_name_and_serves_nothing_stale(cluster, tmp
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
+    group = _group_members(first.pid)
     assert wait_gone(children, 20) == [], "the rollout worker outlived its SIGKILLed trainer"
-    assert _group_left(first.pid) == [], "processes of the killed trainer's group (e.g. a stopped one) outlived it"
+    assert wait_gone(group, 20) == [], "processes of the killed trainer's group (e.g. a stopped one) outlived it"
 
     killed = AdapterStore(out / ".vllm_lora").history()
     killed_max = max(version_of(n, "trl-policy") for n in killed)
