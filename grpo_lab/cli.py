@@ -20,7 +20,7 @@ import sys
 
 
 def _reproduce(argv) -> int:
-    from .notebook_runner import run_all
+    from .lab.runner import run_all
 
     ap = argparse.ArgumentParser(prog="grpo-lab reproduce",
                                  description="Execute the notebooks headless; what they measure goes to outputs/ "
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         return plan_main(args)
 
     def lab(args):
-        from .lab import main as lab_main
+        from .lab.jupyter import main as lab_main
 
         return lab_main(args)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datasets import Dataset
 
-from ..embedded_model import chat_messages
+from ..tasks.embedded_model import chat_messages
 from ..tasks.rewards import math_reward
 from ..tasks.tiny import addition_problems
 

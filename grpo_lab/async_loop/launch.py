@@ -162,7 +162,7 @@ class AsyncLoop:
 
         model = self.loop.model
         if model is None:
-            from ..embedded_model import embedded_model_dir
+            from ..tasks.embedded_model import embedded_model_dir
 
             model = str(embedded_model_dir())
         try:

@@ -243,7 +243,7 @@ def controls(settings: QuickSettings, on_run):
     """A form with one control per `QuickSettings` field, starting at exactly the current values, and a Run button."""
     from dataclasses import asdict
 
-    from ..widgets import ParamForm
+    from ..lab.widgets import ParamForm
 
     return ParamForm(asdict(settings), on_run=on_run, button="Run the loop",
                      choices={"replica_kind": ("cpu", "vllm")})

@@ -22,7 +22,7 @@ def _offline() -> bool:
 def check_model(model) -> None:
     if not isinstance(model, str):
         raise PreflightError(f"AsyncGRPOTrainer loads its model by path: pass a local directory (or a hub id when "
-                             f"online), not a {type(model).__name__}. `grpo_lab.embedded_model.embedded_model_dir()` "
+                             f"online), not a {type(model).__name__}. `grpo_lab.tasks.embedded_model.embedded_model_dir()` "
                              "is an offline default.")
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
@@ -34,7 +34,7 @@ def check_model(model) -> None:
     if _offline() or model.startswith((".", "/", "~")):
         raise PreflightError(f"model {model!r} is not a local directory" + (
             " and the Hub is offline (HF_HUB_OFFLINE)" if _offline() else "") + ": pass a directory saved with "
-            "save_pretrained; `grpo_lab.embedded_model.embedded_model_dir()` is an offline default.")
+            "save_pretrained; `grpo_lab.tasks.embedded_model.embedded_model_dir()` is an offline default.")
 
 
 def check_tokenizer(tokenizer) -> None:

@@ -139,7 +139,7 @@ class PlannerPanel:
         return self
 
     def _build(self):
-        from grpo_lab.widgets import label_width_px
+        from grpo_lab.lab.widgets import label_width_px
 
         w, v = self._w, self.values
         style = {"description_width": f"{label_width_px(LABELS.values())}px"}
@@ -191,7 +191,7 @@ def _png(fig):
     import matplotlib.pyplot as plt
     from IPython.display import Image
 
-    from grpo_lab.widgets import fig_to_png
+    from grpo_lab.lab.widgets import fig_to_png
 
     try:
         return Image(data=fig_to_png(fig, dpi=90))

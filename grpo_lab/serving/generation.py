@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from ..hf_compat import cache_keyword
+from ..models.hf_compat import cache_keyword
 from .prefix_hash import block_hashes
 from .prefix_kv_cache import PrefixKVCache
 from .replica_config import CPUReplicaConfig

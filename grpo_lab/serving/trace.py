@@ -108,7 +108,7 @@ def qwen25_tokenizer():
 
 def chat_prompt_ids(problems: list[str], tokenizer) -> list[list[int]]:
     """Each problem rendered in the recipe's qwen_math chat template (generation prompt included) as token ids."""
-    from ..tasks.prompts import render_qwen_math
+    from ..models.chat import render_qwen_math
 
     return tokenizer([render_qwen_math(p) for p in problems], add_special_tokens=False)["input_ids"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import datasets
 
-from grpo_lab.tasks.prompts import make_prompt
+from grpo_lab.models.chat import make_prompt
 
 HUB_IDS = {
     "sanity": "sail/Sanity-Test-R1D-1.5B",

@@ -84,11 +84,11 @@ def lr_options(lr: float) -> list[tuple[str, float]]:
 
 def controls(cfg: EmbeddedConfig, out_dir: str | Path | None = None):
     """Sliders for steps / lr / rank / G / backends and a Run button that reruns the embedded default. Every control
-    starts at exactly `cfg`'s value; a run writes `interactive.*` to `out_dir` (default: grpo_lab.outputs)."""
+    starts at exactly `cfg`'s value; a run writes `interactive.*` to `out_dir` (default: grpo_lab.lab.outputs)."""
     import ipywidgets as w
     from IPython.display import Image, display
 
-    from grpo_lab.outputs import output_dir
+    from grpo_lab.lab.outputs import output_dir
 
     style = {"description_width": "80px"}   # room for "LoRA rank", "backends" (ipywidgets cuts long labels)
     steps = w.IntSlider(value=cfg.steps, min=min(10, cfg.steps), max=max(1000, cfg.steps), step=1,

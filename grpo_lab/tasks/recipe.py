@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grpo_lab.hf_compat import checkpointing_args
+from grpo_lab.models.hf_compat import checkpointing_args
 from grpo_lab.tasks.data import DATASET_NAMES, load_task_dataset, to_grpo_dataset
-from grpo_lab.tasks.prompts import PROMPT_FORMATS, render_qwen_math
+from grpo_lab.models.chat import PROMPT_FORMATS, render_qwen_math
 from grpo_lab.tasks.rewards import math_reward
 
 LOSS_BACKENDS = ("trl", "grpo_lab", "naive", "liger")

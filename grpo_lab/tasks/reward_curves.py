@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers.trainer_callback import PrinterCallback
 
-from grpo_lab.hf_compat import checkpointing_args, upstream_deprecations_silenced
+from grpo_lab.models.hf_compat import checkpointing_args, upstream_deprecations_silenced
 from grpo_lab.tasks.board import BoardCallback, LiveBoard, Series
 from grpo_lab.tasks.rewards import math_reward
 from grpo_lab.tasks.sanity import sanity_filter

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from grpo_lab.hf_compat import cache_keyword
+from grpo_lab.models.hf_compat import cache_keyword
 from grpo_lab.tasks.rewards import grade, last_boxed
 from grpo_lab.tasks.tiny import completion_for
 

@@ -9,7 +9,7 @@ import psutil
 import pytest
 import requests
 
-from grpo_lab.embedded_model import embedded_model_dir
+from grpo_lab.tasks.embedded_model import embedded_model_dir
 from grpo_lab.serving.local_cluster import LocalCluster
 from grpo_lab.serving.metrics import parse_text
 

@@ -6,7 +6,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_lab.embedded_model import chat_messages, embedded_model_dir, render_prompt, write_embedded_model
+from grpo_lab.tasks.embedded_model import chat_messages, embedded_model_dir, render_prompt, write_embedded_model
 from grpo_lab.tasks.rewards import grade, last_boxed
 from grpo_lab.tasks.tiny import addition_problems
 

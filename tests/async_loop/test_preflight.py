@@ -10,7 +10,7 @@ from peft import LoraConfig
 from grpo_lab.async_loop import preflight
 from grpo_lab.async_loop.config import AsyncGRPOLabConfig
 from grpo_lab.async_loop.trainer import AsyncGRPOLabTrainer
-from grpo_lab.embedded_model import build_chat_tokenizer, embedded_model_dir
+from grpo_lab.tasks.embedded_model import build_chat_tokenizer, embedded_model_dir
 from grpo_lab.tasks.rewards import math_reward
 
 GOOD_DATA = Dataset.from_list([{"prompt": [{"role": "user", "content": "12+34="}], "answer": "46"}])

@@ -106,7 +106,7 @@ def test_cpu_replica_loads_from_an_object_store_url_and_checks_manifests(tmp_pat
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from grpo_lab.embedded_model import embedded_model_dir
+    from grpo_lab.tasks.embedded_model import embedded_model_dir
     from grpo_lab.serving.generation import Engine, RequestError
     from grpo_lab.serving.replica_config import CPUReplicaConfig
 

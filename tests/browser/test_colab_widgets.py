@@ -15,7 +15,7 @@ import subprocess
 import nbformat
 import pytest
 
-from grpo_lab.notebook_runner import find_notebooks
+from grpo_lab.lab.runner import find_notebooks
 
 from . import checks
 from .conftest import ROOT, missing_or_fail, serving

@@ -11,7 +11,7 @@ import re
 import nbformat
 import pytest
 
-from grpo_lab.notebook_runner import find_notebooks
+from grpo_lab.lab.runner import find_notebooks
 
 from . import checks
 from .conftest import ROOT, serving

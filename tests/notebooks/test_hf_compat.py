@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from grpo_lab.hf_compat import checkpointing_args, upstream_deprecations_silenced
+from grpo_lab.models.hf_compat import checkpointing_args, upstream_deprecations_silenced
 
 
 @pytest.mark.parametrize("enabled", [False, True])

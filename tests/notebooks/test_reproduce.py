@@ -7,7 +7,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from grpo_lab.notebook_runner import find_notebooks
+from grpo_lab.lab.runner import find_notebooks
 
 from .conftest import ROOT, git
 

@@ -61,7 +61,7 @@ def vllm_python() -> str:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    from grpo_lab.embedded_model import write_embedded_model
+    from grpo_lab.tasks.embedded_model import write_embedded_model
 
     return str(write_embedded_model(tmp_path_factory.mktemp("model") / "tiny-chat"))
 

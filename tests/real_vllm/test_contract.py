@@ -129,7 +129,7 @@ def test_vllm_tokenizes_and_detokenizes_like_the_trainer(cluster, model_dir, tok
     `\\boxed{` included) and the same text back, so rewards read what the model wrote."""
     from transformers import AutoTokenizer
 
-    from grpo_lab.embedded_model import build_chat_tokenizer
+    from grpo_lab.tasks.embedded_model import build_chat_tokenizer
 
     messages = [{"role": "user", "content": "add them:\n12+34="}]
     expected = build_chat_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True,

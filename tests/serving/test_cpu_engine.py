@@ -114,7 +114,7 @@ def test_prefix_cache_namespace_index_holds_only_cached_blocks():
 def test_cache_keyword_follows_the_installed_transformers():
     """transformers renamed `past_key_values` to `cache`; an unknown keyword is swallowed by `**kwargs` and the
     caller's cache stays empty (every 16+-token prompt then failed on transformers 5.17, the GPU host's version)."""
-    from grpo_lab.hf_compat import cache_keyword
+    from grpo_lab.models.hf_compat import cache_keyword
 
     class Old:
         def forward(self, input_ids=None, past_key_values=None, **kwargs): ...

@@ -89,7 +89,7 @@ def test_real_trace_pipeline_renders_the_chat_template(tmp_path):
     from datasets import Dataset, DatasetDict
 
     from grpo_lab.serving.trace import sanity_prompt_ids
-    from grpo_lab.tasks.prompts import QWEN_MATH_SYSTEM
+    from grpo_lab.models.chat import QWEN_MATH_SYSTEM
 
     DatasetDict({"train": Dataset.from_dict({"problem": ["1+1?", "What is 2+2?"], "answer": ["2", "4"]})}) \
         .save_to_disk(str(tmp_path / "sanity"))

@@ -4,7 +4,7 @@ import pytest
 
 from grpo_lab.tasks.data import (DATASET_NAMES, gsm8k_final_answer, load_gsm8k, load_sanity, load_task_dataset,
                                  to_grpo_dataset)
-from grpo_lab.tasks.prompts import QWEN_MATH_SYSTEM, render_qwen_math
+from grpo_lab.models.chat import QWEN_MATH_SYSTEM, render_qwen_math
 from grpo_lab.tasks.rewards import grade, last_boxed, math_reward, wrap_latex
 
 

@@ -1,10 +1,10 @@
 """Execute the notebooks headless (papermill over nbclient), in quick mode by default.
 
-    python -m grpo_lab.notebook_runner notebooks/01_memory_vs_batch.ipynb       # → executed copy + results/
+    python -m grpo_lab.lab.runner notebooks/01_memory_vs_batch.ipynb       # → executed copy + results/
     grpo-lab reproduce --quick                                                   # every notebook under notebooks/
 
 Each notebook runs with its own folder as the working directory and `QUICK=True` injected after its `parameters`
-cell. What it measures goes to the scratch folder `outputs/<figure>/` of the checkout (`grpo_lab.outputs`), so a
+cell. What it measures goes to the scratch folder `outputs/<figure>/` of the checkout (`grpo_lab.lab.outputs`), so a
 plain run leaves `git status` clean; `refresh_results=True` (`grpo-lab reproduce --refresh-results`) injects
 `REFRESH_RESULTS=True` and rewrites the committed files under results/ instead. The executed copies (with outputs)
 go to `executed_dir` (a temporary folder unless given), never over the committed, output-stripped notebooks.
@@ -102,7 +102,7 @@ def run_all(folder: str | Path = "notebooks", executed_dir: str | Path | None = 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m grpo_lab.notebook_runner", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m grpo_lab.lab.runner", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("notebooks", nargs="*", help="notebook files (default: every notebook under notebooks/)")
     ap.add_argument("--full", action="store_true", help="do not inject QUICK=True")

@@ -120,7 +120,7 @@ def load_embedded_model(warm_start: str | os.PathLike | None = None):
     model = build_chat_model(tokenizer)
     path = Path(warm_start) if warm_start is not None else shipped_warm_start()
     if not path.is_file():
-        raise FileNotFoundError(f"no warm start at {path}; regenerate it with `python -m grpo_lab.embedded_model "
+        raise FileNotFoundError(f"no warm start at {path}; regenerate it with `python -m grpo_lab.tasks.embedded_model "
                                 f"--train --out {path}`")
     load_warm_start(model, path)
     return as_llama(model).eval(), tokenizer
@@ -189,7 +189,7 @@ def train_warm_start(out: str | os.PathLike, seed: int = 0, target_pass_rate: fl
 def main(argv=None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m grpo_lab.embedded_model", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m grpo_lab.tasks.embedded_model", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="with --train: the .safetensors to write; else a directory")
     p.add_argument("--train", action="store_true", help="retrain the SFT warm start instead of writing the model")
     p.add_argument("--seed", type=int, default=0)
