@@ -57,11 +57,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    from grpo_lab.memory.results import environment
+    from grpo_lab.lab.records import run_record
 
     rows = [one_run(g, a.steps, a.seed) for g in (True, False)]
     frame = pd.DataFrame(rows)
-    for key, value in environment("cpu").items():
+    for key, value in run_record("cpu").items():
         frame[key] = value
     print(frame[["group_consistent_versions", "rollouts", "affinity", "unmatched", "spilled",
                  "prefix_cache_hit_rate", "wall_s"]].to_string(index=False))

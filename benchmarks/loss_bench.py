@@ -1,4 +1,4 @@
-"""Loss-head benchmark: naive / trl / grpo_lab / grpo_lab+mem / liger over a grid of head shapes, both head modes.
+"""Loss-head benchmark: naive / trl / grpo_lab / grpo_lab+flat / liger over a grid of head shapes, both head modes.
 
 One forward+backward of the GRPO loss (dapo, on-policy, entropy computed for logging as TRL's trainer does) on a
 head of V = 151,936 (Qwen3), for every point of a grid:
@@ -6,14 +6,17 @@ head of V = 151,936 (Qwen3), for every point of a grid:
   - head `trainable` (the weight needs a gradient: full fine-tuning) or `frozen` (it does not: PEFT / LoRA, FSDP2 +
     LoRA); the inputs always need one.
 Backends: `naive` (full [N, V] logits, plain autograd), `trl` (TRL 1.16's `ChunkedLogProbFunction` with its
-trainer's chunk, 32768), `grpo_lab` (this project's kernel with its defaults: memory flat in N), `grpo_lab+mem`
-(the same with `MATERIALIZE_GIB` set, i.e. the user allows a trainable head to keep its [N, V] probabilities for
-speed; rows only where that changes the path), `liger` (Liger-Kernel's `LigerFusedLinearGRPOLoss`, uncompiled, on a
-subset of the grid: it is 10-30x slower). Log-prob backends feed `grpo_lab.loss.grpo_loss`.
+trainer's chunk, 32768), `grpo_lab` (this project's kernel with its defaults: the memory policy keeps a trainable
+head's [N, V] probabilities when they fit half the free memory), `grpo_lab+flat` (the policy off,
+`materialize_fraction` = 0: memory flat in N), `grpo_lab+mem` (an explicit allowance, `materialize_gib` = 48, as
+runs 5-10 measured; not run by default), `liger` (Liger-Kernel's `LigerFusedLinearGRPOLoss`, uncompiled, on a subset
+of the grid: it is 10-30x slower). The `+` variants run only where they change the path (a trainable head). Log-prob
+backends feed `grpo_lab.loss.grpo_loss`.
 
 Per point: `ms` (median CUDA-event time of one fwd+bwd after a warm-up), `loss_peak_gib` (peak allocated during it
 minus what was allocated before: hidden states + weight), `abs_peak_gib`, `reps`, `status` (`ok`, `oom`). The
-`accuracy` part measures, at N = 2048, the relative error of the log-probs, the entropy and the gradients against a
+`paths` column says which kernel paths a grpo_lab row ran
+(`grpo_lab.loss.kernel.path_counts()` over its calls). The `accuracy` part measures, at N = 2048, the relative error of the log-probs, the entropy and the gradients against a
 float64 reference. Every row carries the GPU, torch / triton / trl / liger / transformers versions, the kernel
 settings and the date. Output: long-format CSVs in --out (`loss_grid.csv`, `loss_accuracy.csv`, `tune.csv`).
 
@@ -26,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import csv
+import dataclasses
 import datetime
 import gc
 import json
@@ -41,7 +46,9 @@ import torch
 V, T_COMPLETION = 151936, 512
 GRID_H = (1024, 1536, 2048, 4096, 5120)
 GRID_TOKENS = (2048, 4096, 8192, 16384, 32768, 65536)
-BACKENDS = ("naive", "trl", "grpo_lab", "grpo_lab+mem", "liger")
+BACKENDS = ("naive", "trl", "grpo_lab", "grpo_lab+flat", "grpo_lab+mem", "liger")
+DEFAULT_BACKENDS = ("naive", "trl", "grpo_lab", "grpo_lab+flat", "liger")
+REPORT_BACKENDS = ("naive", "trl", "grpo_lab", "grpo_lab+flat", "liger")
 # The issue's seven measurements (issue 18): head, dtype, H, tokens, T (tokens per sequence).
 ISSUE_ROWS = (
     ("frozen", "bf16", 1024, 32768, 512),
@@ -52,6 +59,11 @@ ISSUE_ROWS = (
     ("trainable", "fp32", 1024, 32768, 512),
     ("trainable", "fp32", 1024, 2048, 512),
 )
+# Issue 33's named shapes (after the seven above in a run, so a run cut by --max-minutes keeps them): the trainable
+# head where the flat path lost to naive / TRL (bf16 H = 1536-2048 at 4k-64k tokens, fp32 H >= 4096).
+ISSUE33_ROWS = tuple(("trainable", "bf16", hdim, tokens, 512) for hdim in (1536, 2048)
+                     for tokens in (4096, 8192, 16384, 32768, 65536)) + tuple(
+    ("trainable", "fp32", hdim, tokens, 512) for hdim in (4096, 5120) for tokens in (2048, 8192))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MEM_GIB = 48.0  # what `grpo_lab+mem` allows the head to keep
 
@@ -70,31 +82,35 @@ def versions() -> dict:
     return out
 
 
-def loss_config():
-    from grpo_lab.loss_config import GRPOLossConfig
+def dapo_config():
+    from grpo_lab.loss.config import GRPOLossConfig
 
     return GRPOLossConfig(loss_type="dapo", beta=0.0)
 
 
 @contextlib.contextmanager
 def backend_settings(backend: str):
-    """`grpo_lab+mem`: the kernel with MATERIALIZE_GIB = MEM_GIB for the duration."""
-    if backend != "grpo_lab+mem" or not torch.cuda.is_available():
+    """The kernel's memory policy for the duration: `grpo_lab+flat` off (`materialize_fraction` = 0), `grpo_lab+mem`
+    an explicit allowance of MEM_GIB, `grpo_lab` as configured (the defaults unless GRPO_LAB_* say otherwise)."""
+    if backend not in ("grpo_lab+flat", "grpo_lab+mem") or not torch.cuda.is_available():
         yield
         return
-    import grpo_lab.kernels.fused_linear_logprob as F
+    from grpo_lab.loss.kernel.tuning import TUNING
 
-    before = F.MATERIALIZE_GIB
-    F.MATERIALIZE_GIB = MEM_GIB
+    before = TUNING.materialize_fraction, TUNING.materialize_gib
+    if backend == "grpo_lab+flat":
+        TUNING.materialize_fraction, TUNING.materialize_gib = 0.0, None
+    else:
+        TUNING.materialize_gib = MEM_GIB
     try:
         yield
     finally:
-        F.MATERIALIZE_GIB = before
+        TUNING.materialize_fraction, TUNING.materialize_gib = before
 
 
 def make_loss_fn(backend: str, config):
     """fn(hidden[B,T,H], weight, ids[B,T], mask[B,T], advantages[B]) -> scalar loss."""
-    from grpo_lab.loss import grpo_loss
+    from grpo_lab.loss.reference import grpo_loss
 
     if backend == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
@@ -114,9 +130,9 @@ def make_loss_fn(backend: str, config):
         def head(h, w, y):
             return ChunkedLogProbFunction.apply(h, w, None, y, 1.0, chunk, None, 1.0, ("log_probs", "entropy"))
     else:
-        from grpo_lab.backends import get_logprob_backend
+        from grpo_lab.loss.heads import logprob_head
 
-        impl = get_logprob_backend("grpo_lab" if backend.startswith("grpo_lab") else backend)
+        impl = logprob_head("grpo_lab" if backend.startswith("grpo_lab") else backend)
 
         def head(h, w, y):
             return impl(h, w, None, y, 1.0, None, None, 1.0, ("log_probs", "entropy"))
@@ -179,6 +195,11 @@ def bench_point(backend, head, data, config, budget_s, device) -> dict:
         fn(hidden, weight, ids, mask, adv).backward()
 
     cuda = device.type == "cuda"
+    counted = cuda and backend.startswith("grpo_lab")
+    if counted:
+        from grpo_lab.loss.kernel import path_counts, reset_path_counts
+
+        reset_path_counts()
     try:
         with backend_settings(backend):
             step()  # warm-up: compilation, cuBLAS handles
@@ -194,15 +215,19 @@ def bench_point(backend, head, data, config, budget_s, device) -> dict:
         hidden.grad = weight.grad = None
         _free(device)
         return {"ms": float("nan"), "loss_peak_gib": float("nan"), "abs_peak_gib": float("nan"), "reps": 0,
-                "status": "oom"}
+                "status": "oom", "paths": ""}
     hidden.grad = weight.grad = None
+    paths = ""
+    if counted:
+        paths = " ".join(f"{k}:{v}" for k, v in dataclasses.asdict(path_counts()).items() if v)
     return {"ms": statistics.median(times), "loss_peak_gib": (peak - base) / 2**30, "abs_peak_gib": peak / 2**30,
-            "reps": reps, "status": "ok"}
+            "reps": reps, "status": "ok", "paths": paths}
 
 
 def changes_path(backend: str, head: str) -> bool:
-    """`grpo_lab+mem` only differs from `grpo_lab` for a trainable head (a frozen one never keeps [N, V])."""
-    return backend != "grpo_lab+mem" or head == "trainable"
+    """`grpo_lab+flat` and `grpo_lab+mem` only differ from `grpo_lab` for a trainable head (a frozen one never keeps
+    [N, V])."""
+    return backend not in ("grpo_lab+flat", "grpo_lab+mem") or head == "trainable"
 
 
 def liger_point(dname, hdim, tokens) -> bool:
@@ -231,7 +256,7 @@ def grid_points(args):
     a run cut by --max-minutes loses the costliest points); or exactly --points."""
     if getattr(args, "points", None):
         return parse_points(args.points)
-    pts = list(ISSUE_ROWS) if args.issue_rows else []
+    pts = list(dict.fromkeys(ISSUE_ROWS + ISSUE33_ROWS)) if args.issue_rows else []
     grid = []
     hs = _ints(args.hidden) if args.hidden else list(GRID_H)
     toks = _ints(args.tokens) if args.tokens else list(GRID_TOKENS)
@@ -254,7 +279,7 @@ def fp32_point(hdim, tokens, full) -> bool:
 
 
 def run_grid(args, meta, device, setting):
-    config = loss_config()
+    config = dapo_config()
     backends = args.backends.split(",")
     rows, deadline = [], time.time() + args.max_minutes * 60
     path = os.path.join(args.out, "loss_grid.csv")
@@ -279,7 +304,7 @@ def run_grid(args, meta, device, setting):
                    "setting": setting(backend), **meta}
             rows.append(row)
             print(f"{head:9s} {dname} H={hdim:5d} N={tokens:6d} {backend:13s} {r['ms']:10.2f} ms  "
-                  f"loss peak {r['loss_peak_gib']:.3f} GiB  {r['status']}", flush=True)
+                  f"loss peak {r['loss_peak_gib']:.3f} GiB  {r['status']}  {r['paths']}", flush=True)
             write_csv(path, rows)
     return rows
 
@@ -289,7 +314,7 @@ def profile(points, out_dir, device):
     wall time of the same steps, into profile.txt."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    config = loss_config()
+    config = dapo_config()
     lines = []
     for head, dname, hdim, tokens, seq in points:
         hidden, weight, ids, mask, adv = make_inputs(DTYPES[dname], hdim, tokens, seq, device, seed=1)
@@ -326,7 +351,7 @@ def profile(points, out_dir, device):
 
 def accuracy_rows(args, meta, device, setting):
     """Relative errors against float64 (N = 2048 = B 4 by default): log-probs, entropy, dX and (trainable) dW."""
-    config = loss_config()
+    config = dapo_config()
     rows = []
     for dname in args.dtypes.split(","):
         for hdim in map(int, args.accuracy_hidden.split(",")):
@@ -350,7 +375,7 @@ def accuracy_rows(args, meta, device, setting):
 
 
 def _loss_and_grads(backend, head, config, hidden, weight, ids, mask, adv):
-    from grpo_lab.backends import get_logprob_backend
+    from grpo_lab.loss.heads import logprob_head
 
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_(head == "trainable")
@@ -358,7 +383,7 @@ def _loss_and_grads(backend, head, config, hidden, weight, ids, mask, adv):
     loss.backward()
     with torch.no_grad():
         name = "grpo_lab" if backend.startswith("grpo_lab") else backend
-        lp, ent, *_ = (get_logprob_backend(name) if name != "trl" else _trl_head)(
+        lp, ent, *_ = (logprob_head(name) if name != "trl" else _trl_head)(
             h.reshape(-1, h.shape[-1]), w, None, ids.reshape(-1), 1.0, 32768, None, 1.0, ("log_probs", "entropy"))
     # (the on-policy loss value itself is −mean(advantage) whatever the log-probs: its error says nothing)
     out = {"logprobs": lp, "entropy": ent, "dX": h.grad}
@@ -420,72 +445,84 @@ TUNE_EXPERIMENTS = {
 FP32_ONLY = ("mm", "FP32_MM", "FP32_DOT")
 
 
-# Knobs that set one entry (the experiment's dtype) of a per-dtype table of the kernel module, and knobs that set a
-# module attribute outright.
-PER_DTYPE_KNOBS = {"bwd_tile": "BWD_TILE", "frozen_tile": "FROZEN_TILE", "dz_tma": "DZ_TMA", "p_tma": "P_TMA",
-                   "frozen_recompute_below": "FROZEN_RECOMPUTE_BELOW", "ref_stats": "REF_STATS",
-                   "ref_stats_plain": "REF_STATS_PLAIN"}
-MODULE_KNOBS = {"FP32_MM": "FP32_MM", "FP32_DOT": "FP32_DOT", "frozen_two_gemm": "FROZEN_TWO_GEMM",
-                "materialize_gib": "MATERIALIZE_GIB"}
+# Knobs that set one entry (the experiment's dtype) of the per-dtype table of the kernel's `KernelTuning` field of
+# that name, and knobs that set one of its fields outright (knob -> field).
+PER_DTYPE_KNOBS = ("bwd_tile", "frozen_tile", "dz_tma", "p_tma", "frozen_recompute_below", "ref_stats",
+                   "ref_stats_plain")
+FIELD_KNOBS = {"FP32_MM": "fp32_mm", "FP32_DOT": "fp32_dot", "frozen_two_gemm": "frozen_two_gemm",
+               "materialize_gib": "materialize_gib", "materialize_fraction": "materialize_fraction"}
 
 
-def apply_experiment(F, exp, dname):
+def apply_experiment(T, exp, dname):
+    """Set the knobs of experiment `exp` (a {knob: value} dict of TUNE_EXPERIMENTS or --experiments) on `T`, the
+    kernel's `KernelTuning` (`grpo_lab.loss.kernel.tuning.TUNING`), for the dtype `dname` only."""
     key = "16" if dname == "bf16" else "32"
     for k, v in exp.items():
         if k in FP32_ONLY and dname != "fp32":
             raise ValueError(f"{k} is an fp32 knob; a {dname} experiment cannot set it")
         if k == "cfg":
-            F.CONFIGS[f"fwd_{key}"] = F.CONFIGS[f"bwd_{key}"] = v
+            T.configs[f"fwd_{key}"] = T.configs[f"bwd_{key}"] = v
         elif k == "mm":
-            F.CONFIGS["mm_32"] = v
+            T.configs["mm_32"] = v
         elif k in PER_DTYPE_KNOBS:
-            getattr(F, PER_DTYPE_KNOBS[k])[key] = v
-        elif k in MODULE_KNOBS:
-            setattr(F, MODULE_KNOBS[k], v)
+            getattr(T, k)[key] = v
+        elif k in FIELD_KNOBS:
+            setattr(T, FIELD_KNOBS[k], v)
         elif k == "frozen_cfg":
-            F.CONFIGS[f"frozen_{key}"] = v
+            T.configs[f"frozen_{key}"] = v
         elif k == "persistent":
-            F.PERSISTENT[f"fwd_{key}"] = F.PERSISTENT[f"bwd_{key}"] = v
+            T.persistent[f"fwd_{key}"] = T.persistent[f"bwd_{key}"] = v
         elif k in ("fwd_cfg", "bwd_cfg"):
-            F.CONFIGS[f"{k[:3]}_{key}"] = v
+            T.configs[f"{k[:3]}_{key}"] = v
         elif k == "programs_per_sm":  # {"frozen": 2, "bwd": 2}: programs per SM of those persistent launches
-            F.PROGRAMS_PER_SM.update({f"{kind}_{key}": n for kind, n in v.items()})
+            T.programs_per_sm.update({f"{kind}_{key}": n for kind, n in v.items()})
         elif k == "launch":  # {"frozen": {"maxnreg": 128}}: extra Triton compile options of those kernels
-            F.LAUNCH_OPTIONS.update({f"{kind}_{key}": dict(opts) for kind, opts in v.items()})
+            T.launch_options.update({f"{kind}_{key}": dict(opts) for kind, opts in v.items()})
         else:
             raise ValueError(f"unknown tuning knob {k!r}")
 
 
-def kernel_setting(F) -> str:
+def kernel_setting(T) -> str:
     """The kernel knobs in force, for the CSV's `setting` column."""
-    on = [k for k, v in F.PERSISTENT.items() if v]
-    tiles = " ".join(f"{k}:{t}x{v}" for k, (t, v) in F.BWD_TILE.items())
-    frozen = " ".join(f"{k}:{t}x{v}" for k, (t, v) in F.FROZEN_TILE.items())
-    dz = [k for k, v in F.DZ_TMA.items() if v]
-    p_desc = [k for k, v in F.P_TMA.items() if v]
-    cfg = " ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in F.CONFIGS.items())
-    return (f"TMA loads {'on' if F.USE_TMA else 'off'}; persistent {','.join(on) or 'none'}; dZ tile {tiles}; "
-            f"frozen {'two-GEMM' if F.FROZEN_TWO_GEMM else 'recompute'} tile {frozen}, P~ descriptor store "
+    on = [k for k, v in T.persistent.items() if v]
+    tiles = " ".join(f"{k}:{t}x{v}" for k, (t, v) in T.bwd_tile.items())
+    frozen = " ".join(f"{k}:{t}x{v}" for k, (t, v) in T.frozen_tile.items())
+    dz = [k for k, v in T.dz_tma.items() if v]
+    p_desc = [k for k, v in T.p_tma.items() if v]
+    cfg = " ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in T.configs.items())
+    return (f"TMA loads {'on' if T.use_tma else 'off'}; persistent {','.join(on) or 'none'}; dZ tile {tiles}; "
+            f"frozen {'two-GEMM' if T.frozen_two_gemm else 'recompute'} tile {frozen}, P~ descriptor store "
             f"{','.join(p_desc) or 'off'}; dZ descriptor store "
-            f"{','.join(dz) or 'off'}; fp32 dot {F.FP32_DOT}, fp32 dX/dW {F.FP32_MM}; materialize "
-            f"{F.MATERIALIZE_GIB:g} GiB; statistics against ref "
-            f"{','.join(k for k, v in F.REF_STATS.items() if v) or 'off'}, statistics-only forward against ref "
-            f"{','.join(k for k, v in F.REF_STATS_PLAIN.items() if v) or 'off'}; tiles {cfg}")
+            f"{','.join(dz) or 'off'}; fp32 dot {T.fp32_dot}, fp32 dX/dW {T.fp32_mm}; materialize "
+            f"{_policy(T)}; statistics against ref "
+            f"{','.join(k for k, v in T.ref_stats.items() if v) or 'off'}, statistics-only forward against ref "
+            f"{','.join(k for k, v in T.ref_stats_plain.items() if v) or 'off'}; tiles {cfg}")
 
 
-def compiled_summary(F, head: str, dname: str) -> str:
-    """Registers / spills / shared memory of the fused kernels the last run launched, and how many programs of
-    each fit one H100/H200 SM (64K registers, 227 KiB shared memory): the tile sweep's occupancy column."""
+def _policy(T) -> str:
+    """The memory policy in force, for the `setting` column."""
+    if T.materialize_gib is not None:
+        return f"{T.materialize_gib:g} GiB"
+    if T.materialize_fraction <= 0:
+        return "never"
+    return (f"when under {T.materialize_fraction:g} of free memory, 16-bit from rows x H "
+            f"{T.materialize_flat_below['16']}")
+
+
+def compiled_summary(T, last_compiled: dict, head: str, dname: str) -> str:
+    """Registers / spills / shared memory of the fused kernels the last run launched (`last_compiled`: the kernel's
+    `launch.LAST_COMPILED`), and how many programs of each fit one H100/H200 SM (64K registers, 227 KiB shared
+    memory): the tile sweep's occupancy column."""
     key = "16" if dname == "bf16" else "32"
     kinds = ("frozen",) if head == "frozen" else ("fwd", "bwd")
     parts = []
     for kind in kinds:
-        compiled = F.LAST_COMPILED.get(f"{kind}_{key}")
+        compiled = last_compiled.get(f"{kind}_{key}")
         regs = getattr(compiled, "n_regs", None)  # None off CUDA (Triton's interpreter)
         if regs is None:
             continue
         shared = compiled.metadata.shared
-        warps = F.CONFIGS[f"{kind}_{key}"][4]
+        warps = T.configs[f"{kind}_{key}"][4]
         fit_regs = 65536 // max(1, regs * 32 * warps)
         fit_smem = (227 * 1024) // max(1, shared + 1024)
         parts.append(f"{kind}: {regs} regs, {compiled.n_spills} spills, {shared} B smem, {min(fit_regs, fit_smem)}/SM")
@@ -509,19 +546,15 @@ def tune(out_dir, hidden_sizes=(1024, 4096), token_counts=(32768,), heads=("froz
     8192 tokens. `experiments` replaces TUNE_EXPERIMENTS (the same per-dtype lists)."""
     import triton.testing as tt
 
-    import grpo_lab.kernels.fused_linear_logprob as F
+    from grpo_lab.loss.kernel import fused_linear_logprobs, launch
+    from grpo_lab.loss.kernel.tuning import TUNING as T
 
     rows = []
-    saved = {name: dict(getattr(F, name))
-             for name in ("CONFIGS", "PERSISTENT", "PROGRAMS_PER_SM", "LAUNCH_OPTIONS", *PER_DTYPE_KNOBS.values())}
-    saved.update({name: getattr(F, name) for name in MODULE_KNOBS.values()})
+    saved = copy.deepcopy(T)
 
     def restore():
-        for name, value in saved.items():
-            if isinstance(value, dict):
-                getattr(F, name).update(value)
-            else:
-                setattr(F, name, value)
+        for f in dataclasses.fields(T):
+            setattr(T, f.name, copy.deepcopy(getattr(saved, f.name)))
 
     points = [(dname, n, hdim) for dname in (dtypes or DTYPES) for n in (token_counts if dname == "bf16" else (8192,))
               for hdim in hidden_sizes]
@@ -533,7 +566,7 @@ def tune(out_dir, hidden_sizes=(1024, 4096), token_counts=(32768,), heads=("froz
         y = torch.randint(0, V, (n,), device="cuda", generator=gen)
         g = torch.randn(n, device="cuda", generator=gen)
         for exp in (experiments or TUNE_EXPERIMENTS)[dname]:
-            apply_experiment(F, exp, dname)
+            apply_experiment(T, exp, dname)
             label = " ".join(f"{k}={v}" for k, v in exp.items()) or "default"
             for head in heads:
                 if head == "trainable" and frozen_only(exp):
@@ -542,7 +575,7 @@ def tune(out_dir, hidden_sizes=(1024, 4096), token_counts=(32768,), heads=("froz
 
                 def run():
                     h.grad = w.grad = None
-                    (F.fused_linear_logprobs(h, w, None, y, 1.0, None, None, 1.0, ("entropy",))[0] * g).sum() \
+                    (fused_linear_logprobs(h, w, None, y, 1.0, None, None, 1.0, ("entropy",))[0] * g).sum() \
                         .backward()
                 try:
                     ms = tt.do_bench(run, warmup=1, rep=300 if dname == "bf16" else 1, return_mode="median")
@@ -550,8 +583,8 @@ def tune(out_dir, hidden_sizes=(1024, 4096), token_counts=(32768,), heads=("froz
                     print(f"tune {dname} H={hdim} {head} {label} failed: {type(err).__name__}: "
                           f"{str(err)[:200]}", flush=True)
                     ms = float("nan")
-                compiled = compiled_summary(F, head, dname)
-                F.LAST_COMPILED.clear()
+                compiled = compiled_summary(T, launch.LAST_COMPILED, head, dname)
+                launch.LAST_COMPILED.clear()
                 rows.append({"dtype": dname, "H": hdim, "tokens": n, "head": head, "config": label, "ms": ms,
                              "compiled": compiled, "exp": exp})
                 print(f"tune {dname} H={hdim} N={n} {head:9s} {label}: {ms:.2f} ms [{compiled}]", flush=True)
@@ -582,9 +615,9 @@ def _key(r):
     return (r["head"], r["dtype"], int(r["H"]), int(r["tokens"]), int(r["T"]))
 
 
-def grpo_lab_best(rows, key, allow_memory: bool):
-    ms = [_num(r["ms"]) for r in rows if _key(r) == key and (r["backend"] == "grpo_lab" or (
-        allow_memory and r["backend"] == "grpo_lab+mem"))]
+def backend_ms(rows, key, backend: str) -> float:
+    """ms of `backend` at `key` (NaN where it did not run or ran out of memory)."""
+    ms = [_num(r["ms"]) for r in rows if _key(r) == key and r["backend"] == backend]
     ms = [m for m in ms if not math.isnan(m)]
     return min(ms) if ms else float("nan")
 
@@ -603,15 +636,24 @@ def latest_rows(in_dir):
     return list(merged.values())
 
 
+def _kernel_knobs(setting: str) -> str:
+    """A `setting` without its memory-policy clause: the policy's choice is in the `paths` column, and a cell is an
+    older kernel's (†) only when the kernel's own knobs differ."""
+    import re
+
+    return re.sub(r"materialize [^;]*; ", "", setting)
+
+
 def report(in_dir, out_dir=None):
-    """Markdown tables (the issue's seven rows, the whole grid as grpo_lab / min(naive, trl)) and the figure."""
+    """Markdown tables (the seven rows of issue 18, the whole grid as grpo_lab / min(naive, trl)) and the figure."""
     rows = latest_rows(in_dir)
     out_dir = out_dir or in_dir
     os.makedirs(out_dir, exist_ok=True)
     lines = [f"{rows[0]['gpu']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, trl {rows[0]['trl']}, "
              f"liger {rows[0]['liger']}, {rows[0]['date'][:10]}", ""]
-    lines += ["The issue's seven rows, ms (loss peak GiB above inputs):", "",
-              "| case | naive | TRL 1.16 | grpo_lab | grpo_lab+mem | liger |", "|---|---|---|---|---|---|"]
+    lines += ["Issue 18's seven rows, ms (loss peak GiB above inputs; grpo_lab: the default memory policy, "
+              "grpo_lab+flat: the policy off):", "",
+              "| case | naive | TRL 1.16 | grpo_lab | grpo_lab+flat | liger |", "|---|---|---|---|---|---|"]
 
     def cell(key, backend):
         m = [r for r in rows if _key(r) == key and r["backend"] == backend]
@@ -623,15 +665,16 @@ def report(in_dir, out_dir=None):
     for head, dname, hdim, tokens, seq in ISSUE_ROWS:
         key = (head, dname, hdim, tokens, seq)
         case = f"{head}, {dname}, H={hdim}, " + (f"T={seq}, " if seq != T_COMPLETION else "") + f"B={tokens // seq}"
-        lines.append(f"| {case} | " + " | ".join(cell(key, b) for b in BACKENDS) + " |")
-    lines += ["", "Whole grid: grpo_lab / min(naive, trl) time (lean default; in brackets with memory allowed where "
-              "that differs). ≤ 1.02 meets the issue's bar.", ""]
+        lines.append(f"| {case} | " + " | ".join(cell(key, b) for b in REPORT_BACKENDS) + " |")
+    lines += ["", "Whole grid: grpo_lab / min(naive, trl) time with the default memory policy (in brackets the flat "
+              "path, the policy off, where it was measured and differs). ≤ 1.03 meets issue 33's bar.", ""]
     keys = sorted({_key(r) for r in rows if r["T"] == str(T_COMPLETION)}, key=lambda k: (k[1], k[0], k[2], k[3]))
     # † marks a cell whose grpo_lab row ran under other kernel knobs than the newest run's (an older kernel)
     newest = max((r for r in rows if r["backend"] == "grpo_lab"), key=lambda r: r["date"])
     latest = newest["date"]
-    older = {_key(r) for r in rows if r["backend"] == "grpo_lab" and r["setting"] != newest["setting"]}
-    worst = {}
+    older = {_key(r) for r in rows if r["backend"] == "grpo_lab"
+             and _kernel_knobs(r["setting"]) != _kernel_knobs(newest["setting"])}
+    worst, worst_flat = {}, {}
     for dname in dict.fromkeys(k[1] for k in keys):
         for head in ("frozen", "trainable"):
             ks = [k for k in keys if k[0] == head and k[1] == dname]
@@ -645,20 +688,26 @@ def report(in_dir, out_dir=None):
                 for t in toks:
                     key = (head, dname, hdim, t, T_COMPLETION)
                     alt = best_alternative(rows, key)
-                    lean, best = grpo_lab_best(rows, key, False), grpo_lab_best(rows, key, True)
-                    if math.isnan(alt) or math.isnan(lean):
+                    default, flat = backend_ms(rows, key, "grpo_lab"), backend_ms(rows, key, "grpo_lab+flat")
+                    if math.isnan(alt) or math.isnan(default):
                         cells.append("—")
                         continue
-                    worst[(dname, head)] = max(worst.get((dname, head), 0), best / alt)
-                    cells.append(f"{lean / alt:.2f}" + (f" ({best / alt:.2f})" if best < lean * 0.995 else "")
+                    worst[(dname, head)] = max(worst.get((dname, head), 0), default / alt)
+                    if not math.isnan(flat):
+                        worst_flat[(dname, head)] = max(worst_flat.get((dname, head), 0), flat / alt)
+                    shown = not math.isnan(flat) and abs(flat - default) > 0.005 * default
+                    cells.append(f"{default / alt:.2f}" + (f" ({flat / alt:.2f})" if shown else "")
                                  + ("†" if key in older else ""))
                 lines.append(f"| {hdim} | " + " | ".join(cells) + " |")
             lines.append("")
     if older:
         lines.append(f"†: grpo_lab measured with other kernel settings than the newest run's ({latest[:16]}): an "
                      "older kernel; see the CSVs' `date` and `setting` columns.")
-    lines.append("Worst grpo_lab (memory allowed where it helps) / min(naive, trl): "
+    lines.append("Worst grpo_lab (default policy) / min(naive, trl): "
                  + ", ".join(f"{d} {h} {v:.3f}" for (d, h), v in sorted(worst.items())))
+    if worst_flat:
+        lines.append("Worst grpo_lab+flat (policy off) / min(naive, trl): "
+                     + ", ".join(f"{d} {h} {v:.3f}" for (d, h), v in sorted(worst_flat.items())))
     text = "\n".join(lines)
     with open(os.path.join(out_dir, "loss_grid_tables.md"), "w") as f:
         f.write(text + "\n")
@@ -676,7 +725,7 @@ def plot(rows, path):
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8), constrained_layout=True)
     styles = {"naive": ("s--", "tab:blue"), "trl": ("^-", "tab:orange"), "grpo_lab": ("o-", "tab:green"),
-              "grpo_lab+mem": ("o:", "tab:red"), "liger": ("x-.", "tab:purple")}
+              "grpo_lab+flat": ("o:", "tab:red"), "liger": ("x-.", "tab:purple")}
     ok = [r for r in rows if r["status"] == "ok" and r["dtype"] == "bf16" and r["T"] == str(T_COMPLETION)]
     for col, head in enumerate(("frozen", "trainable")):
         for row_i, (axis, fixed, fixed_val) in enumerate((("H", "tokens", 32768), ("tokens", "H", 4096))):
@@ -707,7 +756,7 @@ def main(argv=None):
     p.add_argument("--tokens", default=None,
                    help=f"token counts (grid: {','.join(map(str, GRID_TOKENS))}; tune: 32768)")
     p.add_argument("--dtypes", default="bf16,fp32")
-    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), help=f"of {','.join(BACKENDS)}")
     p.add_argument("--fp32-full", action="store_true", help="every fp32 grid point (slow: plain SGEMM)")
     p.add_argument("--no-issue-rows", dest="issue_rows", action="store_false")
     p.add_argument("--no-accuracy", dest="accuracy", action="store_false")
@@ -748,13 +797,13 @@ def main(argv=None):
              tuple(args.dtypes.split(",")), experiments)
         return 0
     if device.type == "cuda":
-        import grpo_lab.kernels.fused_linear_logprob as F
+        from grpo_lab.loss.kernel.tuning import TUNING
 
         def setting(backend):
             if not backend.startswith("grpo_lab"):
                 return ""
             with backend_settings(backend):
-                return kernel_setting(F)
+                return kernel_setting(TUNING)
     else:
         def setting(backend):
             return "chunked torch path" if backend.startswith("grpo_lab") else ""
@@ -774,7 +823,7 @@ def step_rows(args, meta, device):
     completion tokens, with each backend as the loss head (bf16; the harness keeps every layer's activations)."""
     from grpo_lab.models import build_model
 
-    config = loss_config()
+    config = dapo_config()
     model = build_model("Qwen3-0.6B", torch.bfloat16, device=device)
     model.train()
     rows = []
@@ -795,8 +844,9 @@ def step_rows(args, meta, device):
             _free(device)
             torch.cuda.reset_peak_memory_stats()
             try:
-                step()
-                step()
+                with backend_settings(backend):
+                    step()
+                    step()
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated() / 2**30
             except torch.OutOfMemoryError:

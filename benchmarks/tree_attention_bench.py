@@ -1,7 +1,7 @@
 """The async trainer's step with each tree-attention implementation, at the recipe's packed size.
 
 Builds packed rows the way TRL's `TokenBudgetBatcher` does (groups of G rollouts sharing a prompt, folded into a
-`TreeRow` until `token_budget` unique tokens), with seed 2's shapes (prompts of the Sanity set's length
+`TreeRow` until `token_budget` unique tokens), with the recipe's shapes (prompts of the Sanity set's length
 distribution, median 95 / p90 240 tokens; completions up to 3000 tokens), on a random-init model with an exact public
 config (memory and time depend on shapes, not weights), LoRA r=1 on all linear layers, TRL's fused LM head, and
 runs TRL's own `AsyncGRPOTrainer.compute_loss` forward and backward with `sdpa` and `flex` side by side. Prints and
@@ -24,7 +24,7 @@ import torch
 
 
 def recipe_rows(token_budget: int, rows: int, vocab: int, G: int = 8, max_completion: int = 3000, seed: int = 0):
-    """`rows` packed rows of at most `token_budget` unique tokens, from groups shaped like seed 2's rollouts."""
+    """`rows` packed rows of at most `token_budget` unique tokens, from groups shaped like the recipe's rollouts."""
     from trl.experimental.async_grpo.packing import TreeRow
 
     rng = np.random.default_rng(seed)
@@ -69,7 +69,7 @@ def build(model_name: str, dtype, device: str, backend: str):
 
     from grpo_lab.async_loop.trainer import loss_only_trainer
     from grpo_lab.models import build_model
-    from grpo_lab.trl_glue import set_loss_backend
+    from grpo_lab.loss import set_loss_backend
 
     model = build_model(model_name, dtype=dtype, device=device)
     add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
@@ -80,7 +80,7 @@ def build(model_name: str, dtype, device: str, backend: str):
 
 def run(args) -> pd.DataFrame:
     from grpo_lab.async_loop import tree_attention
-    from grpo_lab.memory.results import environment
+    from grpo_lab.lab.records import run_record
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
@@ -120,7 +120,7 @@ def run(args) -> pd.DataFrame:
         print(f"{impl:5s}: {ms:9.2f} ms/row  {tokens / (ms / 1e3):10.0f} tok/s  peak {peak:6.2f} GiB  "
               f"|loss - {reference['impl']}| {diff:.2e}", flush=True)
     frame = pd.DataFrame(records)
-    env = environment("cuda" if device == "cuda" else "cpu")
+    env = run_record("cuda" if device == "cuda" else "cpu")
     for k, v in {**env, "model": args.model, "dtype": args.dtype, "token_budget": args.token_budget,
                  "loss_backend": args.loss_backend, "lora_r": 1}.items():
         frame[k] = v

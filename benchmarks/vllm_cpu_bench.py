@@ -110,7 +110,7 @@ async def replay(url: str, prompts: list[list[int]], group_size: int, in_flight:
 
 
 def measure(label: str, replica_urls: list[str], prompts, args) -> dict:
-    from grpo_lab.serving.router import start_router
+    from grpo_lab.serving.router_thread import start_router
     from grpo_lab.serving.router_config import RouterConfig
 
     router = start_router(RouterConfig(replicas=replica_urls, port=0, upstream_timeout_s=1800,
@@ -151,7 +151,7 @@ def benchmark_model(directory: Path) -> Path:
 
 
 def vllm_configurations(model: Path, prompts, args, rows: list) -> str:
-    from grpo_lab.serving.vllm_processes import start_vllm_replicas
+    from grpo_lab.serving.replica_processes import start_vllm_replicas
 
     replicas = start_vllm_replicas(2, str(model), device="cpu", served_model_name=SERVED,
                                    max_model_len=2048, ready_timeout=600)
@@ -168,7 +168,7 @@ def vllm_configurations(model: Path, prompts, args, rows: list) -> str:
 
 
 def cpu_replica_configurations(model: Path, prompts, args, rows: list) -> None:
-    from grpo_lab.serving.processes import start_cpu_replicas
+    from grpo_lab.serving.replica_processes import start_cpu_replicas
 
     for n in (1, 2):
         replicas = start_cpu_replicas(n, ["--model", str(model), "--served-model-name", SERVED, "--block-size", "32",

@@ -1,8 +1,10 @@
 """grpo-lab: memory-lean, asynchronous GRPO with Hugging Face TRL.
 
-The pieces, one module each: the GRPO loss reference (`loss_config`, `loss`), the log-prob backends behind one
-switch (`backends`, `trl_glue`), the Triton kernels (`grpo_lab.kernels`), model configs (`models`), the memory
-harness, data and rewards, the async LoRA glue and the router.
+One sub-package per idea (docs/architecture.md draws the layers): `loss` (the GRPO loss, the log-prob heads behind
+one backend switch, the Triton kernel), `models`, `lab`, `memory`, `tasks`, `serving` (the router and its replicas)
+and `async_loop`. The loss stack's public names are re-exported here, imported on first use:
+`grpo_lab.GRPOLabConfig`, `GRPOLabTrainer`, `set_loss_backend`, `GRPOLossConfig`, `grpo_loss`,
+`GRPOLabFusedLinearGRPOLoss`, `fused_linear_logprobs`.
 """
 
 __version__ = "0.1.0"
@@ -24,3 +26,15 @@ def _no_hub_telemetry():
 
 
 _no_hub_telemetry()
+
+
+_LOSS_EXPORTS = ("GRPOLabConfig", "GRPOLabTrainer", "set_loss_backend", "GRPOLossConfig", "grpo_loss",
+                 "GRPOLabFusedLinearGRPOLoss", "fused_linear_logprobs")
+
+
+def __getattr__(name: str):
+    if name in _LOSS_EXPORTS:  # imported on first use: `import grpo_lab` stays free of torch, TRL and Triton
+        from . import loss
+
+        return getattr(loss, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         return max_batch_main(args)
 
     def plan(args):
-        from .memory.planner_cli import main as plan_main
+        from .memory.planner.cli import main as plan_main
 
         return plan_main(args)
 

@@ -3,7 +3,7 @@
 A `TrainerCallback` (pass it to `AsyncLoop(..., callbacks=[board])`) that plots, per step, step time, forward/
 backward time, rollout wait, queue size, backpressure, staleness, the IS ratio, reward, completions/s and the
 router's prefix affinity and load imbalance, and shows `doctor.diagnose` on the last steps. Core ipywidgets only
-(through `grpo_lab.tasks.board.LiveBoard`: HTML, IntProgress, Output), so it runs on Colab's ipywidgets 7.7.1 and
+(through `grpo_lab.lab.live_board.LiveBoard`: HTML, IntProgress, Output), so it runs on Colab's ipywidgets 7.7.1 and
 on 8.x; plots are redrawn as PNG at most every `redraw_every_s` and the verdict at most every `verdict_every`
 steps, so a long run does not flood the output. Outside a notebook it prints a line now and then.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from ..tasks.board import LiveBoard, Series
+from ..lab.live_board import LiveBoard, Series
 from .doctor import DoctorConfig, Verdict, diagnose, replica_notes
 from .recorder import router_snapshot
 
@@ -68,8 +68,8 @@ class LoopBoard(TrainerCallback):
                  router_url: str | None = None, doctor: DoctorConfig | None = None):
         self.router_url = router_url
         self.doctor = doctor
-        self.board = LiveBoard(SERIES, total=total_steps, title=title, redraw_every_s=redraw_every_s, mode=mode,
-                               ncols=4)
+        self.board = LiveBoard(title, total=total_steps, series=SERIES, redraw_every_s=redraw_every_s, mode=mode,
+                               ncols=4, unit="step").show()
         self.max_staleness, self.max_inflight_tasks = max_staleness, max_inflight_tasks
         self.verdict_every = max(1, verdict_every)
         self.rows: list[dict] = []

@@ -34,6 +34,16 @@ class ResumePoint:
         return "; ".join(f"{Path(folder).name}: {why}" for folder, why in self.skipped)
 
 
+def is_checkpoint_name(name: str) -> bool:
+    """Whether `name` is a `checkpoint-<step>` folder name."""
+    return _CHECKPOINT.match(name) is not None
+
+
+def checkpoint_step(checkpoint: str | Path) -> int:
+    """The global step a `checkpoint-<step>` folder was saved at."""
+    return int(_CHECKPOINT.match(Path(checkpoint).name).group(1))
+
+
 def _problem(folder: Path) -> str | None:
     """Why `folder` cannot be resumed from, or None when it is complete."""
     for name in (ROLLOUT_STATE, TRAINER_STATE):

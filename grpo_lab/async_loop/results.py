@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..memory.results import environment
+from ..lab.records import run_record
 from .board import board_values
 from .doctor import DoctorConfig, diagnose, replica_notes, training_rows
 
@@ -37,7 +37,7 @@ def run_frame(rows: list[dict], run: str, device: str = "auto", extra: dict | No
         previous_router = row.get("router") or previous_router
         records += [{"run": run, "step": row["step"], "metric": k, "value": float(v)} for k, v in values.items()]
     frame = pd.DataFrame.from_records(records, columns=["run", "step", "metric", "value"])
-    for key, value in {**environment(device), **(extra or {})}.items():
+    for key, value in {**run_record(device), **(extra or {})}.items():
         frame[key] = value
     return frame
 

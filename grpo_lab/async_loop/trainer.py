@@ -34,12 +34,12 @@ from unittest import mock
 from trl.experimental.async_grpo import async_grpo_trainer as trl_trainer
 from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, save_lora_adapter
 
-from ..trl_glue import set_loss_backend
+from ..loss import set_loss_backend
+from ..serving.storage import AdapterStore, version_of
 from . import preflight, tree_attention
 from .config import AsyncGRPOLabConfig
 from .control_client import BoundedVLLMClient
 from .rollout_worker import LabRolloutWorker
-from .storage import AdapterStore, version_of
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,7 @@
-"""A live board for notebooks from core ipywidgets only (HTML, IntProgress, Output, VBox/HBox, Button, Text,
-Checkbox), so it works on Colab's ipywidgets 7.7 and on 8.x, with matplotlib figures redrawn as PNG at most every
-`min_interval_s` (no ipympl). Without ipywidgets, or outside a kernel, it falls back to IPython display handles
-(`display(..., display_id=True)` then `.update`), and with no IPython at all to printing.
+"""Parameter forms for the notebooks from core ipywidgets only (Checkbox, IntText, FloatText, Text, Dropdown,
+Button, HTML), so they work on Colab's ipywidgets 7.7 and on 8.x; without a widget frontend a form shows nothing
+and `values()` returns the parameters unchanged. The live board is `grpo_lab.lab.live_board`.
 
-    board = LiveBoard("Peak memory vs batch size", total=24)
-    board.show()
-    for i, row in enumerate(rows):
-        board.step(f"B={row['batch_size']} {row['backend']}")
-        board.figure(make_fig(...))          # throttled
-    board.figure(fig, force=True); board.done("24 points")
     form = ParamForm({"model": "Qwen3-0.6B", "batch_sizes": "4,8,16", "quick": True}, on_run=callback)
     form.show()
 """
@@ -16,8 +9,6 @@ Checkbox), so it works on Colab's ipywidgets 7.7 and on 8.x, with matplotlib fig
 from __future__ import annotations
 
 import html
-import io
-import time
 from collections.abc import Callable
 
 try:
@@ -36,113 +27,6 @@ def _ipython_display():
         return display
     except ImportError:
         return None
-
-
-def fig_to_png(fig, dpi: int = 90) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-    return buf.getvalue()
-
-
-class LiveBoard:
-    """Title + status line + progress bar + a plot area (+ an optional table area)."""
-
-    def __init__(self, title: str = "", total: int = 1, min_interval_s: float = 1.0, use_widgets: bool | None = None):
-        self.title = title
-        self.total = max(1, int(total))
-        self.value = 0
-        self.min_interval_s = min_interval_s
-        self._last_draw = 0.0
-        self._pending = None
-        self._display = _ipython_display()
-        self.use_widgets = (_w is not None and self._display is not None) if use_widgets is None else use_widgets
-        self._handles: dict = {}
-        if self.use_widgets:
-            self.header = _w.HTML(value=self._header_html(""))
-            self.progress = _w.IntProgress(value=0, min=0, max=self.total, description="")
-            self.plot = _w.Output()
-            self.table = _w.Output()
-            self.box = _w.VBox([self.header, self.progress, self.plot, self.table])
-
-    # -- display -------------------------------------------------------------------------------------------------
-    def _header_html(self, status: str) -> str:
-        return (f"<b>{html.escape(self.title)}</b> &nbsp; <span>{html.escape(status)}</span>"
-                f" &nbsp; <small>{self.value}/{self.total}</small>")
-
-    def show(self):
-        if self.use_widgets:
-            self._display(self.box)
-        elif self._display is not None:
-            from IPython.display import HTML
-
-            self._handles["header"] = self._display(HTML(self._header_html("")), display_id=True)
-            self._handles["plot"] = self._display(HTML(""), display_id=True)
-            self._handles["table"] = self._display(HTML(""), display_id=True)
-        return self
-
-    def set_total(self, total: int):
-        self.total = max(1, int(total))
-        if self.use_widgets:
-            self.progress.max = self.total
-
-    def status(self, text: str):
-        if self.use_widgets:
-            self.header.value = self._header_html(text)
-            self.progress.value = min(self.value, self.total)
-        elif "header" in self._handles:
-            from IPython.display import HTML
-
-            self._handles["header"].update(HTML(self._header_html(text)))
-        else:
-            print(f"[{self.value}/{self.total}] {text}", flush=True)
-
-    def step(self, text: str = "", n: int = 1):
-        self.value += n
-        self.status(text)
-
-    def done(self, text: str = "done"):
-        self.value = self.total
-        self.status(text)
-        if self._pending is not None:
-            self._draw(self._pending)
-
-    # -- plot / table --------------------------------------------------------------------------------------------
-    def figure(self, fig, force: bool = False):
-        """Show `fig` as a PNG, at most once per `min_interval_s` unless `force` (the last one is kept for `done`)."""
-        now = time.monotonic()
-        if not force and now - self._last_draw < self.min_interval_s:
-            self._pending = fig
-            return False
-        self._draw(fig)
-        return True
-
-    def _draw(self, fig):
-        self._pending = None
-        self._last_draw = time.monotonic()
-        png = fig_to_png(fig)
-        if self.use_widgets:
-            from IPython.display import Image
-
-            with self.plot:
-                self.plot.clear_output(wait=True)
-                self._display(Image(data=png))
-        elif "plot" in self._handles:
-            from IPython.display import Image
-
-            self._handles["plot"].update(Image(data=png))
-
-    def show_table(self, df_or_html):
-        text = df_or_html if isinstance(df_or_html, str) else df_or_html.to_html()
-        if self.use_widgets:
-            from IPython.display import HTML
-
-            with self.table:
-                self.table.clear_output(wait=True)
-                self._display(HTML(text))
-        elif "table" in self._handles:
-            from IPython.display import HTML
-
-            self._handles["table"].update(HTML(text))
 
 
 CHAR_PX = 8  # a generous average width of a 13 px UI font character, so labels and values are never cut

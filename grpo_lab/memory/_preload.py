@@ -23,7 +23,7 @@ import datasets.arrow_dataset  # noqa: F401
 import grpo_lab.models  # noqa: F401
 
 try:  # the TRL glue and backends, once they exist
-    import grpo_lab.trl_glue  # noqa: F401
+    import grpo_lab.loss.trl_switch  # noqa: F401
 except ImportError:
     pass
 

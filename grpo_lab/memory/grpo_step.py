@@ -111,9 +111,9 @@ def num_generations_for(batch_size: int, world_size: int) -> tuple[int, int]:
 
 
 def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbacks=()):
-    """The GRPO trainer for `spec`: `grpo_lab.trl_glue.GRPOLabTrainer` with `loss_backend=spec.backend`."""
+    """The GRPO trainer for `spec`: `grpo_lab.loss.GRPOLabTrainer` with `loss_backend=spec.backend`."""
+    from grpo_lab.loss import GRPOLabConfig, GRPOLabTrainer
     from grpo_lab.models import build_model, load_model_config
-    from grpo_lab.trl_glue import GRPOLabConfig, GRPOLabTrainer
 
     config_cls, trainer_cls, backend_kw = GRPOLabConfig, GRPOLabTrainer, {"loss_backend": spec.backend}
 

@@ -2,7 +2,7 @@
 
 Inputs are the last hidden state `[B*T, H]` and the LM-head weight `[V, H]` of the chosen model, both trainable, so
 the peak includes what the fused heads exist to avoid (the `[N, V]` logits and their gradient). The log-prob
-backends come from `grpo_lab.backends.get_logprob_backend`; `liger` fuses the loss itself, so its point runs
+backends come from `grpo_lab.loss.heads.logprob_head`; `liger` fuses the loss itself, so its point runs
 Liger's `LigerFusedLinearGRPOLoss` on the same tensors.
 """
 
@@ -19,13 +19,13 @@ from .spec import PointSpec
 
 def _logprob_fn(backend: str):
     try:
-        from grpo_lab.backends import get_logprob_backend
+        from grpo_lab.loss.heads import logprob_head
     except ImportError:
-        get_logprob_backend = None
-    if get_logprob_backend is not None:
-        return get_logprob_backend(backend)
+        logprob_head = None
+    if logprob_head is not None:
+        return logprob_head(backend)
     if backend != "trl":
-        raise ValueError(f"loss backend {backend!r} needs grpo_lab.backends.get_logprob_backend (not installed).")
+        raise ValueError(f"loss backend {backend!r} needs grpo_lab.loss.heads.logprob_head (not installed).")
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
     return ChunkedLogProbFunction.apply

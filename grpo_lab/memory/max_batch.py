@@ -30,10 +30,19 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..lab.records import run_record
 from .probe import ProbeError, run_point
-from .results import GiB, environment, make_row, target_csv, text_column, write_csv
-from .spec import (EXPANDABLE_SEGMENTS, PointSpec, check_backend, check_model, check_positive_int, normalize_dtype,
-                   parse_str_list, require_liger_if_named)
+from .results import GiB, make_row, ratio_table, target_csv, text_column, write_csv
+from .spec import (
+    EXPANDABLE_SEGMENTS,
+    PointSpec,
+    check_backend,
+    check_model,
+    check_positive_int,
+    normalize_dtype,
+    parse_str_list,
+    require_liger_if_named,
+)
 
 FIGURE = "fsdp_max_batch"
 
@@ -294,12 +303,12 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
     is recorded as `incomplete` (its bracket in max_batch / first_oom) and the ones not started as `skipped`. With
     `resume` (implies `append`), a search starts from the probes already in `<name>_probes.csv` for the same
     model, backend, dtype, lengths, LoRA rank, world size, steps and budget, so a search cut short goes on where it
-    stopped. `seed_probes` (implies `resume`): probes measured elsewhere with the same harness (planner_check's pairs
+    stopped. `seed_probes` (implies `resume`): probes measured elsewhere with the same harness (planner.check's pairs
     around the planner's max batch, say); its rows with a search's exact setting become known probes of that search
     and are copied into `<name>_probes.csv`, so a search can start from a bracket another run measured."""
     resume = resume or seed_probes is not None
     append = append or resume
-    env = environment(searches[0].base.device if searches else "auto")
+    env = run_record(searches[0].base.device if searches else "auto")
     rows, probe_rows = [], []
     previous = previous_probes = None
     if append and out_csv is not None and (Path(out_csv).is_file() or _probes_path(out_csv).is_file()):
@@ -511,7 +520,7 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true",
                    help="go on from the probes already in <name>_probes.csv for the same setting (implies --append)")
     p.add_argument("--seed-probes", metavar="CSV",
-                   help="also start from the probes of this CSV (e.g. planner_check's pairs) measured under the same "
+                   help="also start from the probes of this CSV (e.g. planner.check's pairs) measured under the same "
                         "setting (implies --resume)")
     p.add_argument("--replot", metavar="CSV", help="only redraw the PNG of an existing CSV (next to it)")
     a = p.parse_args(argv)
@@ -568,8 +577,6 @@ def main(argv=None) -> int:
     except ProbeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    from .notebook import ratio_table
-
     try:
         import matplotlib
 

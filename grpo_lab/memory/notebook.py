@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from .results import load_reference, rows_to_frame, savings_table, write_csv
+from .results import load_reference, ratio_table, rows_to_frame, savings_table, write_csv
+
+
+# the public source of both figures' claims
+LIGER_GRPO_POST = 'the Hugging Face blog post "Liger GRPO meets TRL" (huggingface.co/blog/liger-grpo, 2025-05)'
 
 
 def _mpl():
@@ -79,13 +83,14 @@ def savings_tables(df: pd.DataFrame, mode: str = "step") -> dict[str, pd.DataFra
 
 
 def closing_note_memory(df: pd.DataFrame | None) -> str:
-    """Markdown: the best % saving of each backend vs naive per dtype, next to the seed's "up to 40 %"."""
+    """Markdown: the best % saving of each backend vs naive per dtype, next to the "up to 40 %" of the Liger GRPO
+    blog post (`LIGER_GRPO_POST`)."""
     if df is None or df.empty:
         return "_No committed H200 results yet: run `python -m grpo_lab.memory.sweep --full` on a GPU._"
     t = savings_table(df[df["mode"] == "step"], "naive")
     lines = [f"**{df['gpu_name'].iloc[0]}, {df['model'].iloc[0]}, torch {df['torch'].iloc[0]}, "
              f"trl {df['trl'].iloc[0]} ({df['date'].iloc[0]})** — peak saving vs `naive` on a full GRPO step "
-             "(the seed article: *up to 40 %* lower at large batch):", ""]
+             f"({LIGER_GRPO_POST}: *up to 40 %* lower at large batch):", ""]
     if t.empty:
         return "\n".join(lines + ["_no batch size where naive and a fused backend both ran_"])
     lines.append("| dtype | batch | " + " | ".join(c.replace(" vs naive %", "") for c in t.columns) + " |")
@@ -184,44 +189,6 @@ def run_max_batch(params: dict, out_dir: str | Path, name: str, board=None):
     return df, csv, png
 
 
-def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Max batch per model × backend with the ratios to naive and to trl, as display strings: "≥1024" where the
-    search hit its cap, "246–325" where it was cut short with the limit bracketed (ratios then "≥"), and no ratio
-    over a reference that is itself only a lower bound."""
-    from .plots import _bound_kind
-
-    if df is None or df.empty:
-        return pd.DataFrame()
-    if "status" in df:
-        df = df[df["status"].isin(["ok", "incomplete"])]
-    models = list(dict.fromkeys(df["model"]))
-    backends = list(dict.fromkeys(df["backend"]))
-    cell = {(r["model"], r["backend"]): r for _, r in df.iterrows()}
-
-    def label(r):
-        kind, v = _bound_kind(r), int(r["max_batch"])
-        return f"≥{v}" if kind == "capped" else f"{v}–{int(r['first_oom']) - 1}" if kind == "incomplete" else str(v)
-
-    out = pd.DataFrame(index=pd.Index(models, name="model"))
-    for b in backends:
-        out[b] = [label(cell[(m, b)]) if (m, b) in cell else "" for m in models]
-    for ref in ("naive", "trl"):
-        if ref not in backends:
-            continue
-        for b in backends:
-            if b == ref:
-                continue
-            col = []
-            for m in models:
-                num, den = cell.get((m, b)), cell.get((m, ref))
-                if num is None or den is None or _bound_kind(den) or not den["max_batch"] > 0:
-                    col.append("")
-                else:
-                    col.append(f"{'≥' if _bound_kind(num) else ''}{num['max_batch'] / den['max_batch']:.2f}×")
-            out[f"{b}/{ref}"] = col
-    return out
-
-
 def closing_note_max_batch(df: pd.DataFrame | None) -> str:
     if df is None or df.empty:
         return "_No committed H200 results yet: run `python -m grpo_lab.memory.max_batch --full` on a GPU._"
@@ -231,7 +198,7 @@ def closing_note_max_batch(df: pd.DataFrame | None) -> str:
     alloc = f"PYTORCH_CUDA_ALLOC_CONF={alloc}" if isinstance(alloc, str) and alloc else "default caching allocator"
     lines = [f"**{r['gpu_name']}, FSDP2 + LoRA r={r['lora_r']}, {r['dtype']}, {r['prompt_len']}+{r['completion_len']} "
              f"tokens, world size {r['world_size']}, budget {r['budget_gib']:.1f} GiB, {alloc} ({r['date']})** — "
-             "max per-device batch (the seed article: *1.5–1.8×* larger with the chunked loss):", "",
+             f"max per-device batch ({LIGER_GRPO_POST}: *1.5–1.8×* larger with the chunked loss):", "",
              "| model | " + " | ".join(map(str, t.columns)) + " |", "|---|" + "---|" * len(t.columns)]
     for m, row in t.iterrows():
         lines.append(f"| {m} | " + " | ".join(str(v) for v in row) + " |")

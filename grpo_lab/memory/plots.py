@@ -5,6 +5,8 @@ from __future__ import annotations
 import pandas as pd
 from matplotlib.ticker import NullFormatter
 
+from .results import bound_kind
+
 BACKEND_STYLE = {
     "naive": dict(color="#d62728", marker="o"),
     "trl": dict(color="#1f77b4", marker="s"),
@@ -70,15 +72,6 @@ def plot_memory_vs_batch(df: pd.DataFrame, mode: str = "step", fig=None, dtypes=
     return fig
 
 
-def _bound_kind(row) -> str:
-    """'' for an exact max batch; 'capped' (a lower bound: "≥B") when the search hit its upper bound or was cut
-    short before any OOM; 'incomplete' when it was cut short with the limit bracketed (max_batch fits, first_oom
-    does not)."""
-    if row.get("status") == "incomplete":
-        return "incomplete" if pd.notna(row.get("first_oom")) else "capped"
-    return "capped" if bool(row.get("capped", False)) else ""
-
-
 def plot_max_batch(df: pd.DataFrame, fig=None):
     """Bars: max per-device batch per model size and backend, labelled with the ratio to naive and to trl."""
     import matplotlib.pyplot as plt
@@ -108,7 +101,7 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
             sel = df[(df["model"] == m) & (df["backend"] == backend)]
             v = sel["max_batch"]
             vals.append(int(v.iloc[0]) if len(v) and pd.notna(v.iloc[0]) else 0)
-            bounds.append(_bound_kind(sel.iloc[0]) if len(sel) else "")
+            bounds.append(bound_kind(sel.iloc[0]) if len(sel) else "")
         pos = x + (i - (len(backends) - 1) / 2) * width
         color = BACKEND_STYLE.get(backend, {}).get("color")
         bars = ax.bar(pos, vals, width, label=backend, color=color)
@@ -131,7 +124,7 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
                 rr = df[(df["model"] == m) & (df["backend"] == ref)]
                 if backend == ref or not len(rr) or not pd.notna(rr["max_batch"].iloc[0]) or rr["max_batch"].iloc[0] <= 0:
                     continue
-                if _bound_kind(rr.iloc[0]):  # a lower bound over a lower bound says nothing
+                if bound_kind(rr.iloc[0]):  # a lower bound over a lower bound says nothing
                     continue
                 labels.append(f"{'≥' if kind else ''}{v / rr['max_batch'].iloc[0]:.2f}×{ref[0]}")
             if crowded:  # one rotated line per bar, so neighbouring labels do not run into each other

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -35,12 +36,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _memory_flat_head() -> None:
+    """Measure the grpo_lab head on its memory-flat path. By default a trainable head keeps its [N, V] probabilities
+    when free memory allows (the kernel's memory policy: speed where memory is spare), which would put that optional
+    buffer into every small batch's peak; the figures are of the head's lean path, which is also what runs at the
+    memory limit. `GRPO_LAB_MATERIALIZE_FRACTION` set by the caller still wins."""
+    os.environ.setdefault("GRPO_LAB_MATERIALIZE_FRACTION", "0")
+    tuning = sys.modules.get("grpo_lab.loss.kernel.tuning")
+    if tuning is not None and os.environ["GRPO_LAB_MATERIALIZE_FRACTION"] == "0":
+        tuning.TUNING.materialize_fraction = 0.0
+
+
 def _child(spec: PointSpec, rank: int, port: int, conn, capture_grads: bool) -> None:
     os.environ.update(NCCL_SAFE_ENV)
     if spec.extra.get("cuda_alloc_conf"):  # read by the caching allocator at its first use, after this
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = spec.extra["cuda_alloc_conf"]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    _memory_flat_head()
     distributed = spec.fsdp or spec.world_size > 1
     if distributed:
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(spec.world_size),

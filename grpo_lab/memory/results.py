@@ -1,4 +1,5 @@
-"""Result rows, the machine/version stamp every CSV carries, and the committed reference results.
+"""Result rows, the machine/version stamp every CSV carries, the committed reference results, and the tables
+drawn from them (savings vs a reference backend, max-batch ratios).
 
 One CSV row per measured point (tidy/long format): the point's coordinates, its outcome (`status` ok | oom), the peak
 memory in GiB, and the machine and library versions. `peak_gib` is the allocator peak on CUDA
@@ -7,13 +8,11 @@ memory in GiB, and the machine and library versions. `peak_gib` is the allocator
 
 from __future__ import annotations
 
-import datetime as _dt
-import functools
-import platform
-from importlib import metadata, resources
+from importlib import resources
 from pathlib import Path
 
 import pandas as pd
+
 
 GiB = 1024**3
 
@@ -24,63 +23,6 @@ POINT_COLUMNS = ["figure", "model", "backend", "dtype", "mode", "generation", "b
 ENV_COLUMNS = ["device", "gpu_name", "torch", "trl", "transformers", "peft", "accelerate", "liger_kernel", "date",
                "host"]
 COLUMNS = POINT_COLUMNS + ENV_COLUMNS + ["message"]
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return ""
-
-
-@functools.lru_cache(maxsize=None)
-def environment(device: str = "auto") -> dict:
-    """Machine + versions. The parent never initialises CUDA for this: the GPU name comes from NVML/nvidia-smi."""
-    import torch
-
-    gpu = ""
-    if device in ("auto", "cuda"):
-        gpu = _gpu_name()
-    return {
-        "device": "cuda" if gpu else "cpu",
-        "gpu_name": gpu or f"CPU ({platform.processor() or platform.machine()}, {_cpu_count()} cores)",
-        "torch": torch.__version__,
-        "trl": _version("trl"),
-        "transformers": _version("transformers"),
-        "peft": _version("peft"),
-        "accelerate": _version("accelerate"),
-        "liger_kernel": _version("liger-kernel") or _version("liger_kernel"),
-        "date": _dt.date.today().isoformat(),
-        "host": platform.node(),
-    }
-
-
-def _cpu_count() -> int:
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def _gpu_name() -> str:
-    import shutil
-    import subprocess
-
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                 text=True, timeout=20).stdout.strip().splitlines()
-            if out:
-                return out[0].strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.get_device_name(0)
-    return ""
 
 
 def make_row(figure: str, spec, result: dict, env: dict) -> dict:
@@ -179,3 +121,48 @@ def savings_table(df: pd.DataFrame, against: str = "naive") -> pd.DataFrame:
         if b != against:
             out[f"{b} vs {against} %"] = (1 - piv[b] / piv[against]) * 100
     return out.round(1)
+
+
+def bound_kind(row) -> str:
+    """'' for an exact max batch; 'capped' (a lower bound: "≥B") when the search hit its upper bound or was cut
+    short before any OOM; 'incomplete' when it was cut short with the limit bracketed (max_batch fits, first_oom
+    does not)."""
+    if row.get("status") == "incomplete":
+        return "incomplete" if pd.notna(row.get("first_oom")) else "capped"
+    return "capped" if bool(row.get("capped", False)) else ""
+
+
+def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Max batch per model × backend with the ratios to naive and to trl, as display strings: "≥1024" where the
+    search hit its cap, "246–325" where it was cut short with the limit bracketed (ratios then "≥"), and no ratio
+    over a reference that is itself only a lower bound."""
+    if df is None or df.empty:
+        return pd.DataFrame()
+    if "status" in df:
+        df = df[df["status"].isin(["ok", "incomplete"])]
+    models = list(dict.fromkeys(df["model"]))
+    backends = list(dict.fromkeys(df["backend"]))
+    cell = {(r["model"], r["backend"]): r for _, r in df.iterrows()}
+
+    def label(r):
+        kind, v = bound_kind(r), int(r["max_batch"])
+        return f"≥{v}" if kind == "capped" else f"{v}–{int(r['first_oom']) - 1}" if kind == "incomplete" else str(v)
+
+    out = pd.DataFrame(index=pd.Index(models, name="model"))
+    for b in backends:
+        out[b] = [label(cell[(m, b)]) if (m, b) in cell else "" for m in models]
+    for ref in ("naive", "trl"):
+        if ref not in backends:
+            continue
+        for b in backends:
+            if b == ref:
+                continue
+            col = []
+            for m in models:
+                num, den = cell.get((m, b)), cell.get((m, ref))
+                if num is None or den is None or bound_kind(den) or not den["max_batch"] > 0:
+                    col.append("")
+                else:
+                    col.append(f"{'≥' if bound_kind(num) else ''}{num['max_batch'] / den['max_batch']:.2f}×")
+            out[f"{b}/{ref}"] = col
+    return out

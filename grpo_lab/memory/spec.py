@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass, field
+from typing import Self
 
 BACKENDS = ("trl", "grpo_lab", "naive", "liger")
 DTYPES = ("fp32", "bf16")
@@ -16,9 +17,9 @@ _DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "b
 
 
 def known_backends() -> tuple[str, ...]:
-    """The loss backends: `grpo_lab.backends.LOSS_BACKENDS` once the TRL glue is installed, else the planned four."""
+    """The loss backends: `grpo_lab.loss.backends.LOSS_BACKENDS` once the TRL glue is installed, else the planned four."""
     try:
-        from grpo_lab.backends import LOSS_BACKENDS  # type: ignore[attr-defined]
+        from grpo_lab.loss.backends import LOSS_BACKENDS  # type: ignore[attr-defined]
 
         return tuple(LOSS_BACKENDS)
     except ImportError:
@@ -114,8 +115,10 @@ EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 
 @dataclass(frozen=True)
-class PointSpec:
-    """One measurement. `batch_size` is per device: the sequences (prompt + completion) in one training micro-step."""
+class StepSetting:
+    """The six coordinates of a GRPO step that every memory figure starts from, checked once here: a measured point
+    (`PointSpec`) and a planned one (`grpo_lab.memory.planner.PlannerConfig`) both extend it. `batch_size` is per
+    device: the sequences (prompt + completion) in one training micro-step. The defaults are the CPU harness's."""
 
     model: str = "tiny-qwen3"
     backend: str = "trl"
@@ -123,6 +126,37 @@ class PointSpec:
     batch_size: int = 2
     prompt_len: int = 16
     completion_len: int = 16
+
+    def __post_init__(self):
+        self._check_model()
+        check_backend(self.backend)
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        self._check_positive("batch_size", "prompt_len", "completion_len")
+
+    def _check_model(self) -> None:
+        check_model(self.model)
+
+    def _check_positive(self, *names: str) -> None:
+        for name in names:
+            object.__setattr__(self, name, check_positive_int(getattr(self, name), name.replace("_", " ")))
+
+    @classmethod
+    def with_defaults(cls, **defaults) -> type:
+        """`cls` with other defaults for some of the six coordinates (same fields, same order, same checks): the
+        base of a dataclass that asks about another typical setting."""
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        fields = [(name, types[name], field(default=value)) for name, value in defaults.items()]
+        return dataclasses.make_dataclass(f"{cls.__name__}Defaults", fields, bases=(cls,), frozen=True,
+                                          namespace={"__module__": cls.__module__})
+
+    def replace(self, **changes) -> Self:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class PointSpec(StepSetting):
+    """One measurement: a `StepSetting` and how it is run (mode, generation, steps, LoRA, FSDP2, budget ...)."""
+
     mode: str = "step"
     generation: str = "synthetic"
     steps: int = 2  # optimizer steps; the first one allocates AdamW state, the peak is the max over all of them
@@ -140,17 +174,8 @@ class PointSpec:
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
-        if self.pretrained:
-            import os
-
-            if not (os.path.isdir(self.model) or self.model.count("/") == 1):
-                raise ValueError(f"pretrained=True needs a hub id (org/name) or a local folder, got {self.model!r}.")
-        else:
-            check_model(self.model)
-        check_backend(self.backend)
-        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
-        for name in ("batch_size", "prompt_len", "completion_len", "steps", "world_size"):
-            object.__setattr__(self, name, check_positive_int(getattr(self, name), name.replace("_", " ")))
+        super().__post_init__()
+        self._check_positive("steps", "world_size")
         if self.mode not in MODES:
             raise ValueError(f"Unknown mode {self.mode!r}: use one of {', '.join(MODES)}.")
         if self.generation not in GENERATIONS:
@@ -168,8 +193,13 @@ class PointSpec:
         if self.mode == "step" and self.batch_size * self.world_size < 2 and self.steps < 1:
             raise ValueError("GRPO needs at least 2 completions per step.")
 
-    def replace(self, **changes) -> PointSpec:
-        return dataclasses.replace(self, **changes)
+    def _check_model(self) -> None:
+        if not self.pretrained:
+            return super()._check_model()
+        import os
+
+        if not (os.path.isdir(self.model) or self.model.count("/") == 1):
+            raise ValueError(f"pretrained=True needs a hub id (org/name) or a local folder, got {self.model!r}.")
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)

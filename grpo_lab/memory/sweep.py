@@ -19,10 +19,18 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..lab.records import run_record
 from .probe import ProbeError, run_point
-from .results import environment, make_row, rows_to_frame, target_csv, write_csv
-from .spec import (PointSpec, check_backend, check_model, normalize_dtype, parse_int_list, parse_str_list,
-                   require_liger_if_named)
+from .results import make_row, rows_to_frame, target_csv, write_csv
+from .spec import (
+    PointSpec,
+    check_backend,
+    check_model,
+    normalize_dtype,
+    parse_int_list,
+    parse_str_list,
+    require_liger_if_named,
+)
 
 FIGURE = "memory_vs_batch"
 
@@ -75,7 +83,7 @@ def run_sweep(specs: list[PointSpec], out_csv: str | Path | None = None,
     `append`), points the CSV already holds as ok or oom (same lengths) are not measured again, and its OOMs stop
     their series as if measured now: rerunning a sweep cut by `max_seconds` measures only what is missing."""
     append = append or resume
-    env = environment(specs[0].device if specs else "auto")
+    env = run_record(specs[0].device if specs else "auto")
     rows: list[dict] = []
     oom_at: dict = {}
     failed: set = set()

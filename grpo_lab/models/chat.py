@@ -1,6 +1,6 @@
 """Prompt formats the recipes use.
 
-`qwen_math` is the Qwen2.5-Math chat format of the seed recipe: a system turn asking for a boxed answer, the
+`qwen_math` is the Qwen2.5-Math chat format of the async-GRPO LoRA recipe: a system turn asking for a boxed answer, the
 problem as the user turn. TRL renders chat prompts with the tokenizer's own chat template; `render_qwen_math`
 gives the same text without a tokenizer (the ChatML layout Qwen2.5 uses), for length checks and plain-text runs.
 """

@@ -1,16 +1,22 @@
 """grpo_lab.serving: several inference replicas behind one URL for TRL's AsyncGRPOTrainer (see docs/serving.md).
 
-One idea per module; importing this package loads none of them (the CPU replica pulls in torch, the router only
-aiohttp):
+Layer 2 of grpo_lab (docs/architecture.md): it imports `grpo_lab.models` and `grpo_lab.lab` only. One idea per
+module; importing this package loads none of them (the CPU replica pulls in torch, the router only aiohttp):
 
-- `prefix_hash`: chained KV-block hashes of a prompt, seeded with the adapter name (vLLM's prefix-cache rule)
-- `routing_policy`: prefix affinity with the common-prefix rule, spill threshold and pending claims
-- `router_config`, `router`: the aiohttp proxy (`python -m grpo_lab.serving.router`, `start_router(...)`)
-- `replica_pool`, `adapter_fanout`, `upstream`, `metrics`: health and re-admission, all-or-nothing adapter loads,
-  authenticated upstream calls, Prometheus text
-- `replica_config`, `generation`, `prefix_kv_cache`, `cpu_replica`: the CPU replica
-  (`python -m grpo_lab.serving.cpu_replica`), `processes`: start replicas as subprocesses, `local_cluster`:
-  N CPU replicas + a router in one call (notebooks)
-- `vllm_launcher`: the `vllm serve` command line and environment for GPU replicas
-- `trace`, `routing_sim`, `fake_replica`: GRPO traces, the replay simulator and a fake replica for benchmarks
+- routing: `prefix_hash` (chained KV-block hashes seeded with the adapter name, vLLM's prefix-cache rule),
+  `routing_policy` (prefix affinity with the common-prefix rule, spill threshold and pending claims),
+  `routing_baselines` (the published proxy's rule, for comparison)
+- the router: `router_config`, `router` (the aiohttp proxy, `python -m grpo_lab.serving.router`), `router_thread`
+  (`start_router(...)`: the router in this process), `vllm_routes` (the vLLM endpoints both servers register),
+  `completion_batches` (a batch prompt split and merged as vLLM does), `replica_pool` (health and re-admission),
+  `upstream` (authenticated upstream calls), `metrics` (Prometheus text)
+- adapters: `adapter_lifecycle` (loads and unloads behind the router), `adapter_fanout` (all-or-nothing loads),
+  `adapter_drain` (unload once in-flight rollouts finish), `adapter_slots` (how many `--max-loras` a
+  `max_staleness` needs), `storage` (atomic adapter publishing with manifests, read by the replicas)
+- replicas: `replica_config`, `generation`, `prefix_kv_cache`, `cpu_replica` (the CPU replica,
+  `python -m grpo_lab.serving.cpu_replica`), `vllm_spec` (a real vLLM replica's command line and environment),
+  `replica_processes` (CPU and vLLM replicas as child processes), `vllm_launcher` (the `vllm serve` lines),
+  `local_cluster` (N CPU replicas + a router in one call, for notebooks)
+- offline tools: `trace`, `routing_sim`, `fake_replica` (GRPO traces, the replay simulator, a fake replica for
+  benchmarks)
 """

@@ -1,6 +1,6 @@
 """A CPU replica: an OpenAI-compatible server on transformers + PEFT that honours vLLM's contract for async GRPO.
 
-It answers what TRL 1.16's AsyncGRPOTrainer and the router call (DESIGN.md §4) with vLLM's shapes and status
+It answers what TRL 1.16's AsyncGRPOTrainer and the router call (`vllm_routes`) with vLLM's shapes and status
 codes: `/health`, `/v1/models` (with `max_model_len`; adapters carry `root` = their path and `parent`),
 `/server_info?config_format=json` (with `lora_config`, `cache_config.block_size`, `data_parallel_size` 1),
 `/v1/completions` (token-id prompts, `return_token_ids`, per-token logprobs), runtime LoRA load/unload
@@ -28,14 +28,10 @@ from aiohttp import web
 from .generation import Engine, RequestError, SamplingParams
 from .metrics import Registry
 from .replica_config import CPUReplicaConfig
-from .upstream import error_body
+from .vllm_routes import add_vllm_routes, error_response
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")
-
-
-def _fail(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
-    return web.json_response(error_body(message, status, kind), status=status)
 
 
 class CPUReplica:
@@ -50,17 +46,8 @@ class CPUReplica:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[self._auth])
-        r = app.router
-        r.add_get("/health", self.health)
-        r.add_get("/metrics", self.metrics)
-        r.add_get("/v1/models", self.models)
-        r.add_get("/server_info", self.server_info)
-        r.add_post("/v1/completions", self.completions)
-        r.add_post("/v1/load_lora_adapter", self.load_adapter)
-        r.add_post("/v1/unload_lora_adapter", self.unload_adapter)
-        r.add_post("/pause", self.pause)
-        r.add_post("/resume", self.resume)
-        r.add_get("/is_paused", self.is_paused)
+        add_vllm_routes(app.router, self)
+        app.router.add_get("/metrics", self.metrics)  # vLLM's prefix-cache counters, for the benchmarks
         return app
 
     @web.middleware
@@ -140,7 +127,7 @@ class CPUReplica:
         except RequestError as error:
             if error.kind == "NotFoundError":
                 self.unknown_model_requests += 1
-            return _fail(error.status, error.message, error.kind)
+            return error_response(error.status, error.message, error.kind)
         logprobs = {"token_logprobs": out["logprobs"], "tokens": [f"token_id:{t}" for t in out["token_ids"]],
                     "top_logprobs": out["top_logprobs"], "text_offset": [0] * len(out["token_ids"])}
         choice = {"index": 0, "text": "", "token_ids": out["token_ids"], "logprobs": logprobs,
@@ -164,7 +151,7 @@ class CPUReplica:
                 raise RequestError(400, "'lora_name' and 'lora_path' must be non-empty strings")
             await asyncio.get_running_loop().run_in_executor(self._control_pool, self.engine.load_adapter, name, path)
         except RequestError as error:
-            return _fail(error.status, error.message, error.kind)
+            return error_response(error.status, error.message, error.kind)
         log.info("loaded adapter %s", name)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -176,13 +163,13 @@ class CPUReplica:
                 raise RequestError(400, "'lora_name' must be a non-empty string")
             await asyncio.get_running_loop().run_in_executor(self._control_pool, self.engine.unload_adapter, name)
         except RequestError as error:
-            return _fail(error.status, error.message, error.kind)
+            return error_response(error.status, error.message, error.kind)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def pause(self, request):
         mode = request.query.get("mode", "keep")
         if mode != "keep":
-            return _fail(400, f"the CPU replica supports mode=keep only, got {mode!r}")
+            return error_response(400, f"the CPU replica supports mode=keep only, got {mode!r}")
         self.engine.running.clear()
         return web.json_response({"status": "paused"})
 

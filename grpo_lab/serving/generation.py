@@ -117,7 +117,7 @@ class Engine:
         Not complete yet (no manifest) reads as "No adapter found", which the router retries like a lagging mount."""
         import tempfile
 
-        from ..async_loop.storage import fetch_adapter
+        from .storage import fetch_adapter
 
         if self._fetch_root is None:
             self._fetch_root = tempfile.mkdtemp(prefix="grpo-lab-replica-adapters-")

@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
-from .processes import ReplicaProcess, start_cpu_replicas
-from .router import RouterHandle, start_router
+from .adapter_slots import DEFAULT_MAX_STALENESS, max_loras_for
+from .replica_processes import CPUReplicaProcess, start_cpu_replicas
 from .router_config import RouterConfig
+from .router_thread import RouterHandle, start_router
 
 
 class LocalCluster:
@@ -17,8 +18,8 @@ class LocalCluster:
     Args:
         replicas: how many CPU replicas.
         model: the replicas' model (a `grpo_lab.models` name or a local directory).
-        max_staleness: sets `--max-loras max_staleness + 3`: AsyncGRPOTrainer needs `+ 2`, and one more slot lets the
-            version it unloads drain (finish its rollouts) while the next one loads under a pause.
+        max_staleness: the trainer's `max_staleness`; sets `--max-loras` (`adapter_slots.max_loras_for`: TRL's
+            minimum and one slot more, so the version it unloads can drain while the next one loads).
         max_lora_rank: the replicas' `--max-lora-rank`.
         replica_args: extra `cpu_replica` arguments.
         env: extra environment for the replicas (e.g. `{"VLLM_API_KEY": token}`).
@@ -26,15 +27,15 @@ class LocalCluster:
         log_dir: where each replica's output also goes (`replica-<i>.log`); None keeps it in memory only.
     """
 
-    def __init__(self, replicas: int = 2, model: str = "tiny-qwen3", max_staleness: int = 4, max_lora_rank: int = 16,
-                 replica_args: list[str] | None = None, env: dict | None = None, router: dict | None = None,
-                 log_dir: str | None = None):
+    def __init__(self, replicas: int = 2, model: str = "tiny-qwen3", max_staleness: int = DEFAULT_MAX_STALENESS,
+                 max_lora_rank: int = 16, replica_args: list[str] | None = None, env: dict | None = None,
+                 router: dict | None = None, log_dir: str | None = None):
         self.args = ["--model", model, "--served-model-name", model, "trl-policy-v0",
-                     "--max-loras", str(max_staleness + 3), "--max-lora-rank", str(max_lora_rank),
+                     "--max-loras", str(max_loras_for(max_staleness)), "--max-lora-rank", str(max_lora_rank),
                      *(replica_args or [])]
         self.n, self.env, self.router_kwargs = replicas, env, {"port": 0, **(router or {})}
         self.log_dir = log_dir
-        self.replicas: list[ReplicaProcess] = []
+        self.replicas: list[CPUReplicaProcess] = []
         self.router: RouterHandle | None = None
 
     @property

@@ -1,16 +1,17 @@
-"""The prefix-aware router: several vLLM replicas behind one URL that TRL's AsyncGRPOTrainer takes for one server.
+"""The prefix-aware router: an HTTP proxy that puts several vLLM replicas behind one URL, which TRL's
+AsyncGRPOTrainer takes for one server.
 
-To TRL it is a vLLM server with `data_parallel_size == 1` (DESIGN.md §4): `/health`, `/v1/models`, `/server_info`,
-`/v1/completions`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/pause`, `/resume`, answering with vLLM
-0.31's status codes and error bodies (`{"error": {message, type, param, code}}`; the deliberate differences are
-listed in docs/serving.md). Completions are routed by prompt prefix (`routing_policy`) and re-sent elsewhere when
-their replica fails, hangs or answers garbage; adapter loads are all-or-nothing (`adapter_fanout`); unloads drain
-first (`adapter_drain`); replicas are watched and re-admitted safely (`replica_pool`); `/metrics` reports it all in
+To TRL it is a vLLM server with `data_parallel_size == 1`: the endpoints of `vllm_routes`, answered with vLLM 0.31's
+status codes and error bodies (`{"error": {message, type, param, code}}`; the deliberate differences are listed in
+docs/serving.md). Completions are routed by prompt prefix (`routing_policy`; a batch prompt by prompt,
+`completion_batches`) and re-sent elsewhere when their replica fails, hangs or answers garbage; adapter loads and
+unloads go to `adapter_lifecycle` (all-or-nothing loads, unloads after a drain); pause and resume reach every
+replica or none; replicas are watched and re-admitted safely (`replica_pool`); `/metrics` reports it all in
 Prometheus text. NCCL weight transfer cannot be fanned out, so those endpoints are refused: train a PEFT model, for
 which TRL syncs adapters only.
 
 Run it with `python -m grpo_lab.serving.router --replica http://127.0.0.1:8001 --replica ...`, or in-process
-(notebooks, tests) with `start_router(RouterConfig(...))`.
+(notebooks, tests) with `router_thread.start_router(RouterConfig(...))`.
 """
 
 from __future__ import annotations
@@ -20,19 +21,20 @@ import asyncio
 import hmac
 import json
 import logging
-import threading
 import time
 
 import aiohttp
 from aiohttp import web
 
-from .adapter_drain import Drainer
-from .adapter_fanout import broadcast, load_everywhere, load_one
+from .adapter_fanout import broadcast
+from .adapter_lifecycle import AdapterLifecycle
+from .completion_batches import PromptError, completion_json, merge_batch, split_prompt
 from .metrics import Registry
 from .replica_pool import ReplicaPool
-from .router_config import RouterConfig, adapter_path_error
+from .router_config import RouterConfig
 from .routing_policy import RoutingConfig
 from .upstream import TRANSPORT_ERRORS, Reply, UpstreamClient, error_body, now
+from .vllm_routes import add_vllm_routes, error_response
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +46,6 @@ NCCL_REFUSAL = ("the grpo_lab router fronts several independent replicas and can
 UPSTREAM_LATENCY_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM 0.31's PauseMode
-MAX_COMPLETION_PROMPTS = 1024  # vLLM's VLLM_MAX_COMPLETION_PROMPTS default
-EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
-
-
-def _fail(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> web.Response:
-    return web.json_response(error_body(message, status, kind, param), status=status)
 
 
 def _failure(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> Reply:
@@ -64,64 +60,6 @@ def _percentiles(xs: list[float]) -> dict:
     return {"n": len(ys), "p50": pick(0.5), "p99": pick(0.99), "max": ys[-1] * 1e3}
 
 
-def _token_ids(value) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
-
-
-class PromptError(ValueError):
-    """A `prompt` vLLM refuses; `kind`/`param` as vLLM reports it ("Bad Request" and the field's path for what its
-    request schema rejects)."""
-
-    def __init__(self, message: str, kind: str = "BadRequestError", param: str = "prompt"):
-        super().__init__(message)
-        self.kind, self.param = kind, param
-
-
-def split_prompt(prompt) -> tuple[list, bool]:
-    """vLLM's accepted `prompt` forms: token ids, a string, or a batch (list of token-id lists, or of strings).
-    Returns (prompts, is_batch); raises PromptError with vLLM's message for what vLLM refuses."""
-    if prompt is None or prompt == "":
-        raise PromptError(EMPTY_PROMPT)
-    if isinstance(prompt, str) or _token_ids(prompt):
-        return [prompt], False
-    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
-                                                or all(_token_ids(p) for p in prompt)):
-        if len(prompt) > MAX_COMPLETION_PROMPTS:
-            raise PromptError(f"prompt list length {len(prompt)} exceeds the maximum allowed count of "
-                              f"{MAX_COMPLETION_PROMPTS}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
-                              "environment variable.")
-        return list(prompt), True
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = next(i for i, t in enumerate(prompt) if t < 0)  # vLLM's schema: token ids are non-negative
-        raise PromptError(f"Input should be greater than or equal to 0 (prompt[{bad}] = {prompt[bad]})",
-                          "Bad Request", f"body.prompt.{bad}")
-    raise PromptError("'prompt' must be a string, a list of non-negative token ids, or a batch of either")
-
-
-def merge_batch(answers: list[dict]) -> dict:
-    """One completion answer for a batch, as vLLM builds it: choices in prompt order, re-indexed, usage summed
-    (`prompt_tokens_details` from the last prompt, as vLLM reports it)."""
-    choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    for answer in answers:
-        for choice in answer.get("choices", []):
-            choices.append({**choice, "index": len(choices)})
-        for key in usage:
-            usage[key] += int((answer.get("usage") or {}).get(key, 0) or 0)
-    details = (answers[-1].get("usage") or {}).get("prompt_tokens_details") if answers else None
-    if details is not None:
-        usage["prompt_tokens_details"] = details
-    return {**answers[0], "choices": choices, "usage": usage}
-
-
-def _completion_json(reply: Reply) -> dict | None:
-    """The parsed body of a 200 completion, or None when it is not a completion (malformed, truncated, other)."""
-    try:
-        body = json.loads(reply.body)
-    except ValueError:
-        return None
-    return body if isinstance(body, dict) and isinstance(body.get("choices"), list) else None
-
-
 class Router:
     """The aiohttp application and its state; build with `Router(config).app()`."""
 
@@ -132,7 +70,7 @@ class Router:
         client_key = config.read_client_api_key()
         self._client_auth = f"Bearer {client_key}".encode() if client_key else None
         self.pool: ReplicaPool | None = None
-        self.drainer: Drainer | None = None
+        self.adapters: AdapterLifecycle | None = None
         self.client: UpstreamClient | None = None
         self._session: aiohttp.ClientSession | None = None
         self._stop = asyncio.Event()
@@ -145,16 +83,8 @@ class Router:
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         r = app.router
-        r.add_get("/health", self.health)
+        add_vllm_routes(r, self)
         r.add_get("/metrics", self.metrics_text)
-        r.add_get("/v1/models", self.models)
-        r.add_get("/server_info", self.server_info)
-        r.add_post("/v1/completions", self.completions)
-        r.add_post("/v1/load_lora_adapter", self.load_adapter)
-        r.add_post("/v1/unload_lora_adapter", self.unload_adapter)
-        r.add_post("/pause", self.pause)
-        r.add_post("/resume", self.resume)
-        r.add_get("/is_paused", self.is_paused)
         r.add_get("/router/state", self.state)
         for path in NCCL_ENDPOINTS:
             r.add_route("*", path, self.refuse_nccl)
@@ -174,7 +104,7 @@ class Router:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False))
         self.client = UpstreamClient(self._session, self._api_key)
         self.pool = ReplicaPool(self.config, self.client, self.metrics)
-        self.drainer = Drainer(self.pool)
+        self.adapters = AdapterLifecycle(self.pool, self.client, self.config, self.metrics)
         self.pool.publish_states()
         self._tasks.append(asyncio.create_task(self.pool.run_health_checks(self._stop)))
 
@@ -183,8 +113,8 @@ class Router:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.drainer is not None:
-            await self.drainer.close()
+        if self.adapters is not None:
+            await self.adapters.close()
         if self._session is not None:
             await self._session.close()
 
@@ -219,7 +149,7 @@ class Router:
         """200 while at least one replica is in service. Answered from the health checks' state, never by asking
         the replicas, so it stays fast when one of them hangs (TRL polls it with a 5 s timeout)."""
         if not self.pool.in_service():
-            return _fail(503, "no replica in service", "ServiceUnavailable")
+            return error_response(503, "no replica in service", "ServiceUnavailable")
         return web.Response(text="")
 
     async def _from_one(self, path: str, params=None) -> Reply | None:
@@ -238,7 +168,7 @@ class Router:
         clients, and a replica may briefly hold one that is still loading elsewhere)."""
         reply = await self._from_one("/v1/models")
         if reply is None:
-            return _fail(503, "no replica in service", "ServiceUnavailable")
+            return error_response(503, "no replica in service", "ServiceUnavailable")
         body = reply.json()
         if reply.status != 200 or not isinstance(body, dict) or not isinstance(body.get("data"), list):
             return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
@@ -250,7 +180,7 @@ class Router:
         """One replica's answer; admission already checked the others agree on the fields TRL reads."""
         reply = await self._from_one("/server_info", params=dict(request.query))
         if reply is None:
-            return _fail(503, "no replica in service", "ServiceUnavailable")
+            return error_response(503, "no replica in service", "ServiceUnavailable")
         return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
@@ -260,7 +190,7 @@ class Router:
                              replica=r.url)
             self.metrics.set("grpo_router_draining_adapters", "Unloaded adapters still draining on the replica",
                              len(r.draining), replica=r.url)
-        usage = self.drainer.usage
+        usage = self.adapters.drainer.usage
         for r in pool.replicas:
             self.metrics.set("grpo_router_draining_in_flight", "Completions still using adapters draining there",
                              sum(usage.in_flight(r.index, name) for name in r.draining), replica=r.url)
@@ -277,7 +207,8 @@ class Router:
             "replicas": [{"url": r.url, "state": r.state, "adapters": sorted(r.adapters),
                           "draining": sorted(r.draining), "last_error": r.last_error,
                           "in_flight": pool.policy.in_flight[r.index]} for r in pool.replicas],
-            "live_adapters": sorted(pool.live_adapters), "draining": self.drainer.draining(), "paused": pool.paused,
+            "live_adapters": sorted(pool.live_adapters), "draining": self.adapters.drainer.draining(),
+            "paused": pool.paused,
             "routing": dict(pool.policy.counts), "block_size": pool.policy.config.block_size,
             "overhead_ms": _percentiles(self.overhead_s),
         })
@@ -286,7 +217,7 @@ class Router:
         return answer
 
     async def refuse_nccl(self, request: web.Request) -> web.Response:
-        return _fail(501, NCCL_REFUSAL, "NotImplementedError")
+        return error_response(501, NCCL_REFUSAL, "NotImplementedError")
 
     # -- completions --------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.Response:
@@ -294,19 +225,19 @@ class Router:
         body, raw = await self._json(request)
         model = body.get("model")
         if model is not None and (not isinstance(model, str) or not model):
-            return _fail(400, "'model' must be a non-empty string (the base model or a loaded adapter name)",
-                         param="model")
+            return error_response(400, "'model' must be a non-empty string (the base model or a loaded adapter "
+                                  "name)", param="model")
         try:
             prompts, is_batch = split_prompt(body.get("prompt"))
         except PromptError as error:
-            return _fail(400, str(error), error.kind, param=error.param)
+            return error_response(400, str(error), error.kind, param=error.param)
         if body.get("stream"):
-            return _fail(400, "streaming completions are not supported by the router", param="stream")
+            return error_response(400, "streaming completions are not supported by the router", param="stream")
         if model is not None and not self.pool.known_model(model):
-            return _fail(404, f"The model `{model}` does not exist.", "NotFoundError", param="model")
+            return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", param="model")
         model = model or self._base_model()
         if model is None:
-            return _fail(503, "no replica in service", "ServiceUnavailable")
+            return error_response(503, "no replica in service", "ServiceUnavailable")
         deadline = now() + self.config.upstream_timeout_s
         if len(prompts) == 1:  # one prompt (or a batch of one): forwarded as sent
             reply, _ = await self._forward(model, prompts[0], raw, deadline, t_start)
@@ -367,7 +298,7 @@ class Router:
             if remaining <= 0:
                 policy.finish(decision, ok=False)
                 break
-            self.drainer.usage.begin(replica.index, model)
+            self.adapters.drainer.usage.begin(replica.index, model)
             call = asyncio.ensure_future(self.client.call(replica, "POST", "/v1/completions", data=raw,
                                                           timeout=remaining))
             replica.calls.add(call)
@@ -402,12 +333,12 @@ class Router:
                 raise
             finally:
                 replica.calls.discard(call)
-                self.drainer.usage.end(replica.index, model)
+                self.adapters.drainer.usage.end(replica.index, model)
             elapsed = time.perf_counter() - t_up
             upstream_s += elapsed
             self.metrics.observe("grpo_router_upstream_latency_seconds", "Upstream completion latency", elapsed,
                                  UPSTREAM_LATENCY_BUCKETS, replica=replica.url)
-            answer = _completion_json(reply) if reply.status == 200 else None
+            answer = completion_json(reply) if reply.status == 200 else None
             if reply.status == 200 and answer is None:
                 policy.finish(decision, ok=False)
                 self.metrics.inc("grpo_router_malformed_answers_total", "200 answers that were not a completion",
@@ -442,122 +373,21 @@ class Router:
         if len(self.overhead_s) > 20_000:
             del self.overhead_s[:10_000]
 
-    # -- adapters -----------------------------------------------------------------------------------------------
+    # -- adapters (`adapter_lifecycle`) -------------------------------------------------------------------------
     async def load_adapter(self, request: web.Request) -> web.Response:
         body, _ = await self._json(request)
-        name, path = body.get("lora_name"), body.get("lora_path")
-        for field in ("lora_name", "lora_path"):  # what vLLM's request schema refuses, as it reports it
-            if not isinstance(body.get(field), str):
-                return _fail(400, "Field required" if field not in body else "Input should be a valid string",
-                             "Bad Request", param=f"body.{field}")
-        if not name or not path:
-            return _fail(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
-        if body.get("load_inplace"):
-            return _fail(400, "load_inplace is not supported by the router (a reload could not be made atomic "
-                              "across replicas): publish each policy under a new name", param="load_inplace")
-        pool = self.pool
-        if pool.is_base_model(name):
-            return _fail(400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput")
-        problem = adapter_path_error(path, self.config.adapter_roots)
-        if problem:
-            return _fail(400, problem, param="lora_path")
-        async with pool.name_lock(name):
-            if name in pool.live_adapters:
-                return _fail(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
-                                  "adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
-            wait_s = self.config.unload_drain_timeout_s + self.config.control_timeout_s
-            if not await self.drainer.wait_done(name, wait_s):
-                return _fail(503, f"adapter '{name}' is still being unloaded (draining) after {wait_s:.0f}s",
-                             "ServiceUnavailable")
-            targets = pool.in_service()
-            if targets:
-                await self.drainer.wait_for_slots(targets, self.config.unload_drain_timeout_s)
-                targets = pool.in_service()
-            if not targets:
-                return _fail(503, "no replica in service to load the adapter on", "ServiceUnavailable")
-            ok, outcomes = await load_everywhere(
-                self.client, targets, name, path, deadline_s=self.config.load_retry_deadline_s,
-                interval_s=self.config.load_retry_interval_s, timeout_s=self.config.control_timeout_s,
-                on_stale=pool.mark_down)  # re-admission unloads what a failed rollback left there
-            self._count_load(outcomes, ok)
-            if not ok:
-                return self._load_failed(name, path, outcomes)
-            async with pool.control():
-                await self._load_on_late_replicas(name, path)
-                pool.live_adapters[name] = path
-            log.info("adapter %s loaded on %d replica(s)", name, len(targets))
-            return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
-
-    def _count_load(self, outcomes: list, ok: bool) -> None:
-        for o in outcomes:
-            if o.retries:
-                self.metrics.inc("grpo_router_adapter_load_retries_total", "Load retries on 'No adapter found'",
-                                 o.retries, replica=o.replica.url)
-            if o.transport_error:
-                self.pool.mark_down(o.replica, f"adapter load failed: {o.message}")
-        self.metrics.inc("grpo_router_adapter_loads_total", "Adapter loads, all-or-nothing across replicas",
-                         result="ok" if ok else "failed")
-
-    async def _load_on_late_replicas(self, name: str, path: str) -> None:
-        """Replicas admitted while the load ran (they synced the live set, which did not have it yet) load it now;
-        one that cannot leaves routing and gets it at re-admission."""
-        for replica in [r for r in self.pool.in_service() if name not in r.adapters]:
-            outcome = await load_one(self.client, replica, name, path, deadline_s=self.config.load_retry_deadline_s,
-                                     interval_s=self.config.load_retry_interval_s,
-                                     timeout_s=self.config.control_timeout_s)
-            if outcome.ok:
-                replica.adapters[name] = path
-            else:
-                self.pool.mark_down(replica, f"could not load adapter {name} after joining: {outcome.message}")
-
-    def _load_failed(self, name: str, path: str, outcomes: list) -> web.Response:
-        """The failed load's error; it names the replicas whose rollback failed (now out of routing)."""
-        bad = [o for o in outcomes if not o.ok]
-        rolled = sum(1 for o in outcomes if o.ok and o.newly_loaded and not o.left_loaded)
-        stale = [o.replica.url for o in outcomes if o.left_loaded]
-        tail = f"rolled back on {rolled} replica(s)"
-        if stale:
-            tail += (f"; the rollback failed on {', '.join(stale)} (out of routing until re-admission unloads "
-                     "it there), so no replica in service serves it")
-        else:
-            tail += ", so no replica serves it"
-        if all(o.no_adapter for o in bad):
-            # vLLM answers 404 at once; after the storage-lag retries the router answers 400, because TRL's client
-            # reads any 404 from this endpoint as "runtime LoRA updating is off" and drops the message.
-            waited = max(o.elapsed_s for o in bad)
-            message = (f"Loading lora {name} failed: No adapter found for {path} on "
-                       f"{', '.join(o.replica.url for o in bad)} (still missing after {waited:.1f}s of retries, "
-                       f"load_retry_deadline_s={self.config.load_retry_deadline_s:g}: is the path on storage every "
-                       f"replica mounts?); {tail}")
-            log.warning(message)
-            return _fail(400, message, "NotFoundError", param="lora_path")
-        first = bad[0]
-        message = f"loading adapter '{name}' failed on {first.replica.url}: {first.status} {first.message}; {tail}"
-        log.warning(message)
-        return _fail(first.status if 400 <= first.status < 600 else 502, message, "AdapterLoadError")
+        return await self.adapters.load(body)
 
     async def unload_adapter(self, request: web.Request) -> web.Response:
-        """Answered at once: new completions naming the adapter get 404 from now on; each replica unloads it once
-        its completions using it have finished (`adapter_drain`)."""
         body, _ = await self._json(request)
-        name = body.get("lora_name")
-        if not isinstance(name, str) or not name:
-            return _fail(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
-        pool = self.pool
-        async with pool.name_lock(name):
-            if name not in pool.live_adapters:
-                return _fail(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
-            async with pool.control():
-                pool.live_adapters.pop(name)
-                self.drainer.start(name, [r for r in pool.replicas if r.serving and name in r.adapters])
-        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+        return await self.adapters.unload(body)
 
     # -- pause/resume ---------------------------------------------------------------------------------------
     async def pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
         if mode not in PAUSE_MODES:  # what vLLM's query validation answers
-            return _fail(400, f"1 validation error:\n  query.mode: Input should be 'abort', 'wait' or 'keep' "
-                              f"(got {mode!r})", "Bad Request", param="mode")
+            return error_response(400, f"1 validation error:\n  query.mode: Input should be 'abort', 'wait' or "
+                                  f"'keep' (got {mode!r})", "Bad Request", param="mode")
         return await self._broadcast_pause_state(True, dict(request.query))
 
     async def resume(self, request: web.Request) -> web.Response:
@@ -568,18 +398,24 @@ class Router:
         return web.json_response({"is_paused": self.pool.paused})
 
     async def _broadcast_pause_state(self, pausing: bool, params) -> web.Response:
-        """Pause or resume every replica; the router's own state changes only when every replica agreed. A pause
-        that failed somewhere is undone where it succeeded; a replica that failed to resume leaves routing (it is
-        re-admitted in the router's state)."""
+        """Pause or resume every replica; the router's own state changes only when every replica agreed. A replica
+        that cannot be reached (it died) leaves routing and the pause goes on with the others — it is re-admitted in
+        the router's state, like any restarted replica — so with none left the answer is 503. A pause that a live
+        replica refused is undone where it succeeded; a replica that failed to resume leaves routing."""
         path = "/pause" if pausing else "/resume"
         pool = self.pool
         async with pool.control():
-            targets = pool.in_service()
-            if not targets:
-                return _fail(503, f"no replica in service for {path}", "ServiceUnavailable")
-            outcomes = await broadcast(self.client, targets, "POST", path, params=params,
-                                       timeout_s=self.config.control_timeout_s)
-            bad = [o for o in outcomes if not o.ok]
+            while True:
+                targets = pool.in_service()
+                if not targets:
+                    return error_response(503, f"no replica in service for {path}", "ServiceUnavailable")
+                outcomes = await broadcast(self.client, targets, "POST", path, params=params,
+                                           timeout_s=self.config.control_timeout_s)
+                bad = [o for o in outcomes if not o.ok]
+                if not bad or not all(o.transport_error for o in bad):
+                    break
+                for o in bad:  # unreachable: out of routing, then the same call on the replicas left
+                    pool.mark_down(o.replica, f"{path} failed: {o.message}")
             if not bad:
                 pool.paused = pausing
                 return web.json_response({"status": "paused" if pausing else "resumed"})
@@ -595,104 +431,11 @@ class Router:
                     pool.mark_down(o.replica, f"/resume failed: {o.status} {o.message}")
             first = bad[0]
             undone = "; undone on the replicas that had paused" if pausing and len(bad) < len(outcomes) else ""
-            return _fail(first.status if first.status >= 400 else 502,
-                         f"{path} failed on {first.replica.url}: {first.status} {first.message}{undone}")
+            return error_response(first.status if first.status >= 400 else 502,
+                                  f"{path} failed on {first.replica.url}: {first.status} {first.message}{undone}")
 
 
-# -- in-process and command-line entry points -------------------------------------------------------------------
-class RouterHandle:
-    """A router running on its own event loop in a daemon thread (notebooks, tests)."""
-
-    def __init__(self, config: RouterConfig):
-        self.config = config
-        self.router = Router(config)
-        self.port: int | None = None
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="grpo-router", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._runner = web.AppRunner(self.router.app(), access_log=None)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, self.config.host, self.config.port)
-            self._loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]
-        except BaseException as error:  # surfaced to the caller of start(), once everything is released
-            self._error = error
-            try:
-                self._shut_down()
-            finally:
-                self._ready.set()
-            return
-        self._ready.set()
-        self._loop.run_forever()
-        self._shut_down()
-
-    def _shut_down(self) -> None:
-        """Stop the health checks, close the upstream session, close the loop. Also after a failed start (port
-        taken): setup has already started the health checks and opened the session by then."""
-        try:
-            if self._runner is not None:
-                self._loop.run_until_complete(self._runner.cleanup())
-            left = [t for t in asyncio.all_tasks(self._loop) if not t.done()]  # e.g. idle keep-alive connections
-            for task in left:
-                task.cancel()
-            if left:
-                self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-        finally:
-            self._loop.close()
-
-    def start(self, timeout: float = 30.0) -> "RouterHandle":
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError("router did not start")
-        if self._error:
-            raise RuntimeError(f"router failed to start: {self._error}") from self._error
-        return self
-
-    def wait_ready(self, replicas: int | None = None, timeout: float = 60.0) -> None:
-        """Block until `replicas` (default: all) replicas are in service."""
-        want = len(self.config.replicas) if replicas is None else replicas
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            pool = self.router.pool
-            if pool is not None and len(pool.in_service()) >= want:
-                return
-            time.sleep(0.02)
-        states = [(r.url, r.state, r.last_error) for r in self.router.pool.replicas] if self.router.pool else []
-        raise TimeoutError(f"{want} replica(s) not in service after {timeout}s: {states}")
-
-    def call(self, fn, timeout: float = 30.0):
-        """Run `fn()` (sync) on the router's loop, e.g. to inspect state consistently."""
-        async def wrapped():
-            return fn()
-        return asyncio.run_coroutine_threadsafe(wrapped(), self._loop).result(timeout)
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=15)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
-
-def start_router(config: RouterConfig) -> RouterHandle:
-    """Start a router in this process and return its handle (`.url`, `.wait_ready()`, `.stop()`)."""
-    return RouterHandle(config).start()
-
-
+# -- command line ----------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grpo_lab.serving.router", description=__doc__.split("\n")[0])
     p.add_argument("--replica", action="append", required=True, help="upstream base URL (repeat per replica)")

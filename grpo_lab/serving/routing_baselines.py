@@ -1,8 +1,9 @@
 """Baselines the router's policy is measured against in the replay (`routing_sim`); never used to serve.
 
-`SeedPolicy` is seed 2's published proxy rule as DESIGN.md §4 states it: the same chained block hashes seeded with
-the adapter name, a block is *common* once every replica has served it or once more than one successor has been
-*recorded* after it, the replica with the most prompt-specific blocks of the longest matched prefix wins unless it
+`BlogProxyPolicy` is the routing rule of the proxy published with the Hugging Face blog post "Async GRPO with LoRA
+across HF Jobs" (huggingface.co/blog/asyncgrpo-lora-hfjobs), as that proxy applies it: the same chained block hashes
+seeded with the adapter name, a block is *common* once every replica has served it or once more than one successor
+has been *recorded* after it, the replica with the most prompt-specific blocks of the longest matched prefix wins unless it
 is more than K in flight ahead of the least loaded (spill), and otherwise the least loaded with round-robin ties.
 Unlike `PrefixAffinityPolicy` it records ownership (and successors) when it routes, before the replica answers, and
 the request being routed does not count as a successor. That last point is why it reports fewer "unmatched"
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from .routing_policy import AffinityRule, Decision, RoutingConfig
 
 
-class SeedPolicy(AffinityRule):
+class BlogProxyPolicy(AffinityRule):
     """Same interface as `PrefixAffinityPolicy` (`route`, `finish`, `counts`, `in_flight`)."""
 
     def __init__(self, num_replicas: int, config: RoutingConfig | None = None):

@@ -1,7 +1,8 @@
 """Prefix-affinity routing: send a rollout to the replica that already holds its prompt's KV blocks.
 
 GRPO sends G rollouts of one prompt at once, so the win is keeping a group on one replica: its prompt is then
-prefilled once instead of once per replica. The rule (seed 2's proxy, DESIGN.md §4) counts only *prompt-specific*
+prefilled once instead of once per replica. The rule (that of the proxy published with the Hugging Face blog post
+"Async GRPO with LoRA across HF Jobs", huggingface.co/blog/asyncgrpo-lora-hfjobs) counts only *prompt-specific*
 blocks: a block is *common* once every in-service replica has served it or once it has been followed by more than
 one distinct block (a shared chat-template prefix; the request being routed counts as one), because such
 blocks are cached everywhere anyway and would otherwise pull every request to whichever replica saw the template

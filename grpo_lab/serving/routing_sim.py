@@ -17,8 +17,8 @@ only blocks no running request uses can be evicted. Without it (the CPU replica,
 its generation state) the capacity holds cached prefixes only. Service time is prefill of the uncached tokens plus
 decode, slowing as a replica's batch grows, so an unbalanced router pays in latency.
 
-`replay` runs the router's `PrefixAffinityPolicy`, seed 2's rule (`routing_baselines.SeedPolicy`) or round robin,
-and times every routing decision, which is the router's own added latency.
+`replay` runs the router's `PrefixAffinityPolicy`, the published proxy's rule (`routing_baselines.BlogProxyPolicy`) or
+round robin, and times every routing decision, which is the router's own added latency.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from .prefix_hash import block_hashes
-from .routing_baselines import SeedPolicy
+from .routing_baselines import BlogProxyPolicy
 from .routing_policy import AFFINITY, SPILLED, UNMATCHED, PrefixAffinityPolicy, RoutingConfig
 from .trace import TraceGroup
 
-POLICIES = ("prefix", "seed", "round_robin")
+POLICIES = ("prefix", "blog_proxy", "round_robin")
 
 
 @dataclass
@@ -44,8 +44,8 @@ class SimConfig:
     Args:
         num_replicas: R independent replicas.
         max_in_flight: rollouts outstanding at once (the trainer's `max_inflight_tasks`).
-        completions_per_sync: finished rollouts per policy version: completions per optimizer step (128 in seed 2)
-            times TRL's `weight_sync_steps` (default 1).
+        completions_per_sync: finished rollouts per policy version: completions per optimizer step (~128 in the
+            recipe) times TRL's `weight_sync_steps` (default 1).
         adapter_prefix: the adapter name is `{adapter_prefix}-v{version}`.
         cache_blocks: KV capacity of each replica, in blocks of the routing block size.
         cache_holds_running: the capacity is vLLM's paged pool, shared with running requests (see the docstring);
@@ -199,8 +199,8 @@ class ReplayResult:
 def _make_router(policy: str, replicas: int, routing: RoutingConfig):
     if policy == "prefix":
         return PrefixAffinityPolicy(replicas, routing)
-    if policy == "seed":
-        return SeedPolicy(replicas, routing)
+    if policy == "blog_proxy":
+        return BlogProxyPolicy(replicas, routing)
     if policy == "round_robin":
         return None
     raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
@@ -208,7 +208,8 @@ def _make_router(policy: str, replicas: int, routing: RoutingConfig):
 
 def replay(trace: list[TraceGroup], sim: SimConfig | None = None, policy: str = "prefix",
            routing: RoutingConfig | None = None, memo_hashes: bool = False) -> ReplayResult:
-    """Replay `trace` with `policy` ("prefix": the router's, "seed": seed 2's rule, "round_robin").
+    """Replay `trace` with `policy` ("prefix": the router's, "blog_proxy": the published proxy's rule,
+    "round_robin").
 
     `memo_hashes` hashes each (prompt, version) once (G rollouts share it), which speeds long replays up but leaves
     hashing out of `decision_s`."""

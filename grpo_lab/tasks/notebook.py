@@ -6,7 +6,8 @@ from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
-from grpo_lab.tasks.board import BoardCallback, LiveBoard, Series
+from grpo_lab.lab.live_board import LiveBoard, Series
+from grpo_lab.tasks.board import BoardCallback
 from grpo_lab.tasks.reward_curves import BACKENDS, BOARD_SERIES, EmbeddedConfig, read_summary, run_reward_curves
 
 QUICK = dict(steps=60, prompts_per_step=16, n_candidates=1200, n_heldout=150, eval_k=8, cpu_threads=1)
@@ -66,7 +67,8 @@ def committed_figures(folder: Path | None = None) -> list[dict]:
 
 
 def board_callback(total_steps: int) -> BoardCallback:
-    board = LiveBoard(BOARD_SERIES, total=total_steps, title="GRPO recipe")
+    board = LiveBoard("GRPO recipe", total=total_steps, series=BOARD_SERIES, redraw_every_s=2.0,
+                      unit="step").show()
     return BoardCallback(board, keys={"reward": "reward", "loss": "loss", "entropy": "entropy", "kl": "kl",
                                       "clip_ratio": "clip_ratio/region_mean", "step_time": "step_time"})
 

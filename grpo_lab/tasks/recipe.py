@@ -1,6 +1,6 @@
-"""The seed recipe as one documented config, and one call that builds its TRL trainer.
+"""The async-GRPO LoRA recipe as one documented config, and one call that builds its TRL trainer.
 
-Recipe (DESIGN.md §4, the async-GRPO LoRA blog post): Qwen/Qwen2.5-Math-1.5B, LoRA rank 1 (alpha 2) on all linear
+Recipe (the Hugging Face blog post on asynchronous GRPO with LoRA adapters across HF Jobs): Qwen/Qwen2.5-Math-1.5B, LoRA rank 1 (alpha 2) on all linear
 layers, lr 4e-5, 8 rollouts per prompt, 128 completions per optimizer step (16 prompts), up to 3000 new tokens in a
 4096-token context, beta 0 (no reference model), on the Sanity set (`sail/Sanity-Test-R1D-1.5B`) with the
 qwen_math prompt and the math-verify reward. Published: reward 0.145 -> 0.438 over 500 steps.
@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from grpo_lab.loss.backends import DEFAULT_LOSS_BACKEND, resolve_backend
+from grpo_lab.models.chat import PROMPT_FORMATS, render_qwen_math
 from grpo_lab.models.hf_compat import checkpointing_args
 from grpo_lab.tasks.data import DATASET_NAMES, load_task_dataset, to_grpo_dataset
-from grpo_lab.models.chat import PROMPT_FORMATS, render_qwen_math
 from grpo_lab.tasks.rewards import math_reward
-
-LOSS_BACKENDS = ("trl", "grpo_lab", "naive", "liger")
 
 
 class RecipeUnavailableError(RuntimeError):
@@ -43,7 +42,7 @@ class RecipeConfig:
     max_context: int = 4096                       # prompt + completion
     beta: float = 0.0
     temperature: float = 1.0
-    loss_backend: str = "trl"
+    loss_backend: str = DEFAULT_LOSS_BACKEND
     max_steps: int = 500
     seed: int = 0
     bf16: bool = True
@@ -78,8 +77,7 @@ class RecipeConfig:
             raise ValueError(f"Unknown dataset {self.dataset!r}; choose one of {DATASET_NAMES}.")
         if self.prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"Unknown prompt format {self.prompt_format!r}; choose one of {PROMPT_FORMATS}.")
-        if self.loss_backend not in LOSS_BACKENDS:
-            raise ValueError(f"Unknown loss_backend {self.loss_backend!r}; choose one of {LOSS_BACKENDS}.")
+        resolve_backend(self.loss_backend)
         if self.max_completion_length < 1 or self.max_prompt_length < 1:
             raise ValueError(f"max_completion_length={self.max_completion_length} leaves no room for a prompt in "
                              f"max_context={self.max_context}.")
@@ -152,29 +150,21 @@ def build_recipe_trainer(cfg: RecipeConfig | None = None, callbacks=(), train_da
         model = AutoModelForCausalLM.from_pretrained(cfg.model_name, dtype=torch.bfloat16 if cfg.bf16 else None)
     except Exception as e:  # noqa: BLE001
         raise _unavailable("weights", cfg.model_name, e) from e
-    try:
-        from grpo_lab.trl_glue import GRPOLabConfig as Config, GRPOLabTrainer as Trainer
+    from grpo_lab.loss import GRPOLabConfig, GRPOLabTrainer
 
-        extra = {"loss_backend": cfg.loss_backend}
-    except ImportError:
-        if cfg.loss_backend != "trl":
-            raise RuntimeError(f"loss_backend={cfg.loss_backend!r} needs grpo_lab.trl_glue.") from None
-        from trl import GRPOConfig as Config, GRPOTrainer as Trainer
-
-        extra = {}
     vllm = {"use_vllm": True, "vllm_mode": cfg.vllm_mode, "vllm_max_model_length": cfg.max_context} \
         if cfg.use_vllm else {}
     if cfg.use_vllm and cfg.vllm_server_base_url:
         vllm["vllm_server_base_url"] = cfg.vllm_server_base_url
-    args = Config(
+    args = GRPOLabConfig(
         output_dir=cfg.output_dir, learning_rate=cfg.learning_rate, max_steps=cfg.max_steps, beta=cfg.beta,
         num_generations=cfg.num_generations, per_device_train_batch_size=cfg.micro_batch_size,
         gradient_accumulation_steps=cfg.completions_per_step // cfg.micro_batch_size,
         max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, bf16=cfg.bf16,
         **checkpointing_args(cfg.gradient_checkpointing), seed=cfg.seed, logging_steps=1,
-        report_to=cfg.report_to, **vllm, **extra, **cfg.extra_args,
+        report_to=cfg.report_to, loss_backend=cfg.loss_backend, **vllm, **cfg.extra_args,
     )
     peft = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_target_modules,
                       lora_dropout=0.0, task_type="CAUSAL_LM")
-    return Trainer(model=model, reward_funcs=[math_reward], args=args, train_dataset=train_dataset,
+    return GRPOLabTrainer(model=model, reward_funcs=[math_reward], args=args, train_dataset=train_dataset,
                    processing_class=tok, peft_config=peft, callbacks=list(callbacks))

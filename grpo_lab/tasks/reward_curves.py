@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -29,7 +28,9 @@ import torch
 from transformers.trainer_callback import PrinterCallback
 
 from grpo_lab.models.hf_compat import checkpointing_args, upstream_deprecations_silenced
-from grpo_lab.tasks.board import BoardCallback, LiveBoard, Series
+from grpo_lab.lab.live_board import LiveBoard, Series
+from grpo_lab.lab.records import run_record
+from grpo_lab.tasks.board import BoardCallback
 from grpo_lab.tasks.rewards import math_reward
 from grpo_lab.tasks.sanity import sanity_filter
 from grpo_lab.tasks.sft import pass_rates, sft_warm_start
@@ -206,7 +207,7 @@ def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, backend: str, ou
     import datasets
     from peft import LoraConfig
 
-    from grpo_lab.trl_glue import GRPOLabConfig as Config, GRPOLabTrainer as Trainer
+    from grpo_lab.loss import GRPOLabConfig as Config, GRPOLabTrainer as Trainer
 
     model = build_tiny_model(prep.tokenizer, cfg.model, seed=cfg.seed)
     model.load_state_dict(prep.base_state)
@@ -276,19 +277,6 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def environment_info(device: str = "cpu") -> dict:
-    import transformers
-    import trl
-
-    dev = platform.processor() or platform.machine()
-    if device.startswith("cuda") and torch.cuda.is_available():
-        dev = torch.cuda.get_device_name(0)
-    return {"machine": f"{platform.node()} ({os.cpu_count()} CPUs)", "device": dev, "torch": torch.__version__,
-            "transformers": transformers.__version__, "trl": trl.__version__,
-            "torch_threads": torch.get_num_threads(),  # the CPU curves depend on it (summation order)
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-
-
 def parity(runs: list[dict], metrics=("reward", "loss")) -> dict:
     """Largest per-step |difference| of each metric between every backend and the first one, and the first step
     at which any backend's reward differs (where the sampled rollouts stop being the same), None if never."""
@@ -343,8 +331,8 @@ def run_reward_curves(cfg: EmbeddedConfig, out_dir: str | os.PathLike | None = N
     held_start = _mean(pass_rates(base, prep.tokenizer, prep.heldout_rows, k=cfg.eval_k, seed=cfg.seed + 7))
     lb = None
     if board:
-        lb = LiveBoard(BOARD_SERIES, total=cfg.steps * len(backends), title=f"GRPO {tag}",
-                       mode="auto" if board is True or board == "auto" else board)
+        lb = LiveBoard(f"GRPO {tag}", total=cfg.steps * len(backends), series=BOARD_SERIES, redraw_every_s=2.0, unit="step",
+                       mode="auto" if board is True or board == "auto" else board).show()
     runs = []
     summary: dict = {}
     for b in backends:
@@ -363,7 +351,7 @@ def _summarise(cfg: EmbeddedConfig, prep: Prepared, runs: list[dict], held_start
     """The long-format curves, the JSON summary and the figure of the runs so far; written when out_dir is given."""
     import pandas as pd
 
-    env = environment_info(cfg.device)
+    env = run_record("cuda" if str(cfg.device).startswith("cuda") else "cpu")
     rows = []
     for run in runs:
         for r in run["rows"]:
@@ -374,7 +362,7 @@ def _summarise(cfg: EmbeddedConfig, prep: Prepared, runs: list[dict], held_start
         rows.append({"backend": run["backend"], "step": cfg.steps, "metric": "heldout_pass_rate",
                      "value": run["heldout_end"]})
     df = pd.DataFrame(rows)
-    df["device"] = env["device"]                       # full machine/versions/date: the JSON sidecar
+    df["device"] = env["gpu_name"]                     # full machine/versions/date: the JSON sidecar
     df["versions"] = f"torch {env['torch']} transformers {env['transformers']} trl {env['trl']}"
     summary = {
         "tag": tag, "env": env, "config": _jsonable(asdict(cfg)), "prepare": prep.info,

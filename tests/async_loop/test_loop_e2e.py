@@ -25,7 +25,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from grpo_lab.async_loop.launch import AsyncLoop, LoopConfig, embedded_trainer_args
 from grpo_lab.async_loop.recorder import METRICS_FILE, read_metrics
-from grpo_lab.async_loop.storage import MANIFEST, AdapterStore, version_of
+from grpo_lab.serving.storage import MANIFEST, AdapterStore, version_of
 
 from loop_fixtures import (MAX_STALENESS, descendants, replica_adapters, router_metric, start_cluster,
                            wait_gone)

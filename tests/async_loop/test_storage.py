@@ -6,7 +6,7 @@ import uuid
 import fsspec
 import pytest
 
-from grpo_lab.async_loop.storage import MANIFEST, AdapterStore, fetch_adapter, version_of
+from grpo_lab.serving.storage import MANIFEST, AdapterStore, fetch_adapter, version_of
 
 
 def adapter_dir(tmp_path, seed: int):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from trl.trainer.utils import add_fused_lm_head
 
+from grpo_lab.loss.trl_switch import set_loss_backend
 from grpo_lab.tasks.tiny import build_char_tokenizer, build_tiny_model
-from grpo_lab.trl_glue import set_loss_backend
 
 from conftest import TINY
 
@@ -73,7 +73,7 @@ def test_async_compute_loss_matches_trl_head(backend):
 
 
 def test_async_backend_is_really_called(monkeypatch):
-    import grpo_lab.backends.chunked as chunked
+    import grpo_lab.loss.heads.chunked as chunked
 
     calls = []
     original = chunked.ChunkedLogProbFunction.apply
@@ -83,7 +83,7 @@ def test_async_backend_is_really_called(monkeypatch):
 
 
 def test_async_config_refuses_liger(tmp_path):
-    from grpo_lab.trl_glue import AsyncGRPOLabConfig
+    from grpo_lab.async_loop.config import AsyncGRPOLabConfig
 
     with pytest.raises(ValueError, match="not available with AsyncGRPOTrainer"):
         AsyncGRPOLabConfig(output_dir=str(tmp_path), loss_backend="liger", report_to=[], use_cpu=True, bf16=False)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from peft import LoraConfig
 
-import grpo_lab.backends.chunked as chunked
-from grpo_lab.trl_glue import GRPOLabConfig, GRPOLabTrainer
+import grpo_lab.loss.heads.chunked as chunked
+from grpo_lab.loss.trl_switch import GRPOLabConfig, GRPOLabTrainer
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_the_frozen_path_is_chosen_in_a_lora_training_step(trainer_factory, reco
 def loss_parity(trainer, device: str) -> dict:
     """TRL's own `_compute_loss` on one batch with the `naive` head and with the `grpo_lab` head of a LoRA trainer:
     {backend: (loss, LoRA gradients, logged metrics)}. Shared with the GPU test of the Triton frozen path."""
-    from grpo_lab.trl_glue import set_loss_backend
+    from grpo_lab.loss.trl_switch import set_loss_backend
 
     model = trainer.model
     model.train()

@@ -4,8 +4,8 @@ import pytest
 import torch
 from trl import GRPOConfig
 
-from grpo_lab.loss import grpo_loss
-from grpo_lab.loss_config import GRPOLossConfig
+from grpo_lab.loss.config import GRPOLossConfig
+from grpo_lab.loss.reference import grpo_loss
 
 REJECTED_BY_BOTH = [
     (dict(vllm_importance_sampling_clip_min=2.0, vllm_importance_sampling_clip_max=1.0), "must be less than"),

@@ -7,9 +7,9 @@ same model. Loss, gradients of every parameter and the logged metrics must agree
 import pytest
 import torch
 
-from grpo_lab.backends import get_logprob_backend
-from grpo_lab.loss import grpo_loss, vllm_importance_sampling_ratio
-from grpo_lab.loss_config import LOSS_TYPES, GRPOLossConfig
+from grpo_lab.loss.config import LOSS_TYPES, GRPOLossConfig
+from grpo_lab.loss.heads import logprob_head
+from grpo_lab.loss.reference import grpo_loss, vllm_importance_sampling_ratio
 
 B, P, T = 4, 5, 8
 
@@ -44,7 +44,7 @@ def per_token_logps_and_entropies(trainer, prompt_ids, prompt_mask, completion_i
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1][:, -T:]
     head = model.get_output_embeddings()
-    lp, ent, *_ = get_logprob_backend("naive")(hidden.reshape(-1, hidden.size(-1)), head.weight, head.bias,
+    lp, ent, *_ = logprob_head("naive")(hidden.reshape(-1, hidden.size(-1)), head.weight, head.bias,
                                                 completion_ids.reshape(-1), trainer.temperature, None, None, 1.0,
                                                 ("log_probs", "entropy"))
     return lp.view(B, T), ent.view(B, T)

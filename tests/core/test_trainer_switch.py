@@ -6,8 +6,8 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from grpo_lab.loss_config import GRPOLossConfig
-from grpo_lab.trl_glue import GRPOLabConfig, GRPOLabTrainer, logprob_backend, set_loss_backend
+from grpo_lab.loss.config import GRPOLossConfig
+from grpo_lab.loss.trl_switch import GRPOLabConfig, GRPOLabTrainer, logprob_backend, set_loss_backend
 
 BACKENDS = ["trl", "grpo_lab", "naive", "liger"]
 
@@ -65,15 +65,24 @@ def test_peft_lora_model_trains_with_backend(trainer_factory, backend):
 
 def test_backend_really_is_used(trainer_factory, monkeypatch):
     """The dispatcher sends TRL's fused-head call to the chosen backend, and only inside the trainer's scope."""
-    import grpo_lab.backends.chunked as chunked
+    import grpo_lab.loss.heads.chunked as chunked
+    import grpo_lab.loss.trl_switch as trl_switch
 
     calls = []
     original = chunked.ChunkedLogProbFunction.apply
     monkeypatch.setattr(chunked.ChunkedLogProbFunction, "apply", lambda *a: calls.append(1) or original(*a))
     trainer = trainer_factory(trainer_cls=GRPOLabTrainer, args_cls=GRPOLabConfig, loss_backend="grpo_lab",
                               max_steps=1)
+    lookups = []  # the name was checked and its head found when the backend was set: a step does neither
+
+    def counted(real):
+        return lambda *a, **k: lookups.append(a) or real(*a, **k)
+
+    for name in ("resolve_backend", "logprob_head"):
+        monkeypatch.setattr(trl_switch, name, counted(getattr(trl_switch, name)))
     trainer.train()
     assert calls, "grpo_lab backend was not called during training"
+    assert lookups == []
     n = len(calls)
     ids = torch.tensor([[5, 6, 7, 8]])
     trainer.model(input_ids=ids, labels=ids, fused_lm_head=True)  # outside the trainer: TRL's own function

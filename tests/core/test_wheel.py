@@ -1,4 +1,4 @@
-"""An installed, non-editable wheel ships `grpo_lab.kernels` and no top-level `kernels` module, and every
+"""An installed, non-editable wheel ships `grpo_lab.loss.kernel` and no top-level `kernels` module, and every
 file of results/ and data/ (the notebooks read the committed results from the installed package on Colab)."""
 
 import os
@@ -28,7 +28,7 @@ def _project_files(folder: str) -> list[str]:
             if p.is_file() and "__pycache__" not in p.parts]
 
 
-def test_wheel_installs_grpo_lab_kernels_not_top_level_kernels(tmp_path):
+def test_wheel_installs_the_grpo_lab_kernel_not_top_level_kernels(tmp_path):
     dist = tmp_path / "dist"
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                             str(dist), str(ROOT)], capture_output=True, text=True)
@@ -37,7 +37,8 @@ def test_wheel_installs_grpo_lab_kernels_not_top_level_kernels(tmp_path):
     assert "absent from the `packages` configuration" not in build.stderr, build.stderr[-3000:]
     wheel = next(dist.glob("grpo_lab-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "grpo_lab/kernels/__init__.py" in names
+    assert "grpo_lab/loss/kernel/__init__.py" in names
+    assert "grpo_lab/loss/heads/__init__.py" in names
     assert not any(n.startswith("kernels/") for n in names)
     assert "grpo_lab/data_files/configs/Qwen3-0.6B.json" in names
     for folder, package in SHIPPED_FOLDERS.items():
@@ -58,8 +59,8 @@ def test_wheel_installs_grpo_lab_kernels_not_top_level_kernels(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
                     str(wheel)], check=True)
     code = (
-        "import importlib.util, grpo_lab.kernels, grpo_lab.models as m;"
-        "print(grpo_lab.kernels.__file__);"
+        "import importlib.util, grpo_lab.loss.kernel, grpo_lab.models as m;"
+        "print(grpo_lab.loss.kernel.__file__);"
         "print(importlib.util.find_spec('kernels') is None or 'grpo_lab' not in str(importlib.util.find_spec('kernels').origin));"
         "print(m.load_model_config('Qwen3-0.6B').hidden_size)"
     )

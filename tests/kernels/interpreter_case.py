@@ -1,16 +1,16 @@
-"""Runs the Triton kernels of `grpo_lab.kernels` in Triton's CPU interpreter and prints their errors as JSON.
+"""Runs the Triton kernels of `grpo_lab.loss.kernel` in Triton's CPU interpreter and prints their errors as JSON.
 
 A separate process because `TRITON_INTERPRET=1` must be set before the kernels are decorated (at import). Small
 tiles so that several token and vocabulary blocks, several dZ tiles in each direction and a persistent program
 looping over many tiles all occur; fp32 only (the interpreter computes in numpy, which has no bfloat16).
 
 `variant["path"]`: "recompute" (trainable head, the default), "frozen" (the head needs no gradient: the two-GEMM
-path) or "materialized" (trainable head with memory allowed for speed). `headroom` shrinks REF_HEADROOM so that rows
+path) or "materialized" (trainable head with memory allowed for speed). `headroom` shrinks `ref_headroom` so that rows
 are recomputed against their exact max; `entropy_hint` forces what the frozen forward prepares for. `extreme_rows`
 gives every seventh row logits hundreds of nats apart with the lowest one as its target, so that e^(z − ref)
 overflows fp32 there and those rows must be recomputed, statistics included (`softcap`: null turns the softcap off,
-which would bound the logits; `target_gap` picks the target that many nats below the max instead); `ref_stats`
-sets REF_STATS, `ref_stats_plain` REF_STATS_PLAIN.
+which would bound the logits; `target_gap` picks the target that many nats below the max instead); `ref_stats` and
+`ref_stats_plain` set those fields of the kernel's tuning.
 """
 
 import json
@@ -21,8 +21,9 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-import grpo_lab.kernels.fused_linear_logprob as F  # noqa: E402
-from grpo_lab.backends.naive import naive_logprobs  # noqa: E402
+from grpo_lab.loss.heads.naive import naive_logprobs  # noqa: E402
+from grpo_lab.loss.kernel import function, launch  # noqa: E402
+from grpo_lab.loss.kernel.tuning import TUNING  # noqa: E402
 
 ALL = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
@@ -32,41 +33,41 @@ def rel(a, b):
 
 
 def spy(name: str, calls: list) -> None:
-    """Record the path flag (the last item) a host-side helper of the kernel module returns: what really ran."""
-    real = getattr(F, name)
+    """Record the path flag (the last item) a host-side helper of the launch module returns: what really ran."""
+    real = getattr(launch, name)
 
     def wrapper(*args):
         out = real(*args)
         calls.append(bool(out[-1]))
         return out
-    setattr(F, name, wrapper)
+    setattr(launch, name, wrapper)
 
 
 def main(variant: dict) -> dict:
-    from grpo_lab.backends.base import expect_entropy_grad
+    from grpo_lab.loss.frozen import expect_entropy_grad
 
     small = (32, 64, 32, 2, 4, 2)
-    F.CONFIGS.update({"fwd_32": small, "bwd_32": small, "frozen_32": small})
+    TUNING.configs.update({"fwd_32": small, "bwd_32": small, "frozen_32": small})
     # The 16-bit settings differ from the fp32 ones, so a lookup under the wrong dtype key shows in the counts.
-    F.BWD_TILE = {"16": (4096, 4096), "32": (48, 256)}
-    F.FROZEN_TILE = {"16": (4096, 4096), "32": (48, 256)}
-    F.USE_TMA = variant["tma"]
-    F.DZ_TMA = {"16": not variant["dz_tma"], "32": variant["dz_tma"]}
-    F.P_TMA = {"16": not variant.get("p_tma", False), "32": variant.get("p_tma", False)}
-    F.PERSISTENT = {key: variant["persistent"] == key.endswith("_32") for key in F.PERSISTENT}
-    F.PERSISTENT_PROGRAMS = None
+    TUNING.bwd_tile = {"16": (4096, 4096), "32": (48, 256)}
+    TUNING.frozen_tile = {"16": (4096, 4096), "32": (48, 256)}
+    TUNING.use_tma = variant["tma"]
+    TUNING.dz_tma = {"16": not variant["dz_tma"], "32": variant["dz_tma"]}
+    TUNING.p_tma = {"16": not variant.get("p_tma", False), "32": variant.get("p_tma", False)}
+    TUNING.persistent = {key: variant["persistent"] == key.endswith("_32") for key in TUNING.persistent}
+    TUNING.persistent_programs = None
     path = variant.get("path", "recompute")
-    F.MATERIALIZE_GIB = 1.0 if path == "materialized" else 0.0
-    F.REF_HEADROOM = variant.get("headroom", F.REF_HEADROOM)
-    F.REF_STATS = dict.fromkeys(F.REF_STATS, variant.get("ref_stats", True))
-    F.REF_STATS_PLAIN = dict.fromkeys(F.REF_STATS_PLAIN, variant.get("ref_stats_plain", False))
+    TUNING.materialize_gib = 1.0 if path == "materialized" else 0.0
+    TUNING.ref_headroom = variant.get("headroom", TUNING.ref_headroom)
+    TUNING.ref_stats = dict.fromkeys(TUNING.ref_stats, variant.get("ref_stats", True))
+    TUNING.ref_stats_plain = dict.fromkeys(TUNING.ref_stats_plain, variant.get("ref_stats_plain", False))
     programs, loads, stores, bulk, paths = [], [], [], [], []
     spy("_programs", programs)
     spy("_operands", loads)
     spy("_dz_target", stores)
     spy("_store_target", bulk)
-    choose = F._choose_path
-    F._choose_path = lambda *a: paths.append(choose(*a)) or paths[-1]
+    choose = function.choose_path
+    function.choose_path = lambda *a: paths.append(choose(*a)) or paths[-1]
     gen = torch.Generator().manual_seed(0)
     n, h, v = 70, 64, 700
     hidden = torch.randn(n, h, generator=gen)
@@ -88,7 +89,7 @@ def main(variant: dict) -> dict:
     ref_in = [x.double().requires_grad_(not frozen or i == 0) for i, x in enumerate((hidden, weight, bias))]
     mode = "frozen" if frozen else "trainable"
     with expect_entropy_grad(variant.get("entropy_hint", False)):
-        out = F.FusedLinearLogProbFunction.apply(*mine, targets, 0.9, None, softcap, 1.0, ALL, torch.float32, mode)
+        out = function.FusedLinearLogProbFunction.apply(*mine, targets, 0.9, None, softcap, 1.0, ALL, torch.float32, mode)
     ref = naive_logprobs(*ref_in, targets, 0.9, None, softcap, 1.0, ALL)
     ((out[0] * g).sum() + (out[1] * ge).sum()).backward()
     ((ref[0] * g * valid).sum() + (ref[1] * ge * valid).sum()).backward()

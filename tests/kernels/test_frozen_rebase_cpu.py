@@ -12,8 +12,9 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is a dependency on Linux only")
 
-import grpo_lab.kernels.fused_linear_logprob as F  # noqa: E402
-from grpo_lab.backends.base import frozen_input_grad  # noqa: E402
+from grpo_lab.loss.frozen import frozen_input_grad  # noqa: E402
+from grpo_lab.loss.kernel import launch  # noqa: E402
+from grpo_lab.loss.kernel.tuning import TUNING  # noqa: E402
 
 
 def _peaked_rows(n=64, h=48, v=700, seed=0):
@@ -44,10 +45,10 @@ def _input_grad(z, weight, y, with_rule: bool):
     ref = zf[torch.arange(len(y)), y].clone()
     acc = _emulated_accumulators(z, weight, y, ref)
     if with_rule:
-        rows = F._rows_to_recompute(run_m, run_s, ref, acc, torch.bfloat16)
+        rows = launch._rows_to_recompute(run_m, run_s, ref, acc, torch.bfloat16)
         ref[rows] = run_m[rows]
         acc[:, rows] = _emulated_accumulators(z[rows], weight, y[rows], ref[rows])
-    F._rebase_to_log_z(acc, run_m, run_s, ref)
+    launch._rebase_to_log_z(acc, run_m, run_s, ref)
     log_z = run_m + torch.log(run_s)
     logprobs = zf[torch.arange(len(y)), y] - log_z
     p = torch.exp(zf - log_z[:, None])
@@ -93,7 +94,7 @@ def test_with_sampled_targets_few_rows_are_recomputed_and_dx_stays_exact():
         zf = z.float()
         run_m = zf.max(-1).values
         run_s = torch.exp(zf - run_m[:, None]).sum(-1)
-        rows = F._rows_to_recompute(run_m, run_s, zf[torch.arange(256), y], torch.zeros(2, 256, 48), torch.bfloat16)
+        rows = launch._rows_to_recompute(run_m, run_s, zf[torch.arange(256), y], torch.zeros(2, 256, 48), torch.bfloat16)
         assert rows.numel() <= 0.1 * 256, (scale, rows.numel())
         mine, g, h = _input_grad(z, weight, y, with_rule=True)
         assert _rel(mine, _exact_input_grad(hidden, weight, y, g, h)) < 2.4e-3, scale
@@ -104,7 +105,7 @@ def test_the_rule_is_per_dtype_and_only_with_b():
     run_s = torch.tensor([1.0, 1.0, 4.0, 1.0])  # p_max = 1 / run_s: 1, 1, 0.25, 1
     ref = torch.zeros(4)
     acc_b = torch.zeros(2, 4, 3)
-    rows = lambda acc, dtype: F._rows_to_recompute(run_m, run_s, ref, acc, dtype).tolist()  # noqa: E731
+    rows = lambda acc, dtype: launch._rows_to_recompute(run_m, run_s, ref, acc, dtype).tolist()  # noqa: E731
     assert rows(acc_b, torch.bfloat16) == [1, 3]  # B in bf16: a dominant max 5 nats up; p_max 0.25 · 5 is not
     assert rows(acc_b, torch.float32) == [3]  # fp32 keeps only the overflow guard
     assert rows(acc_b[:1], torch.bfloat16) == [3]  # A alone has no cancellation
@@ -113,15 +114,15 @@ def test_the_rule_is_per_dtype_and_only_with_b():
 
 
 def test_rows_are_recomputed_sooner_when_log_sum_sq_is_taken_against_ref(monkeypatch):
-    """Σ e^(2(z − ref)) overflows fp32 from a gap of ~38 nats, so with REF_STATS and log Σp² wanted the limit drops to
-    SQ_REF_HEADROOM; without either, it stays REF_HEADROOM."""
-    monkeypatch.setattr(F, "REF_STATS", {"16": True, "32": False})
+    """Σ e^(2(z − ref)) overflows fp32 from a gap of ~38 nats, so with `ref_stats` and log Σp² wanted the limit drops
+    to `sq_ref_headroom`; without either, it stays `ref_headroom`."""
+    monkeypatch.setattr(TUNING, "ref_stats", {"16": True, "32": False})
     sq = {"log_sum_sq_probs": True}
-    assert F._ref_limit(torch.bfloat16, sq) == F.SQ_REF_HEADROOM < F.REF_HEADROOM
-    assert F._ref_limit(torch.bfloat16, {"log_sum_sq_probs": False}) == F.REF_HEADROOM
-    assert F._ref_limit(torch.float32, sq) == F.REF_HEADROOM
+    assert launch._ref_limit(torch.bfloat16, sq) == TUNING.sq_ref_headroom < TUNING.ref_headroom
+    assert launch._ref_limit(torch.bfloat16, {"log_sum_sq_probs": False}) == TUNING.ref_headroom
+    assert launch._ref_limit(torch.float32, sq) == TUNING.ref_headroom
     run_m, run_s, ref = torch.tensor([0.0, 0.0, 0.0]), torch.ones(3), torch.tensor([-10.0, -45.0, -70.0])
     acc = torch.zeros(1, 3, 4)
-    assert F._rows_to_recompute(run_m, run_s, ref, acc, torch.bfloat16).tolist() == [2]
-    assert F._rows_to_recompute(run_m, run_s, ref, acc, torch.bfloat16, F._ref_limit(torch.bfloat16, sq)).tolist() \
-        == [1, 2]
+    assert launch._rows_to_recompute(run_m, run_s, ref, acc, torch.bfloat16).tolist() == [2]
+    assert launch._rows_to_recompute(run_m, run_s, ref, acc, torch.bfloat16,
+                                     launch._ref_limit(torch.bfloat16, sq)).tolist() == [1, 2]

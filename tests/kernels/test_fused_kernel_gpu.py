@@ -14,10 +14,21 @@ import torch
 # Deselected on CPU machines by the default `-m 'not gpu'`; `pytest -m gpu` without a GPU reports them skipped.
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from grpo_lab.backends.naive import naive_logprobs
-from grpo_lab.kernels import fused_linear_logprobs
+from grpo_lab.loss.heads.naive import naive_logprobs
+from grpo_lab.loss.kernel import fused_linear_logprobs
+from grpo_lab.loss.kernel.tuning import TUNING
 
 ALL = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+GiB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def flat_trainable_head(monkeypatch):
+    """These tests were written for the memory-flat trainable path (the default before the memory policy): they keep
+    it (`materialize_fraction` = 0) unless they set the policy themselves, so the recompute backward and its kernel
+    variants stay covered; `test_against_float64` and the policy tests at the end run the default policy."""
+    monkeypatch.setattr(TUNING, "materialize_fraction", 0.0)
+    monkeypatch.setattr(TUNING, "materialize_gib", None)
 # (log-prob / entropy tolerance, gradient tolerance) by input dtype
 TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-4, 1.5e-2)}
 
@@ -88,10 +99,16 @@ def check(out, ref, leaves, refs, valid, dtype, outputs=ALL):
         assert rel(mine.grad, theirs.grad) < tol_g, rel(mine.grad, theirs.grad)
 
 
+@pytest.mark.parametrize("policy", ["flat", "policy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("peaked", [False, True])
 @pytest.mark.parametrize("shape", [(300, 200, 5003), (4500, 256, 9001)])
-def test_against_float64(dtype, peaked, shape):
+def test_against_float64(monkeypatch, dtype, peaked, shape, policy):
+    """`flat`: the recompute path; `policy`: the default memory policy with its small-head rule lifted (these heads
+    fit: the materialised path)."""
+    if policy == "policy":
+        monkeypatch.setattr(TUNING, "materialize_fraction", type(TUNING)().materialize_fraction)
+        monkeypatch.setattr(TUNING, "materialize_flat_below", dict.fromkeys(TUNING.materialize_flat_below, 0))
     n, h, v = shape
     data = make(n, h, v, dtype, peaked=peaked, masked=n // 10)
     check(*run_both(*data), dtype)
@@ -167,7 +184,7 @@ def test_against_trl(dtype):
 
 def test_dispatch_uses_triton_on_cuda(monkeypatch):
     """bf16 / fp32 on CUDA go to the Triton kernel; float64 (no Triton path) to the chunked torch one."""
-    import grpo_lab.backends.dispatch as dispatch
+    import grpo_lab.loss.heads.grpo_lab as dispatch
 
     calls = []
     real = dispatch.fused_linear_logprobs
@@ -180,7 +197,7 @@ def test_dispatch_uses_triton_on_cuda(monkeypatch):
 
 
 def test_matches_chunked_torch_path():
-    from grpo_lab.backends.chunked import chunked_logprobs
+    from grpo_lab.loss.heads.chunked import chunked_logprobs
 
     hidden, weight, bias, targets = make(600, 128, 3000, torch.float32, bias=True, masked=30, seed=7)
     a = fused_linear_logprobs(hidden, weight, bias, targets, 1.1, None, 4.0, 1.0, ALL)
@@ -197,14 +214,12 @@ def test_matches_chunked_torch_path():
 def test_kernel_variants(monkeypatch, tma, fp32_mm, persistent, dz_tma, dtype):
     """Pointer or tensor-descriptor loads, one program per tile or persistent, dZ stored through pointers or a
     descriptor, cuBLAS or Triton fp32 dX/dW GEMMs: all compute the same function."""
-    import grpo_lab.kernels.fused_linear_logprob as F
-
-    monkeypatch.setattr(F, "USE_TMA", tma)
-    monkeypatch.setattr(F, "FP32_MM", fp32_mm)
-    monkeypatch.setattr(F, "DZ_TMA", {key: dz_tma for key in F.DZ_TMA})
-    monkeypatch.setattr(F, "PERSISTENT", {key: persistent for key in F.PERSISTENT})
-    monkeypatch.setattr(F, "PERSISTENT_PROGRAMS", 7)  # every program loops over many tiles
-    monkeypatch.setattr(F, "BWD_TILE", {"16": (1024, 2048), "32": (1024, 2048)})
+    monkeypatch.setattr(TUNING, "use_tma", tma)
+    monkeypatch.setattr(TUNING, "fp32_mm", fp32_mm)
+    monkeypatch.setattr(TUNING, "dz_tma", {key: dz_tma for key in TUNING.dz_tma})
+    monkeypatch.setattr(TUNING, "persistent", {key: persistent for key in TUNING.persistent})
+    monkeypatch.setattr(TUNING, "persistent_programs", 7)  # every program loops over many tiles
+    monkeypatch.setattr(TUNING, "bwd_tile", {"16": (1024, 2048), "32": (1024, 2048)})
     data = make(2500, 200, 5003, dtype, masked=100, seed=8)
     check(*run_both(*data), dtype)
 
@@ -232,13 +247,13 @@ def test_fp32_as_accurate_as_ieee_sgemm():
 @pytest.fixture
 def paths(monkeypatch):
     """The path each call of the kernel took (`frozen`, `materialized`, `recompute`, `stats`)."""
-    import grpo_lab.kernels.fused_linear_logprob as F
+    from grpo_lab.loss.kernel import function
 
     taken = []
-    real = F._choose_path
-    monkeypatch.setattr(F, "_choose_path", lambda *a: taken.append(real(*a)) or taken[-1])
+    real = function.choose_path
+    monkeypatch.setattr(function, "choose_path", lambda *a: taken.append(real(*a)) or taken[-1])
     # these tests' heads are small: without this a frozen 16-bit head would take the small-N recompute path
-    monkeypatch.setattr(F, "FROZEN_RECOMPUTE_BELOW", dict.fromkeys(F.FROZEN_RECOMPUTE_BELOW, 0))
+    monkeypatch.setattr(TUNING, "frozen_recompute_below", dict.fromkeys(TUNING.frozen_recompute_below, 0))
     return taken
 
 
@@ -249,7 +264,7 @@ def paths(monkeypatch):
 def test_frozen_head_against_float64(paths, dtype, peaked, shape, entropy_grad):
     """Loss values, entropy and dX of the frozen path at the trainable path's tolerances; an entropy gradient the
     forward did not expect is still exact (the backward recomputes); peaked rows (p_y → 1) keep their precision."""
-    from grpo_lab.backends.base import expect_entropy_grad
+    from grpo_lab.loss.frozen import expect_entropy_grad
 
     n, h, v = shape
     data = make(n, h, v, dtype, peaked=peaked, masked=n // 10)
@@ -261,7 +276,7 @@ def test_frozen_head_against_float64(paths, dtype, peaked, shape, entropy_grad):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_frozen_bias_softcap_scale_temperature(paths, dtype):
-    from grpo_lab.backends.base import expect_entropy_grad
+    from grpo_lab.loss.frozen import expect_entropy_grad
 
     hidden, weight, bias, targets = make(777, 192, 3001, dtype, bias=True, masked=50, seed=3)
     with expect_entropy_grad():
@@ -274,11 +289,10 @@ def test_frozen_bias_softcap_scale_temperature(paths, dtype):
 def test_frozen_rows_recomputed_against_their_max(monkeypatch, paths, dtype):
     """Rows whose max is far above the target's logit (the reference e^(z − ref) is stored against) are recomputed
     against their exact max: with a headroom of 0.5 that is most rows, and nothing changes."""
-    import grpo_lab.kernels.fused_linear_logprob as F
-    from grpo_lab.backends.base import expect_entropy_grad
+    from grpo_lab.loss.frozen import expect_entropy_grad
 
-    monkeypatch.setattr(F, "REF_HEADROOM", 0.5)
-    monkeypatch.setattr(F, "FROZEN_TILE", {"16": (1024, 2048), "32": (1024, 2048)})  # several token tiles
+    monkeypatch.setattr(TUNING, "ref_headroom", 0.5)
+    monkeypatch.setattr(TUNING, "frozen_tile", {"16": (1024, 2048), "32": (1024, 2048)})  # several token tiles
     data = make(2500, 200, 5003, dtype, peaked=True, masked=100, seed=11)
     with expect_entropy_grad():
         check(*run_both(*data, frozen=True), dtype)
@@ -289,14 +303,13 @@ def test_frozen_rows_recomputed_against_their_max(monkeypatch, paths, dtype):
                                                   (True, False, True), (False, True, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_frozen_kernel_variants(monkeypatch, paths, tma, persistent, p_tma, dtype):
-    import grpo_lab.kernels.fused_linear_logprob as F
-    from grpo_lab.backends.base import expect_entropy_grad
+    from grpo_lab.loss.frozen import expect_entropy_grad
 
-    monkeypatch.setattr(F, "USE_TMA", tma)
-    monkeypatch.setattr(F, "P_TMA", {key: p_tma for key in F.P_TMA})
-    monkeypatch.setattr(F, "PERSISTENT", {key: persistent for key in F.PERSISTENT})
-    monkeypatch.setattr(F, "PERSISTENT_PROGRAMS", 7)
-    monkeypatch.setattr(F, "FROZEN_TILE", {"16": (1024, 2048), "32": (1024, 2048)})
+    monkeypatch.setattr(TUNING, "use_tma", tma)
+    monkeypatch.setattr(TUNING, "p_tma", {key: p_tma for key in TUNING.p_tma})
+    monkeypatch.setattr(TUNING, "persistent", {key: persistent for key in TUNING.persistent})
+    monkeypatch.setattr(TUNING, "persistent_programs", 7)
+    monkeypatch.setattr(TUNING, "frozen_tile", {"16": (1024, 2048), "32": (1024, 2048)})
     data = make(2500, 200, 5003, dtype, masked=100, seed=8)
     with expect_entropy_grad():
         check(*run_both(*data, frozen=True), dtype)
@@ -305,22 +318,22 @@ def test_frozen_kernel_variants(monkeypatch, paths, tma, persistent, p_tma, dtyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_frozen_heads_take_the_recompute_path_with_the_frozen_tile(monkeypatch, paths, dtype):
-    """Under FROZEN_RECOMPUTE_BELOW rows × hidden (and FROZEN_RECOMPUTE_ROWS rows) a frozen head recomputes (dX
+    """Under `frozen_recompute_below` rows × hidden (and `frozen_recompute_rows` rows) a frozen head recomputes (dX
     only, exact) in dZ tiles of the frozen P~ tile's budget; at or above it, the two-GEMM path."""
-    import grpo_lab.kernels.fused_linear_logprob as F
-    from grpo_lab.backends.base import expect_entropy_grad
+    from grpo_lab.loss.frozen import expect_entropy_grad
+    from grpo_lab.loss.kernel import function
 
     n, h, v = 2500, 200, 5003
     key = "32" if dtype == torch.float32 else "16"
-    monkeypatch.setattr(F, "FROZEN_TILE", {"16": (1024, 2048), "32": (1024, 2048)})
-    monkeypatch.setattr(F, "FROZEN_RECOMPUTE_ROWS", {"16": 10**9, "32": 10**9})
+    monkeypatch.setattr(TUNING, "frozen_tile", {"16": (1024, 2048), "32": (1024, 2048)})
+    monkeypatch.setattr(TUNING, "frozen_recompute_rows", {"16": 10**9, "32": 10**9})
     tiles = []
-    real = F._recompute_backward
-    monkeypatch.setattr(F, "_recompute_backward", lambda *a: tiles.append(a[-1]) or real(*a))
+    real = function.recompute_backward
+    monkeypatch.setattr(function, "recompute_backward", lambda *a: tiles.append(a[-1]) or real(*a))
     data = make(n, h, v, dtype, masked=100, seed=5)
     valid_rows = int((data[3] >= 0).sum())
     for below in (valid_rows * h + 1, valid_rows * h):
-        monkeypatch.setattr(F, "FROZEN_RECOMPUTE_BELOW", {**F.FROZEN_RECOMPUTE_BELOW, key: below})
+        monkeypatch.setattr(TUNING, "frozen_recompute_below", {**TUNING.frozen_recompute_below, key: below})
         with expect_entropy_grad():
             check(*run_both(*data, frozen=True), dtype)
     assert paths == ["recompute", "frozen"]
@@ -344,7 +357,7 @@ def test_frozen_all_masked_and_the_choice_of_path(paths):
 
 def test_frozen_under_autocast_with_fp32_master_weights(paths):
     """A frozen fp32 head under bf16 autocast: the bf16 frozen path, fp32 input gradient."""
-    from grpo_lab.backends.base import expect_entropy_grad
+    from grpo_lab.loss.frozen import expect_entropy_grad
 
     hidden, weight, _, targets = make(1000, 256, 5000, torch.float32, seed=5)
     h = hidden.detach().clone().requires_grad_()
@@ -363,15 +376,13 @@ def test_frozen_under_autocast_with_fp32_master_weights(paths):
 @pytest.mark.parametrize("peaked", [False, True])
 def test_materialized_head_against_float64(monkeypatch, paths, dtype, peaked):
     """Trainable head with memory allowed for speed: probabilities kept, backward = elementwise + two GEMMs."""
-    import grpo_lab.kernels.fused_linear_logprob as F
-
-    monkeypatch.setattr(F, "MATERIALIZE_GIB", 4.0)
+    monkeypatch.setattr(TUNING, "materialize_gib", 4.0)
     data = make(4500, 256, 9001, dtype, peaked=peaked, bias=True, masked=450, seed=12)
     check(*run_both(*data), dtype)
     assert paths == ["materialized"]
-    monkeypatch.setattr(F, "REF_HEADROOM", 0.5)  # most rows recomputed against their max
+    monkeypatch.setattr(TUNING, "ref_headroom", 0.5)  # most rows recomputed against their max
     check(*run_both(*data), dtype)
-    monkeypatch.setattr(F, "MATERIALIZE_GIB", 0.01)  # does not fit: the memory-lean recompute path
+    monkeypatch.setattr(TUNING, "materialize_gib", 0.01)  # does not fit: the memory-lean recompute path
     check(*run_both(*data), dtype)
     assert paths == ["materialized", "materialized", "recompute"]
 
@@ -406,3 +417,81 @@ def _load(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# --- the memory policy of a trainable head ---------------------------------------------------------------------------
+
+
+def _peak_bytes(step) -> int:
+    """Peak allocated bytes of `step()` above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_of_memory_the_policy_keeps_the_flat_paths_peak(monkeypatch, paths, dtype):
+    """The default policy with little memory free (faked: the [N, V] buffer over half of it) takes the flat path, with
+    the same peak as the policy turned off; with the H200's real free memory it keeps the buffer (peak ≥ flat + its
+    size), with the same results. `path_counts()` says which ran."""
+    from grpo_lab.loss.kernel import launch, path_counts, reset_path_counts
+
+    monkeypatch.setattr(TUNING, "materialize_flat_below", dict.fromkeys(TUNING.materialize_flat_below, 0))
+    n, h, v = 16384, 256, 50000 if dtype == torch.float32 else 100000
+    need = n * v * (4 if dtype == torch.float32 else 2)  # 3.05 GiB either way
+    hidden, weight, _, targets = make(n, h, v, dtype, seed=21)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    g, ge = (torch.randn(n, device="cuda", generator=gen) for _ in range(2))
+    x, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    results = []
+
+    def step():
+        x.grad = w.grad = None
+        lp, ent, *_ = fused_linear_logprobs(x, w, None, targets, 1.0, None, None, 1.0, ("entropy",))
+        ((lp * g).sum() + (ent * ge).sum()).backward()
+        results.append((lp.detach(), x.grad, w.grad))
+
+    real_free = launch.free_device_bytes
+
+    def peak(fraction, free=None):
+        monkeypatch.setattr(TUNING, "materialize_fraction", fraction)
+        monkeypatch.setattr(launch, "free_device_bytes", real_free if free is None else (lambda device: free))
+        step()  # compiles, and settles the allocator
+        return _peak_bytes(step)
+
+    reset_path_counts()
+    flat = peak(0.0)
+    short = peak(0.5, free=int(need * 1.9))  # need + 2 GiB is free, but not twice need: flat for memory
+    kept = peak(0.5)
+    counts = path_counts()
+    assert paths == ["recompute"] * 2 + ["recompute"] * 2 + ["materialized"] * 2
+    assert (counts.recompute, counts.flat_for_memory, counts.materialized) == (4, 2, 2)
+    assert abs(short - flat) <= 2**20, (short, flat)
+    assert kept >= flat + 0.75 * need, (kept, flat, need)
+    for a, b in zip(results[1], results[-1]):
+        assert rel(a, b) < (5e-5 if dtype == torch.float32 else 1.5e-2)
+
+
+def test_the_default_policy_and_the_path_counts(monkeypatch, paths):
+    """Defaults as shipped: a 16-bit trainable head that fits takes the materialised path from 2^22 rows × hidden and
+    the flat one below (host-bound there), a frozen one its two-GEMM path, old log-probs the statistics-only one;
+    `path_counts()` counts each."""
+    from grpo_lab.loss.kernel import path_counts, reset_path_counts
+
+    monkeypatch.setattr(TUNING, "materialize_fraction", type(TUNING)().materialize_fraction)
+    monkeypatch.setattr(TUNING, "materialize_flat_below", type(TUNING)().materialize_flat_below)
+    reset_path_counts()
+    hidden, weight, _, targets = make(4096, 1024, 9001, torch.bfloat16, seed=4)
+    check(*run_both(hidden, weight, None, targets), torch.bfloat16)
+    check(*run_both(hidden[:2048], weight, None, targets[:2048]), torch.bfloat16)
+    check(*run_both(hidden, weight, None, targets, frozen=True), torch.bfloat16)
+    with torch.no_grad():
+        fused_linear_logprobs(hidden, weight, None, targets)
+    assert paths == ["materialized", "recompute", "frozen", "stats"]
+    counts = path_counts()
+    assert (counts.materialized, counts.recompute, counts.frozen, counts.stats) == (1, 1, 1, 1)
+    assert counts.flat_for_memory == 0

@@ -56,18 +56,18 @@ PATH_CASES = [
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "softcap": None,
       "extreme_rows": True}, 7),
     ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "extreme_rows": True}, 2),
-    # targets ~50 nats below the max: e^(z − ref) fits, but Σ e^(2(z − ref)) for log Σp² does not (SQ_REF_HEADROOM)
+    # targets ~50 nats below the max: e^(z − ref) fits, but Σ e^(2(z − ref)) for log Σp² does not (`sq_ref_headroom`)
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "softcap": None,
       "extreme_rows": True, "target_gap": 50.0}, 7),
     ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "extreme_rows": True,
       "target_gap": 50.0}, 2),
-    # the trainable head's statistics-only forward against ref (REF_STATS_PLAIN): one launch, one for the 8 rescued
+    # the trainable head's statistics-only forward against ref (`ref_stats_plain`): one launch, one for the 8 rescued
     # rows, then the 6 dZ launches of the recomputing backward
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "recompute", "softcap": None, "extreme_rows": True,
       "ref_stats_plain": True}, 8),
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "recompute", "softcap": None, "extreme_rows": True,
       "target_gap": 50.0, "ref_stats_plain": True}, 8),
-    # the same rows with the statistics taken against the block max (REF_STATS off): only P~ needs the rescue
+    # the same rows with the statistics taken against the block max (`ref_stats` off): only P~ needs the rescue
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "softcap": None,
       "extreme_rows": True, "ref_stats": False}, 7),
 ]
@@ -97,8 +97,8 @@ def test_frozen_and_materialized_paths_match_float64_in_the_interpreter(variant,
 
 
 def _settings_under(env: dict) -> subprocess.CompletedProcess:
-    code = ("import json, grpo_lab.kernels.fused_linear_logprob as F; "
-            "print(json.dumps({'persistent': F.PERSISTENT, 'tile': F.BWD_TILE, 'dz': F.DZ_TMA}))")
+    code = ("import json; from grpo_lab.loss.kernel.tuning import TUNING as T; "
+            "print(json.dumps({'persistent': T.persistent, 'tile': T.bwd_tile, 'dz': T.dz_tma}))")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **env})
 
@@ -122,14 +122,15 @@ def test_kernel_settings_from_the_environment():
 def test_persistent_launch_needs_a_triton_with_flattened_ranges(monkeypatch):
     import torch
 
-    import grpo_lab.kernels.fused_linear_logprob as F
+    from grpo_lab.loss.kernel import launch
+    from grpo_lab.loss.kernel.tuning import TUNING
 
-    monkeypatch.setattr(F, "PERSISTENT", dict.fromkeys(F.PERSISTENT, True))
-    monkeypatch.setattr(F, "PERSISTENT_PROGRAMS", 5)
-    assert F._programs("fwd", torch.bfloat16, 100, torch.device("cpu")) == (5, True)
-    assert F._programs("bwd", torch.float32, 3, torch.device("cpu")) == (3, True)
-    monkeypatch.setattr(F, "_FLATTEN_OK", False)
-    assert F._programs("fwd", torch.bfloat16, 100, torch.device("cpu")) == (100, False)
+    monkeypatch.setattr(TUNING, "persistent", dict.fromkeys(TUNING.persistent, True))
+    monkeypatch.setattr(TUNING, "persistent_programs", 5)
+    assert launch._programs("fwd", torch.bfloat16, 100, torch.device("cpu")) == (5, True)
+    assert launch._programs("bwd", torch.float32, 3, torch.device("cpu")) == (3, True)
+    monkeypatch.setattr(launch, "_FLATTEN_OK", False)
+    assert launch._programs("fwd", torch.bfloat16, 100, torch.device("cpu")) == (100, False)
 
 
 @pytest.mark.parametrize("rows,hidden,dtype,path", [
@@ -142,11 +143,11 @@ def test_persistent_launch_needs_a_triton_with_flattened_ranges(monkeypatch):
 ])
 def test_a_frozen_head_takes_the_path_measured_fastest_for_its_shape(rows, hidden, dtype, path):
     """Small 16-bit frozen heads are host-bound, so they recompute (fewer launches); larger ones and fp32 take the
-    two-GEMM path (the thresholds come from the H200 sweeps quoted in the kernel module)."""
+    two-GEMM path (the thresholds come from the H200 sweeps quoted in `KernelTuning`)."""
     import torch
 
-    import grpo_lab.kernels.fused_linear_logprob as F
+    from grpo_lab.loss.kernel.launch import choose_path
 
     compute = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
-    assert F._choose_path("frozen", compute, None, rows, 151936, torch.device("cpu"), hidden) == path
-    assert F._choose_path("inference", compute, None, rows, 151936, torch.device("cpu"), hidden) == "stats"
+    assert choose_path("frozen", compute, None, rows, 151936, torch.device("cpu"), hidden) == path
+    assert choose_path("inference", compute, None, rows, 151936, torch.device("cpu"), hidden) == "stats"

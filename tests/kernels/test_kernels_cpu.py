@@ -7,36 +7,54 @@ import importlib
 import pytest
 import torch
 
-from grpo_lab.backends.naive import naive_logprobs
-from grpo_lab.loss import grpo_loss
-from grpo_lab.loss_config import GRPOLossConfig
+from grpo_lab.loss.config import GRPOLossConfig
+from grpo_lab.loss.heads.naive import naive_logprobs
+from grpo_lab.loss.reference import grpo_loss
 
 
-def test_kernels_package_imports_without_gpu():
-    kernels = importlib.import_module("grpo_lab.kernels")
-    assert callable(kernels.fused_linear_logprobs)
+def test_kernel_package_imports_without_gpu():
+    kernel = importlib.import_module("grpo_lab.loss.kernel")
+    assert callable(kernel.fused_linear_logprobs)
     if not torch.cuda.is_available():
-        assert kernels.fused_kernel_available() is False
+        assert kernel.fused_kernel_available() is False
+
+
+def test_the_loss_package_imports_nothing_heavy_until_a_name_is_used():
+    """`import grpo_lab.loss` (and `grpo_lab`) pulls in neither TRL, Triton nor torch; the re-exported names import
+    their module on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, grpo_lab, grpo_lab.loss, grpo_lab.loss.heads, grpo_lab.loss.kernel;"
+            "print(sorted(m for m in ('trl', 'triton', 'torch') if m in sys.modules));"
+            "from grpo_lab.loss import GRPOLossConfig, grpo_loss, logprob_head;"
+            "print(GRPOLossConfig.__module__, grpo_loss.__module__, logprob_head('naive').__module__);"
+            "print(grpo_lab.GRPOLabConfig.__module__, grpo_lab.fused_linear_logprobs.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [
+        "[]", "grpo_lab.loss.config grpo_lab.loss.reference grpo_lab.loss.heads.naive",
+        "grpo_lab.loss.trl_switch grpo_lab.loss.kernel"]
 
 
 def test_fused_entry_refuses_cpu_tensors_clearly():
-    kernels = importlib.import_module("grpo_lab.kernels")
+    kernel = importlib.import_module("grpo_lab.loss.kernel")
     h, w, y = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
-    expected = (ValueError, "CUDA") if kernels.TRITON_AVAILABLE else (ImportError, "Triton")
+    expected = (ValueError, "CUDA") if kernel.TRITON_AVAILABLE else (ImportError, "Triton")
     with pytest.raises(expected[0], match=expected[1]):
-        kernels.fused_linear_logprobs(h, w, None, y)
+        kernel.fused_linear_logprobs(h, w, None, y)
 
 
 def test_without_triton_the_entry_raises_import_error(monkeypatch):
-    kernels = importlib.import_module("grpo_lab.kernels")
-    monkeypatch.setattr(kernels, "TRITON_AVAILABLE", False)
-    assert kernels.fused_kernel_available() is False
+    kernel = importlib.import_module("grpo_lab.loss.kernel")
+    monkeypatch.setattr(kernel, "TRITON_AVAILABLE", False)
+    assert kernel.fused_kernel_available() is False
     with pytest.raises(ImportError, match="Triton"):
-        kernels.fused_linear_logprobs(torch.randn(2, 4), torch.randn(5, 4), None, torch.zeros(2, dtype=torch.long))
+        kernel.fused_linear_logprobs(torch.randn(2, 4), torch.randn(5, 4), None, torch.zeros(2, dtype=torch.long))
 
 
 def test_dispatch_falls_back_to_torch_path_on_cpu():
-    from grpo_lab.backends.dispatch import grpo_lab_logprobs
+    from grpo_lab.loss.heads.grpo_lab import grpo_lab_logprobs
 
     torch.manual_seed(0)
     h = torch.randn(37, 24, dtype=torch.float64)
@@ -61,7 +79,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.loss_type}-b{c.beta}")
 def test_fused_module_matches_reference_loss_on_naive_logprobs(config):
-    from grpo_lab.fused_grpo_loss import GRPOLabFusedLinearGRPOLoss
+    from grpo_lab.loss.fused_module import GRPOLabFusedLinearGRPOLoss
 
     torch.manual_seed(1)
     b, t, hdim, v = 3, 12, 16, 97
@@ -102,7 +120,7 @@ def test_fused_module_matches_reference_loss_on_naive_logprobs(config):
 
 
 def test_fused_module_checks_shapes():
-    from grpo_lab.fused_grpo_loss import GRPOLabFusedLinearGRPOLoss
+    from grpo_lab.loss.fused_module import GRPOLabFusedLinearGRPOLoss
 
     module = GRPOLabFusedLinearGRPOLoss()
     with pytest.raises(ValueError, match=r"\[B, T, H\]"):
@@ -115,7 +133,7 @@ def test_fused_module_checks_shapes():
 @pytest.mark.parametrize("backend", ["trl", "naive", "grpo_lab"])
 def test_fused_module_runs_on_every_logprob_backend(backend):
     """The module offers the other backends for side-by-side comparisons: each gives the same loss."""
-    from grpo_lab.fused_grpo_loss import GRPOLabFusedLinearGRPOLoss
+    from grpo_lab.loss.fused_module import GRPOLabFusedLinearGRPOLoss
 
     torch.manual_seed(2)
     hidden, weight = torch.randn(2, 5, 16), torch.randn(33, 16) * 0.5
@@ -127,7 +145,7 @@ def test_fused_module_runs_on_every_logprob_backend(backend):
 
 
 def test_an_entropy_bonus_without_entropies_is_a_clear_error():
-    from grpo_lab.fused_grpo_loss import GRPOLabFusedLinearGRPOLoss
+    from grpo_lab.loss.fused_module import GRPOLabFusedLinearGRPOLoss
 
     logps, mask, adv = torch.randn(2, 4), torch.ones(2, 4), torch.ones(2)
     with pytest.raises(ValueError, match="need entropies"):
@@ -136,3 +154,37 @@ def test_an_entropy_bonus_without_entropies_is_a_clear_error():
     with pytest.raises(ValueError, match="need entropies"):
         module(torch.randn(2, 4, 8), torch.randn(10, 8), torch.zeros(2, 4, dtype=torch.long), mask, adv,
                entropy_coef=0.1)
+
+
+def test_every_kernel_variable_is_read_in_one_place():
+    """`KernelTuning.from_env` reads the 15 GRPO_LAB_* variables of the kernel; unset, they leave the defaults. No
+    other module of the loss stack reads the environment."""
+    from dataclasses import fields
+    from pathlib import Path
+
+    import grpo_lab.loss
+    from grpo_lab.loss.kernel.tuning import KernelTuning
+
+    root = Path(grpo_lab.loss.__file__).parent
+    readers = [p.relative_to(root).as_posix() for p in root.rglob("*.py") if "os.environ" in p.read_text()]
+    assert readers == ["kernel/tuning.py"]
+
+    assert KernelTuning.from_env({}) == KernelTuning()
+    env = {"GRPO_LAB_TMA": "0", "GRPO_LAB_FP32_MM": "triton", "GRPO_LAB_FP32_DOT": "ieee",
+           "GRPO_LAB_BWD_TOKENS": "4096", "GRPO_LAB_BWD_VOCAB": "2048", "GRPO_LAB_PERSISTENT": "bwd_32",
+           "GRPO_LAB_DZ_TMA": "1", "GRPO_LAB_P_TMA": "0", "GRPO_LAB_FROZEN": "recompute",
+           "GRPO_LAB_FROZEN_RECOMPUTE_BELOW": "7", "GRPO_LAB_MATERIALIZE_GIB": "2.5", "GRPO_LAB_REF_STATS": "0",
+           "GRPO_LAB_MATERIALIZE_FRACTION": "0.25", "GRPO_LAB_MATERIALIZE_FLAT_BELOW": "9",
+           "GRPO_LAB_REF_STATS_PLAIN": "1"}
+    default, tuned = KernelTuning(), KernelTuning.from_env(env)
+    changed = {f.name for f in fields(KernelTuning) if getattr(tuned, f.name) != getattr(default, f.name)}
+    assert changed == {"use_tma", "fp32_mm", "fp32_dot", "bwd_tile", "persistent", "dz_tma", "p_tma", "frozen_two_gemm",
+                       "frozen_recompute_below", "materialize_fraction", "materialize_flat_below", "materialize_gib",
+                       "ref_stats",
+                       "ref_stats_plain"}
+    assert tuned.bwd_tile == {"16": (4096, 2048), "32": (4096, 2048)}
+    assert tuned.persistent == {"fwd_16": False, "bwd_16": False, "fwd_32": False, "bwd_32": True}
+    assert tuned.frozen_recompute_below == {"16": 7, "32": 0} and tuned.materialize_gib == 2.5
+    assert tuned.materialize_fraction == 0.25 and tuned.materialize_flat_below == {"16": 9, "32": 0}
+    assert tuned.dz_tma == tuned.ref_stats_plain == {"16": True, "32": True}
+    assert tuned.p_tma == tuned.ref_stats == {"16": False, "32": False}

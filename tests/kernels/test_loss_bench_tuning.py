@@ -1,6 +1,8 @@
 """The plumbing of benchmarks/loss_bench.py: tuning knobs, the grid harness and its report (the timings themselves only
 mean something on a GPU)."""
 
+import copy
+import dataclasses
 import importlib.util
 import os
 
@@ -8,7 +10,7 @@ import pytest
 
 pytest.importorskip("triton", reason="Triton is a dependency on Linux only")
 
-import grpo_lab.kernels.fused_linear_logprob as F  # noqa: E402
+from grpo_lab.loss.kernel.tuning import TUNING as T  # noqa: E402
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "loss_bench.py")
 
@@ -18,43 +20,41 @@ def bench(monkeypatch):
     spec = importlib.util.spec_from_file_location("loss_bench", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for name in ("CONFIGS", "PERSISTENT", "PROGRAMS_PER_SM", "LAUNCH_OPTIONS", *module.PER_DTYPE_KNOBS.values()):
-        monkeypatch.setattr(F, name, dict(getattr(F, name)))
-    for name in module.MODULE_KNOBS.values():  # experiments replace these outright
-        monkeypatch.setattr(F, name, getattr(F, name))
+    for f in dataclasses.fields(T):  # experiments change the kernel's tuning: each test gets it back as it was
+        monkeypatch.setattr(T, f.name, copy.deepcopy(getattr(T, f.name)))
     return module
 
 
 def test_a_bf16_experiment_leaves_the_fp32_settings_alone(bench):
-    before = {name: dict(getattr(F, name)) for name in ("PERSISTENT", "BWD_TILE", "DZ_TMA")}
-    bench.apply_experiment(F, {"dz_tma": True, "bwd_tile": (4096, 4096), "persistent": False,
+    before = {name: dict(getattr(T, name)) for name in ("persistent", "bwd_tile", "dz_tma")}
+    bench.apply_experiment(T, {"dz_tma": True, "bwd_tile": (4096, 4096), "persistent": False,
                                "cfg": (64, 64, 32, 8, 4, 2)}, "bf16")
-    assert F.DZ_TMA == {**before["DZ_TMA"], "16": True}
-    assert F.BWD_TILE == {**before["BWD_TILE"], "16": (4096, 4096)}
-    assert F.PERSISTENT == {**before["PERSISTENT"], "fwd_16": False, "bwd_16": False}
-    assert F.CONFIGS["fwd_16"] == F.CONFIGS["bwd_16"] == (64, 64, 32, 8, 4, 2)
-    assert F.CONFIGS["fwd_32"] != (64, 64, 32, 8, 4, 2)
+    assert T.dz_tma == {**before["dz_tma"], "16": True}
+    assert T.bwd_tile == {**before["bwd_tile"], "16": (4096, 4096)}
+    assert T.persistent == {**before["persistent"], "fwd_16": False, "bwd_16": False}
+    assert T.configs["fwd_16"] == T.configs["bwd_16"] == (64, 64, 32, 8, 4, 2)
+    assert T.configs["fwd_32"] != (64, 64, 32, 8, 4, 2)
 
 
 def test_frozen_head_knobs_set_only_the_frozen_forward_of_their_dtype(bench):
-    before = {"fwd_16": F.CONFIGS["fwd_16"], "frozen_32": F.CONFIGS["frozen_32"], "p_tma": dict(F.P_TMA)}
-    bench.apply_experiment(F, {"frozen_cfg": (128, 128, 64, 8, 4, 4), "p_tma": True}, "bf16")
-    assert F.CONFIGS["frozen_16"] == (128, 128, 64, 8, 4, 4)
-    assert F.CONFIGS["fwd_16"] == before["fwd_16"] and F.CONFIGS["frozen_32"] == before["frozen_32"]
-    assert F.P_TMA == {**before["p_tma"], "16": True}
-    assert "P~ descriptor store 16" in bench.kernel_setting(F)
+    before = {"fwd_16": T.configs["fwd_16"], "frozen_32": T.configs["frozen_32"], "p_tma": dict(T.p_tma)}
+    bench.apply_experiment(T, {"frozen_cfg": (128, 128, 64, 8, 4, 4), "p_tma": True}, "bf16")
+    assert T.configs["frozen_16"] == (128, 128, 64, 8, 4, 4)
+    assert T.configs["fwd_16"] == before["fwd_16"] and T.configs["frozen_32"] == before["frozen_32"]
+    assert T.p_tma == {**before["p_tma"], "16": True}
+    assert "P~ descriptor store 16" in bench.kernel_setting(T)
 
 
 def test_per_kernel_knobs_set_programs_and_compile_options_of_the_named_kernels_only(bench):
-    bench.apply_experiment(F, {"programs_per_sm": {"frozen": 2}, "launch": {"frozen": {"maxnreg": 128}},
+    bench.apply_experiment(T, {"programs_per_sm": {"frozen": 2}, "launch": {"frozen": {"maxnreg": 128}},
                                "frozen_cfg": (128, 128, 64, 8, 8, 2)}, "bf16")
-    assert F.PROGRAMS_PER_SM == {**dict.fromkeys(F.CONFIGS, 1), "frozen_16": 2}
-    assert F.LAUNCH_OPTIONS["frozen_16"] == {"maxnreg": 128} and F.LAUNCH_OPTIONS["bwd_16"] == {}
+    assert T.programs_per_sm == {**dict.fromkeys(T.configs, 1), "frozen_16": 2}
+    assert T.launch_options["frozen_16"] == {"maxnreg": 128} and T.launch_options["bwd_16"] == {}
     assert bench.frozen_only({"programs_per_sm": {"frozen": 2}, "frozen_cfg": (128, 128, 64, 8, 8, 2)})
     assert not bench.frozen_only({"programs_per_sm": {"frozen": 2, "bwd": 2}})
     assert not bench.frozen_only({})
-    bench.apply_experiment(F, {"bwd_cfg": (128, 128, 64, 8, 4, 2)}, "fp32")
-    assert F.CONFIGS["bwd_32"] == (128, 128, 64, 8, 4, 2) and F.CONFIGS["fwd_32"] != F.CONFIGS["bwd_32"]
+    bench.apply_experiment(T, {"bwd_cfg": (128, 128, 64, 8, 4, 2)}, "fp32")
+    assert T.configs["bwd_32"] == (128, 128, 64, 8, 4, 2) and T.configs["fwd_32"] != T.configs["bwd_32"]
 
 
 def test_the_occupancy_column_counts_programs_per_sm_from_registers_and_shared_memory(bench, monkeypatch):
@@ -62,12 +62,13 @@ def test_the_occupancy_column_counts_programs_per_sm_from_registers_and_shared_m
 
     def compiled(regs):  # what Triton's compiled kernel reports
         return SimpleNamespace(n_regs=regs, n_spills=0, metadata=SimpleNamespace(shared=98304))
-    monkeypatch.setattr(F, "LAST_COMPILED", {"frozen_16": compiled(128)})
-    monkeypatch.setitem(F.CONFIGS, "frozen_16", (128, 128, 64, 8, 8, 2))
-    assert bench.compiled_summary(F, "frozen", "bf16") == "frozen: 128 regs, 0 spills, 98304 B smem, 2/SM"
-    F.LAST_COMPILED["frozen_16"] = compiled(168)  # registers allow only one
-    assert bench.compiled_summary(F, "frozen", "bf16").endswith("1/SM")
-    assert bench.compiled_summary(F, "trainable", "bf16") == ""  # nothing launched for it
+    last_compiled = {"frozen_16": compiled(128)}
+    monkeypatch.setitem(T.configs, "frozen_16", (128, 128, 64, 8, 8, 2))
+    assert bench.compiled_summary(T, last_compiled, "frozen", "bf16") == \
+        "frozen: 128 regs, 0 spills, 98304 B smem, 2/SM"
+    last_compiled["frozen_16"] = compiled(168)  # registers allow only one
+    assert bench.compiled_summary(T, last_compiled, "frozen", "bf16").endswith("1/SM")
+    assert bench.compiled_summary(T, last_compiled, "trainable", "bf16") == ""  # nothing launched for it
 
 
 def test_every_committed_sweep_file_applies(bench):
@@ -80,28 +81,28 @@ def test_every_committed_sweep_file_applies(bench):
         with open(path) as f:
             for dname, experiments in json.load(f).items():
                 for exp in experiments:
-                    bench.apply_experiment(F, {k: tuple(v) if isinstance(v, list) else v for k, v in exp.items()},
+                    bench.apply_experiment(T, {k: tuple(v) if isinstance(v, list) else v for k, v in exp.items()},
                                            dname)
 
 
 def test_unknown_and_cross_dtype_knobs_are_refused(bench):
     with pytest.raises(ValueError, match="unknown tuning knob 'BWD_TOKENS'"):
-        bench.apply_experiment(F, {"BWD_TOKENS": 16384}, "bf16")
+        bench.apply_experiment(T, {"BWD_TOKENS": 16384}, "bf16")
     with pytest.raises(ValueError, match="fp32 knob"):
-        bench.apply_experiment(F, {"FP32_MM": "triton"}, "bf16")
+        bench.apply_experiment(T, {"FP32_MM": "triton"}, "bf16")
 
 
 def test_every_listed_experiment_applies(bench):
     for dname, experiments in bench.TUNE_EXPERIMENTS.items():
         for exp in experiments:
-            bench.apply_experiment(F, exp, dname)
+            bench.apply_experiment(T, exp, dname)
 
 
 def test_the_setting_column_names_the_knobs_in_force(bench):
-    text = bench.kernel_setting(F)
+    text = bench.kernel_setting(T)
     assert "persistent fwd_16,bwd_16" in text and "dZ tile 16:16384x8192 32:8192x8192" in text
-    bench.apply_experiment(F, {"persistent": True}, "fp32")
-    assert "persistent fwd_16,bwd_16,fwd_32,bwd_32" in bench.kernel_setting(F)
+    bench.apply_experiment(T, {"persistent": True}, "fp32")
+    assert "persistent fwd_16,bwd_16,fwd_32,bwd_32" in bench.kernel_setting(T)
 
 
 def test_smoke_run_on_cpu_writes_the_long_format_csv_and_the_report(bench, tmp_path):
@@ -111,15 +112,15 @@ def test_smoke_run_on_cpu_writes_the_long_format_csv_and_the_report(bench, tmp_p
 
     args = ["--device", "cpu", "--vocab", "300", "--hidden", "32,48", "--tokens", "1024", "--dtypes", "fp32", "--fp32-full",
             "--accuracy-hidden", "32", "--accuracy-tokens", "1024",
-            "--backends", "naive,trl,grpo_lab,grpo_lab+mem", "--no-issue-rows", "--budget-s", "0.01",
+            "--backends", "naive,trl,grpo_lab,grpo_lab+flat", "--no-issue-rows", "--budget-s", "0.01",
             "--out", str(tmp_path)]
     assert bench.main(args) == 0
     with open(tmp_path / "loss_grid.csv") as f:
         rows = list(csv.DictReader(f))
-    # grpo_lab+mem only where it changes the path (a trainable head): 2 H × (3 frozen + 4 trainable)
+    # grpo_lab+flat only where it changes the path (a trainable head): 2 H × (3 frozen + 4 trainable)
     assert len(rows) == 14 and {r["status"] for r in rows} == {"ok"}
-    assert {(r["backend"], r["head"]) for r in rows if r["backend"] == "grpo_lab+mem"} == {("grpo_lab+mem",
-                                                                                            "trainable")}
+    assert {(r["backend"], r["head"]) for r in rows if r["backend"] == "grpo_lab+flat"} == {("grpo_lab+flat",
+                                                                                             "trainable")}
     for key in ("gpu", "torch", "triton", "trl", "liger", "date", "ms", "loss_peak_gib", "tokens", "H", "V"):
         assert all(r[key] != "" for r in rows), key
     with open(tmp_path / "loss_accuracy.csv") as f:

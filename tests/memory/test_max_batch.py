@@ -182,7 +182,8 @@ def test_figure_with_four_backends_rotates_its_labels():
 
 
 def test_ratio_table_says_which_figures_are_bounds():
-    from grpo_lab.memory.notebook import closing_note_max_batch, ratio_table
+    from grpo_lab.memory.notebook import closing_note_max_batch
+    from grpo_lab.memory.results import ratio_table
 
     rows = [("m1", "naive", 100, 103, False, "ok"), ("m1", "trl", 1024, None, True, "ok"),
             ("m1", "grpo_lab", 1024, None, True, "ok"),
@@ -381,7 +382,7 @@ def test_expandable_segments_on_cpu_is_refused_with_a_message(tmp_path, capsys):
 
 
 def test_a_seeded_search_starts_from_another_runs_probes_and_says_where_they_came_from(tmp_path, monkeypatch):
-    """`seed_probes` (planner_check's pair around a predicted limit, say): the pair measured under the search's
+    """`seed_probes` (planner.check's pair around a predicted limit, say): the pair measured under the search's
     setting brackets the search from the start, is not probed again, lands in the probes CSV marked with its file;
     a row of another allocator setting is not taken."""
     calls = []

@@ -5,7 +5,7 @@ import pytest
 
 from grpo_lab.cli import main as cli
 from grpo_lab.memory.planner import GiB, PlannerConfig, max_batch, plan
-from grpo_lab.memory.planner_shapes import shape_for
+from grpo_lab.memory.planner.shapes import shape_for
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -149,7 +149,7 @@ def test_every_committed_h200_peak_is_predicted_within_10_percent():
     """The validation table (results/memory_planner/validation.md) recomputed from the committed CSVs: notebook
     01's steps and loss-alone points, notebook 02's probes, the loss-kernel grid (kernels that changed since are
     marked and left out)."""
-    from grpo_lab.memory.planner_validate import OLD_KERNEL_FROZEN, OLD_KERNEL_NB01, summary, validation_table
+    from grpo_lab.memory.planner.validate import OLD_KERNEL_FROZEN, OLD_KERNEL_NB01, summary, validation_table
 
     table = validation_table()
     h200 = table[table["source"].str.startswith("H200") & ~table["note"].isin([OLD_KERNEL_NB01, OLD_KERNEL_FROZEN])]
@@ -167,7 +167,7 @@ def test_max_batch_against_the_committed_searches():
     allocator's fragmentation at the limit, 7-17 % of the GPU, is what separates them: docs/memory.md)."""
     import pandas as pd
 
-    from grpo_lab.memory.planner_validate import max_batch_rows
+    from grpo_lab.memory.planner.validate import max_batch_rows
     from grpo_lab.memory.results import load_reference
 
     rows = pd.DataFrame(max_batch_rows(load_reference("fsdp_max_batch", "fsdp_max_batch.csv")))
@@ -180,23 +180,23 @@ def test_the_kernel_terms_follow_the_kernel_settings():
     """The planner reads the Triton kernel's buffers from constants of its own (it must import on machines without
     Triton); they must be the kernel module's defaults, or the GPU predictions drift silently."""
     pytest.importorskip("triton", reason="Triton is a dependency on Linux only")
-    import grpo_lab.kernels.fused_linear_logprob as F
-    import grpo_lab.memory.planner_head as P
+    import grpo_lab.memory.planner.head as P
+    from grpo_lab.loss.kernel.tuning import TUNING as F
 
-    assert P.KERNEL_PART_BYTES == F.PART_BUDGET_BYTES
-    assert P.KERNEL_FROZEN_TILE == F.FROZEN_TILE["16"] == F.FROZEN_TILE["32"]
-    assert P.KERNEL_DZ_TILE == {2: F.BWD_TILE["16"], 4: F.BWD_TILE["32"]}
-    assert P.KERNEL_FWD_BN == {2: F.CONFIGS["fwd_16"][1], 4: F.CONFIGS["fwd_32"][1]}
-    assert P.KERNEL_FROZEN_BN == {2: F.CONFIGS["frozen_16"][1], 4: F.CONFIGS["frozen_32"][1]}
-    assert P.KERNEL_FROZEN_RECOMPUTE_BELOW == {2: F.FROZEN_RECOMPUTE_BELOW["16"]}
-    assert F.FROZEN_RECOMPUTE_BELOW["32"] == 0
-    assert P.KERNEL_FROZEN_RECOMPUTE_ROWS == {2: F.FROZEN_RECOMPUTE_ROWS["16"]} and F.FROZEN_RECOMPUTE_ROWS["32"] == 0
+    assert P.KERNEL_PART_BYTES == F.part_budget_bytes
+    assert P.KERNEL_FROZEN_TILE == F.frozen_tile["16"] == F.frozen_tile["32"]
+    assert P.KERNEL_DZ_TILE == {2: F.bwd_tile["16"], 4: F.bwd_tile["32"]}
+    assert P.KERNEL_FWD_BN == {2: F.configs["fwd_16"][1], 4: F.configs["fwd_32"][1]}
+    assert P.KERNEL_FROZEN_BN == {2: F.configs["frozen_16"][1], 4: F.configs["frozen_32"][1]}
+    assert P.KERNEL_FROZEN_RECOMPUTE_BELOW == {2: F.frozen_recompute_below["16"]}
+    assert F.frozen_recompute_below["32"] == 0
+    assert P.KERNEL_FROZEN_RECOMPUTE_ROWS == {2: F.frozen_recompute_rows["16"]} and F.frozen_recompute_rows["32"] == 0
 
 
 def test_a_search_under_expandable_segments_is_predicted_with_its_headroom():
     """A notebook-02 search row that ran with expandable_segments is compared with the planner's prediction for
     that allocator (2 % headroom), not the default allocator's."""
-    from grpo_lab.memory.planner_validate import max_batch_rows
+    from grpo_lab.memory.planner.validate import max_batch_rows
     from grpo_lab.memory.results import load_reference
 
     row = load_reference("fsdp_max_batch", "fsdp_max_batch.csv").query("model == 'Qwen3-8B' and backend == 'trl'")
@@ -206,9 +206,9 @@ def test_a_search_under_expandable_segments_is_predicted_with_its_headroom():
 
 
 def test_notebook_02_setting_under_expandable_segments_is_within_one_step():
-    """The committed probes of notebook 02's fused searches under expandable_segments (planner_check preset
+    """The committed probes of notebook 02's fused searches under expandable_segments (planner.check preset
     nb02_expandable, H200): every pair has the batch 3 % below the prediction fit and 3 % above it fail."""
-    from grpo_lab.memory.planner_validate import probe_pair_summary, probe_pairs
+    from grpo_lab.memory.planner.validate import probe_pair_summary, probe_pairs
 
     pairs = probe_pairs()
     nb02 = pairs[pairs["source"].str.contains("notebook 02")]
@@ -220,7 +220,7 @@ def test_notebook_02_setting_under_expandable_segments_is_within_one_step():
 
 
 def test_nb02_expandable_points_bracket_the_prediction():
-    from grpo_lab.memory.planner_check import REL_STEP, nb02_expandable_points
+    from grpo_lab.memory.planner.check import REL_STEP, nb02_expandable_points
 
     points = nb02_expandable_points(140.4, models=("Qwen3-8B",), backends=("trl",))
     below, above = points
@@ -235,7 +235,7 @@ def test_default_allocator_band_holds_every_uncapped_fused_search():
     """Under the default allocator the planner gives a band for a fused head's max batch; every committed uncapped
     H200 fused search lies in it, the band contains the point answer, and it is absent where one answer holds."""
     from grpo_lab.memory.planner import max_batch_band
-    from grpo_lab.memory.planner_validate import max_batch_rows
+    from grpo_lab.memory.planner.validate import max_batch_rows
     from grpo_lab.memory.results import load_reference
 
     rows = [r for r in max_batch_rows(load_reference("fsdp_max_batch", "fsdp_max_batch.csv"))
@@ -265,7 +265,7 @@ def test_notebook_02_searches_under_expandable_segments_are_within_one_step():
     uncapped fused ones within 1 %; each fused limit above the default allocator's (the fragmentation it removes)."""
     import pandas as pd
 
-    from grpo_lab.memory.planner_validate import max_batch_rows
+    from grpo_lab.memory.planner.validate import max_batch_rows
     from grpo_lab.memory.results import load_reference
 
     searches = load_reference("fsdp_max_batch", "fsdp_max_batch_expandable.csv")
@@ -281,11 +281,11 @@ def test_notebook_02_searches_under_expandable_segments_are_within_one_step():
 
 
 def test_seeded_probes_are_validated_once():
-    """The expandable searches started from planner_check's pairs: those 18 probes are rows of the planner-check
+    """The expandable searches started from planner.check's pairs: those 18 probes are rows of the planner-check
     source, not counted a second time among the searches' own probes."""
     import pandas as pd
 
-    from grpo_lab.memory.planner_validate import validation_table
+    from grpo_lab.memory.planner.validate import validation_table
     from grpo_lab.memory.results import load_reference
 
     probes = load_reference("fsdp_max_batch", "fsdp_max_batch_expandable_probes.csv")

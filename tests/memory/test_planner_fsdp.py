@@ -1,11 +1,11 @@
 """The planner against the harness's own meter: a 2-process gloo FSDP2 + LoRA step, each rank's peak RSS.
-(World sizes 1, 2 and 4 on Qwen3-0.6B are `python -m grpo_lab.memory.planner_check --preset cpu_fsdp`, minutes per
+(World sizes 1, 2 and 4 on Qwen3-0.6B are `python -m grpo_lab.memory.planner.check --preset cpu_fsdp`, minutes per
 point; their CSV is committed in results/memory_planner and checked below.)"""
 
 import pandas as pd
 import pytest
 
-from grpo_lab.memory.planner_check import CheckPoint, planner_config, run_checks
+from grpo_lab.memory.planner.check import CheckPoint, planner_config, run_checks
 from grpo_lab.memory.spec import PointSpec
 
 
@@ -24,7 +24,7 @@ def test_two_rank_fsdp_peak_rss_is_predicted():
 
 
 def test_committed_cpu_world_size_runs_are_within_10_percent():
-    from grpo_lab.memory.planner_validate import planner_check_rows
+    from grpo_lab.memory.planner.validate import planner_check_rows
     from grpo_lab.memory.results import load_reference
 
     df = load_reference("memory_planner", "planner_cpu_fsdp.csv")

@@ -6,9 +6,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from grpo_lab.memory.live_bytes import LiveTensorBytes
-from grpo_lab.memory.planner_config import LORA_TARGETS
-from grpo_lab.memory.planner_layer import backward_levels, saved_tensors
-from grpo_lab.memory.planner_shapes import shape_of
+from grpo_lab.memory.planner.config import LORA_TARGETS
+from grpo_lab.memory.planner.layer import backward_levels, saved_tensors
+from grpo_lab.memory.planner.shapes import shape_of
 
 
 def _layer(arch, hidden, heads, kv_heads, intermediate, lora_r, dtype):

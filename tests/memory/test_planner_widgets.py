@@ -9,10 +9,10 @@ import matplotlib
 import pandas as pd
 import pytest
 
-from grpo_lab.memory import planner_validate
+from grpo_lab.memory.planner import validate as planner_validate
 from grpo_lab.memory.planner import PlannerConfig, max_batch
-from grpo_lab.memory.planner_report import article_setting
-from grpo_lab.memory.planner_widgets import PlannerPanel, searches_against_planner, with_committed_searches
+from grpo_lab.memory.planner.report import article_setting
+from grpo_lab.memory.planner.widgets import PlannerPanel, searches_against_planner, with_committed_searches
 from grpo_lab.memory.results import load_reference
 
 matplotlib.use("Agg")
@@ -83,7 +83,7 @@ def test_searches_just_measured_replace_the_committed_ones():
 
 
 def test_committed_validation_tables_are_what_the_code_computes(tmp_path):
-    """`python -m grpo_lab.memory.planner_validate` regenerates results/memory_planner's tables exactly (same
+    """`python -m grpo_lab.memory.planner.validate` regenerates results/memory_planner's tables exactly (same
     columns, rows and, to print precision, values); a change to the planner must come with new tables."""
     assert planner_validate.main(["--out", str(tmp_path)]) == 0
     for name in ("validation.csv", "validation_max_batch.csv"):
@@ -127,7 +127,7 @@ def test_committed_searches_of_both_allocators_are_overlaid_each_on_its_own_sett
     """with_committed_searches keeps the default-allocator and the expandable_segments searches apart (same model and
     backend, different limits); the panel draws a search only on the allocator setting it was made with."""
     from grpo_lab.memory.planner import PlannerConfig
-    from grpo_lab.memory.planner_widgets import measured_points
+    from grpo_lab.memory.planner.widgets import measured_points
 
     both = with_committed_searches(None)
     assert len(both) == 32

@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from grpo_lab import widgets
+from grpo_lab.lab import widgets
 from grpo_lab.tasks import notebook as nb03
 from grpo_lab.tasks.reward_curves import EmbeddedConfig
 

@@ -10,7 +10,7 @@ from grpo_lab.models.hf_compat import checkpointing_args, upstream_deprecations_
 
 @pytest.mark.parametrize("enabled", [False, True])
 def test_trainer_config_without_deprecation_warnings(tmp_path, enabled):
-    from grpo_lab.trl_glue import GRPOLabConfig
+    from grpo_lab.loss import GRPOLabConfig
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

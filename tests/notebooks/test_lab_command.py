@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_lab import cli, lab
+from grpo_lab import cli
+from grpo_lab.lab import jupyter as lab
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,7 @@ results/ only when asked; never a folder relative to notebooks/."""
 
 import pytest
 
-from grpo_lab import outputs
+from grpo_lab.lab import outputs
 
 
 @pytest.fixture

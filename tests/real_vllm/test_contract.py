@@ -113,7 +113,8 @@ def test_an_adapter_changes_what_is_sampled(cluster, adapters, token):
 
 @pytest.mark.parametrize("path", ["/pause", "/resume", "/server_info", "/reset_prefix_cache"])
 def test_vllm_api_key_leaves_control_endpoints_open(cluster, path):
-    """vLLM's VLLM_API_KEY guards /v1/* only (DESIGN.md §4b): keep replicas on loopback behind the router."""
+    """vLLM's VLLM_API_KEY guards /v1/* only (docs/serving.md, "Real vLLM on a CPU"): keep replicas on loopback behind
+    the router."""
     replica = cluster.replicas[0]
     assert requests.get(replica.url + "/v1/models", timeout=30).status_code == 401
     method = "GET" if path == "/server_info" else "POST"  # (resetting the cache is harmless here)

@@ -36,7 +36,7 @@ def state(url: str) -> dict:
 
 @pytest.mark.kills_replica
 def test_replica_killed_mid_load_rolls_back_and_is_readmitted(cluster, adapters, token):
-    from grpo_lab.serving.vllm_processes import restart
+    from grpo_lab.serving.replica_processes import restart
 
     healthy, victim = cluster.replicas
     os.killpg(victim.pid, signal.SIGSTOP)

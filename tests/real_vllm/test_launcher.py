@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from grpo_lab.serving.vllm_launcher import VLLMReplicaSpec, main, replica_specs
-from grpo_lab.serving.vllm_processes import vllm_cpu_python
+from grpo_lab.serving.adapter_slots import max_loras_for
+from grpo_lab.serving.replica_processes import vllm_cpu_python
+from grpo_lab.serving.vllm_launcher import main
+from grpo_lab.serving.vllm_spec import VLLMReplicaSpec, replica_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +28,7 @@ def test_cpu_recipe_command_line_and_environment():
     assert cmd[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/tiny"]
     assert flag(cmd, "--block-size") == "32" and flag(cmd, "--kv-cache-memory-bytes") == str(64 * 2 ** 20)
     assert flag(cmd, "--dtype") == "float32" and flag(cmd, "--max-lora-rank") == "8"
-    assert flag(cmd, "--max-loras") == "6" and flag(cmd, "--logprobs-mode") == "processed_logprobs"
+    assert flag(cmd, "--max-loras") == str(max_loras_for(4)) and flag(cmd, "--logprobs-mode") == "processed_logprobs"
     assert flag(cmd, "--data-parallel-size") == "1" and flag(cmd, "--port") == "9001"
     assert {"--no-enable-chunked-prefill", "--enable-prefix-caching", "--enable-lora"} <= set(cmd)
     assert "--gpu-memory-utilization" not in cmd and "--max-model-len" not in cmd  # the model's own length

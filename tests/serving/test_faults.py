@@ -10,9 +10,9 @@ import pytest
 import requests
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
-from grpo_lab.serving.processes import ReplicaProcess, restart_on_port
-from grpo_lab.serving.router import start_router
+from grpo_lab.serving.replica_processes import CPUReplicaProcess, restart
 from grpo_lab.serving.router_config import RouterConfig
+from grpo_lab.serving.router_thread import start_router
 
 from .conftest import REPLICA_ARGS, TOKEN_ENV, metric, run_group, trl_payload
 
@@ -36,8 +36,8 @@ def faulty(token):
 
     PartialState()
     env = {"VLLM_API_KEY": token}
-    a = ReplicaProcess(["--port", "0", *REPLICA_ARGS], env)
-    b = ReplicaProcess(["--port", "0", *REPLICA_ARGS, "--storage-lag-s", str(LAG_S)], env)  # a lagging mount
+    a = CPUReplicaProcess(["--port", "0", *REPLICA_ARGS], env)
+    b = CPUReplicaProcess(["--port", "0", *REPLICA_ARGS, "--storage-lag-s", str(LAG_S)], env)  # a lagging mount
     a.wait_ready(), b.wait_ready()
     router = start_router(RouterConfig(replicas=[a.url, b.url], port=0, api_key_env=TOKEN_ENV,
                                        health_interval_s=0.2, health_timeout_s=2, load_retry_deadline_s=15,
@@ -67,8 +67,8 @@ def adapters_on(cluster, i: int) -> set[str]:
     return {m["id"] for m in data.json()["data"] if m.get("parent")}
 
 
-def restart(cluster, i: int) -> None:
-    cluster.replicas[i] = restart_on_port(cluster.replicas[i], cluster.env)
+def restart_replica(cluster, i: int) -> None:
+    cluster.replicas[i] = restart(cluster.replicas[i], cluster.env)
     wait_for(lambda: replica_state(cluster, i) == "in_service", 60, f"replica {i} re-admitted")
 
 
@@ -110,7 +110,7 @@ def test_replica_killed_mid_generation_is_rerouted(faulty):
     assert replica_state(faulty, busy) == "down"
     assert metric(faulty.url, "grpo_router_reroutes_total") >= 3
     assert requests.get(faulty.url + "/health", timeout=10).status_code == 200  # the survivor serves alone
-    restart(faulty, busy)
+    restart_replica(faulty, busy)
     assert adapters_on(faulty, busy) == set(state(faulty)["live_adapters"])  # re-admitted with the live adapters
 
 
@@ -141,7 +141,7 @@ def test_replica_killed_during_load_rolls_back(faulty, adapters):
     reply = requests.post(faulty.url + "/v1/completions", json=trl_payload("trl-policy-v2", PROMPT, 1), timeout=30)
     assert reply.status_code == 404  # never forwarded to a replica that lacks it
     assert metric(faulty.replicas[0].url, "grpo_replica_unknown_model_total") == 0
-    restart(faulty, 1)
+    restart_replica(faulty, 1)
 
 
 @pytest.mark.slow
@@ -164,7 +164,7 @@ def test_restarted_replica_is_readmitted_only_with_live_adapters(faulty, adapter
 
     worker = threading.Thread(target=traffic)
     worker.start()
-    fresh = restart_on_port(faulty.replicas[1], faulty.env)
+    fresh = restart(faulty.replicas[1], faulty.env)
     faulty.replicas[1] = fresh
     wait_for(lambda: replica_state(faulty, 1) == "in_service", 60, "replica 1 re-admitted")
     assert live <= adapters_on(faulty, 1)  # adapters are only ever added by the router, so this held at admission

@@ -74,7 +74,7 @@ def test_router_cli_against_fake_replicas(token, tmp_path):
 
 
 def test_wrong_token_keeps_replica_out_with_a_clear_reason(token, monkeypatch):
-    from grpo_lab.serving.router import start_router
+    from grpo_lab.serving.router_thread import start_router
     from grpo_lab.serving.router_config import RouterConfig
 
     monkeypatch.setenv("GRPO_LAB_TEST_WRONG_TOKEN", "not-" + token)
@@ -103,7 +103,7 @@ def test_wrong_token_keeps_replica_out_with_a_clear_reason(token, monkeypatch):
 def test_replicas_do_not_outlive_a_crashed_parent():
     """A test or notebook that dies without stopping its replicas must not leave them running."""
     script = ("import os, sys\n"
-              "from grpo_lab.serving.processes import start_cpu_replicas\n"
+              "from grpo_lab.serving.replica_processes import start_cpu_replicas\n"
               "(r,) = start_cpu_replicas(1)\n"
               "print(r.proc.pid, flush=True)\n"
               "os._exit(1)\n")  # crash: no stop(), no cleanup

@@ -16,7 +16,7 @@ from grpo_lab.serving import adapter_fanout
 from grpo_lab.serving.adapter_fanout import load_everywhere
 from grpo_lab.serving.metrics import Registry
 from grpo_lab.serving.replica_pool import ReplicaPool
-from grpo_lab.serving.router import RouterHandle, start_router
+from grpo_lab.serving.router_thread import RouterHandle, start_router
 from grpo_lab.serving.router_config import RouterConfig
 from grpo_lab.serving.upstream import DOWN, IN_SERVICE, Replica, UpstreamClient
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from grpo_lab.serving.router import start_router
+from grpo_lab.serving.router_thread import start_router
 from grpo_lab.serving.router_config import RouterConfig
 
 from .conftest import TOKEN_ENV, metric

@@ -107,13 +107,15 @@ def test_config_validation():
 
 
 def test_launcher_builds_the_vllm_contract():
-    from grpo_lab.serving.vllm_launcher import VLLMReplicaSpec, replica_specs, round_lora_rank, router_command
+    from grpo_lab.serving.adapter_slots import max_loras_for
+    from grpo_lab.serving.vllm_launcher import router_command
+    from grpo_lab.serving.vllm_spec import VLLMReplicaSpec, replica_specs, round_lora_rank
 
     assert [round_lora_rank(r) for r in (1, 2, 8, 9, 300)] == [1, 8, 8, 16, 320]
     spec = VLLMReplicaSpec(model="Qwen/Qwen2.5-Math-1.5B", lora_rank=4, max_staleness=4, gpu=1)
     cmd = spec.command()
     assert cmd[:3] == ["vllm", "serve", "Qwen/Qwen2.5-Math-1.5B"]
-    assert cmd[cmd.index("--max-lora-rank") + 1] == "8" and cmd[cmd.index("--max-loras") + 1] == "6"
+    assert cmd[cmd.index("--max-lora-rank") + 1] == "8" and cmd[cmd.index("--max-loras") + 1] == str(max_loras_for(4))
     assert "--enable-lora" in cmd and "trl-policy-v0" in cmd and "processed_logprobs" in cmd
     env = spec.env({"MY_TOKEN": "secret"})
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and env["VLLM_SERVER_DEV_MODE"] == "1"

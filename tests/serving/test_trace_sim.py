@@ -64,22 +64,22 @@ def test_kv_capacity_shared_with_running_requests_evicts_and_queues():
     assert tight.requests == roomy.requests == 1200
 
 
-def test_seed_policy_counts_template_only_matches_as_affinity():
-    """Seed 2's rule (ownership at routing time; the routed request is no successor yet): the second prompt under
-    a new adapter version 'matches' the first one's replica on the shared template block alone."""
+def test_blog_proxy_policy_counts_template_only_matches_as_affinity():
+    """The published proxy's rule (ownership at routing time; the routed request is no successor yet): the second
+    prompt under a new adapter version 'matches' the first one's replica on the shared template block alone."""
     from grpo_lab.serving.prefix_hash import block_hashes
-    from grpo_lab.serving.routing_baselines import SeedPolicy
+    from grpo_lab.serving.routing_baselines import BlogProxyPolicy
     from grpo_lab.serving.routing_policy import AFFINITY, PrefixAffinityPolicy
 
     template = list(range(1000, 1023))
     a, b = template + list(range(10, 60)), template + list(range(60, 110))
-    seed, ours = SeedPolicy(4), PrefixAffinityPolicy(4)
-    for policy in (seed, ours):
+    blog, ours = BlogProxyPolicy(4), PrefixAffinityPolicy(4)
+    for policy in (blog, ours):
         first = policy.route(block_hashes(a, "v1"), [0, 1, 2, 3])
         policy.finish(first, ok=True)
-    second_seed = seed.route(block_hashes(b, "v1"), [0, 1, 2, 3])
+    second_blog = blog.route(block_hashes(b, "v1"), [0, 1, 2, 3])
     second_ours = ours.route(block_hashes(b, "v1"), [0, 1, 2, 3])
-    assert (second_seed.kind, second_seed.matched_blocks) == (AFFINITY, 1)  # the template block
+    assert (second_blog.kind, second_blog.matched_blocks) == (AFFINITY, 1)  # the template block
     assert second_ours.kind == UNMATCHED
 
 

@@ -1,0 +1,134 @@
+"""`fused_linear_logprobs`: per-token log-probs (and entropies) of a linear head on CUDA, never holding its logits.
+
+The autograd Function here is thin: it drops the rows whose target is negative (they get log-prob 0 and zero
+gradients, not computed), lets `launch.choose_path` pick the path for the head mode and the free memory, runs that
+path's forward, turns the statistics into the outputs (`contract.outputs_from_stats`) and routes the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..contract import OPTIONAL_OUTPUTS, check_logprob_inputs, compute_dtype_of, head_mode, outputs_from_stats
+from ..frozen import entropy_grad_expected, note_entropy_grad
+from .launch import (TL_DTYPE, choose_path, dtype_key, frozen_backward, frozen_forward, materialized_backward,
+                     materialized_forward, recompute_backward, statistics_forward)
+from .tuning import TUNING
+
+
+class FusedLinearLogProbFunction(torch.autograd.Function):
+    """TRL `ChunkedLogProbFunction` calling convention (see `grpo_lab.loss.contract`), CUDA + Triton.
+
+    Three ways to the gradient, chosen by `choose_path` from the head mode (`contract.head_mode`) and the memory the
+    memory policy allows: `frozen` (the head needs no gradient: the forward accumulates Σ p·W, the backward is
+    elementwise), `materialized` (a trainable head whose [N, V] probabilities fit the memory policy's budget: the
+    forward keeps them, the backward is two cuBLAS GEMMs) and `recompute` (a trainable head where they do not fit: the
+    backward recomputes the logits tile by tile, memory flat in N). `policy.path_counts()` counts the paths taken."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs, compute,
+                mode):
+        ctx.set_materialize_grads(False)
+        n, vocab = hidden.shape[0], weight.shape[0]
+        inv_t = 1.0 / temperature
+        want = {name: name in outputs for name in OPTIONAL_OUTPUTS}
+        valid = targets >= 0
+        n_valid = int(valid.sum())
+        rows = None if n_valid == n else valid.nonzero().squeeze(-1)
+        h = hidden if rows is None else hidden.index_select(0, rows)
+        y = targets if rows is None else targets.index_select(0, rows)
+        h = h.contiguous()
+        y = y.contiguous()
+        dev = hidden.device
+        path = choose_path(mode, compute, softcap, n_valid, vocab, dev, hidden.shape[1])
+        ctx.path, ctx.extra, ctx.mode = path, None, mode
+        if n_valid > 0:
+            if path == "frozen":
+                with_plogp = want["entropy"] and entropy_grad_expected()
+                stats, acc = frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want,
+                                            with_plogp)
+            elif path == "materialized":
+                stats, full, shift = materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute,
+                                                          want)
+            else:
+                stats = statistics_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
+            log_z, logprobs, entropy, extras = outputs_from_stats(*stats, vocab, want)
+            if path == "frozen":
+                ctx.extra = (acc, logprobs.clone(), stats[-1])  # the target logit (softcap factor of the target)
+            elif path == "materialized":
+                ctx.extra = (full, logprobs.clone(), shift)
+        else:
+            log_z = torch.zeros(0, device=dev)
+            logprobs = torch.zeros(0, device=dev)
+            entropy = torch.zeros(0, device=dev) if want["entropy"] else None
+            extras = (
+                torch.zeros(0, device=dev) if want["log_sum_sq_probs"] else None,
+                torch.zeros(0, device=dev) if want["mean_logits"] else None,
+                torch.zeros(0, device=dev, dtype=torch.bool) if want["is_top1"] else None,
+            )
+        ctx.save_for_backward(hidden, weight, bias, y, log_z, entropy if entropy is not None else log_z, rows)
+        ctx.conf = (softcap, logit_scale, inv_t, compute, n_valid, entropy is not None)
+
+        def scatter(x):
+            if x is None or rows is None:
+                return x
+            return x.new_zeros(n).index_copy(0, rows, x)
+
+        outs = (scatter(logprobs), scatter(entropy), *map(scatter, extras))
+        ctx.mark_non_differentiable(*(x for x in outs[2:] if x is not None))
+        return outs
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy, *_):
+        hidden, weight, bias, y, log_z, entropy, rows = ctx.saved_tensors
+        softcap, logit_scale, inv_t, compute, n_valid, has_entropy = ctx.conf
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if rows is not None:
+            g = None if grad_logprobs is None else grad_logprobs.index_select(0, rows)
+            ge = None if grad_entropy is None else grad_entropy.index_select(0, rows)
+        else:
+            g, ge = grad_logprobs, grad_entropy
+        g = None if g is None else g.float().contiguous()
+        ge = None if ge is None else ge.float().contiguous()
+        grads = None
+        if ctx.path == "frozen":
+            note_entropy_grad(ge is not None)
+            acc, logprobs, tlogit = ctx.extra
+            if ge is None or acc.shape[0] == 2:  # else: an entropy gradient the forward did not prepare for
+                grads = (frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy if has_entropy else None,
+                                         tlogit, softcap, logit_scale, inv_t, compute, rows), None, None)
+        elif ctx.path == "materialized" and n_valid > 0 and (g is not None or ge is not None):
+            grads = materialized_backward(ctx.extra, hidden, weight, bias, y, g, ge, entropy, logit_scale * inv_t,
+                                          compute, rows, need_h, need_w, need_b)
+        if grads is None:
+            tile = (TUNING.frozen_tile if ctx.mode == "frozen" else TUNING.bwd_tile)[dtype_key(compute)]
+            grads = recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, softcap, logit_scale,
+                                       inv_t, compute, n_valid, need_h, need_w, need_b, tile)
+        ctx.extra = None
+        grad_h, grad_w, grad_b = grads
+        return (grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype),
+                None, None, None, None, None, None, None, None)
+
+
+def fused_linear_logprobs(hidden, weight, bias, targets, temperature=1.0, chunk_size=None, softcap=None,
+                          logit_scale=1.0, outputs=("log_probs",)):
+    """Per-token log-probs of `hidden @ weight.T (+ bias)` and the requested extras, never holding the logits.
+
+    Same arguments and outputs as TRL's `ChunkedLogProbFunction.apply`; `chunk_size` is accepted for that
+    signature and ignored (the tiles are this kernel's own). Under autocast the projection runs in the autocast
+    dtype (inputs cast inside the kernel, no weight copy); accumulation is always fp32. A head that needs no gradient
+    (PEFT / LoRA, `requires_grad=False`) takes the two-GEMM frozen path automatically.
+    """
+    check_logprob_inputs(hidden, weight, bias, targets, temperature, outputs)
+    if hidden.device.type != "cuda":
+        raise ValueError("fused_linear_logprobs needs CUDA tensors; use grpo_lab.loss.heads.chunked elsewhere.")
+    compute = compute_dtype_of(hidden)
+    if compute not in TL_DTYPE:
+        raise TypeError(f"unsupported compute dtype {compute}")
+    mode = head_mode(hidden, weight, bias)
+    weight_c = weight if weight.stride(-1) == 1 else weight.contiguous()
+    hidden_c = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()  # the kernels index it densely
+    with torch.autocast("cuda", enabled=False):
+        return FusedLinearLogProbFunction.apply(hidden_c, weight_c, bias, targets.long(), float(temperature),
+                                                chunk_size, softcap, float(logit_scale), tuple(outputs), compute, mode)

@@ -1,0 +1,536 @@
+"""The host side of the Triton kernel: which path a call takes, the buffers ("sinks") the forward stores into, and
+the forward and backward launch sequences.
+
+Forward. The statistics of the valid rows are built one `[token tile, vocabulary chunk]` launch at a time
+(`fwd_kernel`, then `merge_kernel`), so memory is flat in N; a sink receives what the launch stored besides: the
+frozen head's P~ blocks (consumed at once by a cuBLAS GEMM into A = Σ p·W), a materialised head's whole [rows, V]
+e^(z − ref), or nothing. Rows whose stored exponentials could overflow are recomputed against their exact max.
+
+Backward. Vocabulary-outer, so the weight gradient of a vocabulary chunk is finished before the next one starts: it
+goes straight into the weight-dtype gradient (one GEMM when all tokens fit one tile, else a chunk-sized fp32 buffer),
+so no full-size fp32 copy of the weight gradient ever exists (TRL keeps one). cuBLAS does `dX += dZ @ W` (fp32
+accumulator) and `dW = dZᵀ @ X`; the frozen head's backward is one elementwise pass (`frozen.frozen_input_grad`).
+
+Every tile size and switch is read from `tuning.TUNING` at call time.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+import triton
+import triton.language as tl
+
+from ..frozen import frozen_coefficients
+from .policy import SPARE_BYTES, free_device_bytes, materialize_decision, record_path
+from .triton_kernels import bwd_kernel, dz_from_p_kernel, frozen_dx_kernel, fwd_kernel, merge_kernel, mm_kernel
+from .tuning import TUNING
+
+TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+# Persistent launches need a Triton whose `tl.range` has `flatten` (3.3+); older ones get one program per tile.
+_FLATTEN_OK = "flatten" in inspect.signature(tl.range).parameters
+# The last launch of each fused kernel, as Triton compiled it (registers per thread, spills, shared memory): read by
+# benchmarks/loss_bench.py --tune to say how many programs an SM can hold.
+LAST_COMPILED = {}
+
+
+def _triton_mm_acc(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """c += a @ b, fp32, Triton with `fp32_dot` products (any strides)."""
+    m, k = a.shape
+    n = b.shape[1]
+    bm, bn, bk, group_m, warps, stages = TUNING.configs["mm_32"]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    mm_kernel[grid](a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+                    ACC=True, PRECISION=TUNING.fp32_dot, BM=bm, BN=bn, BK=bk, GROUP_M=group_m, num_warps=warps,
+                    num_stages=stages)
+
+
+def dtype_key(compute: torch.dtype) -> str:
+    return "32" if compute == torch.float32 else "16"
+
+
+def _forward_kind(sink) -> str:
+    """The `configs` family of a forward launch: the frozen head's (it also stores P~) or the statistics-only one."""
+    return "frozen" if sink is not None and sink.p_mode == 1 else "fwd"
+
+
+def _config(kind: str, compute: torch.dtype):
+    return TUNING.configs[f"{kind}_{dtype_key(compute)}"]
+
+
+def _precision(compute: torch.dtype) -> str:
+    return TUNING.fp32_dot if compute == torch.float32 else "ieee"
+
+
+def _mm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with acc fp32 and a, b in the compute dtype, accumulated in fp32 (no rounding of a @ b)."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    else:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out = a @ b accumulated in fp32 inside the GEMM, rounded once to out's dtype."""
+    if a.dtype == out.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b, out_dtype=torch.float32) if out.dtype == torch.float32 else torch.mm(a, b))
+
+
+def _operands(h, weight, compute, bm, bn, bk):
+    """(h arg, w arg, use_tma): tensor descriptors when TMA is on and the layout allows it, else the tensors."""
+    ok = (TUNING.use_tma and h.dtype == compute and weight.dtype == compute and h.stride(1) == 1
+          and weight.stride(1) == 1 and (h.stride(0) * h.element_size()) % 16 == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0
+          and h.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+    if not ok:
+        return h, weight, False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # Triton without host-side tensor descriptors: the pointer path
+        return h, weight, False
+
+    return TensorDescriptor.from_tensor(h, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]), True
+
+
+def _programs(kind: str, compute: torch.dtype, n_tiles: int, device: torch.device) -> tuple[int, bool]:
+    """(grid size, persistent): `programs_per_sm` programs per SM looping over the tiles, or one program per tile.
+    The frozen forward follows the statistics forward's `persistent` switch."""
+    key = f"{kind}_{dtype_key(compute)}"
+    if not (TUNING.persistent[key.replace("frozen", "fwd")] and _FLATTEN_OK):
+        return n_tiles, False
+    slots = TUNING.persistent_programs
+    if slots is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
+        slots = sms * TUNING.programs_per_sm[key]
+    return min(n_tiles, slots), True
+
+
+def _dz_target(tile: torch.Tensor, bm: int, bn: int, tma_loads: bool):
+    """(dz arg, use_tma): a tensor descriptor of the dZ tile when `dz_tma` is on and its layout allows it."""
+    return _store_target(tile, bm, bn, TUNING.dz_tma[dtype_key(tile.dtype)] and tma_loads)
+
+
+def _store_target(tile: torch.Tensor, bm: int, bn: int, wanted: bool):
+    """(arg, use_tma): a [bm, bn]-block tensor descriptor of `tile` when wanted and its layout allows bulk stores."""
+    ok = (wanted and tile.stride(1) == 1 and (tile.stride(0) * tile.element_size()) % 16 == 0
+          and tile.data_ptr() % 16 == 0)
+    if not ok:
+        return tile, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(tile, [bm, bn]), True
+
+
+def _widened_vocab_tile(vocab: int, tokens: int, vocab_tile: int, rows: int, bn: int) -> int:
+    """Vocabulary width of a [rows, width] buffer whose budget is tokens × vocab_tile elements: wider when fewer rows
+    than `tokens` are there (fewer, larger launches and GEMMs at small N, same memory), a multiple of BN."""
+    width = max(vocab_tile, (tokens * vocab_tile // max(rows, 1)) // bn * bn)
+    return min(width, vocab)
+
+
+class _FrozenSink:
+    """Frozen head: each [token tile, vocab chunk] block of P~ = c·e^(z − ref) (target column 0) goes through a
+    reusable buffer into acc[0][tile] += P~ @ W[chunk] (cuBLAS, fp32 accumulation); with `with_plogp`, also
+    P~·(z − ref) into acc[1]. The second GEMM of the two-GEMM frozen path."""
+
+    p_mode = 1
+
+    def __init__(self, m_rows, weight, compute, ref, with_plogp, bn):
+        tokens, vocab_tile = TUNING.frozen_tile[dtype_key(compute)]
+        self.t_tile = min(m_rows, tokens)
+        self.v_tile = _widened_vocab_tile(weight.shape[0], tokens, vocab_tile, self.t_tile, bn)
+        depth = 2 if with_plogp else 1
+        self.buf = torch.empty((depth, self.t_tile, self.v_tile), device=ref.device, dtype=compute)
+        self.acc = torch.zeros((depth, m_rows, weight.shape[1]), device=ref.device, dtype=torch.float32)
+        self.weight, self.compute, self.ref = weight, compute, ref
+
+    def views(self, t0, t1, v0, v1, bm, bn, tma_loads):
+        """(p, pz, ref rows, row stride, store pz, through descriptors) for the launch on rows t0:t1 and vocabulary
+        v0:v1: the buffer's planes, or descriptors of their [rows, chunk] views (`p_tma`)."""
+        p, pz = self.buf[0], self.buf[-1]
+        if TUNING.p_tma[dtype_key(self.compute)] and tma_loads:
+            (p, tma_p), (pz, tma_pz) = (_store_target(x[: t1 - t0, : v1 - v0], bm, bn, True) for x in (p, pz))
+            if tma_p and tma_pz:
+                return p, pz, self.ref[t0:t1], self.buf.stride(1), self.buf.shape[0] == 2, True
+            p, pz = self.buf[0], self.buf[-1]
+        return p, pz, self.ref[t0:t1], self.buf.stride(1), self.buf.shape[0] == 2, False
+
+    def consume(self, t0, t1, v0, v1):
+        w_c = self.weight[v0:v1].to(self.compute)
+        for i in range(self.buf.shape[0]):
+            _mm_acc(self.acc[i, t0:t1], self.buf[i, : t1 - t0, : v1 - v0], w_c)
+
+
+class _RefSink:
+    """No stores: only the per-row ref the statistics are taken against (`ref_stats_plain`)."""
+
+    p_mode = 0
+    t_tile = None
+    v_tile = None
+
+    def __init__(self, ref):
+        self.ref = ref
+
+    def views(self, t0, t1, v0, v1, bm, bn, tma_loads):
+        return self.ref, self.ref, self.ref[t0:t1], 0, False, False
+
+    def consume(self, t0, t1, v0, v1):
+        pass
+
+
+class _MaterializedSink:
+    """Trainable head with memory allowed for speed: e^(z − ref) of every row and vocabulary entry is kept
+    (`full`, [rows, V] in the compute dtype), so the backward is an elementwise pass and two GEMMs, no recompute."""
+
+    p_mode = 2
+    t_tile = None  # all rows per launch; the vocabulary chunk follows the statistics budget
+    v_tile = None
+
+    def __init__(self, full, ref):
+        self.full, self.ref = full, ref
+
+    def views(self, t0, t1, v0, v1, bm, bn, tma_loads):
+        view = self.full[t0:t1, v0:]
+        return view, view, self.ref[t0:t1], self.full.stride(0), False, False
+
+    def consume(self, t0, t1, v0, v1):
+        pass
+
+
+def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink=None):
+    """Running online-LSE statistics of the valid rows `h` over the whole vocabulary (and, with a sink, its P~
+    blocks handed over launch by launch)."""
+    m_rows, k = h.shape
+    vocab = weight.shape[0]
+    dev = h.device
+    kind = _forward_kind(sink)
+    bm, bn, bk, group_m, warps, stages = _config(kind, compute)
+    t_tile = (sink.t_tile if sink is not None else None) or m_rows
+    v_tile = (sink.v_tile if sink is not None else None) or bn * max(
+        1, min(triton.cdiv(vocab, bn), TUNING.part_budget_bytes // (t_tile * 4 * 6)))
+    part = torch.empty((6, triton.cdiv(min(v_tile, vocab), bn) * t_tile), device=dev, dtype=torch.float32)
+    run = torch.zeros((6, m_rows), device=dev)  # max, Σexp, Σexp·z, Σexp², Σz, max before the target
+    run[0].fill_(float("-inf"))
+    run[5].fill_(float("-inf"))
+    target_logit = torch.zeros(m_rows, device=dev)
+    flags = dict(HAS_ENTROPY=want["entropy"], HAS_SQ=want["log_sum_sq_probs"], HAS_MEAN=want["mean_logits"],
+                 HAS_TOP1=want["is_top1"])
+    ref_stats = sink is not None and (sink.p_mode == 0 or TUNING.ref_stats[dtype_key(compute)])
+    for t0 in range(0, m_rows, t_tile):
+        t1 = min(m_rows, t0 + t_tile)
+        rows = t1 - t0
+        h_arg, w_arg, tma = _operands(h[t0:t1], weight, compute, bm, bn, bk)
+        run_t = run[:, t0:t1]
+        for v0 in range(0, vocab, v_tile):
+            v1 = min(vocab, v0 + v_tile)
+            nvb = triton.cdiv(v1 - v0, bn)
+            n_progs, persistent = _programs(kind, compute, triton.cdiv(rows, bm) * nvb, dev)
+            p, pz, ref, stride_p, store_pz, p_tma = sink.views(t0, t1, v0, v1, bm, bn, tma) if sink else (
+                part, part, part, 0, False, False)
+            compiled = fwd_kernel[(n_progs,)](
+                h_arg, w_arg, bias if bias is not None else h, y[t0:t1], part, target_logit[t0:t1], p, pz, ref,
+                rows, v0, v1, k, h.stride(0), weight.stride(0), part.stride(0), stride_p,
+                float(logit_scale), float(softcap or 1.0), float(inv_t),
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, **flags,
+                COMPUTE=TL_DTYPE[compute], PRECISION=_precision(compute), EVEN_K=k % bk == 0, USE_TMA=tma,
+                BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
+                P_MODE=sink.p_mode if sink is not None else 0, STORE_PZ=store_pz, P_TMA=p_tma, REF_STATS=ref_stats,
+                num_warps=warps, num_stages=stages, **TUNING.launch_options[f"{kind}_{dtype_key(compute)}"])
+            LAST_COMPILED[f"{kind}_{dtype_key(compute)}"] = compiled
+            merge_kernel[(triton.cdiv(rows, TUNING.merge_rows),)](
+                part, run_t, part.stride(0), run_t.stride(0), rows, nvb, **flags, BR=TUNING.merge_rows,
+                BV=TUNING.merge_blocks, REF_STATS=ref_stats, num_warps=4)
+            if sink is not None:
+                sink.consume(t0, t1, v0, v1)
+    if ref_stats:  # the sums against ref → against the row max, as the rest of the kernel expects
+        to_max = torch.exp(sink.ref - run[0])
+        run[1:3].mul_(to_max)
+        run[3].mul_(to_max * to_max)
+    return (run[0], run[1], run[2] if want["entropy"] else None, run[3] if want["log_sum_sq_probs"] else None,
+            run[4] if want["mean_logits"] else None, run[5] if want["is_top1"] else None, target_logit)
+
+
+def _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale):
+    """Each row's target logit, cheaply (a row-wise dot in the compute dtype): the reference e^(z − ref) is taken
+    against. Any value ≤ the row's max does (no overflow unless the max is `ref_headroom` above it, and such rows are
+    recomputed against their exact max); the target's own logit is close to the max for sampled tokens."""
+    out = torch.empty(h.shape[0], device=h.device)
+    for r0 in range(0, h.shape[0], 8192):
+        r1 = min(r0 + 8192, h.shape[0])
+        w_rows = weight.index_select(0, y[r0:r1]).to(compute)
+        z = torch.bmm(h[r0:r1].to(compute).unsqueeze(1), w_rows.unsqueeze(2)).view(-1).float()
+        if bias is not None:
+            z = z + bias.index_select(0, y[r0:r1]).to(compute).float()
+        z = z * logit_scale
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        out[r0:r1] = z * inv_t
+    return out
+
+
+def frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, with_plogp):
+    """Statistics + A (+ B) of the frozen head, relative to log Z (see `frozen.frozen_input_grad`)."""
+    bn = _config("frozen", compute)[1]
+    ref = _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale)
+    sink = _FrozenSink(h.shape[0], weight, compute, ref, with_plogp, bn)
+    stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink)
+    run_m, run_s = stats[0], stats[1]
+    rows = _rows_to_recompute(run_m, run_s, ref, sink.acc, compute, _ref_limit(compute, want))
+    if rows.numel():
+        redo = _redo_rows(rows, stats, ref, lambda r: _FrozenSink(rows.numel(), weight, compute, r, with_plogp, bn),
+                          h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
+        sink.acc.index_copy_(1, rows, redo.acc)
+    return stats, _rebase_to_log_z(sink.acc, run_m, run_s, ref)
+
+
+def statistics_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want):
+    """The statistics-only forward; with `ref_stats_plain` against each row's target logit, rows too far below their
+    max recomputed against it."""
+    if not TUNING.ref_stats_plain[dtype_key(compute)]:
+        return _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
+    ref = _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale)
+    stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, _RefSink(ref))
+    rows = _far_below_max(stats[0], ref, _ref_limit(compute, want, True)).nonzero().squeeze(-1)
+    if rows.numel():
+        _redo_rows(rows, stats, ref, _RefSink, h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
+    return stats
+
+
+def _far_below_max(run_m, ref, limit):
+    """Rows whose max sits more than `limit` above their ref (or is not a number): e^(z − ref) may overflow there."""
+    return ~(run_m - ref <= limit)
+
+
+def _redo_rows(rows, stats, ref, make_sink, h, weight, bias, y, inv_t, softcap, logit_scale, compute, want):
+    """Recomputes `rows` against their exact max, which cannot overflow: `ref` is set to it, the rows' statistics
+    replace the first pass's (against ref, an overflowing row's sums are not usable), and the sink made by
+    `make_sink(ref of the rows)` holds their stores for the caller to put in place."""
+    ref[rows] = stats[0][rows]
+    sink = make_sink(ref[rows])
+    redone = _forward_stats(h[rows], weight, bias, y[rows], inv_t, softcap, logit_scale, compute, want, sink)
+    for kept, new in zip(stats, redone):
+        if kept is not None:
+            kept.index_copy_(0, rows, new)
+    return sink
+
+
+def _ref_limit(compute: torch.dtype, want: dict, against_ref: bool | None = None) -> float:
+    """How far a row's max may sit above its ref before the row is recomputed against its max (`against_ref`: the
+    statistics were taken against ref; `ref_stats` by default)."""
+    if against_ref is None:
+        against_ref = TUNING.ref_stats[dtype_key(compute)]
+    if against_ref and want["log_sum_sq_probs"]:
+        return min(TUNING.ref_headroom, TUNING.sq_ref_headroom)
+    return TUNING.ref_headroom
+
+
+def _rows_to_recompute(run_m, run_s, ref, acc, compute, limit=None):
+    """Rows whose P~ was stored too far below their max (overflow risk: `limit`, `ref_headroom` by default; with B,
+    its rounding: `plogp_excess`, where p_max = 1 / run_s) or whose accumulators are not finite. One host sync."""
+    limit = TUNING.ref_headroom if limit is None else limit
+    gap = run_m - ref
+    bad = _far_below_max(run_m, ref, limit) | ~torch.isfinite(acc.sum(-1)).all(0)  # an inf / nan row sums to one
+    if acc.shape[0] == 2:
+        bad |= gap / run_s > TUNING.plogp_excess[dtype_key(compute)]
+    return bad.nonzero().squeeze(-1)
+
+
+def _rebase_to_log_z(acc, run_m, run_s, ref):
+    """A_rel = Σ P~·W and B_rel = Σ P~·(z − ref)·W (against ref) → A = Σ p·W and B = Σ p·log p·W, in place."""
+    log_sum = run_m - ref + torch.log(run_s)  # log Z − ref
+    if acc.shape[0] == 2:  # B = f·(B_rel − (log Z − ref)·A_rel)
+        acc[1].addcmul_(acc[0], -log_sum.unsqueeze(-1))
+    acc.mul_(torch.exp(-log_sum).view(1, -1, 1))
+    return acc
+
+
+def materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want):
+    """Statistics + the kept [rows, V] e^(z − ref) of a materialised head, and ref − log Z per row."""
+    ref = _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale)
+    full = torch.empty((h.shape[0], weight.shape[0]), device=h.device, dtype=compute)
+    stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, _MaterializedSink(full, ref))
+    run_m, run_s = stats[0], stats[1]
+    rows = _far_below_max(run_m, ref, _ref_limit(compute, want)).nonzero().squeeze(-1)
+    if rows.numel():
+        redo = _redo_rows(rows, stats, ref, lambda r: _MaterializedSink(
+            torch.empty((rows.numel(), weight.shape[0]), device=h.device, dtype=compute), r),
+            h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
+        full.index_copy_(0, rows, redo.full)
+    return stats, full, ref - (run_m + torch.log(run_s))
+
+
+def materialize_fits(n_rows: int, vocab: int, compute: torch.dtype, device: torch.device) -> bool:
+    """Whether a trainable head keeps its [rows, V] probabilities: the memory policy (`policy.materialize_decision`)
+    on the bytes that needs and the bytes free on the device now (`materialize_fraction`, or the user's explicit
+    `materialize_gib`)."""
+    if not materialize_policy_on():
+        return False  # no need to ask the driver
+    need = n_rows * vocab * torch.empty((), dtype=compute).element_size()
+    allowance = None if TUNING.materialize_gib is None else TUNING.materialize_gib * 2**30
+    # off CUDA (Triton's interpreter on a CPU) as if just the buffer and the spare were free
+    free = free_device_bytes(device) if device.type == "cuda" else need + SPARE_BYTES
+    return materialize_decision(need, free, TUNING.materialize_fraction, allowance)
+
+
+def materialize_policy_on() -> bool:
+    """Whether the policy may keep a buffer at all (fraction > 0 without an allowance, or an allowance > 0)."""
+    if TUNING.materialize_gib is not None:
+        return TUNING.materialize_gib > 0
+    return TUNING.materialize_fraction > 0
+
+
+def _trainable_path(compute: torch.dtype, softcap, n_valid: int, vocab: int, device, hidden: int) -> tuple[str, bool]:
+    """(path, flat for memory) of a trainable head: `materialized` where the memory policy keeps the buffer, else
+    `recompute`; the flag says the policy wanted the buffer and the free memory was short."""
+    if softcap is not None or compute == torch.float16 or not materialize_policy_on():
+        return "recompute", False
+    if TUNING.materialize_gib is None and n_valid * hidden < TUNING.materialize_flat_below[dtype_key(compute)]:
+        return "recompute", False  # a small head is host-bound: the flat path is as fast or faster there
+    if materialize_fits(n_valid, vocab, compute, device):
+        return "materialized", False
+    return "recompute", True
+
+
+def choose_path(mode: str, compute: torch.dtype, softcap, n_valid: int, vocab: int, device, hidden: int) -> str:
+    """`stats` (no gradient), `frozen` (two GEMMs), `materialized` (three, the buffer fits the memory policy) or
+    `recompute` (four; three for a frozen head, which needs no weight gradient). Counted in `policy.path_counts()`."""
+    flat_for_memory = False
+    if mode == "inference" or n_valid == 0:
+        path = "stats"
+    elif mode == "frozen":
+        key = dtype_key(compute)
+        small = n_valid < TUNING.frozen_recompute_rows[key] and n_valid * hidden < TUNING.frozen_recompute_below[key]
+        path = "frozen" if TUNING.frozen_two_gemm and compute != torch.float16 and not small else "recompute"
+    else:
+        path, flat_for_memory = _trainable_path(compute, softcap, n_valid, vocab, device, hidden)
+    record_path(path, flat_for_memory)
+    return path
+
+
+def _scatter_rows(valid_grad, hidden, rows):
+    if rows is None:
+        return valid_grad
+    return torch.zeros_like(hidden).index_copy_(0, rows, valid_grad.to(hidden.dtype))
+
+
+def frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy, tlogit, softcap, logit_scale, inv_t, compute,
+                    rows):
+    """dX of the frozen path: elementwise from A, B and the statistics (`frozen.frozen_input_grad`)."""
+    if logprobs.numel() == 0:
+        return torch.zeros_like(hidden)
+    c_target = torch.ones_like(logprobs)
+    if softcap is not None:
+        t_y = tlogit / (softcap * inv_t)
+        c_target = 1 - t_y * t_y
+    n, k = logprobs.shape[0], hidden.shape[1]
+    out = torch.empty((n, k), device=hidden.device, dtype=hidden.dtype)
+    coef_y, coef_a, coef_b = frozen_coefficients(g, ge, logprobs, entropy, c_target, inv_t * logit_scale)
+    br, bh = 32, 128
+    frozen_dx_kernel[(triton.cdiv(n, br), triton.cdiv(k, bh))](
+        acc, weight, y, coef_y.contiguous(), coef_a.contiguous(), coef_b.contiguous(), out, n, k, acc.stride(0),
+        weight.stride(0), out.stride(0), HAS_B=acc.shape[0] == 2, COMPUTE=TL_DTYPE[compute], BR=br, BH=bh,
+        num_warps=4)
+    return _scatter_rows(out, hidden, rows)
+
+
+def materialized_backward(extra, hidden, weight, bias, y, g, ge, entropy, scale, compute, rows, need_h, need_w,
+                          need_b):
+    """dZ from the kept probabilities (in place), then cuBLAS: dX = dZ @ W, dW = dZᵀ @ X, db = Σ dZ."""
+    full, logprobs, shift = extra
+    m_rows, vocab = full.shape
+    bm, bn = 64, 128
+    dummy = logprobs
+    dz_from_p_kernel[(triton.cdiv(m_rows, bm), triton.cdiv(vocab, bn))](
+        full, y, shift, logprobs, entropy, g if g is not None else dummy, ge if ge is not None else dummy,
+        m_rows, vocab, full.stride(0), float(scale), HAS_G=g is not None, HAS_GE=ge is not None, BM=bm, BN=bn,
+        num_warps=4)
+    grad_h = grad_w = grad_b = None
+    if need_h:
+        w_c = weight.to(compute)
+        grad_h = torch.mm(full, w_c) if compute == torch.float32 else torch.mm(full, w_c, out_dtype=torch.float32)
+        grad_h = _scatter_rows(grad_h.to(hidden.dtype), hidden, rows)
+    if need_w:
+        h = hidden if rows is None else hidden.index_select(0, rows)
+        grad_w = torch.empty_like(weight)
+        _mm_into(grad_w, full.t(), h.to(compute))
+    if need_b and bias is not None:
+        grad_b = full.sum(0, dtype=torch.float32)
+    return grad_h, grad_w, grad_b
+
+
+def recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, softcap, logit_scale, inv_t, compute,
+                       n_valid, need_h, need_w, need_b, dz_tile):
+    """The memory-lean backward: recompute each [token tile, vocabulary chunk] of logits in the fused kernel, write
+    dZ once into a `dz_tile` (tokens, vocabulary) buffer, then cuBLAS for dX and dW (vocabulary-outer, so each
+    chunk's weight gradient is finished at once)."""
+    dev = hidden.device
+    vocab, k = weight.shape
+    grad_w = torch.zeros_like(weight) if need_w else None
+    grad_b = torch.zeros(vocab, device=dev, dtype=torch.float32) if (need_b and bias is not None) else None
+    grad_h_valid = torch.zeros((n_valid, k), device=dev, dtype=torch.float32) if need_h else None
+    if n_valid > 0 and (g is not None or ge is not None) and (need_h or need_w or need_b):
+        h = hidden if rows is None else hidden.index_select(0, rows)
+        h = h.contiguous()
+        h_c = h.to(compute)
+        bm, bn, bk, group_m, warps, stages = _config("bwd", compute)
+        tokens, vocab_tile = dz_tile
+        t_tile = min(n_valid, tokens)
+        v_tile = _widened_vocab_tile(vocab, tokens, vocab_tile, t_tile, bn)
+        dz = torch.empty((t_tile, v_tile), device=dev, dtype=compute)
+        n_ttiles = triton.cdiv(n_valid, t_tile)
+        dw_buf = None
+        if need_w and n_ttiles > 1 and grad_w.dtype != torch.float32:
+            dw_buf = torch.empty((v_tile, k), device=dev, dtype=torch.float32)
+        dummy = log_z
+        tri_mm = (TUNING.fp32_mm == "triton" and compute == torch.float32 and weight.dtype == torch.float32
+                  and h.dtype == torch.float32)
+        for v0 in range(0, vocab, v_tile):
+            v1 = min(v0 + v_tile, vocab)
+            w_c = None if tri_mm else weight[v0:v1].to(compute)
+            if dw_buf is not None:
+                dw_buf.zero_()
+            for t0 in range(0, n_valid, t_tile):
+                t1 = min(t0 + t_tile, n_valid)
+                rows_t = t1 - t0
+                tile = dz[:rows_t, : v1 - v0]
+                n_progs, persistent = _programs("bwd", compute, triton.cdiv(rows_t, bm) * triton.cdiv(v1 - v0, bn),
+                                                dev)
+                h_arg, w_arg, tma = _operands(h[t0:t1], weight, compute, bm, bn, bk)
+                dz_arg, dz_tma = _dz_target(tile, bm, bn, tma)
+                compiled = bwd_kernel[(n_progs,)](
+                    h_arg, w_arg, bias if bias is not None else h, y[t0:t1], log_z[t0:t1],
+                    entropy[t0:t1], g[t0:t1] if g is not None else dummy, ge[t0:t1] if ge is not None else dummy,
+                    dz_arg, rows_t, v0, v1, k, h.stride(0), weight.stride(0), tile.stride(0),
+                    float(logit_scale), float(softcap or 1.0), float(inv_t),
+                    HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_G=g is not None,
+                    HAS_GE=ge is not None, COMPUTE=TL_DTYPE[compute], PRECISION=_precision(compute),
+                    EVEN_K=k % bk == 0, USE_TMA=tma, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
+                    PERSISTENT=persistent, NUM_PROGRAMS=n_progs, DZ_TMA=dz_tma,
+                    num_warps=warps, num_stages=stages, **TUNING.launch_options[f"bwd_{dtype_key(compute)}"])
+                LAST_COMPILED[f"bwd_{dtype_key(compute)}"] = compiled
+                if tri_mm:
+                    if need_h:
+                        _triton_mm_acc(grad_h_valid[t0:t1], tile, weight[v0:v1])
+                    if need_w:
+                        _triton_mm_acc(grad_w[v0:v1], tile.t(), h[t0:t1])
+                if need_h and not tri_mm:
+                    _mm_acc(grad_h_valid[t0:t1], tile, w_c)
+                if need_w and not tri_mm:
+                    if n_ttiles == 1:
+                        _mm_into(grad_w[v0:v1], tile.t(), h_c[t0:t1])
+                    elif dw_buf is None:
+                        _mm_acc(grad_w[v0:v1], tile.t(), h_c[t0:t1])
+                    else:
+                        _mm_acc(dw_buf[: v1 - v0], tile.t(), h_c[t0:t1])
+                if grad_b is not None:
+                    grad_b[v0:v1] += tile.sum(0, dtype=torch.float32)
+            if dw_buf is not None:
+                grad_w[v0:v1].copy_(dw_buf[: v1 - v0])
+    grad_h = None
+    if need_h:
+        grad_h = _scatter_rows(grad_h_valid.to(hidden.dtype), hidden, rows)
+    return grad_h, grad_w, grad_b
+

@@ -1,0 +1,367 @@
+"""The Triton kernels of the fused linear → log-prob head: every `@triton.jit` function, and nothing else.
+
+This is the largest module of `grpo_lab.loss` on purpose: it is one idea (the device code), and splitting the
+kernels from the tile helpers they inline would only scatter them. The host side that picks a path, sizes the
+buffers and launches these lives in `launch`; the tile sizes and switches they are launched with in `tuning`.
+
+Forward (`fwd_kernel`). One Triton matmul kernel computes `[BM tokens, BN vocab]` blocks of `hidden @ weight.T` in
+fp32 registers (K = H loop, tensor cores for bf16/fp16, IEEE fp32 or split-TF32 ("tf32x3") for fp32) and, in the
+epilogue, applies scale / softcap / temperature and reduces the block to per-row partial online-LSE statistics (max,
+sum of exps, sum of exp·z for the entropy, ...). The logits never reach HBM: only `n_vblocks × N` partial stats do,
+for one vocabulary chunk at a time; `merge_kernel` folds them into running stats. A frozen or materialised head also
+stores the block's e^(z − ref) for a cuBLAS GEMM to consume.
+
+Backward (`bwd_kernel`). The same GEMM recomputes the logits of a `[token tile, vocab chunk]` tile and its epilogue
+turns them into the logits gradient `dL/dz_j = (1/T)·[g·(δ_jy − p_j) − h·p_j·(log p_j + H)]` (through softcap and
+scale), written once in the compute dtype. `dz_from_p_kernel` does the same from kept probabilities,
+`frozen_dx_kernel` is the frozen head's elementwise input gradient and `mm_kernel` the fp32 path's split-TF32 GEMM.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile_logits(h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, stride_w,
+                 logit_scale, softcap, inv_t,
+                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+                 EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr):
+    """fp32 logits z of block (pid_m, pid_n), the vocab offsets, the column / row validity and tanh (softcap)."""
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = v_lo + pid_n * BN + tl.arange(0, BN)
+    row_ok = offs_m < M
+    col_ok = offs_n < v_hi
+    # Out-of-range rows/columns read a valid row instead (no masks in the K loop); their results are never kept.
+    safe_m = tl.where(row_ok, offs_m, 0).to(tl.int64)
+    safe_n = tl.where(col_ok, offs_n, v_lo).to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if USE_TMA:
+        # h_ptr / w_ptr are host-built tensor descriptors: the copy engine zero-fills rows past M or V and the K tail
+        for k in range(0, tl.cdiv(K, BK)):
+            a = h_ptr.load([pid_m * BM, k * BK])
+            b = w_ptr.load([v_lo + pid_n * BN, k * BK])
+            acc = tl.dot(a.to(COMPUTE), b.to(COMPUTE).T, acc, input_precision=PRECISION)
+    else:
+        rk = tl.arange(0, BK)
+        a_ptrs = h_ptr + safe_m[:, None] * stride_h + rk[None, :]
+        b_ptrs = w_ptr + safe_n[None, :] * stride_w + rk[:, None]
+        for k in range(0, tl.cdiv(K, BK)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = rk + k * BK < K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(a.to(COMPUTE), b.to(COMPUTE), acc, input_precision=PRECISION)
+            a_ptrs += BK
+            b_ptrs += BK
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + safe_n).to(COMPUTE).to(tl.float32)
+        acc += bias[None, :]
+    z = acc * logit_scale
+    t = z
+    if HAS_SOFTCAP:
+        t = 2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0  # tanh(z / softcap)
+        z = softcap * t
+    z = z * inv_t
+    return z, t, offs_m, offs_n, row_ok, col_ok
+
+
+@triton.jit
+def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    group_size = GROUP_M * num_pid_n
+    first_m = (pid // group_size) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % size_m
+    pid_n = (pid % group_size) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr,
+               M, v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p,
+               logit_scale, softcap, inv_t,
+               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+               HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
+               COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+               PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, P_MODE: tl.constexpr,
+               STORE_PZ: tl.constexpr, P_TMA: tl.constexpr, REF_STATS: tl.constexpr):
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(v_hi - v_lo, BN)
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+            pid_m, pid_n = _grouped_pid(tile, num_pid_m, num_pid_n, GROUP_M)
+            _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
+                      v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
+                      HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
+                      USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS)
+    else:
+        pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
+                  v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
+                  HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
+                  USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS)
+
+
+@triton.jit
+def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n,
+              M, v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p,
+              logit_scale, softcap, inv_t,
+              HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+              HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
+              COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_MODE: tl.constexpr, STORE_PZ: tl.constexpr,
+              P_TMA: tl.constexpr, REF_STATS: tl.constexpr):
+    """One [BM, BN] block: its logits, reduced to per-row partial statistics in `part`; with P_MODE, also the
+    block's e^(z − ref) (ref: a per-row reference, `ref_ptr`) stored at `p_ptr` for a cuBLAS GEMM to consume —
+    P_MODE 1 (frozen head): times the softcap factor, target column 0, and e^(z − ref)·(z − ref) at `pz_ptr` when
+    STORE_PZ; P_MODE 2 (materialised head): e^(z − ref) as is. With P_TMA, `p_ptr` / `pz_ptr` are tensor
+    descriptors of this launch's [rows, chunk] views (bulk stores, clipped at their edges). With REF_STATS (only
+    with P_MODE), the partial sums are taken against ref rather than the block's max (which is still stored)."""
+    z, t, offs_m, offs_n, row_ok, col_ok = _tile_logits(
+        h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, stride_w, logit_scale, softcap, inv_t,
+        HAS_BIAS, HAS_SOFTCAP, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
+    zm = tl.where(col_ok[None, :], z, -float("inf"))
+    if REF_STATS:
+        ref = tl.load(ref_ptr + offs_m, mask=row_ok, other=0.0)
+        e = tl.exp(zm - ref[:, None])  # e^(z − ref): no wait for the row max
+        m = tl.max(zm, axis=1)
+    else:
+        m = tl.max(zm, axis=1)
+        e = tl.exp(zm - m[:, None])
+    base = part_ptr + pid_n * M + offs_m
+    tl.store(base, m, mask=row_ok)
+    tl.store(base + part_stat_stride, tl.sum(e, axis=1), mask=row_ok)
+    if HAS_ENTROPY:
+        tl.store(base + 2 * part_stat_stride, tl.sum(e * tl.where(col_ok[None, :], z, 0.0), axis=1), mask=row_ok)
+    if HAS_SQ:
+        tl.store(base + 3 * part_stat_stride, tl.sum(e * e, axis=1), mask=row_ok)
+    if HAS_MEAN:
+        tl.store(base + 4 * part_stat_stride, tl.sum(tl.where(col_ok[None, :], z, 0.0), axis=1), mask=row_ok)
+    tgt = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1)
+    if HAS_TOP1:
+        before = offs_n[None, :] < tgt[:, None]
+        tl.store(base + 5 * part_stat_stride, tl.max(tl.where(before, zm, -float("inf")), axis=1), mask=row_ok)
+    hit = offs_n[None, :] == tgt[:, None]
+    tz = tl.sum(tl.where(hit, z, 0.0), axis=1)
+    blk_lo = v_lo + pid_n * BN
+    mine = row_ok & (tgt >= blk_lo) & (tgt < blk_lo + BN) & (tgt < v_hi)
+    tl.store(tlogit_ptr + offs_m, tz, mask=mine)
+    if P_MODE != 0:  # last, so that e is dead once pe exists (one [BM, BN] fp32 block fewer live)
+        if REF_STATS:
+            pe = e
+        else:
+            ref = tl.load(ref_ptr + offs_m, mask=row_ok, other=0.0)
+            pe = e * tl.exp(m - ref)[:, None]  # e^(z − ref); rows where that overflows are recomputed by the host
+        if P_MODE == 1:
+            if HAS_SOFTCAP:
+                pe = pe * (1.0 - t * t)
+            pe = tl.where(hit, 0.0, pe)
+        if P_TMA:
+            p_ptr.store([pid_m * BM, pid_n * BN], pe.to(p_ptr.dtype))
+            if STORE_PZ:
+                pz_ptr.store([pid_m * BM, pid_n * BN], (pe * (z - ref[:, None])).to(pz_ptr.dtype))
+        else:
+            p_off = offs_m.to(tl.int64)[:, None] * stride_p + (offs_n - v_lo)[None, :]
+            p_ok = row_ok[:, None] & col_ok[None, :]
+            tl.store(p_ptr + p_off, pe.to(p_ptr.dtype.element_ty), mask=p_ok)
+            if STORE_PZ:
+                tl.store(pz_ptr + p_off, (pe * (z - ref[:, None])).to(pz_ptr.dtype.element_ty), mask=p_ok)
+
+
+@triton.jit
+def bwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, dz_ptr,
+               M, v_lo, v_hi, K, stride_h, stride_w, stride_dz,
+               logit_scale, softcap, inv_t,
+               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_G: tl.constexpr, HAS_GE: tl.constexpr,
+               COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+               PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DZ_TMA: tl.constexpr):
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(v_hi - v_lo, BN)
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+            pid_m, pid_n = _grouped_pid(tile, num_pid_m, num_pid_n, GROUP_M)
+            _bwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, dz_ptr, pid_m, pid_n, M, v_lo,
+                      v_hi, K, stride_h, stride_w, stride_dz, logit_scale, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP,
+                      HAS_G, HAS_GE, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK, DZ_TMA)
+    else:
+        pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        _bwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, dz_ptr, pid_m, pid_n, M, v_lo,
+                  v_hi, K, stride_h, stride_w, stride_dz, logit_scale, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP,
+                  HAS_G, HAS_GE, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK, DZ_TMA)
+
+
+@triton.jit
+def _bwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, dz_ptr, pid_m, pid_n,
+              M, v_lo, v_hi, K, stride_h, stride_w, stride_dz,
+              logit_scale, softcap, inv_t,
+              HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_G: tl.constexpr, HAS_GE: tl.constexpr,
+              COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DZ_TMA: tl.constexpr):
+    """One [BM, BN] block of dZ: the logits recomputed, turned into their gradient, stored in the compute dtype."""
+    z, t, offs_m, offs_n, row_ok, col_ok = _tile_logits(
+        h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, stride_w, logit_scale, softcap, inv_t,
+        HAS_BIAS, HAS_SOFTCAP, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
+    log_z = tl.load(logz_ptr + offs_m, mask=row_ok, other=0.0)
+    log_p = z - log_z[:, None]
+    p = tl.exp(log_p)
+    grad = tl.zeros((BM, BN), dtype=tl.float32)
+    if HAS_G:
+        g = tl.load(g_ptr + offs_m, mask=row_ok, other=0.0)
+        tgt = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1)
+        hit = (offs_n[None, :] == tgt[:, None]).to(tl.float32)
+        grad += g[:, None] * (hit - p)
+    if HAS_GE:
+        ge = tl.load(ge_ptr + offs_m, mask=row_ok, other=0.0)
+        ent = tl.load(ent_ptr + offs_m, mask=row_ok, other=0.0)
+        grad -= ge[:, None] * p * (log_p + ent[:, None])
+    grad = grad * inv_t
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - t * t)
+    grad = grad * logit_scale
+    if DZ_TMA:  # dz_ptr is a descriptor of this [rows, chunk] tile: rows / columns past its edge are not written
+        dz_ptr.store([pid_m * BM, pid_n * BN], grad.to(dz_ptr.dtype))
+    else:
+        ptrs = dz_ptr + offs_m.to(tl.int64)[:, None] * stride_dz + (offs_n - v_lo)[None, :]
+        tl.store(ptrs, grad.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def dz_from_p_kernel(p_ptr, tgt_ptr, shift_ptr, lp_ptr, ent_ptr, g_ptr, ge_ptr, M, V, stride_p, scale,
+                     HAS_G: tl.constexpr, HAS_GE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Materialised head's backward, in place: the stored e^(z − ref) becomes dZ. p_j = e^(z_j − ref)·e^(ref − log Z)
+    (`shift` = ref − log Z per row); the target's own p_y and log p_y come from the fp32 log-prob, not from the
+    rounded store, so 1 − p_y keeps its precision when p_y → 1."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    row_ok = offs_m < M
+    ok = row_ok[:, None] & (offs_n < V)[None, :]
+    ptrs = p_ptr + offs_m.to(tl.int64)[:, None] * stride_p + offs_n[None, :]
+    pe = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    shift = tl.load(shift_ptr + offs_m, mask=row_ok, other=0.0)
+    lp_y = tl.load(lp_ptr + offs_m, mask=row_ok, other=0.0)
+    tgt = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1)
+    hit = offs_n[None, :] == tgt[:, None]
+    p = tl.where(hit, tl.exp(lp_y)[:, None], pe * tl.exp(shift)[:, None])
+    grad = tl.zeros((BM, BN), dtype=tl.float32)
+    if HAS_G:
+        g = tl.load(g_ptr + offs_m, mask=row_ok, other=0.0)
+        grad += g[:, None] * (hit.to(tl.float32) - p)
+    if HAS_GE:
+        ge = tl.load(ge_ptr + offs_m, mask=row_ok, other=0.0)
+        ent = tl.load(ent_ptr + offs_m, mask=row_ok, other=0.0)
+        log_p = tl.where(hit, lp_y[:, None], tl.log(tl.maximum(pe, 1e-38)) + shift[:, None])
+        grad -= ge[:, None] * tl.where(p > 0, p * (log_p + ent[:, None]), 0.0)
+    tl.store(ptrs, (grad * scale).to(p_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def frozen_dx_kernel(acc_ptr, w_ptr, y_ptr, cy_ptr, ca_ptr, cb_ptr, out_ptr, M, K, acc_plane, stride_w, stride_out,
+                     HAS_B: tl.constexpr, COMPUTE: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
+    """The frozen head's input gradient in one pass: out = coef_y·W_y + coef_a·A (+ coef_b·B), per row (the math:
+    `grpo_lab.loss.frozen.frozen_input_grad`); W_y gathered by target and read as the projection saw it."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    r_ok = offs_r < M
+    ok = r_ok[:, None] & (offs_h < K)[None, :]
+    rows = offs_r.to(tl.int64)[:, None]
+    y = tl.load(y_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)
+    w_y = tl.load(w_ptr + y[:, None] * stride_w + offs_h[None, :], mask=ok, other=0.0).to(COMPUTE).to(tl.float32)
+    a = tl.load(acc_ptr + rows * K + offs_h[None, :], mask=ok, other=0.0)
+    out = tl.load(cy_ptr + offs_r, mask=r_ok, other=0.0)[:, None] * w_y
+    out += tl.load(ca_ptr + offs_r, mask=r_ok, other=0.0)[:, None] * a
+    if HAS_B:
+        b = tl.load(acc_ptr + acc_plane + rows * K + offs_h[None, :], mask=ok, other=0.0)
+        out += tl.load(cb_ptr + offs_r, mask=r_ok, other=0.0)[:, None] * b
+    tl.store(out_ptr + rows * stride_out + offs_h[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def merge_kernel(part_ptr, run_ptr, part_stat_stride, run_stat_stride, M, n_blocks,
+                 HAS_ENTROPY: tl.constexpr, HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
+                 BR: tl.constexpr, BV: tl.constexpr, REF_STATS: tl.constexpr):
+    """Folds one launch's per-block partial statistics (`part`, [stat, block, row]) into the running ones (`run`,
+    [stat, row]) in place: the online-LSE merge, one launch instead of a dozen torch ops per vocabulary chunk. With
+    REF_STATS every sum is against the same per-row ref, so they add as they are (the max is still merged)."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_ok = offs_r < M
+    old_m = tl.load(run_ptr + offs_r, mask=r_ok, other=0.0)
+    new_m = old_m
+    for b0 in range(0, n_blocks, BV):
+        offs_b = b0 + tl.arange(0, BV)
+        ok = (offs_b < n_blocks)[:, None] & r_ok[None, :]
+        pm = tl.load(part_ptr + offs_b[:, None] * M + offs_r[None, :], mask=ok, other=-float("inf"))
+        new_m = tl.maximum(new_m, tl.max(pm, axis=0))
+    if REF_STATS:
+        alpha = tl.where(r_ok, 1.0, 0.0)
+    else:
+        alpha = tl.exp(old_m - new_m)
+    at_s = run_ptr + run_stat_stride + offs_r  # all six running statistics exist; the unwanted ones stay untouched
+    s = tl.load(at_s, mask=r_ok, other=0.0) * alpha
+    xs = tl.load(at_s + run_stat_stride, mask=r_ok, other=0.0) * alpha
+    sq = tl.load(at_s + 2 * run_stat_stride, mask=r_ok, other=0.0) * alpha * alpha
+    zs = tl.load(at_s + 3 * run_stat_stride, mask=r_ok, other=0.0)
+    mbt = tl.load(at_s + 4 * run_stat_stride, mask=r_ok, other=-float("inf"))
+    for b0 in range(0, n_blocks, BV):
+        offs_b = b0 + tl.arange(0, BV)
+        ok = (offs_b < n_blocks)[:, None] & r_ok[None, :]
+        at = part_ptr + offs_b[:, None] * M + offs_r[None, :]
+        if REF_STATS:
+            w = tl.where(ok, 1.0, 0.0)
+        else:
+            w = tl.exp(tl.load(at, mask=ok, other=-float("inf")) - new_m[None, :])
+            w = tl.where(ok, w, 0.0)
+        s += tl.sum(tl.load(at + part_stat_stride, mask=ok, other=0.0) * w, axis=0)
+        if HAS_ENTROPY:
+            xs += tl.sum(tl.load(at + 2 * part_stat_stride, mask=ok, other=0.0) * w, axis=0)
+        if HAS_SQ:
+            sq += tl.sum(tl.load(at + 3 * part_stat_stride, mask=ok, other=0.0) * w * w, axis=0)
+        if HAS_MEAN:
+            zs += tl.sum(tl.load(at + 4 * part_stat_stride, mask=ok, other=0.0), axis=0)
+        if HAS_TOP1:
+            mbt = tl.maximum(mbt, tl.max(tl.load(at + 5 * part_stat_stride, mask=ok, other=-float("inf")), axis=0))
+    tl.store(run_ptr + offs_r, new_m, mask=r_ok)
+    tl.store(at_s, s, mask=r_ok)
+    if HAS_ENTROPY:
+        tl.store(at_s + run_stat_stride, xs, mask=r_ok)
+    if HAS_SQ:
+        tl.store(at_s + 2 * run_stat_stride, sq, mask=r_ok)
+    if HAS_MEAN:
+        tl.store(at_s + 3 * run_stat_stride, zs, mask=r_ok)
+    if HAS_TOP1:
+        tl.store(at_s + 4 * run_stat_stride, mbt, mask=r_ok)
+
+
+@triton.jit
+def mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
+              ACC: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              GROUP_M: tl.constexpr):
+    """fp32 C (+)= A @ B with fp32 accumulation (used for the fp32 path's dX and dW with split-TF32 dots)."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + safe_m[:, None] * s_am + rk[None, :] * s_ak
+    b_ptrs = b_ptr + rk[:, None] * s_bk + safe_n[None, :] * s_bn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        k_ok = rk + k * BK < K
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0).to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BK * s_ak
+        b_ptrs += BK * s_bk
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * s_cm + offs_n[None, :] * s_cn
+    c_ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if ACC:
+        acc += tl.load(c_ptrs, mask=c_ok, other=0.0)
+    tl.store(c_ptrs, acc, mask=c_ok)
+

@@ -1,0 +1,143 @@
+"""The one `loss_backend` switch for TRL's `GRPOTrainer` and `AsyncGRPOTrainer`.
+
+TRL 1.16 computes every GRPO log-prob through `trl.trainer.utils._ChunkedLogProbFunction.apply` (inside the fused
+LM head it patches onto the model), then runs its own loss math on the `(B, T)` log-probs. grpo-lab puts a
+dispatcher in that slot: while a trainer whose backend is `grpo_lab` or `naive` is computing log-probs, the call goes
+to that backend; at any other time (other trainers, generation, user code) it goes to TRL's own function. So TRL's
+loss code runs unchanged for every option. `liger` fuses the loss too, so for it the trainer's `_compute_loss` is
+swapped for Liger's `LigerFusedLinearGRPOLoss` (see `liger`).
+
+The backend name is checked once, by `backends.resolve_backend`, where it enters (`GRPOLabConfig`,
+`set_loss_backend`, `logprob_backend`); a trainer step looks up nothing and checks nothing.
+
+Use it in one line, either way:
+
+    trainer = GRPOLabTrainer(model, reward_funcs, args=GRPOLabConfig(..., loss_backend="grpo_lab"), ...)
+    set_loss_backend(existing_trainer, "naive")        # any GRPOTrainer / AsyncGRPOTrainer instance
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig, GRPOTrainer
+
+from .backends import BACKEND_HELP, DEFAULT_LOSS_BACKEND, resolve_backend
+from .heads import logprob_head
+
+_ACTIVE_LOGPROB_FN: contextvars.ContextVar = contextvars.ContextVar("grpo_lab_logprob_fn", default=None)
+
+
+class _LogProbDispatcher:
+    """Stands in for TRL's `_ChunkedLogProbFunction`: routes `.apply` to the active backend, else to TRL's own."""
+
+    def __init__(self, trl_function):
+        self.trl_function = trl_function
+
+    def apply(self, *args):
+        fn = _ACTIVE_LOGPROB_FN.get()
+        return self.trl_function.apply(*args) if fn is None else fn(*args)
+
+
+def _install_dispatcher() -> None:
+    import trl.trainer.utils as trl_utils
+
+    if not isinstance(trl_utils._ChunkedLogProbFunction, _LogProbDispatcher):
+        trl_utils._ChunkedLogProbFunction = _LogProbDispatcher(trl_utils._ChunkedLogProbFunction)
+
+
+@contextlib.contextmanager
+def _active_head(head):
+    """Inside this block, TRL's fused LM head calls `head` (None: TRL's own function)."""
+    _install_dispatcher()
+    token = _ACTIVE_LOGPROB_FN.set(head)
+    try:
+        yield
+    finally:
+        _ACTIVE_LOGPROB_FN.reset(token)
+
+
+def _head_of(name: str):
+    """The function TRL's fused LM head should call for the resolved log-prob backend `name` (None: TRL's own)."""
+    return None if name == "trl" else logprob_head(name)
+
+
+def logprob_backend(name: str):
+    """A context manager: inside it, TRL's fused LM head computes log-probs with backend `name` (`trl`: TRL's own)."""
+    return _active_head(_head_of(resolve_backend(name, logprob_head=True)))
+
+
+def _scoped(method, head):
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with _active_head(head):
+            return method(*args, **kwargs)
+
+    wrapper._grpo_lab_original = getattr(method, "_grpo_lab_original", method)
+    return wrapper
+
+
+# The trainer methods inside which every training-time log-prob is computed (old/ref log-probs included).
+_SCOPED_METHODS = ("compute_loss", "_get_per_token_logps_and_entropies")
+
+
+def set_loss_backend(trainer, name: str):
+    """Make `trainer` (a TRL `GRPOTrainer` or `AsyncGRPOTrainer`) compute its GRPO loss with backend `name`.
+
+    Calling it again switches backends; `trl` restores TRL's own behaviour. Returns the trainer.
+    """
+    name = resolve_backend(name)
+    if name == "liger":  # refuse before touching the trainer: a failed switch leaves it as it was
+        from .liger import check_liger_supports
+
+        check_liger_supports(trainer)
+    for attr in (*_SCOPED_METHODS, "_compute_loss"):
+        current = trainer.__dict__.get(attr)
+        if current is not None and hasattr(current, "_grpo_lab_original"):
+            del trainer.__dict__[attr]  # back to the class's own method
+    if name == "liger":
+        from .liger import liger_compute_loss
+
+        trainer._compute_loss = _mark(functools.partial(liger_compute_loss, trainer))
+    elif name != "trl":
+        head = _head_of(name)
+        for attr in _SCOPED_METHODS:
+            method = getattr(trainer, attr, None)
+            if method is not None:
+                setattr(trainer, attr, _scoped(method, head))
+    trainer.loss_backend = name
+    return trainer
+
+
+def _mark(fn):
+    fn._grpo_lab_original = fn
+    return fn
+
+
+@dataclass
+class GRPOLabConfig(GRPOConfig):
+    r"""
+    TRL's [`GRPOConfig`] plus one field.
+
+    Args:
+        loss_backend (`str`, *optional*, defaults to `"grpo_lab"`):
+            How the GRPO log-probs / loss are computed: `"grpo_lab"`, `"trl"`, `"naive"` or `"liger"`.
+    """
+
+    loss_backend: str = field(default=DEFAULT_LOSS_BACKEND, metadata={"help": BACKEND_HELP})
+
+    def __post_init__(self):
+        resolve_backend(self.loss_backend)
+        super().__post_init__()
+
+
+class GRPOLabTrainer(GRPOTrainer):
+    """TRL's `GRPOTrainer` honouring `args.loss_backend` (a plain `GRPOConfig` means `grpo_lab`)."""
+
+    def __init__(self, *args, loss_backend: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        set_loss_backend(self, loss_backend or getattr(self.args, "loss_backend", DEFAULT_LOSS_BACKEND))
+

@@ -1,0 +1,221 @@
+"""Measure what the memory planner predicts, with the harness (fresh processes per point), and record both.
+
+    python -m grpo_lab.memory.planner.check --preset cpu_fsdp --out results/memory_planner      # CPU, gloo, W = 1, 2, 4
+    python -m grpo_lab.memory.planner.check --preset heldout_h200 --out results/memory_planner  # one H200, ~3 min
+    python -m grpo_lab.memory.planner.check --preset nb02_expandable --out results/memory_planner  # one H200, ~7 min
+
+`cpu_fsdp`: FSDP2 + LoRA on world sizes 1, 2 and 4 over gloo, each rank's peak RSS metered by the harness (the
+planner predicts the largest rank's). `heldout_h200`: configurations no constant was fitted to — another
+architecture (Qwen2.5: q/k/v bias, no q/k norm), other lengths and LoRA rank, the current `grpo_lab` kernel (frozen
+head), full fine-tuning of a 4B model — and two probes around the planner's max batch (3 % below it should fit, 3 %
+above should not: then the true limit is within one search step of the prediction), with the default caching
+allocator and with `expandable_segments`. `nb02_expandable`: notebook 02's fused-head searches (Qwen3 1.7B-8B,
+FSDP2 + LoRA r=16, 256 + 512 tokens) re-asked as the same pair of probes under `expandable_segments`, the allocator
+setting the planner's max batch is validated for. Every row is the harness's CSV row plus the prediction and its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from ...lab.records import run_record
+from ..probe import ProbeError, run_point
+from ..results import make_row, target_csv, write_csv
+from ..spec import EXPANDABLE_SEGMENTS, PointSpec, parse_int_list, parse_str_list
+from .predict import GiB, PlannerConfig, max_batch, plan
+
+REL_STEP = 0.03  # notebook 02's search resolution: one search step
+
+
+@dataclass
+class CheckPoint:
+    spec: PointSpec
+    label: str
+    expect: str = ""  # "fits" / "oom" for the probes around a predicted max batch
+    extra: dict = field(default_factory=dict)  # planner-only settings (e.g. the allocator headroom used)
+
+
+def planner_config(spec: PointSpec, **overrides) -> PlannerConfig:
+    """The planner's view of a harness point."""
+    device = "cpu" if spec.device == "cpu" else "cuda"
+    return PlannerConfig(model=spec.model, backend=spec.backend, dtype=spec.dtype, batch_size=spec.batch_size,
+                         prompt_len=spec.prompt_len, completion_len=spec.completion_len, lora_r=spec.lora_r,
+                         world_size=spec.world_size, fsdp=spec.fsdp, device=device,
+                         optimizer_state=spec.steps > 1, **overrides)
+
+
+def cpu_fsdp_points(models=("Qwen3-0.6B",), backends=("trl", "naive"), world_sizes=(1, 2, 4), batch_size=2,
+                    prompt_len=32, completion_len=96, lora_r=8, dtype="fp32") -> list[CheckPoint]:
+    """FSDP2 + LoRA over gloo at each world size (the batch is per rank)."""
+    return [CheckPoint(PointSpec(model=m, backend=b, dtype=dtype, batch_size=batch_size, prompt_len=prompt_len,
+                                 completion_len=completion_len, lora_r=lora_r, fsdp=True, world_size=w, steps=1,
+                                 device="cpu"), f"cpu W={w}")
+            for m in models for b in backends for w in world_sizes]
+
+
+def heldout_h200_points(budget_gib: float) -> list[CheckPoint]:
+    """The held-out H200 configurations (see the module docstring); `budget_gib` is the GPU's memory."""
+    base = dict(model="Qwen2.5-Math-1.5B", backend="grpo_lab", dtype="bf16", prompt_len=512, completion_len=1024,
+                lora_r=64, fsdp=True, world_size=1, steps=1, device="cuda")
+    points = [CheckPoint(PointSpec(batch_size=8, **base), "peak B=8")]
+    full_ft = CheckPoint(PointSpec(model="Qwen3-4B", backend="trl", dtype="bf16", batch_size=16, prompt_len=256,
+                                   completion_len=512, lora_r=0, steps=2, device="cuda"), "full fine-tuning")
+    points += probe_pair(base, budget_gib, expandable=False)
+    points.append(full_ft)  # before the expandable-segments pair: the order in which a time limit cuts
+    return points + probe_pair(base, budget_gib, expandable=True)
+
+
+def probe_pair(base: dict, budget_gib: float, expandable: bool) -> list[CheckPoint]:
+    """Two probes of the point `base` (PointSpec fields but the batch), 3 % below and 3 % above the planner's max
+    batch for that allocator setting: the first should fit, the second not."""
+    extra = {"cuda_alloc_conf": EXPANDABLE_SEGMENTS} if expandable else {}
+    label = "expandable segments" if expandable else "default allocator"
+    pred = max_batch(planner_config(PointSpec(batch_size=8, extra=extra, **base), expandable_segments=expandable),
+                     budget_gib).batch
+    lo, hi = math.floor(pred * (1 - REL_STEP)), math.ceil(pred * (1 + REL_STEP))
+    return [CheckPoint(PointSpec(batch_size=lo, extra=extra, **base), f"{label}: 3 % below max {pred}", "fits",
+                       {"predicted_max_batch": pred}),
+            CheckPoint(PointSpec(batch_size=hi, extra=extra, **base), f"{label}: 3 % above max {pred}", "oom",
+                       {"predicted_max_batch": pred})]
+
+
+def nb02_expandable_points(budget_gib: float, models=("Qwen3-4B", "Qwen3-8B", "Qwen3-1.7B"),
+                           backends=("grpo_lab", "trl", "liger")) -> list[CheckPoint]:
+    """Notebook 02's H200 setting, probed 3 % below / above the planner's max batch with `expandable_segments`
+    (the default allocator's fragmentation put 6 of its 12 fused searches more than one step off). Ordered so
+    that a time limit cuts the models that already matched under the default allocator (1.7B) last."""
+    return [point for model in models for backend in backends
+            for point in probe_pair(dict(model=model, backend=backend, dtype="bf16", prompt_len=256,
+                                         completion_len=512, lora_r=16, fsdp=True, world_size=1, steps=1,
+                                         device="cuda"), budget_gib, expandable=True)]
+
+
+def run_checks(points: list[CheckPoint], out_csv: Path | None = None, max_seconds: float | None = None,
+               on_point=None) -> pd.DataFrame:
+    """Measure each point (fresh processes), predict it, and write the CSV after every point."""
+    env = run_record(points[0].spec.device if points else "auto")
+    rows, t0 = [], time.perf_counter()
+    for i, p in enumerate(points):
+        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+            result = {"status": "skipped", "message": f"not run: {max_seconds:.0f}s limit"}
+        else:
+            try:
+                result = run_point(p.spec)
+            except ProbeError as e:
+                result = {"status": "error", "message": str(e)[-300:]}
+        row = make_row("memory_planner", p.spec, result, env)
+        predicted = plan(planner_config(p.spec))
+        row.update(point=p.label, expect=p.expect, cuda_alloc_conf=p.spec.extra.get("cuda_alloc_conf", ""),
+                   predicted_gib=predicted.peak_gib, predicted_phase=predicted.peak_phase, **p.extra)
+        if row["status"] == "ok" and row["peak_gib"]:
+            row["error_pct"] = 100 * (predicted.peak_gib / row["peak_gib"] - 1)
+            if result.get("per_rank"):
+                base = result.get("base_bytes") or 0
+                row["peak_gib_per_rank"] = " ".join(
+                    f"{(r['peak_bytes'] - (base if r.get('memory_kind') == 'cpu_rss' else 0)) / GiB:.3f}"
+                    for r in result["per_rank"])
+        rows.append(row)
+        frame = pd.DataFrame(rows)
+        if out_csv is not None:
+            write_csv(frame, out_csv)
+        if on_point is not None:
+            on_point(row, i, len(points))
+    return pd.DataFrame(rows)
+
+
+def repredict(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a planner.check CSV with the prediction columns recomputed by the current planner (the
+    measurements untouched): after a change of the planner, the committed CSVs show what it predicts now."""
+    df = df.copy()
+    for i, r in df.iterrows():
+        spec = PointSpec(model=r["model"], backend=r["backend"], dtype=r["dtype"], batch_size=int(r["batch_size"]),
+                         prompt_len=int(r["prompt_len"]), completion_len=int(r["completion_len"]),
+                         lora_r=int(r["lora_r"]), fsdp=bool(r["fsdp"]), world_size=int(r["world_size"]),
+                         steps=int(r["steps"]), device="cpu" if r["memory_kind"] == "cpu_rss" else "cuda")
+        p = plan(planner_config(spec))
+        df.loc[i, ["predicted_gib", "predicted_phase"]] = [p.peak_gib, p.peak_phase]
+        if r["status"] == "ok" and r["peak_gib"]:
+            df.loc[i, "error_pct"] = 100 * (p.peak_gib / r["peak_gib"] - 1)
+    return df
+
+
+def _print(row, i, n):
+    measured = f"{row['peak_gib']:.3f} GiB" if row.get("peak_gib") else row["status"]
+    err = f" error {row['error_pct']:+.1f} %" if row.get("error_pct") is not None else ""
+    print(f"[{i + 1}/{n}] {row['model']} {row['backend']} W={row['world_size']} B={row['batch_size']} "
+          f"({row['point']}): measured {measured}, predicted {row['predicted_gib']:.3f} GiB{err}", flush=True)
+
+
+def _repredict_csv(path: Path) -> int:
+    """`--repredict CSV`: the prediction columns of an existing CSV recomputed in place."""
+    if not path.is_file():
+        print(f"error: no CSV {path}", file=sys.stderr)
+        return 2
+    write_csv(repredict(pd.read_csv(path)), path)
+    print(f"rewrote the predictions in {path}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m grpo_lab.memory.planner.check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=["cpu_fsdp", "heldout_h200", "nb02_expandable"])
+    ap.add_argument("--out", default="results/memory_planner")
+    ap.add_argument("--world-sizes", default="1,2,4", help="cpu_fsdp: comma-separated world sizes")
+    ap.add_argument("--backends", default=None,
+                    help="comma-separated backends (cpu_fsdp: trl,naive; nb02_expandable: grpo_lab,trl,liger)")
+    ap.add_argument("--models", default=None,
+                    help="nb02_expandable: comma-separated models (default Qwen3-4B,Qwen3-8B,Qwen3-1.7B)")
+    ap.add_argument("--budget-gib", type=float, default=None,
+                    help="heldout_h200, nb02_expandable: the GPU's memory (default: asked of nvidia-smi)")
+    ap.add_argument("--max-minutes", type=float, default=None, help="start no new point after this long")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing CSV")
+    ap.add_argument("--repredict", metavar="CSV", help="only recompute the prediction columns of an existing CSV")
+    a = ap.parse_args(argv)
+    if a.repredict:
+        return _repredict_csv(Path(a.repredict))
+    if a.preset is None:
+        print("error: give --preset (cpu_fsdp, heldout_h200 or nb02_expandable) or --repredict CSV",
+              file=sys.stderr)
+        return 2
+    try:
+        if a.preset == "cpu_fsdp":
+            points = cpu_fsdp_points(backends=parse_str_list(a.backends or "trl,naive", "backends"),
+                                     world_sizes=parse_int_list(a.world_sizes, "world sizes"))
+        else:
+            budget = a.budget_gib
+            if budget is None:
+                from ..max_batch import _gpu_total_bytes
+
+                total = _gpu_total_bytes()
+                if total is None:
+                    raise ValueError(f"{a.preset} needs a CUDA GPU (or --budget-gib to only list its points)")
+                budget = total / GiB
+            if a.preset == "heldout_h200":
+                points = heldout_h200_points(budget)
+            else:
+                picked = {}
+                if a.models:
+                    picked["models"] = parse_str_list(a.models, "models")
+                if a.backends:
+                    picked["backends"] = parse_str_list(a.backends, "backends")
+                points = nb02_expandable_points(budget, **picked)
+        csv = target_csv(a.out, f"planner_{a.preset}", keep=False, overwrite=a.overwrite)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{len(points)} points → {csv}", flush=True)
+    df = run_checks(points, csv, None if a.max_minutes is None else a.max_minutes * 60, _print)
+    print(f"wrote {csv}")
+    return 1 if (df["status"] == "error").any() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
