@@ -7,7 +7,8 @@
     grpo-lab max-batch --quick|--full ... FSDP2 + LoRA max-batch search (python -m grpo_lab.memory.max_batch)
     grpo-lab plan --model M --gpus N --gib G ...  predicted peak memory and max batch (grpo_lab.memory.planner)
     grpo-lab async-loop [--max-steps N] ... async LoRA GRPO: replicas + router + AsyncGRPOTrainer (--resume after a crash)
-    grpo-lab doctor RUN_DIR [--max-staleness S] which side of a (running) async loop waits, and the knob to turn
+    grpo-lab doctor RUN_DIR               which side of a (running) async loop waits, and the knob to turn (judged by
+                                          the run's own run.json; flags override)
 
 Bad input (unknown model or backend, batch sizes that are not positive integers) is reported as one line on stderr
 with exit status 2, never as a traceback.
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
         return lab_main(args)
 
     def async_loop(args):
-        from .async_loop.launch import main as loop_main
+        from .async_loop.command import main as loop_main
 
         return loop_main(args)
 

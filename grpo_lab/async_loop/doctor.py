@@ -164,8 +164,10 @@ def diagnose(rows: list[dict], max_staleness: int, max_inflight_tasks: int | Non
     return Verdict("balanced", [], evidence, notes)
 
 
-def replica_notes(rows: list[dict]) -> list[str]:
-    """Per-replica load and prefix affinity from the router snapshots recorded beside the trainer's logs."""
+def replica_notes(rows: list[dict], block_size: int | None = None, prompt_tokens: float | None = None) -> list[str]:
+    """Per-replica load and prefix affinity from the router snapshots recorded beside the trainer's logs; with the
+    replicas' KV `block_size` and the prompts' median length, a low affinity that the prompt length explains is said
+    to be expected (only full blocks are shared: a prompt shorter than one block has no prefix to share)."""
     snaps = [r["router"] for r in rows if isinstance(r.get("router"), dict)]
     if len(snaps) < 2:
         return []
@@ -174,9 +176,15 @@ def replica_notes(rows: list[dict]) -> list[str]:
     total = sum(delta.values())
     notes = []
     if total > 0:
-        notes.append(f"routing: {100 * delta.get('affinity', 0) / total:.1f}% prefix affinity, "
-                     f"{100 * delta.get('unmatched', 0) / total:.1f}% unmatched, "
-                     f"{100 * delta.get('spilled', 0) / total:.1f}% spilled over {total} rollouts")
+        affinity = delta.get("affinity", 0) / total
+        note = (f"routing: {100 * affinity:.1f}% prefix affinity, "
+                f"{100 * delta.get('unmatched', 0) / total:.1f}% unmatched, "
+                f"{100 * delta.get('spilled', 0) / total:.1f}% spilled over {total} rollouts")
+        if block_size and prompt_tokens is not None and prompt_tokens < block_size and affinity < 0.5:
+            note += (f" — expected: the prompts (median {prompt_tokens:.0f} tokens) are shorter than one KV cache "
+                     f"block ({block_size} tokens), so no prompt has a full block to share and the router cannot "
+                     f"route by prefix; longer prompts (or replicas with smaller blocks) would show affinity")
+        notes.append(note)
     loads: dict[str, list[float]] = {}
     for s in snaps:
         for url, n in (s.get("in_flight") or {}).items():
@@ -190,34 +198,76 @@ def replica_notes(rows: list[dict]) -> list[str]:
     return notes
 
 
+# The settings a verdict depends on, as `run.json` names them, with what is assumed when a run did not record them.
+RUN_DEFAULTS = {"replica_kind": "vllm", "max_staleness": 4, "max_inflight_tasks": None, "block_size": None,
+                "prompt_tokens_median": None}
+
+
+def judged_settings(record: dict | None, overrides: dict | None = None) -> tuple[dict, dict]:
+    """The settings to judge a run by: the run's own record, then `overrides` (flags given), then the defaults;
+    and where each came from ("run", "flag" or "default")."""
+    settings, source = {}, {}
+    for key, default in RUN_DEFAULTS.items():
+        for origin, values in (("flag", overrides or {}), ("run", record or {})):
+            if values.get(key) is not None:
+                settings[key], source[key] = values[key], origin
+                break
+        else:
+            settings[key], source[key] = default, "default"
+    return settings, source
+
+
+def diagnose_run(rows: list[dict], record: dict | None, overrides: dict | None = None,
+                 window: int = DoctorConfig.window) -> Verdict:
+    """`diagnose` with the run's own settings (its `run.json`, then `overrides`), the replica and routing notes
+    included."""
+    s, _ = judged_settings(record, overrides)
+    verdict = diagnose(rows, int(s["max_staleness"]), s["max_inflight_tasks"],
+                       DoctorConfig.for_replicas(s["replica_kind"], window=window))
+    verdict.notes = verdict.notes + replica_notes(rows, s["block_size"], s["prompt_tokens_median"])
+    return verdict
+
+
 def main(argv=None) -> int:
-    """`grpo-lab doctor <run folder or loop_metrics.jsonl> --max-staleness S`: the verdict on a (running) loop."""
+    """`grpo-lab doctor <run folder or loop_metrics.jsonl>`: the verdict on a (running) loop, by its own settings."""
     import argparse
     import json
     import os
     import sys
 
-    p = argparse.ArgumentParser(prog="grpo-lab doctor", description=main.__doc__.split(":")[0])
+    p = argparse.ArgumentParser(prog="grpo-lab doctor", description=main.__doc__.split(":")[0] + ". The run's "
+                                "settings come from its run.json; a flag given here overrides one.")
     p.add_argument("path", help="a run's output folder or its loop_metrics.jsonl")
-    p.add_argument("--max-staleness", type=int, default=4)
-    p.add_argument("--max-inflight-tasks", type=int, default=None)
-    p.add_argument("--window", type=int, default=DoctorConfig.window)
-    p.add_argument("--replica-kind", choices=("vllm", "cpu"), default="vllm",
-                   help="cpu: grpo_lab's CPU replicas, which serve one request at a time (default: vllm, batching)")
+    p.add_argument("--max-staleness", type=int, default=None, help="override the run's max_staleness")
+    p.add_argument("--max-inflight-tasks", type=int, default=None, help="override the run's requests in flight")
+    p.add_argument("--window", type=int, default=DoctorConfig.window, help="judge the last this many steps")
+    p.add_argument("--replica-kind", choices=("vllm", "cpu"), default=None,
+                   help="override the run's replica kind (cpu: one request at a time; vllm: batching)")
     a = p.parse_args(argv)
     path = os.path.join(a.path, "loop_metrics.jsonl") if os.path.isdir(a.path) else a.path
     if not os.path.isfile(path):
         print(f"error: no {path} (run the loop with grpo-lab async-loop, which records it)", file=sys.stderr)
         return 2
+    if a.window < 2 or (a.max_staleness is not None and a.max_staleness < 0):
+        print("error: --window >= 2 and --max-staleness >= 0 are required", file=sys.stderr)
+        return 2
     from .recorder import read_metrics
+    from .run_dir import read_run_record
 
-    rows = read_metrics(path)
-    verdict = diagnose(rows, a.max_staleness, a.max_inflight_tasks, DoctorConfig.for_replicas(a.replica_kind, window=a.window))
+    rows, record = read_metrics(path), read_run_record(path)
+    overrides = {"max_staleness": a.max_staleness, "max_inflight_tasks": a.max_inflight_tasks,
+                 "replica_kind": a.replica_kind}
+    settings, source = judged_settings(record, overrides)
+    verdict = diagnose_run(rows, record, overrides, a.window)
     print(verdict.headline)
+    print("judged with: " + ", ".join(f"{k} {settings[k]} ({source[k]})" for k in
+                                      ("replica_kind", "max_staleness", "max_inflight_tasks")))
+    if record is None:
+        print("  note: this run has no run.json (recorded by grpo-lab async-loop): defaults were assumed")
     print("evidence: " + json.dumps({k: round(v, 4) for k, v in verdict.evidence.items()}))
     for i, knob in enumerate(verdict.knobs, 1):
         print(f"  {i}. {knob}")
-    for note in verdict.notes + replica_notes(rows):
+    for note in verdict.notes:
         print(f"  note: {note}")
     return 0
 

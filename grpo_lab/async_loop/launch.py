@@ -5,27 +5,29 @@
     with AsyncLoop(LoopConfig(replicas=2), embedded_trainer_args("runs/demo", max_steps=20)) as loop:
         loop.train()
 
-or `grpo-lab async-loop --max-steps 20 --output-dir runs/demo` (add `--resume` after a crash). Replicas are child
-processes in their own process groups that exit when this process dies (even by SIGKILL); the router runs on a
-thread of this process; the trainer's rollout worker is TRL's spawned child, which also exits with this process. A
-normal exit, an exception, Ctrl-C and SIGTERM all stop every one of them.
+or `grpo-lab async-loop --max-steps 20 --output-dir runs/demo` (add `--resume` after a crash; `command` is the
+command line). What serves the rollouts, in `LoopConfig`: replicas this process starts (`replicas`, `replica_kind`),
+replicas started elsewhere (`replica_urls`: only the router is started), or a router already running (`router_url`:
+nothing is started). Replicas are child processes in their own process groups that exit when this process dies
+(even by SIGKILL); the router runs on a thread of this process; the trainer's rollout worker is TRL's spawned child,
+which also exits with this process. A normal exit, an exception, Ctrl-C and SIGTERM all stop every one of them.
+
+An output directory holds one run (`run_dir`): `train()` refuses one that holds another run unless it resumes it,
+cuts the metrics log back to the checkpoint it resumes from, and records the run's settings in `run.json`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
-import signal
-import sys
-import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from transformers import TrainerCallback
-
-from .checkpoints import resume_checkpoint
+from .checkpoints import checkpoint_step, resume_checkpoint
+from .run_dir import RunDirError, holds_a_run, truncate_metrics, write_run_record
+from .run_settings import run_settings
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ class LoopConfig:
         replica_kind: `"cpu"` (grpo_lab's CPU replica: transformers + PEFT behind vLLM's HTTP contract) or
             `"vllm"` (real vLLM replicas; needs the vLLM venv, see docs/serving.md).
         router_url: use a router (or vLLM server) that is already running instead of starting replicas and a router.
+        replica_urls: replicas started elsewhere (other hosts, other jobs): start only the router, in front of them.
+        router_port: the port of the router this process starts (0: a free one).
         model: the model directory the replicas serve and the trainer trains; None = the embedded chat model.
         max_model_len: the replicas' cap on prompt + completion tokens (the embedded model allows 128).
         replica_threads: torch threads per CPU replica (1 keeps two replicas and the trainer off each other's cores).
@@ -50,6 +54,8 @@ class LoopConfig:
     replicas: int = 2
     replica_kind: str = "cpu"
     router_url: str | None = None
+    replica_urls: list[str] = field(default_factory=list)
+    router_port: int = 0
     model: str | None = None
     max_model_len: int = 128
     replica_threads: int = 1
@@ -60,8 +66,16 @@ class LoopConfig:
     def __post_init__(self):
         if self.replica_kind not in ("cpu", "vllm"):
             raise ValueError(f"replica_kind must be 'cpu' or 'vllm', got {self.replica_kind!r}")
-        if self.router_url is None and self.replicas < 1:
-            raise ValueError("replicas must be >= 1 (or give router_url)")
+        if self.router_url is None and not self.replica_urls and self.replicas < 1:
+            raise ValueError("replicas must be >= 1 (or give router_url or replica_urls)")
+        if self.router_url and self.replica_urls:
+            raise ValueError("give router_url (a running router) or replica_urls (replicas to route to), not both")
+        if not 0 <= self.router_port <= 65535:
+            raise ValueError(f"router_port must be in 0..65535, got {self.router_port}")
+
+    @property
+    def starts_replicas(self) -> bool:
+        return self.router_url is None and not self.replica_urls
 
 
 def no_checkpointing() -> dict:
@@ -97,20 +111,6 @@ def embedded_peft_config(r: int = 1, alpha: int = 2):
     return LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
 
 
-class StepLine(TrainerCallback):
-    """One short line per optimizer step: the numbers that say whether the loop is healthy and which side waits."""
-
-    KEYS = (("reward", "reward {:.3f}"), ("ratio", "ratio {:.4f}"), ("sample/staleness_mean", "staleness {:.1f}"),
-            ("perf/step_s", "step {:.2f}s"), ("perf/rollout_wait_s", "rollout wait {:.2f}s"),
-            ("sample/rollout_queue_size", "queue {:.0f}"))
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs or "train_runtime" in logs:
-            return
-        parts = [fmt.format(logs[k]) for k, fmt in self.KEYS if isinstance(logs.get(k), (int, float))]
-        print(f"step {state.global_step}/{state.max_steps}: " + ", ".join(parts), flush=True)
-
-
 @contextlib.contextmanager
 def quiet_setup():
     """Building the trainer prints TRL's experimental-API warning, a deprecation TRL triggers inside transformers,
@@ -141,7 +141,8 @@ class AsyncLoop:
         args: the trainer's `AsyncGRPOLabConfig`; its `vllm_server_base_url` is set to the router's URL.
         reward_funcs, train_dataset, peft_config, processing_class, callbacks: as for the trainer; the defaults are
             the embedded task (addition, math reward, LoRA r=1 on all linear layers).
-        progress: print one line per step (a notebook passes False and shows the live board instead).
+        progress: show a progress bar on a terminal, a line per step otherwise (a notebook passes False and shows
+            the live board instead).
     """
 
     def __init__(self, loop: LoopConfig, args, reward_funcs=None, train_dataset=None, peft_config=None,
@@ -166,7 +167,9 @@ class AsyncLoop:
 
             model = str(embedded_model_dir())
         try:
-            self.url = self.loop.router_url or self._start_cluster(model)
+            self.model = model
+            self.url = self.loop.router_url or (self._start_router(self.loop.replica_urls) if self.loop.replica_urls
+                                                else self._start_cluster(model))
             self.args.vllm_server_base_url = self.url
             self.recorder = LoopRecorder(router_url=self.url)
             for callback in self.callbacks:  # a LoopBoard reads per-replica load from the router
@@ -178,8 +181,10 @@ class AsyncLoop:
 
             self.trainer.remove_callback(PrinterCallback)  # a dict of 60 metrics per step buries the progress
             if self.progress:
+                from .progress import LoopProgress
+
                 self.trainer.remove_callback(ProgressCallback)
-                self.trainer.add_callback(StepLine())
+                self.trainer.add_callback(LoopProgress())
         except BaseException:
             self.stop()
             raise
@@ -208,7 +213,8 @@ class AsyncLoop:
             replicas=self.loop.replicas, model=model, max_staleness=self.args.max_staleness, max_lora_rank=rank,
             replica_args=["--max-model-len", str(self.loop.max_model_len), "--torch-threads",
                           str(self.loop.replica_threads)],
-            env=self.loop.replica_env or None, router=dict(self.loop.router), log_dir=self.replica_log_dir)
+            env=self.loop.replica_env or None, router={"port": self.loop.router_port, **self.loop.router},
+            log_dir=self.replica_log_dir)
         self.cluster.start(timeout=self.loop.ready_timeout_s)
         return self.cluster.url
 
@@ -217,16 +223,21 @@ class AsyncLoop:
         import torch
 
         from ..serving.replica_processes import start_vllm_replicas
-        from ..serving.router_config import RouterConfig
-        from ..serving.router_thread import start_router
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.vllm_replicas = start_vllm_replicas(
             self.loop.replicas, model, device=device, env=self.loop.replica_env or None,
             ready_timeout=self.loop.ready_timeout_s, lora_rank=rank, max_staleness=self.args.max_staleness,
             max_model_len=self.loop.max_model_len, log_dir=self.replica_log_dir)
-        self.router = start_router(RouterConfig(replicas=[r.url for r in self.vllm_replicas], port=0,
-                                                **dict(self.loop.router)))
+        return self._start_router([r.url for r in self.vllm_replicas])
+
+    def _start_router(self, urls: list[str]) -> str:
+        """A router of this process in front of `urls` (the replicas it started, or ones started elsewhere)."""
+        from ..serving.router_config import RouterConfig
+        from ..serving.router_thread import start_router
+
+        self.router = start_router(RouterConfig(replicas=list(urls), **{"port": self.loop.router_port,
+                                                                         **self.loop.router}))
         self.router.wait_ready(timeout=self.loop.ready_timeout_s)
         return self.router.url
 
@@ -245,12 +256,39 @@ class AsyncLoop:
 
     def train(self, resume_from_checkpoint=None):
         """`trainer.train`; `resume_from_checkpoint=True` means the last complete checkpoint of the output directory
-        (`checkpoints.last_complete_checkpoint`: one a kill cut short while saving is skipped, with a warning)."""
+        (`checkpoints.last_complete_checkpoint`: one a kill cut short while saving is skipped, with a warning).
+
+        Without a resume, an output directory that already holds a run is refused (RunDirError) before anything
+        starts: two runs in one folder mix their checkpoints and metrics. With one, the metrics log is cut back to
+        the checkpoint's step, so a step is logged once."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = resume_checkpoint(self.args.output_dir, log.warning)
+        if resume_from_checkpoint:
+            truncate_metrics(self.args.output_dir, checkpoint_step(resume_from_checkpoint))
+        elif holds_a_run(Path(self.args.output_dir)) and not self._fresh_record():
+            raise RunDirError(f"{self.args.output_dir} already holds a run: resume it (resume_from_checkpoint=True) "
+                              f"or use another folder")
         if self.trainer is None:
             self.start()
+        write_run_record(self.args.output_dir, run_settings(self, resumed_from=resume_from_checkpoint))
         return self.trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+
+    def _fresh_record(self) -> bool:
+        """Only what this loop's own start() wrote is there (replica logs, the adapter store's root)."""
+        folder = Path(self.args.output_dir)
+        return all(entry.name in ("logs", ".vllm_lora") for entry in folder.iterdir())
+
+    def doctor_config(self):
+        from .doctor import DoctorConfig
+
+        return DoctorConfig.for_replicas(self.loop.replica_kind)
+
+    def verdict(self):
+        """The doctor's verdict on this run so far, judged by its own settings (`run.json`)."""
+        from .doctor import diagnose_run
+        from .run_dir import read_run_record
+
+        return diagnose_run(self.recorder.rows, read_run_record(self.args.output_dir) or {})
 
     def stop(self) -> None:
         worker = getattr(self.trainer, "rollout_worker", None) if self.trainer is not None else None
@@ -273,90 +311,3 @@ class AsyncLoop:
         self.stop()
 
 
-# -- command line ---------------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="grpo-lab async-loop", description=(
-        "Run TRL's AsyncGRPOTrainer with LoRA against replicas behind the grpo_lab router (the embedded addition "
-        "task by default, offline on a CPU)."))
-    p.add_argument("--output-dir", default="runs/async-loop")
-    p.add_argument("--max-steps", type=int, default=20)
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--replica-kind", default="cpu", choices=("cpu", "vllm"),
-                   help="cpu: grpo_lab's CPU replica; vllm: real vLLM (on a CPU: bash scripts/vllm_cpu_env.sh first)")
-    p.add_argument("--router-url", default=None, help="use a running router / vLLM server instead of starting one")
-    p.add_argument("--model", default=None, help="model directory (default: the embedded chat model)")
-    p.add_argument("--adapter-storage", default=None, help="path or fsspec URL (default <output-dir>/.vllm_lora)")
-    p.add_argument("--prompts-per-step", type=int, default=2)
-    p.add_argument("--num-generations", type=int, default=8)
-    p.add_argument("--learning-rate", type=float, default=3e-3)
-    p.add_argument("--max-staleness", type=int, default=4)
-    p.add_argument("--max-inflight-tasks", type=int, default=-1,
-                   help="rollout requests in flight (-1: TRL's max_staleness x samples per step)")
-    p.add_argument("--save-steps", type=int, default=10)
-    p.add_argument("--tree-attention", default="auto")
-    p.add_argument("--loss-backend", default="grpo_lab")
-    p.add_argument("--no-group-versions", action="store_true", help="TRL's per-rollout versions")
-    p.add_argument("--rollout-failure-timeout", type=float, default=120.0)
-    p.add_argument("--replica-threads", type=int, default=1, help="torch threads per CPU replica")
-    p.add_argument("--results-dir", default=None, help="also write <run-name>.csv and its doctor verdict here")
-    p.add_argument("--run-name", default="loop")
-    p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
-    p.add_argument("--seed", type=int, default=0)
-    return p
-
-
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
-    if a.prompts_per_step < 1 or a.num_generations < 2 or a.max_steps < 1:
-        print("error: --prompts-per-step >= 1, --num-generations >= 2 and --max-steps >= 1 are required",
-              file=sys.stderr)
-        return 2
-    resume = None
-    if a.resume:
-        try:
-            resume = resume_checkpoint(a.output_dir, lambda message: print(f"--resume: {message}", file=sys.stderr))
-        except ValueError as err:
-            print(f"error: --resume: {err}", file=sys.stderr)
-            return 2
-        print(f"resuming from {resume}", file=sys.stderr, flush=True)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # run the same teardown as Ctrl-C
-    args = embedded_trainer_args(
-        a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.prompts_per_step * a.num_generations,
-        num_generations=a.num_generations, learning_rate=a.learning_rate, max_staleness=a.max_staleness,
-        max_inflight_tasks=a.max_inflight_tasks,
-        save_steps=a.save_steps, tree_attention=a.tree_attention, loss_backend=a.loss_backend,
-        group_consistent_versions=not a.no_group_versions, rollout_failure_timeout_s=a.rollout_failure_timeout,
-        adapter_storage=a.adapter_storage, seed=a.seed)
-    loop = AsyncLoop(LoopConfig(replicas=a.replicas, replica_kind=a.replica_kind, router_url=a.router_url,
-                                model=a.model, replica_threads=a.replica_threads), args)
-    t0 = time.perf_counter()
-    try:
-        with loop:
-            loop.train(resume_from_checkpoint=resume)
-    except KeyboardInterrupt:
-        print("interrupted: replicas, router and rollout worker stopped", file=sys.stderr)
-        return 130
-    steps = loop.trainer.state.global_step
-    print(f"async loop done: {steps} steps in {time.perf_counter() - t0:.1f}s; last published "
-          f"{loop.trainer.published[-1]['name'] if loop.trainer.published else 'nothing'}", flush=True)
-    if a.results_dir:
-        from .doctor import DoctorConfig
-        from .results import write_run
-
-        path = write_run(loop.recorder.rows, a.results_dir, a.run_name, a.max_staleness,
-                         args.max_inflight_tasks if args.max_inflight_tasks > 0 else None,
-                         extra={"replicas": a.replicas, "replica_kind": a.replica_kind,
-                                "tree_attention": loop.trainer.tree_attention,
-                                "wall_s": round(time.perf_counter() - t0, 1)},
-                         doctor=DoctorConfig.for_replicas(a.replica_kind))
-        print(f"wrote {path}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -485,8 +485,29 @@ def main(argv=None) -> None:
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    print(f"grpo_lab router on http://{config.host}:{config.port} -> {len(config.replicas)} replica(s)", flush=True)
-    web.run_app(router.app(), host=config.host, port=config.port, access_log=None, print=None)
+    listener = bind_listener(config.host, config.port)  # bound before it is announced: a taken port is one line
+    if listener is None:
+        parser.exit(2, f"{parser.prog}: error: port {config.port} is in use on {config.host} (pick another, or 0 "
+                       f"for a free one)\n")
+    port = listener.getsockname()[1]
+    print(f"grpo_lab router on http://{config.host}:{port} -> {len(config.replicas)} replica(s)", flush=True)
+    web.run_app(router.app(), sock=listener, access_log=None, print=None)
+
+
+def bind_listener(host: str, port: int):
+    """A listening socket on (host, port), or None when the port is taken."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError:
+        listener.close()
+        return None
+    listener.listen(1024)
+    return listener
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_lab.async_loop import launch
+from grpo_lab.async_loop import command, launch
 from grpo_lab.async_loop.checkpoints import ROLLOUT_STATE, TRAINER_STATE, last_complete_checkpoint, resume_checkpoint
 
 
@@ -58,7 +58,7 @@ def test_nothing_to_resume_from(tmp_path):
 def test_the_command_says_what_it_skips_and_stops_cleanly_without_a_complete_one(tmp_path, capsys):
     _checkpoint(tmp_path, 3, trainer=None)
     sigterm = signal.getsignal(signal.SIGTERM)
-    assert launch.main(["--resume", "--output-dir", str(tmp_path)]) == 2
+    assert command.main(["--resume", "--output-dir", str(tmp_path)]) == 2
     assert signal.getsignal(signal.SIGTERM) is sigterm  # a refused resume changes nothing in the calling process
     err = capsys.readouterr().err
     assert "skipping incomplete checkpoints: checkpoint-3: trainer_state.json missing" in err

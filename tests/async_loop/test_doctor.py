@@ -157,3 +157,45 @@ def test_committed_loop_runs_pair_each_csv_with_its_verdict():
     for row, name in zip(table.itertuples(), committed):
         verdict = json.loads((ROOT / "results" / "async" / f"{name}_verdict.json").read_text())
         assert row.verdict == verdict["bound"] and row.wall_s > 0
+
+
+def _recorded_run(tmp_path, record: dict | None):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "loop_metrics.jsonl").write_text(RECORDED.read_text())
+    if record is not None:
+        (run / "run.json").write_text(json.dumps(record))
+    return run
+
+
+def test_doctor_judges_a_run_by_its_own_recorded_settings(tmp_path, capsys):
+    from grpo_lab.async_loop.doctor import main
+
+    run = _recorded_run(tmp_path, {"replica_kind": "cpu", "max_staleness": 4, "max_inflight_tasks": 64})
+    assert main([str(run)]) == 0
+    from_record = capsys.readouterr().out
+    assert "judged with: replica_kind cpu (run), max_staleness 4 (run), max_inflight_tasks 64 (run)" in from_record
+    assert main([str(run), "--max-staleness", "4", "--max-inflight-tasks", "64", "--replica-kind", "cpu"]) == 0
+    from_flags = capsys.readouterr().out
+    knob = [line for line in from_flags.splitlines() if line.strip().startswith("1.")]
+    assert knob and knob[0] in from_record  # the record alone gives the same first knob as the right flags
+    assert main([str(run), "--max-staleness", "8"]) == 0
+    assert "max_staleness 8 (flag)" in capsys.readouterr().out  # a flag given overrides the record
+
+
+def test_doctor_without_a_record_says_it_assumed_defaults(tmp_path, capsys):
+    from grpo_lab.async_loop.doctor import main
+
+    assert main([str(_recorded_run(tmp_path, None))]) == 0
+    out = capsys.readouterr().out
+    assert "replica_kind vllm (default)" in out and "no run.json" in out
+
+
+def test_zero_affinity_from_prompts_shorter_than_a_block_is_explained():
+    rows = [{"router": {"routing": {"affinity": 0, "unmatched": 0}}},
+            {"router": {"routing": {"affinity": 0, "unmatched": 160, "spilled": 0}}}]
+    plain = replica_notes(rows)
+    assert "0.0% prefix affinity" in plain[0] and "expected" not in plain[0]
+    explained = replica_notes(rows, block_size=32, prompt_tokens=25)
+    assert "expected" in explained[0] and "shorter than one KV cache block (32 tokens)" in explained[0]
+    assert "expected" not in replica_notes(rows, block_size=16, prompt_tokens=25)[0]  # longer than a block

@@ -1,0 +1,127 @@
+"""An output directory holds one run: its checkpoints, its metrics log, its record of settings, nothing else's.
+
+Without this rule a second run into the same folder silently mixes two runs: old checkpoints beside new ones (a
+later `--resume` picks the old run's), one metrics log with steps 1..20, 20, 1, 2, and a doctor that judges both at
+once. So a command refuses a folder that already holds a run unless it resumes it (`--resume`) or is told to start
+over (`--overwrite`, which clears that run first). After a resume the metrics log keeps only the steps up to the
+checkpoint, so every step appears once.
+
+`run.json` records the settings the run was started with (replica kind, staleness, requests in flight, the replicas'
+KV block size, prompt lengths, ...): `grpo-lab doctor` judges a run by its own settings, not by its flags' defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .checkpoints import is_checkpoint_name
+from .recorder import METRICS_FILE
+
+RUN_RECORD = "run.json"
+# What a run of the async loop writes into its output directory (and `--overwrite` may therefore remove).
+RUN_ENTRIES = (RUN_RECORD, METRICS_FILE, "logs", ".vllm_lora", "runs")
+
+
+class RunDirError(ValueError):
+    """The output directory cannot be used as asked; the message names the flag and what to do."""
+
+
+def holds_a_run(folder: Path) -> bool:
+    return folder.is_dir() and any(entry.name in RUN_ENTRIES or is_checkpoint_name(entry.name)
+                                   for entry in folder.iterdir())
+
+
+def nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_output_dir(output_dir: str | os.PathLike, resume: bool, overwrite: bool) -> None:
+    """Refuse what would mix runs or fail later; touch nothing."""
+    folder = Path(output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise RunDirError(f"--output-dir: {folder} is a file, not a folder")
+    if resume and overwrite:
+        raise RunDirError("--resume and --overwrite contradict each other: resume the run, or start it over")
+    writable = nearest_existing(folder)
+    if not writable.is_dir() or not os.access(writable, os.W_OK | os.X_OK):
+        raise RunDirError(f"--output-dir: {folder} cannot be written ({writable} is not a writable folder)")
+    if resume or not folder.is_dir() or not any(folder.iterdir()):
+        return
+    if not overwrite:
+        raise RunDirError(f"--output-dir: {folder} already holds files; pass --resume to continue its run, "
+                          f"--overwrite to delete that run and start over, or choose another folder")
+    if not holds_a_run(folder):
+        raise RunDirError(f"--overwrite: {folder} holds files that are not an async-loop run; it is left alone "
+                          f"(choose an empty or new folder)")
+
+
+def clear_previous_run(output_dir: str | os.PathLike) -> list[str]:
+    """Delete what a previous run wrote into `output_dir` (`--overwrite`); returns the names removed."""
+    folder = Path(output_dir)
+    removed = []
+    for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if entry.name in RUN_ENTRIES or is_checkpoint_name(entry.name):
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            removed.append(entry.name)
+    return removed
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def truncate_metrics(output_dir: str | os.PathLike, last_step: int) -> int:
+    """Keep the metrics log's rows up to `last_step` (the checkpoint a resume starts from); returns how many rows
+    were dropped. Rows after the checkpoint belong to steps the resumed run trains again, and an end-of-training
+    summary row (`train_runtime`) belongs to a process that ended: the resumed one writes its own."""
+    path = Path(output_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by the kill
+            dropped += 1
+            continue
+        step = row.get("step")
+        if (isinstance(step, int) and step > last_step) or "train_runtime" in row:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        _write_atomically(path, "".join(f"{line}\n" for line in kept))
+    return dropped
+
+
+def write_run_record(output_dir: str | os.PathLike, settings: dict) -> Path:
+    """Merge `settings` into `<output_dir>/run.json` (a resume adds to the first run's record)."""
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / RUN_RECORD
+    record = read_run_record(folder) or {}
+    record.update(settings)
+    _write_atomically(path, json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
+    return path
+
+
+def read_run_record(run: str | os.PathLike) -> dict | None:
+    """The settings a run recorded (`run` is its folder or any file in it); None when it has no record."""
+    folder = Path(run)
+    if folder.is_file() or (not folder.is_dir() and folder.suffix):
+        folder = folder.parent
+    path = folder / RUN_RECORD
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,81 @@
+"""What a run records about itself in `run.json`, so that it can be judged by its own settings later.
+
+The doctor's thresholds depend on the run: the replica kind (a CPU replica serves one request at a time), the
+staleness bound, the requests in flight, and — for the routing note — the replicas' KV block size against the
+prompts' length (a prompt shorter than one block shares no prefix block, so 0 % affinity is expected, not a fault).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from .. import __version__
+
+
+def server_info(url: str, timeout: float = 5.0) -> dict:
+    """`/server_info?config_format=json` of a vLLM server or the router ({} when it does not answer)."""
+    import requests
+
+    try:
+        reply = requests.get(f"{url.rstrip('/')}/server_info", params={"config_format": "json"}, timeout=timeout)
+        body = reply.json() if reply.status_code == 200 else {}
+    except (requests.RequestException, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _config_field(info: dict, section: str, key: str):
+    for holder in (info.get("vllm_config") or {}, info):
+        value = (holder.get(section) or {}).get(key) if isinstance(holder, dict) else None
+        if value is not None:
+            return value
+    return None
+
+
+def prompt_token_lengths(trainer, limit: int = 64) -> list[int]:
+    """Token counts of the first `limit` training prompts, rendered as the rollout worker renders them."""
+    tokenizer, dataset = trainer.processing_class, trainer.train_dataset
+    lengths = []
+    for row in dataset.select(range(min(limit, len(dataset)))):
+        prompt = row["prompt"]
+        if isinstance(prompt, list):
+            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a BatchEncoding in newer transformers
+        else:
+            ids = tokenizer(prompt)["input_ids"]
+        lengths.append(len(ids))
+    return lengths
+
+
+def run_settings(loop, resumed_from: str | None = None) -> dict:
+    """The settings of `loop` (an `AsyncLoop` after `start()`) worth keeping with its run."""
+    from .config import inflight_tasks
+
+    args, cfg, trainer = loop.args, loop.loop, loop.trainer
+    samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    info = server_info(loop.url)
+    try:
+        lengths = prompt_token_lengths(trainer)
+    except Exception:  # noqa: BLE001 - a custom dataset or tokenizer: the record just lacks the prompt lengths
+        lengths = []
+    settings = {
+        "grpo_lab": __version__, "model": loop.model, "router": loop.url,
+        "replica_kind": cfg.replica_kind, "replicas": len(cfg.replica_urls) or (cfg.replicas if cfg.starts_replicas
+                                                                                 else None),
+        "replica_urls": cfg.replica_urls, "external_router": cfg.router_url,
+        "max_staleness": args.max_staleness, "samples_per_step": samples_per_step,
+        "max_inflight_tasks": inflight_tasks(args.max_inflight_tasks, args.max_staleness, samples_per_step),
+        "queue_maxsize": getattr(args, "queue_maxsize", None), "max_steps": args.max_steps, "seed": args.seed,
+        "loss_backend": args.loss_backend, "tree_attention": getattr(trainer, "tree_attention", args.tree_attention),
+        "adapter_storage": trainer.adapter_store.url,
+        "block_size": _config_field(info, "cache_config", "block_size"),
+        "max_loras": _config_field(info, "lora_config", "max_loras"),
+        "prompt_tokens_median": statistics.median(lengths) if lengths else None,
+        "prompt_tokens_max": max(lengths) if lengths else None,
+    }
+    key = "resumed_at" if resumed_from else "started_at"
+    settings[key] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if resumed_from:
+        settings["resumed_from"] = str(resumed_from)
+    return settings
