@@ -1,13 +1,17 @@
-"""Suite-wide hooks: the wall time each test tier took, printed at the end of every run.
+"""Suite-wide hooks: the wall time each test tier took, printed at the end of every run; and the S3 server fixtures.
 
 CI must stay under its time budget on 2 cores; this table (setup + call + teardown per tier, i.e. per folder under
-tests/) says which tier grew when it does not.
+tests/) says which tier grew when it does not. `s3_server` / `s3_url` (`s3_fixtures`) are here so that every tier
+shares one server process per session.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+
+# the S3-compatible server (moto, its own process) for the tests that publish to s3://; started only when asked for
+from s3_fixtures import s3_server, s3_url  # noqa: F401 - pytest fixtures
 
 _TESTS = Path(__file__).resolve().parent
 _tier_seconds: dict[str, float] = defaultdict(float)

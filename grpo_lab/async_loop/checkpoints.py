@@ -44,7 +44,7 @@ def checkpoint_step(checkpoint: str | Path) -> int:
     return int(_CHECKPOINT.match(Path(checkpoint).name).group(1))
 
 
-def _problem(folder: Path) -> str | None:
+def checkpoint_problem(folder: Path) -> str | None:
     """Why `folder` cannot be resumed from, or None when it is complete."""
     for name in (ROLLOUT_STATE, TRAINER_STATE):
         path = folder / name
@@ -66,7 +66,7 @@ def last_complete_checkpoint(output_dir: str | Path) -> ResumePoint:
                     if p.is_dir() and (m := _CHECKPOINT.match(p.name))), reverse=True)
     skipped = []
     for _, folder in steps:
-        problem = _problem(folder)
+        problem = checkpoint_problem(folder)
         if problem is None:
             return ResumePoint(str(folder), skipped)
         skipped.append((str(folder), problem))

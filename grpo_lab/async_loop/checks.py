@@ -90,10 +90,12 @@ def describe_storage_error(error: BaseException) -> str:
     """One line for the usual ways an object store refuses: wrong credentials, a missing bucket, no endpoint."""
     text = f"{type(error).__name__}: {error}".splitlines()[0]
     lowered = text.lower()
-    if any(k in lowered for k in ("accessdenied", "access denied", "forbidden", "invalidaccesskeyid",
-                                  "signaturedoesnotmatch", "403", "credentials")):
+    if isinstance(error, PermissionError) or any(k in lowered for k in (
+            "accessdenied", "access denied", "forbidden", "invalidaccesskeyid", "signaturedoesnotmatch", "403",
+            "credentials", "access key id", "signature we calculated")):
         return f"the store refused the credentials ({text}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
-    if any(k in lowered for k in ("nosuchbucket", "no such bucket", "not found", "404")):
+    if isinstance(error, FileNotFoundError) or any(k in lowered for k in (
+            "nosuchbucket", "no such bucket", "bucket does not exist", "not found", "404")):
         return f"no such bucket or folder ({text}); create it first"
     return text
 

@@ -14,6 +14,7 @@ doctor's verdict. A failure after the start is one line too (exit status 1; the 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import math
 import os
@@ -117,9 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--router-url", default=None, metavar="URL",
                        help="a router or vLLM server already running: start nothing")
     serve.add_argument("--port", type=_number(int, 0), default=0, help="the router's port (0: a free one)")
+    serve.add_argument("--launcher", choices=("local", "ray"), default="local",
+                       help="local: replicas are child processes of this command; ray: replica actors placed over a "
+                            "Ray cluster's nodes and restarted by Ray (needs the `ray` extra)")
+    serve.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                       help="the Ray cluster for --launcher ray (auto, host:6379, ray://host:10001); default: start "
+                            "a local one")
     serve.add_argument("--adapter-storage", default=None, metavar="PATH_OR_URL",
                        help="where adapter versions are published: a path or fsspec URL every replica can read "
                             "(default <output-dir>/.vllm_lora)")
+    run.add_argument("--checkpoint-storage", default=None, metavar="URL",
+                     help="also publish every complete checkpoint here (e.g. s3://bucket/run/checkpoints); --resume "
+                          "on a fresh machine pulls the last complete one back")
     return p
 
 
@@ -128,18 +138,24 @@ def validate(a: argparse.Namespace) -> None:
     if a.router_url and a.replica_url:
         raise UsageError("--router-url", "give either --router-url (a running router) or --replica-url (replicas "
                                          "to route to), not both")
+    if a.launcher == "ray":
+        check_ray(a)
+    elif a.ray_address:
+        raise UsageError("--ray-address", "only means something with --launcher ray")
     if a.port > 65535:
         raise UsageError("--port", f"must be <= 65535, got {a.port}")
     if not a.run_name or os.sep in a.run_name or a.run_name.startswith("."):
         raise UsageError("--run-name", f"{a.run_name!r} is not a usable file name")
     check_output_dir(a.output_dir, a.resume, a.overwrite)
-    a.resume_from = check_resume(a.output_dir) if a.resume else None
+    a.resume_from = check_resume(a.output_dir, a.checkpoint_storage) if a.resume else None
     if a.results_dir:
         check_writable_folder("--results-dir", a.results_dir)
     if a.model is not None:
         check_model("--model", a.model)
     if a.adapter_storage:
         check_storage("--adapter-storage", a.adapter_storage)
+    if a.checkpoint_storage:
+        check_storage("--checkpoint-storage", a.checkpoint_storage)
     if a.router_url:
         check_server("--router-url", a.router_url)
     for url in a.replica_url:
@@ -150,15 +166,32 @@ def validate(a: argparse.Namespace) -> None:
         check_vllm_python("--replica-kind vllm")
 
 
-def check_resume(output_dir: str) -> str:
-    """The checkpoint `--resume` starts from (incomplete ones a kill left are named on stderr and skipped)."""
-    from .checkpoints import last_complete_checkpoint
+def check_ray(a: argparse.Namespace) -> None:
+    if a.router_url or a.replica_url:
+        raise UsageError("--launcher ray", "places the replicas the command starts: not with --router-url or "
+                                           "--replica-url")
+    if importlib.util.find_spec("ray") is None:
+        raise UsageError("--launcher ray", "Ray is not installed: pip install 'grpo-lab[ray]'")
+
+
+def check_resume(output_dir: str, checkpoint_storage: str | None = None) -> str | bool:
+    """The checkpoint `--resume` starts from (incomplete ones a kill left are named on stderr and skipped), or True
+    when the newest complete one is on `checkpoint_storage` (pulled once the checks passed: they write nothing)."""
+    from .checkpoints import checkpoint_step, last_complete_checkpoint
 
     point = last_complete_checkpoint(output_dir)
     if point.skipped:
         print(f"--resume: skipping incomplete checkpoints: {point.describe_skipped()}", file=sys.stderr)
+    if checkpoint_storage:
+        from .checkpoint_store import CheckpointStore
+
+        published = CheckpointStore(checkpoint_storage).published()
+        local = checkpoint_step(point.checkpoint) if point.checkpoint else -1
+        if published and checkpoint_step(published[0]) > local:
+            return True
     if point.checkpoint is None:
-        raise UsageError("--resume", f"no complete checkpoint-* folder in {output_dir}")
+        where = f" or on {checkpoint_storage}" if checkpoint_storage else ""
+        raise UsageError("--resume", f"no complete checkpoint-* folder in {output_dir}{where}")
     return point.checkpoint
 
 

@@ -31,6 +31,10 @@ class AsyncGRPOLabConfig(AsyncGRPOConfig):
         adapter_replica_root (`str`, *optional*):
             What the replicas call `adapter_storage` (the mount point of a bucket on their hosts); defaults to the
             same path or URL.
+        checkpoint_storage (`str`, *optional*):
+            Where each complete checkpoint is also published (any fsspec URL, e.g. `s3://bucket/run1/checkpoints`;
+            files first, manifest last), so a resume on another machine can pull the last one back
+            (`checkpoint_store.pull_last_checkpoint`). None: checkpoints stay in `output_dir` only.
         group_consistent_versions (`bool`, *optional*, defaults to `True`):
             Generate all `num_generations` rollouts of a prompt with the policy version current when its first
             rollout started. The group's advantages then compare rollouts of one policy, and the other G-1
@@ -51,6 +55,9 @@ class AsyncGRPOLabConfig(AsyncGRPOConfig):
                                         "<output_dir>/.vllm_lora."})
     adapter_replica_root: str | None = field(
         default=None, metadata={"help": "The replicas' path for adapter_storage (a bucket's mount point)."})
+    checkpoint_storage: str | None = field(
+        default=None, metadata={"help": "Also publish each complete checkpoint here (fsspec URL), for resuming on "
+                                        "another machine."})
     group_consistent_versions: bool = field(
         default=True, metadata={"help": "All rollouts of a prompt use one policy version."})
     rollout_failure_timeout_s: float = field(

@@ -43,6 +43,14 @@ class LoopConfig:
         router_url: use a router (or vLLM server) that is already running instead of starting replicas and a router.
         replica_urls: replicas started elsewhere (other hosts, other jobs): start only the router, in front of them.
         router_port: the port of the router this process starts (0: a free one).
+        launcher: how replicas this process starts are placed: `"local"` (child processes of this one) or `"ray"`
+            (Ray actors spread over a Ray cluster's nodes, restarted by Ray; `grpo_lab.serving.ray_cluster`).
+        ray_address: the Ray cluster (`"auto"`, `"host:6379"`, `"ray://host:10001"`); None starts a local one.
+        ray_resources: Ray resources each replica actor asks for (e.g. `{"inference": 1}` to keep replicas on the
+            nodes that offer it).
+        ray_strategy: how replica actors are spread: `"SPREAD"` (default) or `"STRICT_SPREAD"` (one per node).
+        replica_host: what Ray replica servers listen on; None is each node's IP (what a cluster needs),
+            "127.0.0.1" keeps a one-machine cluster on loopback.
         model: the model directory the replicas serve and the trainer trains; None = the embedded chat model.
         max_model_len: the replicas' cap on prompt + completion tokens (the embedded model allows 128).
         replica_threads: torch threads per CPU replica (1 keeps two replicas and the trainer off each other's cores).
@@ -56,6 +64,11 @@ class LoopConfig:
     router_url: str | None = None
     replica_urls: list[str] = field(default_factory=list)
     router_port: int = 0
+    launcher: str = "local"
+    ray_address: str | None = None
+    ray_resources: dict = field(default_factory=dict)
+    ray_strategy: str = "SPREAD"
+    replica_host: str | None = None
     model: str | None = None
     max_model_len: int = 128
     replica_threads: int = 1
@@ -70,6 +83,11 @@ class LoopConfig:
             raise ValueError("replicas must be >= 1 (or give router_url or replica_urls)")
         if self.router_url and self.replica_urls:
             raise ValueError("give router_url (a running router) or replica_urls (replicas to route to), not both")
+        if self.launcher not in ("local", "ray"):
+            raise ValueError(f"launcher must be 'local' or 'ray', got {self.launcher!r}")
+        if self.launcher == "ray" and not self.starts_replicas:
+            raise ValueError("launcher='ray' places the replicas this loop starts: not with router_url or "
+                             "replica_urls")
         if not 0 <= self.router_port <= 65535:
             raise ValueError(f"router_port must be in 0..65535, got {self.router_port}")
 
@@ -205,6 +223,8 @@ class AsyncLoop:
         from ..serving.vllm_spec import round_lora_rank
 
         rank = round_lora_rank(max(self.peft_config.r if self.peft_config is not None else 1, 1))
+        if self.loop.launcher == "ray":
+            return self._start_on_ray(model, rank)
         if self.loop.replica_kind == "vllm":
             return self._start_vllm(model, rank)
         from ..serving.local_cluster import LocalCluster
@@ -230,6 +250,19 @@ class AsyncLoop:
             ready_timeout=self.loop.ready_timeout_s, lora_rank=rank, max_staleness=self.args.max_staleness,
             max_model_len=self.loop.max_model_len, log_dir=self.replica_log_dir)
         return self._start_router([r.url for r in self.vllm_replicas])
+
+    def _start_on_ray(self, model: str, rank: int) -> str:
+        """Replica actors on a Ray cluster (a router of this process in front, told of Ray's restarts)."""
+        from ..serving.ray_cluster import RayCluster
+
+        self.cluster = RayCluster(
+            replicas=self.loop.replicas, model=model, kind=self.loop.replica_kind,
+            max_staleness=self.args.max_staleness, lora_rank=rank, max_model_len=self.loop.max_model_len,
+            replica_args=["--torch-threads", str(self.loop.replica_threads)], env=self.loop.replica_env or None,
+            router={"port": self.loop.router_port, **self.loop.router}, address=self.loop.ray_address,
+            resources=self.loop.ray_resources or None, strategy=self.loop.ray_strategy, host=self.loop.replica_host)
+        self.cluster.start(timeout=self.loop.ready_timeout_s)
+        return self.cluster.url
 
     def _start_router(self, urls: list[str]) -> str:
         """A router of this process in front of `urls` (the replicas it started, or ones started elsewhere)."""
@@ -262,6 +295,11 @@ class AsyncLoop:
         starts: two runs in one folder mix their checkpoints and metrics. With one, the metrics log is cut back to
         the checkpoint's step, so a step is logged once."""
         if resume_from_checkpoint is True:
+            store = getattr(self.args, "checkpoint_storage", None)
+            if store:  # a fresh machine: the newest complete checkpoint may only be on the store
+                from .checkpoint_store import pull_last_checkpoint
+
+                pull_last_checkpoint(store, self.args.output_dir, log.warning)
             resume_from_checkpoint = resume_checkpoint(self.args.output_dir, log.warning)
         if resume_from_checkpoint:
             truncate_metrics(self.args.output_dir, checkpoint_step(resume_from_checkpoint))

@@ -22,12 +22,14 @@ def trainer_args(a: argparse.Namespace):
         num_generations=a.num_generations, learning_rate=a.learning_rate, max_staleness=a.max_staleness,
         max_inflight_tasks=a.max_inflight_tasks, save_steps=a.save_steps, tree_attention=a.tree_attention,
         loss_backend=a.loss_backend, group_consistent_versions=not a.no_group_versions,
-        rollout_failure_timeout_s=a.rollout_failure_timeout, adapter_storage=a.adapter_storage, seed=a.seed)
+        rollout_failure_timeout_s=a.rollout_failure_timeout, adapter_storage=a.adapter_storage,
+        checkpoint_storage=a.checkpoint_storage, seed=a.seed)
 
 
 def loop_config(a: argparse.Namespace) -> LoopConfig:
     return LoopConfig(replicas=a.replicas, replica_kind=a.replica_kind, router_url=a.router_url,
-                      replica_urls=list(a.replica_url), router_port=a.port, model=a.model,
+                      replica_urls=list(a.replica_url), router_port=a.port, launcher=a.launcher,
+                      ray_address=a.ray_address, model=a.model,
                       replica_threads=a.replica_threads)
 
 
@@ -38,6 +40,12 @@ def run_command(a: argparse.Namespace, t0: float, argv: list[str]) -> int:
         if removed:
             print(f"--overwrite: removed the previous run's {', '.join(removed)}", file=sys.stderr)
     resume = a.resume_from
+    if resume is True:  # the newest complete checkpoint is on the store: make it a local one first
+        from .checkpoint_store import pull_last_checkpoint
+
+        resume = pull_last_checkpoint(a.checkpoint_storage, a.output_dir,
+                                      lambda message: print(f"--resume: {message}", file=sys.stderr)).checkpoint
+        print(f"--resume: pulled {resume} from {a.checkpoint_storage}", file=sys.stderr)
     start_step = checkpoint_step(resume) if resume else 0
     if resume:
         print(f"resuming from {resume} (metrics after step {start_step} are dropped: those steps run again)",

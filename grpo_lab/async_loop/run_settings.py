@@ -61,7 +61,7 @@ def run_settings(loop, resumed_from: str | None = None) -> dict:
         lengths = []
     settings = {
         "grpo_lab": __version__, "model": loop.model, "router": loop.url,
-        "replica_kind": cfg.replica_kind, "replicas": len(cfg.replica_urls) or (cfg.replicas if cfg.starts_replicas
+        "launcher": cfg.launcher, "replica_kind": cfg.replica_kind, "replicas": len(cfg.replica_urls) or (cfg.replicas if cfg.starts_replicas
                                                                                  else None),
         "replica_urls": cfg.replica_urls, "external_router": cfg.router_url,
         "max_staleness": args.max_staleness, "samples_per_step": samples_per_step,

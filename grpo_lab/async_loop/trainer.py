@@ -94,6 +94,10 @@ class AsyncGRPOLabTrainer(AsyncGRPOTrainer):
                              processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
                              peft_config=peft_config, tools=tools, environment_factory=environment_factory,
                              rollout_worker=rollout_worker, weight_transfer=weight_transfer)
+        if args.checkpoint_storage:  # each complete checkpoint also goes to the store, for a resume elsewhere
+            from .checkpoint_store import CheckpointStore, PublishCheckpoints
+
+            self.add_callback(PublishCheckpoints(CheckpointStore(args.checkpoint_storage)))
         self.tree_attention = tree_attention.install(self.accelerator.unwrap_model(self.model), args.tree_attention)
         set_loss_backend(self, args.loss_backend)
         self._lora_dir = self.adapter_store.url

@@ -2,8 +2,10 @@
 
 TRL loads each new policy once (`POST /v1/load_lora_adapter`) and then names it in every rollout, so a load the
 router reports as done must be done on every replica in service, or on none. A replica that answers "No adapter
-found" usually just cannot see the new directory yet (shared storage lag) and is retried until a deadline; any
-other failure rolls the load back on the replicas that took it, and the caller gets the upstream's error. An
+found" usually just cannot see the new directory yet (shared storage lag) and is retried until a deadline. A
+replica that cannot be reached at all (it died mid-load) leaves routing instead, and the load stands on the others:
+it gets the adapter with the live set when it is re-admitted. Any other failure rolls the load back on the replicas
+that took it, and the caller gets the upstream's error. An
 already-loaded name counts as loaded when the replica reports the same path for it. The rollback runs whatever
 went wrong (an unexpected error on one replica, or the load being cancelled), and a replica whose rollback fails
 is reported, because it may still serve an adapter the router says nobody has.
@@ -136,9 +138,15 @@ async def _load_everywhere(client: UpstreamClient, replicas: list[Replica], name
         await asyncio.shield(_abandon(client, tasks, replicas, name, timeout_s, on_stale))
         raise
     outcomes = [_settled(client, task, replica) for task, replica in zip(tasks, replicas)]
-    if all(o.ok for o in outcomes):
+    failed = [o for o in outcomes if not o.ok]
+    if failed and len(failed) < len(outcomes) and all(o.transport_error for o in failed):
+        # only replicas that cannot be reached failed (died mid-load): they leave routing (the caller marks them
+        # down) and get the live set, this adapter included, when they are re-admitted; every replica left in
+        # service holds it, so the load stands instead of failing the whole run
+        failed = []
+    if not failed:
         for o, epoch in zip(outcomes, epochs):
-            if o.replica.epoch == epoch:  # re-admitted meanwhile: its admission decided what it holds
+            if o.ok and o.replica.epoch == epoch:  # re-admitted meanwhile: its admission decided what it holds
                 o.replica.adapters[name] = path
         return True, outcomes
     await asyncio.shield(_roll_back(client, outcomes, name, timeout_s, on_stale))  # a cancel must not cut it short

@@ -17,6 +17,7 @@ import asyncio
 import hmac
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -198,10 +199,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-env", default=d.api_key_env)
     p.add_argument("--storage-lag-s", type=float, default=d.storage_lag_s)
     p.add_argument("--torch-threads", type=int, default=d.torch_threads)
+    p.add_argument("--adapter-cache-dir", default=d.adapter_cache_dir,
+                   help="where adapters given as object-store URLs are copied before loading (default: a temporary "
+                        "folder of this replica, removed at exit)")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="exit when stdin closes, so a crashed parent (test, notebook) leaves no replica behind")
     return p
+
+
+def _clean_up_on_sigterm(engine: Engine) -> None:
+    """SIGTERM (how `replica_processes` stops a replica) still ends the process at once, by that signal, but first
+    removes the adapter copies it made from object stores: exit handlers do not run on a death by signal."""
+    def handler(signum, frame):
+        engine.remove_adapter_copies()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _exit_on_stdin_eof() -> None:
@@ -226,6 +241,7 @@ def main(argv=None) -> None:
         threading.Thread(target=_exit_on_stdin_eof, daemon=True).start()
     config = CPUReplicaConfig(**{k: v for k, v in args.items() if v is not None})
     replica = CPUReplica(config)
+    _clean_up_on_sigterm(replica.engine)
     try:
         asyncio.run(_serve(replica))
     except KeyboardInterrupt:

@@ -100,7 +100,7 @@ class Engine:
         self.running.set()
         self._lock = threading.Lock()  # one user of the model at a time (generation, adapter changes)
         self._first_seen: dict[str, float] = {}
-        self._fetch_root: str | None = None  # where adapters published on object stores are downloaded
+        self._adapter_cache = None  # local copies of adapters published on object stores, made at the first one
         self.generated_tokens = 0
         self.requests = 0
 
@@ -113,21 +113,28 @@ class Engine:
         return os.path.isfile(os.path.join(path, "adapter_config.json"))
 
     def _local_copy(self, name: str, url: str) -> str:
-        """An adapter published on an object store (an fsspec URL): downloaded and checked against its manifest.
-        Not complete yet (no manifest) reads as "No adapter found", which the router retries like a lagging mount."""
-        import tempfile
+        """An adapter published on an object store (an fsspec URL): copied to this replica's cache and checked against
+        its manifest; the load then reads the verified local copy. Not complete yet (no manifest) reads as vLLM's
+        "No adapter found", which the router retries like a lagging mount."""
+        from .adapter_cache import AdapterCache
 
-        from .storage import fetch_adapter
-
-        if self._fetch_root is None:
-            self._fetch_root = tempfile.mkdtemp(prefix="grpo-lab-replica-adapters-")
-        dest = os.path.join(self._fetch_root, f"{name}-{len(os.listdir(self._fetch_root))}")
+        if self._adapter_cache is None:
+            self._adapter_cache = AdapterCache(self.config.adapter_cache_dir)
         try:
-            return str(fetch_adapter(url, dest))
+            return str(self._adapter_cache.materialize(name, url))
         except FileNotFoundError:
             raise RequestError(404, f"No adapter found for {url}", "NotFoundError") from None
         except (ValueError, OSError) as error:
-            raise RequestError(400, f"could not fetch adapter {url}: {error}") from None
+            raise RequestError(400, f"could not fetch adapter {url}: {type(error).__name__}: {error}") from None
+
+    def _forget_copy(self, name: str) -> None:
+        if self._adapter_cache is not None:
+            self._adapter_cache.release(name)
+
+    def remove_adapter_copies(self) -> None:
+        """Remove every local copy of an object-store adapter (the replica is shutting down)."""
+        if self._adapter_cache is not None:
+            self._adapter_cache.close()
 
     def _check_manifest(self, path: str) -> None:
         """A directory published by grpo_lab carries a manifest: refuse files that do not match it (a partial or
@@ -154,6 +161,14 @@ class Engine:
             path = path.removeprefix("file://")
         elif "://" in path:
             path = self._local_copy(name, path)
+        try:
+            self._load_local(name, path, source)
+        except RequestError:
+            if path != source:
+                self._forget_copy(name)  # a copy nothing uses
+            raise
+
+    def _load_local(self, name: str, path: str, source: str) -> None:
         if not self._visible(path):
             raise RequestError(404, f"No adapter found for {source}", "NotFoundError")
         self._check_manifest(path)
@@ -192,6 +207,7 @@ class Engine:
                 self.model = self.model.unload()
                 self.base = self.model
             self.cache.drop_namespace(name)
+        self._forget_copy(name)
 
     # -- generation -----------------------------------------------------------------------------------------------
     def check_model(self, name: str) -> None:

@@ -49,6 +49,23 @@ class Registry:
         state[1] += value
         state[2] += 1
 
+    def drop_gauges(self, **labels) -> None:
+        """Forget every gauge series carrying these labels (a replica that left the router has no current state or
+        load any more); counters and histograms keep their history, as Prometheus expects of them."""
+        wanted = set(labels.items())
+        for kind, _, series in self._families.values():
+            if kind == "gauge":
+                for key in [k for k in series if wanted <= set(k)]:
+                    del series[key]
+
+    def value(self, name: str, **labels) -> float:
+        """The sum of a counter's or gauge's series that carry these labels (0 when none): for /router/state."""
+        family = self._families.get(name)
+        if family is None or family[0] == "histogram":
+            return 0.0
+        wanted = set(labels.items())
+        return float(sum(v for k, v in family[2].items() if wanted <= set(k)))
+
     def render(self) -> str:
         lines = []
         for name, (kind, help_text, series) in self._families.items():

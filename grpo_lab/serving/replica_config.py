@@ -29,6 +29,8 @@ class CPUReplicaConfig:
         storage_lag_s: fault injection for tests: an adapter directory counts as invisible ("No adapter found")
             until this many seconds after the first load request for it, like a lagging shared mount.
         torch_threads: intra-op threads for torch (keep 1 when several replicas share a small CPU).
+        adapter_cache_dir: where adapters published on an object store (`lora_path` an `s3://`, `gs://`, `hf://`
+            URL) are copied before loading (`adapter_cache.AdapterCache`); None: a temporary folder of the replica.
     """
 
     model: str = "tiny-qwen3"
@@ -45,6 +47,7 @@ class CPUReplicaConfig:
     api_key_env: str = "VLLM_API_KEY"
     storage_lag_s: float = 0.0
     torch_threads: int = 1
+    adapter_cache_dir: str | None = None
 
     def __post_init__(self):
         if not self.served_model_names:

@@ -8,6 +8,11 @@ adapter (loaded by the router, with the same storage-lag retry as a normal load)
 longer live, is paused if the others are, and has had its prefix ownership cleared (its KV cache is gone after a
 restart).
 
+Membership can change while the router runs (`membership`): `join` adds a replica, which then goes through exactly
+the admission above (so a new replica, like a restarted one, is routed to only once it holds every live adapter);
+`leave` takes one out for good: no new completions, its prefix ownership forgotten (the others keep theirs), its
+number free for a later replica once nothing of it is in flight.
+
 Adapter checks run during loads and unloads too (a replica restarted while a long load is under way must not keep
 receiving completions for adapters it lost): names being loaded or unloaded on a replica while its `/v1/models`
 answer was produced are left out of the comparison, everything else must match what the router confirmed there.
@@ -23,7 +28,8 @@ from .adapter_fanout import load_one, unload_one
 from .metrics import Registry
 from .router_config import RouterConfig
 from .routing_policy import PrefixAffinityPolicy
-from .upstream import DOWN, INCONSISTENT, IN_SERVICE, STARTING, STATES, TRANSPORT_ERRORS, Replica, UpstreamClient, now
+from .upstream import (DOWN, IN_SERVICE, INCONSISTENT, REMOVED, STARTING, STATES, TRANSPORT_ERRORS, Replica,
+                       UpstreamClient, now)
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +50,73 @@ class ReplicaPool:
         self.config = config
         self.client = client
         self.metrics = metrics
-        self.replicas = [Replica(i, url) for i, url in enumerate(config.replicas)]
-        self.policy = PrefixAffinityPolicy(len(self.replicas), config.routing)
+        self.replicas: list[Replica] = []  # the membership, in the order replicas joined
+        self._slots: dict[int, Replica] = {}  # replica number -> replica (members, and removed ones until reused)
+        self.policy = PrefixAffinityPolicy(max(1, len(config.replicas)), config.routing)
+        self._watchers: dict[int, asyncio.Task] = {}
+        self._stop: asyncio.Event | None = None  # set while the health checks run
+        for url in config.replicas:
+            self.join(url)
         self.live_adapters: dict[str, str] = {}  # loaded on every in-service replica
-        self.paused = False
+        self._paused = False
+        self.resumed_at = 0.0  # monotonic time of the last resume: per-try deadlines do not count a pause
         self.reference_info: dict | None = None
         self.control_lock = asyncio.Lock()  # admissions, load commits, unload bookkeeping and pause/resume
         self._name_locks: dict[str, list] = {}  # adapter name -> [lock, users]: loads/unloads of one name in order
         self.slot_freed = asyncio.Event()  # set (and replaced) whenever an adapter leaves a replica
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        if self._paused and not value:
+            self.resumed_at = now()
+        self._paused = value
+
+    def by_index(self, index: int) -> Replica:
+        return self._slots[index]
+
+    def member(self, url: str) -> Replica | None:
+        return next((r for r in self.replicas if r.url == url), None)
+
+    # -- membership ----------------------------------------------------------------------------------------------
+    def join(self, url: str) -> Replica:
+        """Add a replica: it starts out of routing and is admitted by its health watch like a restarted one (healthy,
+        consistent, holding every live adapter). Its number is the lowest one free: never used, or left by a removed
+        replica with nothing in flight any more (so the policy's bitmasks stay as wide as the largest membership)."""
+        index = next((i for i, r in self._slots.items() if r.state == REMOVED and not r.tries and not r.calls
+                      and self.policy.in_flight[i] == 0), len(self._slots))
+        if index in self._slots:
+            self.policy.forget_replica(index)  # whatever the removed replica with this number left behind
+        self.policy.ensure_replicas(index + 1)
+        replica = Replica(index, url)
+        self._slots[index] = replica
+        self.replicas.append(replica)
+        if self._stop is not None:
+            self._start_watch(replica)
+        self.publish_states()
+        return replica
+
+    def leave(self, replica: Replica, reason: str) -> None:
+        """Take a replica out of the membership for good. Completions still running there go on (`membership`
+        decides how long); no new one is sent, its health watch ends, its prefix ownership is forgotten and its
+        gauges are dropped."""
+        if replica.state == REMOVED:
+            return
+        self.replicas.remove(replica)
+        replica.state, replica.last_error = REMOVED, reason
+        watcher = self._watchers.pop(replica.index, None)
+        if watcher is not None:
+            watcher.cancel()
+        if replica.draining:
+            replica.draining.clear()
+            self.notify_slot_freed()
+        self.policy.forget_replica(replica.index)
+        self.metrics.drop_gauges(replica=replica.url)
+        log.info("replica %s removed: %s", replica.url, reason)
 
     # -- state ---------------------------------------------------------------------------------------------------
     def in_service(self) -> list[Replica]:
@@ -96,7 +161,7 @@ class ReplicaPool:
         self.slot_freed = asyncio.Event()
 
     def mark_down(self, replica: Replica, reason: str) -> None:
-        if replica.state == DOWN:
+        if replica.state in (DOWN, REMOVED):
             return
         log.warning("replica %s out of routing: %s", replica.url, self.client.scrub(reason))
         replica.state, replica.last_error, replica.down_since = DOWN, self.client.scrub(reason), now()
@@ -169,7 +234,7 @@ class ReplicaPool:
             ok = await self._sync_adapters(replica, present, adopt=first and not self.live_adapters)
             if ok and self.paused:
                 ok = await self._pause(replica)
-            if not ok:
+            if not ok or replica.state == REMOVED:
                 return False
             replica.info = info
             max_loras = _field(info, "lora_config", "max_loras")
@@ -275,11 +340,24 @@ class ReplicaPool:
                                     "re-admission unloads them")
 
     async def run_health_checks(self, stop: asyncio.Event) -> None:
-        """One loop per replica, so a re-admission waiting for a long adapter load never delays the others' checks."""
-        await asyncio.gather(*(self._watch(r, stop) for r in self.replicas))
+        """One loop per replica, so a re-admission waiting for a long adapter load never delays the others' checks;
+        replicas that join later get theirs when they join."""
+        self._stop = stop
+        for replica in self.replicas:
+            self._start_watch(replica)
+        try:
+            await stop.wait()
+        finally:
+            watchers = list(self._watchers.values())
+            for task in watchers:
+                task.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+
+    def _start_watch(self, replica: Replica) -> None:
+        self._watchers[replica.index] = asyncio.get_running_loop().create_task(self._watch(replica, self._stop))
 
     async def _watch(self, replica: Replica, stop: asyncio.Event) -> None:
-        while not stop.is_set():
+        while not stop.is_set() and replica.state != REMOVED:
             try:
                 await self.check(replica)
             except Exception as error:  # a bug in one check must not end the watch

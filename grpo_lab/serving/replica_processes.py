@@ -238,6 +238,35 @@ class VLLMReplicaProcess(ReplicaProcess):
                                   self.log_path.parent)
 
 
+class SidecarProcess(ReplicaProcess):
+    """An adapter sidecar (`python -m grpo_lab.serving.adapter_sidecar`) in front of the vLLM server at `upstream`,
+    so that it can load adapters published on an object store; ready when it prints `READY <port>`. Start one per
+    vLLM replica on the same node and give the router the sidecar's `url` instead of the replica's."""
+
+    name = "adapter sidecar"
+
+    def __init__(self, upstream: str, cache_dir: str | os.PathLike | None = None, port: int = 0,
+                 env: dict | None = None, ready_timeout: float = 30.0, log_path: str | os.PathLike | None = None):
+        self.upstream, self.cache_dir, self._announced = upstream, cache_dir, None
+        super().__init__(env, ready_timeout, log_path, port=port)
+
+    def command(self) -> list[str]:
+        extra = ["--cache-dir", str(self.cache_dir)] if self.cache_dir is not None else []
+        return [sys.executable, "-u", "-m", "grpo_lab.serving.adapter_sidecar", "--upstream", self.upstream,
+                "--port", str(self.port or 0), *extra]
+
+    def _on_line(self, line: str) -> None:
+        if line.startswith("READY "):
+            self._announced = int(line.split()[1])
+
+    def _ready_port(self) -> int | None:
+        return self._announced
+
+    def fresh(self, env: dict | None = None) -> "SidecarProcess":
+        return SidecarProcess(self.upstream, self.cache_dir, self.port, self.env if env is None else env,
+                              self.ready_timeout, self.log_path)
+
+
 def _start_all(makers: list[Callable[[], ReplicaProcess]]) -> list:
     """Start every replica (they start in parallel), then wait for each; stop them all if one fails."""
     procs: list[ReplicaProcess] = []

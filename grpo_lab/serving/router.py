@@ -4,10 +4,11 @@ AsyncGRPOTrainer takes for one server.
 To TRL it is a vLLM server with `data_parallel_size == 1`: the endpoints of `vllm_routes`, answered with vLLM 0.31's
 status codes and error bodies (`{"error": {message, type, param, code}}`; the deliberate differences are listed in
 docs/serving.md). Completions are routed by prompt prefix (`routing_policy`; a batch prompt by prompt,
-`completion_batches`) and re-sent elsewhere when their replica fails, hangs or answers garbage; adapter loads and
-unloads go to `adapter_lifecycle` (all-or-nothing loads, unloads after a drain); pause and resume reach every
-replica or none; replicas are watched and re-admitted safely (`replica_pool`); `/metrics` reports it all in
-Prometheus text. NCCL weight transfer cannot be fanned out, so those endpoints are refused: train a PEFT model, for
+`completion_batches`), re-sent elsewhere when their replica fails or answers garbage, and hedged on another replica
+when they outlive a per-try deadline (`forwarding`, `per_try`); adapter loads and unloads go to `adapter_lifecycle`
+(all-or-nothing loads, unloads after a drain); pause and resume reach every replica or none; replicas are watched and
+re-admitted safely (`replica_pool`), and join or leave while the router runs (`membership`, `admin_api`);
+`/metrics` reports it all in Prometheus text. NCCL weight transfer cannot be fanned out, so those endpoints are refused: train a PEFT model, for
 which TRL syncs adapters only.
 
 Run it with `python -m grpo_lab.serving.router --replica http://127.0.0.1:8001 --replica ...`, or in-process
@@ -28,8 +29,12 @@ from aiohttp import web
 
 from .adapter_fanout import broadcast
 from .adapter_lifecycle import AdapterLifecycle
-from .completion_batches import PromptError, completion_json, merge_batch, split_prompt
+from .admin_api import AdminAPI
+from .completion_batches import PromptError, merge_batch, split_prompt
+from .forwarding import Forwarder
+from .membership import Membership, describe
 from .metrics import Registry
+from .per_try import PerTryConfig
 from .replica_pool import ReplicaPool
 from .router_config import RouterConfig
 from .routing_policy import RoutingConfig
@@ -43,13 +48,7 @@ NCCL_ENDPOINTS = ("/init_weight_transfer_engine", "/start_weight_update", "/upda
 NCCL_REFUSAL = ("the grpo_lab router fronts several independent replicas and cannot fan out NCCL weight transfer; "
                 "adapter-only sync is required: train a PEFT (LoRA) model and start every replica with "
                 "--enable-lora so AsyncGRPOTrainer syncs by /v1/load_lora_adapter")
-UPSTREAM_LATENCY_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05)
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM 0.31's PauseMode
-
-
-def _failure(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> Reply:
-    return Reply(status, json.dumps(error_body(message, status, kind, param)).encode(), "application/json")
 
 
 def _percentiles(xs: list[float]) -> dict:
@@ -69,13 +68,21 @@ class Router:
         self._api_key = config.read_api_key()
         client_key = config.read_client_api_key()
         self._client_auth = f"Bearer {client_key}".encode() if client_key else None
+        self._admin_key = config.read_admin_api_key()
         self.pool: ReplicaPool | None = None
         self.adapters: AdapterLifecycle | None = None
         self.client: UpstreamClient | None = None
+        self.forwarder: Forwarder | None = None
+        self.membership: Membership | None = None
+        self.admin: AdminAPI | None = None
         self._session: aiohttp.ClientSession | None = None
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        self.overhead_s: list[float] = []  # router-side time per completion (parse, route, bookkeeping), last 10k
+
+    @property
+    def overhead_s(self) -> list[float]:
+        """Router-side time per completion (parse, route, bookkeeping), the last 10k or more."""
+        return self.forwarder.overhead_s if self.forwarder is not None else []
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -86,6 +93,8 @@ class Router:
         add_vllm_routes(r, self)
         r.add_get("/metrics", self.metrics_text)
         r.add_get("/router/state", self.state)
+        self.admin = AdminAPI(None, self.config, self._admin_key, self._json)  # membership attached at startup
+        self.admin.add_routes(r)
         for path in NCCL_ENDPOINTS:
             r.add_route("*", path, self.refuse_nccl)
         return app
@@ -94,7 +103,7 @@ class Router:
     async def _authenticate(self, request: web.Request, handler):
         """With client authentication on, every endpoint needs the key (vLLM's own key leaves /health, /pause,
         /resume and /server_info open; a router that can load adapters should not)."""
-        if self._client_auth is not None:
+        if self._client_auth is not None and not self.admin.bypasses_client_auth(request):
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, self._client_auth):
                 return web.json_response({"error": "Unauthorized"}, status=401)  # vLLM's answer
@@ -105,6 +114,8 @@ class Router:
         self.client = UpstreamClient(self._session, self._api_key)
         self.pool = ReplicaPool(self.config, self.client, self.metrics)
         self.adapters = AdapterLifecycle(self.pool, self.client, self.config, self.metrics)
+        self.forwarder = Forwarder(self.pool, self.client, self.adapters.drainer.usage, self.metrics, self.config)
+        self.membership = self.admin.membership = Membership(self.pool, self.metrics)
         self.pool.publish_states()
         self._tasks.append(asyncio.create_task(self.pool.run_health_checks(self._stop)))
 
@@ -204,13 +215,11 @@ class Router:
         and benchmarks; `?reset_overhead=1` restarts the overhead sample after reading it (to drop a warm-up)."""
         pool = self.pool
         answer = web.json_response({
-            "replicas": [{"url": r.url, "state": r.state, "adapters": sorted(r.adapters),
-                          "draining": sorted(r.draining), "last_error": r.last_error,
-                          "in_flight": pool.policy.in_flight[r.index]} for r in pool.replicas],
+            "replicas": [describe(r, pool) for r in pool.replicas],
             "live_adapters": sorted(pool.live_adapters), "draining": self.adapters.drainer.draining(),
             "paused": pool.paused,
             "routing": dict(pool.policy.counts), "block_size": pool.policy.config.block_size,
-            "overhead_ms": _percentiles(self.overhead_s),
+            "overhead_ms": _percentiles(self.overhead_s), "hedging": self.forwarder.state(),
         })
         if request.query.get("reset_overhead") == "1":
             self.overhead_s.clear()
@@ -239,11 +248,12 @@ class Router:
         if model is None:
             return error_response(503, "no replica in service", "ServiceUnavailable")
         deadline = now() + self.config.upstream_timeout_s
+        forward, max_tokens = self.forwarder.forward, body.get("max_tokens")
         if len(prompts) == 1:  # one prompt (or a batch of one): forwarded as sent
-            reply, _ = await self._forward(model, prompts[0], raw, deadline, t_start)
+            reply, _ = await forward(model, prompts[0], raw, deadline, t_start, max_tokens)
             return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
         bodies = [json.dumps({**body, "prompt": p}).encode() for p in prompts]
-        results = await asyncio.gather(*(self._forward(model, p, b, deadline, time.perf_counter())
+        results = await asyncio.gather(*(forward(model, p, b, deadline, time.perf_counter(), max_tokens)
                                          for p, b in zip(prompts, bodies)))
         failed = next((reply for reply, answer in results if answer is None), None)
         if failed is not None:  # vLLM fails the whole batch when one prompt fails
@@ -255,123 +265,6 @@ class Router:
             if r.base_models:
                 return sorted(r.base_models)[0]
         return None
-
-    async def _hashes(self, prompt, model: str) -> list[int]:
-        """The prompt's block hashes; none for text (no tokenizer here) or a prompt the replicas will refuse as too
-        long (they answer that, as vLLM would); a long prompt is hashed off the event loop."""
-        if not isinstance(prompt, list):
-            return []
-        limit = self.pool.max_model_len
-        if limit is not None and len(prompt) > limit:
-            return []
-        if len(prompt) > self.config.hash_off_loop_tokens:
-            return await asyncio.get_running_loop().run_in_executor(None, self.pool.policy.hashes_for, prompt, model)
-        return self.pool.policy.hashes_for(prompt, model)
-
-    def _reroute(self, reason: str) -> None:
-        self.metrics.inc("grpo_router_reroutes_total", "Completions re-sent to another replica, by reason",
-                         reason=reason)
-
-    async def _forward(self, model: str, prompt, raw: bytes, deadline: float, t_start: float) -> tuple[Reply, dict | None]:
-        """Send one completion to the best replica, re-sending it elsewhere when that replica fails (dropped
-        connection, no answer, a 200 that is not a completion, a lost adapter). Completions have no side effects,
-        so re-sending is always safe; TRL seeds each one, so the re-sent answer is the one the first replica would
-        have given. Returns (reply, parsed answer when 200)."""
-        pool, policy = self.pool, self.pool.policy
-        try:
-            hashes = await self._hashes(prompt, model)
-        except ValueError as error:
-            return _failure(400, f"'prompt': {error}", param="prompt"), None
-        tried: set[int] = set()
-        upstream_s = 0.0
-        last_problem = ""
-        for _ in range(self.config.max_reroutes + 1):
-            candidates = [r for r in pool.candidates(model) if r.index not in tried]
-            if not candidates:
-                break
-            decision = policy.route(hashes, [r.index for r in candidates])
-            replica = pool.replicas[decision.replica]
-            tried.add(replica.index)
-            self.metrics.inc("grpo_router_routed_total", "Completions routed, by replica and decision",
-                             replica=replica.url, decision=decision.kind)
-            remaining = deadline - now()
-            if remaining <= 0:
-                policy.finish(decision, ok=False)
-                break
-            self.adapters.drainer.usage.begin(replica.index, model)
-            call = asyncio.ensure_future(self.client.call(replica, "POST", "/v1/completions", data=raw,
-                                                          timeout=remaining))
-            replica.calls.add(call)
-            t_up = time.perf_counter()
-            try:
-                reply = await call
-            except asyncio.CancelledError:
-                policy.finish(decision, ok=False)
-                if asyncio.current_task().cancelling():
-                    raise  # the client went away
-                upstream_s += time.perf_counter() - t_up
-                last_problem = f"{replica.url} stopped answering ({replica.last_error})"
-                self._reroute("replica_down")
-                continue
-            except asyncio.TimeoutError:
-                policy.finish(decision, ok=False)
-                if not await self.client.healthy(replica, min(1.0, self.config.health_timeout_s)):
-                    pool.mark_down(replica, "no answer to a completion before its deadline, and no /health answer")
-                return _failure(504, f"replica {replica.url} did not answer within {self.config.upstream_timeout_s}s",
-                                "GatewayTimeout"), None
-            except TRANSPORT_ERRORS as error:
-                policy.finish(decision, ok=False)
-                # a dropped keep-alive connection is not a dead replica: take it out only if it fails a probe too
-                if not await self.client.healthy(replica, min(1.0, self.config.health_timeout_s)):
-                    pool.mark_down(replica, f"completion failed: {type(error).__name__}")
-                upstream_s += time.perf_counter() - t_up
-                last_problem = f"{replica.url}: {type(error).__name__}"
-                self._reroute("transport")
-                continue
-            except BaseException:
-                policy.finish(decision, ok=False)
-                raise
-            finally:
-                replica.calls.discard(call)
-                self.adapters.drainer.usage.end(replica.index, model)
-            elapsed = time.perf_counter() - t_up
-            upstream_s += elapsed
-            self.metrics.observe("grpo_router_upstream_latency_seconds", "Upstream completion latency", elapsed,
-                                 UPSTREAM_LATENCY_BUCKETS, replica=replica.url)
-            answer = completion_json(reply) if reply.status == 200 else None
-            if reply.status == 200 and answer is None:
-                policy.finish(decision, ok=False)
-                self.metrics.inc("grpo_router_malformed_answers_total", "200 answers that were not a completion",
-                                 replica=replica.url)
-                pool.mark_down(replica, "answered a completion with 200 and a body that is not completion JSON")
-                last_problem = f"{replica.url} answered 200 with a body that is not completion JSON"
-                self._reroute("malformed")
-                continue
-            policy.finish(decision, ok=reply.status == 200)
-            if reply.status == 404 and model in pool.live_adapters and model in replica.adapters:
-                pool.mark_down(replica, f"lost adapter {model} (restarted?)")  # send elsewhere
-                last_problem = f"{replica.url} no longer holds {model}"
-                self._reroute("lost_adapter")
-                continue
-            self._record_overhead(time.perf_counter() - t_start - upstream_s)
-            if reply.status != 200:
-                self.metrics.inc("grpo_router_upstream_errors_total", "Non-200 completion answers",
-                                 replica=replica.url, status=str(reply.status))
-            return reply, answer
-        if now() >= deadline:
-            return _failure(504, f"no answer within the {self.config.upstream_timeout_s}s deadline "
-                                 f"({last_problem or 'no replica answered'})", "GatewayTimeout"), None
-        if last_problem:
-            return _failure(502, f"no replica could serve `{model}`: {last_problem} (tried {len(tried)})",
-                            "BadGateway"), None
-        return _failure(503, f"no in-service replica holds `{model}`", "ServiceUnavailable"), None
-
-    def _record_overhead(self, seconds: float) -> None:
-        self.metrics.observe("grpo_router_overhead_seconds", "Router time per completion, upstream excluded",
-                             seconds, OVERHEAD_BUCKETS)
-        self.overhead_s.append(seconds)
-        if len(self.overhead_s) > 20_000:
-            del self.overhead_s[:10_000]
 
     # -- adapters (`adapter_lifecycle`) -------------------------------------------------------------------------
     async def load_adapter(self, request: web.Request) -> web.Response:
@@ -450,6 +343,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="storage root lora_path must lie under (repeat per root; required off loopback)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without client authentication or adapter roots")
+    p.add_argument("--admin-api-key-env", default=None,
+                   help="env var holding the key that may add and remove replicas (POST/DELETE /router/replicas); "
+                        "without one, membership changes work on loopback only")
+    p.add_argument("--admin-api-key-file", default=None, help="file holding that admin key")
+    p.add_argument("--remove-drain-timeout", type=float, default=30.0,
+                   help="seconds a removed replica's completions may finish before they are re-sent elsewhere")
+    d = PerTryConfig()
+    p.add_argument("--no-hedge", action="store_true", help="never re-send a stuck completion to another replica")
+    p.add_argument("--per-try-quantile", type=float, default=d.quantile,
+                   help="quantile of recent completion latencies a per-try deadline starts from")
+    p.add_argument("--per-try-factor", type=float, default=d.factor, help="per-try deadline = quantile x this")
+    p.add_argument("--per-try-floor", type=float, default=d.floor_s, help="shortest per-try deadline (s)")
+    p.add_argument("--per-try-cap", type=float, default=d.cap_s,
+                   help="longest per-try deadline (s); also the deadline until enough latencies are known")
     p.add_argument("--block-size", type=int, default=16, help="used until the replicas report theirs")
     p.add_argument("--spill-threshold", type=int, default=8)
     p.add_argument("--max-blocks", type=int, default=1_000_000)
@@ -474,6 +381,10 @@ def config_from_args(args) -> RouterConfig:
         health_interval_s=args.health_interval, load_retry_deadline_s=args.load_retry_deadline,
         upstream_timeout_s=args.upstream_timeout, max_body_bytes=args.max_body_bytes,
         body_read_timeout_s=args.body_read_timeout, unload_drain_timeout_s=args.unload_drain_timeout,
+        admin_api_key_env=args.admin_api_key_env, admin_api_key_file=args.admin_api_key_file,
+        remove_drain_timeout_s=args.remove_drain_timeout,
+        per_try=PerTryConfig(enabled=not args.no_hedge, quantile=args.per_try_quantile, factor=args.per_try_factor,
+                             floor_s=args.per_try_floor, cap_s=args.per_try_cap),
         log_level=args.log_level)
 
 

@@ -6,6 +6,7 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 
+from .per_try import PerTryConfig
 from .routing_policy import RoutingConfig
 
 
@@ -47,7 +48,17 @@ class RouterConfig:
             unloads it only when its completions using it have finished, or after this many seconds. While it
             drains it still takes one of the replica's `max_loras` slots, and a load that needs the slot waits
             (at most this long) for the drain.
-        max_reroutes: how many other replicas a completion is retried on when its replica drops the connection.
+        max_reroutes: how many other replicas a completion is retried on when its replica drops the connection, or
+            hedged on when it is stuck (`per_try`).
+        per_try: per-try deadlines: a completion that has not answered within a deadline derived from recent
+            completion latencies is also sent to another replica, the first answer wins (`per_try.PerTryConfig`).
+        admin_api_key_env: environment variable holding the key that changes the router's membership (`POST` and
+            `DELETE /router/replicas`, `Authorization: Bearer <admin key>`). Separate from the client key and the
+            upstream token. With no admin key, membership changes are allowed only on a loopback router (with the
+            client key, if one is set); otherwise they are refused with 403.
+        admin_api_key_file: file holding that key (first line); used when set, instead of the variable.
+        remove_drain_timeout_s: a replica removed from the membership gets no new completions at once; those still
+            running there may finish for this long, then they are re-sent to other replicas.
         log_level: logging level name for the `python -m` entry point.
     """
 
@@ -72,19 +83,21 @@ class RouterConfig:
     client_api_key_file: str | None = None
     insecure: bool = False
     adapter_roots: list[str] = field(default_factory=list)
+    per_try: PerTryConfig = field(default_factory=PerTryConfig)
+    admin_api_key_env: str | None = None
+    admin_api_key_file: str | None = None
+    remove_drain_timeout_s: float = 30.0
     log_level: str = "INFO"
 
     def __post_init__(self):
         if not self.replicas:
             raise ValueError("RouterConfig needs at least one replica URL")
-        cleaned = []
-        for url in self.replicas:
-            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
-            cleaned.append(url.rstrip("/"))
+        cleaned = [replica_url(url) for url in self.replicas]
         if len(set(cleaned)) != len(cleaned):
             raise ValueError(f"duplicate replica URLs in {cleaned}")
         self.replicas = cleaned
+        if self.remove_drain_timeout_s < 0:
+            raise ValueError("remove_drain_timeout_s must be >= 0")
         for name in ("health_interval_s", "health_timeout_s", "load_retry_deadline_s", "upstream_timeout_s",
                      "control_timeout_s", "body_read_timeout_s", "unload_drain_timeout_s"):
             if getattr(self, name) <= 0:
@@ -119,6 +132,34 @@ class RouterConfig:
             raise ValueError(f"client authentication is on but the variable {self.client_api_key_env} is unset or "
                              "empty")
         return key
+
+
+    def read_admin_api_key(self) -> str | None:
+        """The key that may change the membership, or None; asked for but empty is an error, as for the client key."""
+        if not self.admin_api_key_env and not self.admin_api_key_file:
+            return None
+        key = _read_secret(self.admin_api_key_file, self.admin_api_key_env, "admin_api_key_file")
+        if key is None:
+            raise ValueError(f"an admin key is asked for but the variable {self.admin_api_key_env} is unset or empty")
+        return key
+
+
+def replica_url(url) -> str:
+    """A replica's base URL as the router keys it (http or https, a host, no credentials, query or fragment, no
+    trailing slash); ValueError otherwise. Credentials never ride in a URL: the upstream token is `api_key_env`."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not a number or out of range
+    except ValueError:
+        raise ValueError(f"replica URL {url!r} is not a valid URL") from None
+    if not parts.hostname or "@" in parts.netloc or parts.query or parts.fragment:
+        raise ValueError(f"replica URL must be http(s)://host[:port][/path] without credentials, query or fragment, "
+                         f"got {url!r}")
+    return url.rstrip("/")
 
 
 def _read_secret(path: str | None, env: str | None, what: str) -> str | None:

@@ -3,6 +3,8 @@
     handle = start_router(RouterConfig(replicas=[...], port=0))   # port 0: a free port
     handle.wait_ready()                                             # every replica in service
     ... handle.url ...
+    handle.add_replica("http://10.0.0.7:8001", wait_s=60)          # membership changes while it runs
+    handle.remove_replica("http://10.0.0.5:8001", drain_s=0)
     handle.stop()
 
 A failed start (a port taken) releases everything it set up before the error reaches the caller.
@@ -79,11 +81,12 @@ class RouterHandle:
         return self
 
     def wait_ready(self, replicas: int | None = None, timeout: float = 60.0) -> None:
-        """Block until `replicas` (default: all) replicas are in service."""
-        want = len(self.config.replicas) if replicas is None else replicas
+        """Block until `replicas` (default: every member) replicas are in service."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             pool = self.router.pool
+            want = (len(pool.replicas) if pool is not None else len(self.config.replicas)) if replicas is None \
+                else replicas
             if pool is not None and len(pool.in_service()) >= want:
                 return
             time.sleep(0.02)
@@ -95,6 +98,24 @@ class RouterHandle:
         async def wrapped():
             return fn()
         return asyncio.run_coroutine_threadsafe(wrapped(), self._loop).result(timeout)
+
+    def _run_on_loop(self, coroutine, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def add_replica(self, url: str, wait_s: float = 0.0) -> dict:
+        """Add a replica while the router runs; it is routed to only once it holds every live adapter. With `wait_s`,
+        wait that long for its admission. Returns its description (`state` is "in_service" once admitted)."""
+        return self._run_on_loop(self.router.membership.add(url, wait_s), wait_s + 30)
+
+    def remove_replica(self, url: str, drain_s: float | None = None) -> dict | None:
+        """Remove a replica; its completions may finish for `drain_s` (default `remove_drain_timeout_s`; 0 for a
+        replica that died), then they are re-sent elsewhere. None when `url` is not a member."""
+        drain_s = self.config.remove_drain_timeout_s if drain_s is None else drain_s
+        return self._run_on_loop(self.router.membership.remove(url, drain_s), drain_s + 30)
+
+    def replicas(self) -> list[dict]:
+        """The current members with their states."""
+        return self.call(self.router.membership.members)
 
     def stop(self) -> None:
         if self._thread.is_alive():

@@ -12,7 +12,8 @@ Two things differ from the published proxy:
 - a request's blocks become *owned* by a replica only after that replica answered successfully; while it is in
   flight they are only a *pending claim*, enough to keep the rest of its group together, and dropped on failure;
 - only replicas the caller marks eligible (in service and holding the adapter) are candidates, so a dead replica
-  can never look least loaded, and `forget_replica` clears a replica's ownership when it is re-admitted.
+  can never look least loaded, and `forget_replica` clears a replica's ownership when it is re-admitted or removed
+  (membership changes at run time: `ensure_replicas` makes room for a replica that joins).
 A block gets a record (in the LRU) only once a replica has answered a request containing it, so requests that are
 refused or fail never fill the LRU. Memory is bounded: records live in an LRU of `max_blocks` entries, touched
 tail first so a prompt's root is its most recent record and eviction drops a chain from its tail (what is left still
@@ -148,6 +149,13 @@ class AffinityRule:
     def reset_counts(self) -> None:
         self.counts = {AFFINITY: 0, SPILLED: 0, UNMATCHED: 0}
 
+    def ensure_replicas(self, n: int) -> None:
+        """Room for replica numbers 0..n-1: the router's membership grew while running. What the policy holds about
+        the others (in-flight counts, block records) is kept."""
+        if n > self.num_replicas:
+            self.in_flight.extend([0] * (n - self.num_replicas))
+            self.num_replicas = n
+
 
 class PrefixAffinityPolicy(AffinityRule):
     """Routing state for replicas numbered 0..n-1. Not thread-safe: call it from one event loop."""
@@ -248,11 +256,16 @@ class PrefixAffinityPolicy(AffinityRule):
             self._record_success(decision.hashes, r)
 
     def forget_replica(self, r: int) -> None:
-        """Drop everything replica `r` owns (it restarted, so its cache is empty); in-flight claims stay counted."""
-        mask = ~(1 << (_SERVED_SHIFT + r))
+        """Drop everything replica `r` owns: it restarted (its cache is empty), or it left the router and its number
+        may go to a replica that joins later. Only its bit is cleared, so the other replicas keep their blocks and a
+        block that only it held stays recorded (with its successor) for whoever serves it next. In-flight claims
+        stay counted until their requests finish."""
+        bit = 1 << (_SERVED_SHIFT + r)
+        mask = ~bit
         blocks = self._blocks
         for h, record in blocks.items():
-            blocks[h] = record & mask  # assigning an existing key keeps the LRU order
+            if record & bit:
+                blocks[h] = record & mask  # assigning an existing key keeps the LRU order
 
     def owned_blocks(self, r: int) -> int:
         """How many block records say replica `r` holds the block."""

@@ -14,11 +14,21 @@ The trainer writes every policy version as a PEFT adapter directory; every repli
   replica (or a test) can check that what it loaded is what the trainer published.
 
 `replica_path(name)` is the path handed to `/v1/load_lora_adapter`: the local path for local roots, the mount point
-given as `replica_root` for a mounted bucket, else the URL itself (the CPU replica fetches fsspec URLs; vLLM needs a
-path on its own file system, i.e. a mount).
+given as `replica_root` for a mounted bucket, else the URL itself. A replica without a mount copies the version to
+its own disk first (`fetch_adapter`, `adapter_cache.AdapterCache`): the CPU replica does it itself, a vLLM server
+through `adapter_sidecar`.
+
+The "files first, manifest last" rule is written once (`upload_tree`, `download_tree`) because checkpoints published
+to an object store (`async_loop.checkpoint_store`) follow it too.
+
+Object-store credentials and endpoints come from where the store's own client looks: for `s3://`, the usual
+`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_DEFAULT_REGION` and, for an S3-compatible store (MinIO, Ceph,
+R2), `AWS_ENDPOINT_URL_S3` (botocore reads it, so s3fs does); any other option through fsspec's own
+`FSSPEC_S3_<OPTION>` / `FSSPEC_S3='{json}'` variables. Nothing here takes credentials as arguments, so none ends up
+in a command line, a log or a run record.
 
 It lives in `serving` because both sides use it: the trainer (`async_loop`) publishes through it, and the replicas
-read what it published (`generation.Engine` fetches fsspec URLs with `fetch_adapter`).
+read what it published.
 """
 
 from __future__ import annotations
@@ -65,6 +75,14 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _digest(files: dict[str, str]) -> str:
     """One digest for the adapter: the sorted (file, sha256) pairs."""
     return _sha256(json.dumps(sorted(files.items())).encode())
@@ -73,6 +91,80 @@ def _digest(files: dict[str, str]) -> str:
 def version_of(name: str, prefix: str) -> int | None:
     m = VERSION_RE.match(name)
     return int(m["version"]) if m and m["prefix"] == prefix else None
+
+
+def is_local(fs) -> bool:
+    """Whether `fs` is the local file system (renames exist; listings are never stale)."""
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+# -- files first, manifest last: the object-store publishing rule ----------------------------------------------------
+def tree_files(local_dir: str | os.PathLike) -> dict[str, str]:
+    """Every file under `local_dir` (relative POSIX path -> SHA-256), sorted; the manifest's `files`."""
+    root = Path(local_dir)
+    return {p.relative_to(root).as_posix(): _file_sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def upload_tree(fs, local_dir: str | os.PathLike, remote_dir: str, manifest: dict,
+                manifest_name: str = MANIFEST) -> None:
+    """Upload `manifest["files"]` from `local_dir` to `remote_dir`, then the manifest: a reader that finds the manifest
+    finds every file it lists (object stores make each object visible whole once its upload returns)."""
+    for rel in manifest["files"]:
+        fs.put_file(str(Path(local_dir, rel)), posixpath.join(remote_dir, rel))
+    fs.pipe_file(posixpath.join(remote_dir, manifest_name), json.dumps(manifest, indent=1).encode())
+
+
+def read_manifest(url: str, manifest_name: str = MANIFEST) -> dict:
+    """The manifest of the tree at `url` (fresh from the store, never from a cached listing); FileNotFoundError
+    while there is none (not published yet, or cut short)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if not is_local(fs):
+        fs.invalidate_cache()
+    manifest_path = posixpath.join(path, manifest_name)
+    try:
+        return json.loads(fs.cat_file(manifest_path))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"No adapter found at {url} (no manifest yet)") from None
+
+
+def local_copy_matches(dest: str | os.PathLike, files: dict[str, str]) -> bool:
+    """`dest` holds exactly `files` with those SHA-256s (extra files aside): a copy that may be used as it is."""
+    dest = Path(dest)
+    try:
+        return all(_file_sha256(dest / rel) == sha for rel, sha in files.items())
+    except OSError:
+        return False
+
+
+def download_tree(url: str, dest: str | os.PathLike, manifest: dict, manifest_name: str = MANIFEST) -> Path:
+    """Copy the files `manifest` lists from `url` to `dest`, each checked against its SHA-256, and the manifest last.
+
+    The copy is made in a sibling folder and renamed into place, so `dest` is either absent or complete; a copy
+    already at `dest` that matches is kept (nothing downloaded). ValueError on a mismatch, nothing left behind."""
+    dest = Path(dest)
+    if dest.is_dir() and (dest / manifest_name).is_file() and local_copy_matches(dest, manifest["files"]):
+        return dest
+    fs, path = fsspec.core.url_to_fs(url)
+    staging = dest.with_name(f".{dest.name}.partial-{uuid.uuid4().hex[:8]}")
+    staging.mkdir(parents=True)
+    try:
+        for rel, sha in manifest["files"].items():
+            target = staging / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(posixpath.join(path, rel), str(target))  # streamed: checkpoints hold large files
+            if _file_sha256(target) != sha:
+                raise ValueError(f"{url}/{rel} does not match its manifest (sha256 {sha[:12]}...)")
+        (staging / manifest_name).write_text(json.dumps(manifest, indent=1))
+        if dest.exists():  # a stale or damaged copy: replaced whole
+            shutil.rmtree(dest)
+        try:
+            os.replace(staging, dest)
+        except OSError:  # another caller renamed its complete copy into place first
+            if not local_copy_matches(dest, manifest["files"]):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return dest
 
 
 class AdapterStore:
@@ -87,18 +179,25 @@ class AdapterStore:
     def __init__(self, root: str | os.PathLike, replica_root: str | None = None, run_id: str | None = None):
         self.url = str(root)
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
-        self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        self.local = is_local(self.fs)
         if self.local:
             self.root = os.path.abspath(self.root)
+            self.fs.makedirs(self._join(HISTORY), exist_ok=True)
+        # an object store has no folders to make, and s3fs's makedirs would create a missing bucket: a wrong bucket
+        # name must fail at the first write, not quietly start a new bucket
         self.replica_root = replica_root
         self.run_id = run_id or uuid.uuid4().hex[:12]
-        self.fs.makedirs(self._join(HISTORY), exist_ok=True)
 
     def __repr__(self) -> str:
         return f"AdapterStore({self.url!r})"
 
     def _join(self, *parts: str) -> str:
         return os.path.join(self.root, *parts) if self.local else posixpath.join(self.root, *parts)
+
+    def _fresh(self) -> None:
+        """Forget cached listings: another process (the trainer, a killed publisher) may have written since."""
+        if not self.local:
+            self.fs.invalidate_cache()
 
     # -- where replicas read ----------------------------------------------------------------------------------
     def replica_path(self, name: str) -> str:
@@ -111,6 +210,7 @@ class AdapterStore:
     # -- publishing ---------------------------------------------------------------------------------------------
     def history(self) -> dict[str, Published]:
         """Every name ever published under this root (deleted versions included)."""
+        self._fresh()
         out = {}
         for path in self.fs.glob(self._join(HISTORY, "*.json")):
             try:
@@ -132,11 +232,12 @@ class AdapterStore:
         local_dir = Path(local_dir)
         if not (local_dir / "adapter_config.json").is_file():
             raise FileNotFoundError(f"{local_dir} holds no adapter_config.json: not a PEFT adapter directory")
+        self._fresh()
         history_entry = self._join(HISTORY, f"{name}.json")
         if self.fs.exists(history_entry) or self.fs.exists(self._join(name)):
             raise FileExistsError(f"adapter name {name!r} was already published under {self.url}; a name must never "
                                   "be reused for other weights (replicas may still hold the old ones under it)")
-        files = {p.name: _sha256(p.read_bytes()) for p in sorted(local_dir.iterdir()) if p.is_file()}
+        files = {p.name: _file_sha256(p) for p in sorted(local_dir.iterdir()) if p.is_file()}
         manifest = {"name": name, "version": version, "step": step, "run_id": self.run_id, "files": files,
                     "digest": _digest(files), "published_at": time.time()}
         text = json.dumps(manifest, indent=1).encode()
@@ -150,17 +251,16 @@ class AdapterStore:
                 f.write(text)
             os.replace(staging, final)
         else:
-            for fname in files:
-                self.fs.put_file(str(local_dir / fname), self._join(name, fname))
-            self.fs.pipe_file(self._join(name, MANIFEST), text)  # last: its presence means complete
+            upload_tree(self.fs, local_dir, final, manifest)  # the manifest last: its presence means complete
         return Published.from_manifest(manifest)
 
     # -- reading ------------------------------------------------------------------------------------------------
     def manifest(self, name: str) -> Published | None:
-        path = self._join(name, MANIFEST)
-        if not self.fs.exists(path):
+        self._fresh()
+        try:
+            return Published.from_manifest(json.loads(self.fs.cat_file(self._join(name, MANIFEST))))
+        except FileNotFoundError:
             return None
-        return Published.from_manifest(json.loads(self.fs.cat_file(path)))
 
     def verify(self, name: str) -> bool:
         """The files under `<root>/<name>` are exactly what its manifest lists."""
@@ -168,32 +268,46 @@ class AdapterStore:
         if published is None:
             return False
         for fname, sha in published.files.items():
-            path = self._join(name, fname)
-            if not self.fs.exists(path) or _sha256(self.fs.cat_file(path)) != sha:
+            try:
+                if _sha256(self.fs.cat_file(self._join(name, fname))) != sha:
+                    return False
+            except FileNotFoundError:
                 return False
         return True
 
+    def _folders(self) -> list[str]:
+        """The names of the folders under the root (hidden ones aside); none before the first publish."""
+        self._fresh()
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:  # an object-store prefix exists only once something is written under it
+            return []
+        return sorted(base for e in entries if e.get("type") == "directory"
+                      and not (base := posixpath.basename(e["name"].rstrip("/"))).startswith("."))
+
     def published_names(self) -> list[str]:
         """Names whose directory (with a manifest) is present now."""
-        out = []
-        for entry in self.fs.ls(self.root, detail=False):
-            base = posixpath.basename(entry.rstrip("/"))
-            if not base.startswith(".") and self.fs.exists(self._join(base, MANIFEST)):
-                out.append(base)
-        return sorted(out)
+        return [name for name in self._folders() if self.fs.exists(self._join(name, MANIFEST))]
 
     def delete(self, name: str) -> None:
         """Remove a version's files (its history entry stays, so the name stays used)."""
         path = self._join(name)
+        self._fresh()
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
 
     def clean_staging(self) -> int:
-        """Remove half-written versions a crash left behind (local roots); returns how many."""
-        if not self.local:
-            return 0
-        stale = [p for p in self.fs.ls(self.root, detail=False)
-                 if ".staging-" in posixpath.basename(p.rstrip("/"))]
+        """Remove half-written versions a crash left behind; returns how many. On a local root those are the
+        `.name.staging-*` folders; on an object store, the folders of recorded names without a manifest (a publish
+        killed between files). Call it only where no other process publishes (the trainer, before its first
+        publish): a version being written right now looks the same."""
+        if self.local:
+            stale = [p for p in self.fs.ls(self.root, detail=False)
+                     if ".staging-" in posixpath.basename(p.rstrip("/"))]
+        else:
+            recorded = set(self.history())
+            stale = [self._join(n) for n in self._folders()
+                     if n in recorded and not self.fs.exists(self._join(n, MANIFEST))]
         for p in stale:
             self.fs.rm(p, recursive=True)
         return len(stale)
@@ -204,7 +318,7 @@ def storage_reachable(url: str) -> None:
     on an object store its bucket, can be listed: a missing bucket or refused credentials show before a run starts
     instead of at its first publish."""
     fs, path = fsspec.core.url_to_fs(url)
-    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    local = is_local(fs)
     target = path if local else path.strip("/").split("/", 1)[0]
     if local and not fs.exists(target):
         return  # made at the first publish
@@ -212,24 +326,12 @@ def storage_reachable(url: str) -> None:
     fs.ls(target, detail=False)
 
 
-def fetch_adapter(url: str, dest: str | os.PathLike) -> Path:
-    """Download a published adapter (an fsspec URL) to `dest`, checking it against its manifest.
+def fetch_adapter(url: str, dest: str | os.PathLike, published: dict | None = None) -> Path:
+    """Copy a published adapter (an fsspec URL) to `dest`, checking every file against its manifest.
 
-    What a replica without the bucket mounted does before loading; raises FileNotFoundError while the version is
-    not complete (no manifest yet — the caller retries, like a lagging mount) and ValueError on a digest mismatch."""
-    fs, path = fsspec.core.url_to_fs(url)
-    manifest_path = posixpath.join(path, MANIFEST)
-    if not fs.exists(manifest_path):
-        raise FileNotFoundError(f"No adapter found at {url} (no manifest yet)")
-    published = Published.from_manifest(json.loads(fs.cat_file(manifest_path)))
-    dest = Path(dest)
-    staging = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}")
-    staging.mkdir(parents=True)
-    for fname, sha in published.files.items():
-        data = fs.cat_file(posixpath.join(path, fname))
-        if _sha256(data) != sha:
-            raise ValueError(f"{url}/{fname} does not match its manifest (sha256 {sha[:12]}...)")
-        (staging / fname).write_bytes(data)
-    (staging / MANIFEST).write_text(json.dumps(published.__dict__))
-    os.replace(staging, dest)
-    return dest
+    What a replica without the bucket mounted does before loading; `dest` ends up complete or absent, and a copy
+    already there that matches the manifest is used as it is. Raises FileNotFoundError while the version is not
+    complete (no manifest yet — the caller retries, like a lagging mount) and ValueError on a digest mismatch.
+    `published`: the manifest, when the caller has read it already (`read_manifest`)."""
+    manifest = published if published is not None else read_manifest(url)
+    return download_tree(url, dest, manifest)

@@ -12,6 +12,7 @@ import aiohttp
 
 IN_SERVICE, DOWN, STARTING, INCONSISTENT = "in_service", "down", "starting", "inconsistent"
 STATES = (IN_SERVICE, DOWN, STARTING, INCONSISTENT)
+REMOVED = "removed"  # taken out of the router's membership; never routed to, checked or re-admitted again
 # Anything that means "no usable HTTP answer": a refused or dropped connection, a timeout, and also a malformed
 # response (`aiohttp.ClientResponseError`), all under `aiohttp.ClientError`. A replica answering like that is
 # treated as unreachable (marked down, rerouted around) rather than surfacing as a router error.
@@ -36,6 +37,7 @@ class Replica:
     down_since: float | None = None
     epoch: int = 0  # admissions so far: a load that began before the last one cannot vouch for what it holds now
     calls: set = field(default_factory=set, repr=False)  # upstream completion tasks in flight, cut when it goes down
+    tries: int = 0  # completion tries under way here (their adapter usage and policy claims not yet released)
     transitioning: dict[str, int] = field(default_factory=dict, repr=False)  # names being loaded or unloaded here
     transition_seq: int = 0
     recent_transitions: deque = field(default_factory=lambda: deque(maxlen=4096), repr=False)

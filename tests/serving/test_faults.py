@@ -114,7 +114,10 @@ def test_replica_killed_mid_generation_is_rerouted(faulty):
     assert adapters_on(faulty, busy) == set(state(faulty)["live_adapters"])  # re-admitted with the live adapters
 
 
-def test_replica_killed_during_load_rolls_back(faulty, adapters):
+def test_replica_killed_during_load_leaves_routing_and_the_load_stands(faulty, adapters):
+    """A replica that dies mid-load cannot be reached: it leaves routing, the load succeeds on the replicas left
+    (so a trainer's sync does not fail because one replica died), and the replica gets the adapter back only with
+    the live set at its re-admission."""
     client = VLLMClient(faulty.url)
     before = metric(faulty.url, "grpo_router_adapter_load_retries_total")
     outcome: dict = {}
@@ -134,14 +137,15 @@ def test_replica_killed_during_load_rolls_back(faulty, adapters):
     faulty.replicas[1].kill()
     loader.join(timeout=40)
     assert not loader.is_alive()
-    assert "error" in outcome, outcome
-    assert "rolled back on 1 replica" in outcome["error"] and faulty.replicas[1].url in outcome["error"]
-    assert "trl-policy-v2" not in adapters_on(faulty, 0)  # rolled back
-    assert "trl-policy-v2" not in state(faulty)["live_adapters"]
+    assert outcome.get("ok"), outcome
+    assert "trl-policy-v2" in adapters_on(faulty, 0) and "trl-policy-v2" in state(faulty)["live_adapters"]
+    assert replica_state(faulty, 1) != "in_service"
     reply = requests.post(faulty.url + "/v1/completions", json=trl_payload("trl-policy-v2", PROMPT, 1), timeout=30)
-    assert reply.status_code == 404  # never forwarded to a replica that lacks it
+    assert reply.status_code == 200  # served by the replica that holds it
+    restart_replica(faulty, 1)  # and waits until it is in service again
+    assert "trl-policy-v2" in adapters_on(faulty, 1)  # re-admitted with the live set
     assert metric(faulty.replicas[0].url, "grpo_replica_unknown_model_total") == 0
-    restart_replica(faulty, 1)
+    client.unload_lora_adapter("trl-policy-v2")  # the module's later tests start from the live set before it
 
 
 @pytest.mark.slow

@@ -1,0 +1,198 @@
+"""Checkpoints on an object store: each complete one published as it is saved, the last complete one pulled back.
+
+TRL and transformers write `checkpoint-N` into the local `output_dir`. A trainer on a machine that can vanish (a
+preempted node, a spot instance, a job that lands elsewhere after a requeue) loses them with the disk, and the adapter
+history on the store alone cannot restart the run. With `checkpoint_storage` set (`AsyncGRPOLabConfig`), every
+checkpoint is copied to `<checkpoint_storage>/checkpoint-N/` once transformers has finished writing it (a
+`TrainerCallback.on_save`), by the rule adapters follow on an object store: the files first, a manifest with each
+file's SHA-256 last. A checkpoint counts as published only with its manifest, and only a checkpoint that was complete
+locally (`rollout_state.json` and `trainer_state.json` both there and whole) is published at all.
+
+On a fresh machine, `pull_last_checkpoint(url, output_dir)` downloads the newest published checkpoint into
+`output_dir` (each file checked against the manifest; incomplete or damaged ones named and skipped), after which
+`--resume` / `train(resume_from_checkpoint=True)` goes on from it as from a local one. The adapter names stay unique
+across the move because the adapter history lives on the store too (`serving.storage`).
+
+A re-save of a step already published (a run resumed from an earlier checkpoint trains that step again) first
+removes the old copy's manifest, so a kill in between leaves an incomplete folder, never a mix of two saves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import fsspec
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..serving.storage import download_tree, is_local, tree_files, upload_tree
+from .checkpoints import ROLLOUT_STATE, TRAINER_STATE, checkpoint_step, is_checkpoint_name, last_complete_checkpoint
+from .checkpoints import checkpoint_problem as local_problem
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_MANIFEST = "grpo_lab_checkpoint.json"
+
+
+@dataclass
+class Pulled:
+    """What `pull_last_checkpoint` did: the local checkpoint to resume from (None: none anywhere), whether it was
+    downloaded, and the published ones it skipped, newest first (folder, why)."""
+
+    checkpoint: str | None
+    downloaded: bool = False
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    def describe_skipped(self) -> str:
+        return "; ".join(f"{name}: {why}" for name, why in self.skipped)
+
+
+class CheckpointStore:
+    """`checkpoint-N` folders under `url` (any fsspec URL or path), each with a manifest written last."""
+
+    def __init__(self, url: str):
+        self.url = str(url)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.local = is_local(self.fs)
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.url!r})"
+
+    def _join(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def _fresh(self) -> None:
+        if not self.local:
+            self.fs.invalidate_cache()
+
+    def _manifest(self, name: str) -> dict | None:
+        try:
+            return json.loads(self.fs.cat_file(self._join(name, CHECKPOINT_MANIFEST)))
+        except FileNotFoundError:
+            return None
+
+    def folders(self) -> list[str]:
+        """The `checkpoint-N` folders on the store, newest (highest N) first, complete or not."""
+        self._fresh()
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        names = [posixpath.basename(e.rstrip("/")) for e in entries]
+        return sorted((n for n in names if is_checkpoint_name(n)), key=checkpoint_step, reverse=True)
+
+    def published(self) -> list[str]:
+        """The complete ones (manifest present, naming both state files), newest first."""
+        return [n for n in self.folders() if _published_problem(self._manifest(n)) is None]
+
+    def publish(self, folder: str | Path) -> dict:
+        """Copy the local checkpoint `folder` to `<url>/<folder name>`, the manifest last; returns the manifest.
+        ValueError for a folder that is not a complete checkpoint (nothing is written then)."""
+        folder = Path(folder)
+        if not is_checkpoint_name(folder.name):
+            raise ValueError(f"{folder} is not a {PREFIX_CHECKPOINT_DIR}-<step> folder")
+        problem = local_problem(folder) if folder.is_dir() else "no such folder"
+        if problem is not None:
+            raise ValueError(f"{folder} is not a complete checkpoint ({problem}): not published")
+        remote = self._join(folder.name)
+        self._fresh()
+        if self.fs.exists(remote):  # a step saved again after a resume: unpublish first, then replace
+            try:
+                self.fs.rm_file(self._join(folder.name, CHECKPOINT_MANIFEST))
+            except FileNotFoundError:
+                pass
+            self.fs.rm(remote, recursive=True)
+        manifest = {"checkpoint": folder.name, "step": checkpoint_step(folder), "files": tree_files(folder),
+                    "published_at": time.time()}
+        upload_tree(self.fs, folder, remote, manifest, CHECKPOINT_MANIFEST)
+        return manifest
+
+    def prune(self, keep: int) -> list[str]:
+        """Keep the `keep` newest complete checkpoints (as transformers' `save_total_limit` does locally); remove
+        the older ones, and incomplete ones older than the newest complete one (left by a publisher killed between
+        files: never a resume point). Returns the names removed. Only the trainer's own callback publishes, after
+        each save and before this, so no folder is being written meanwhile."""
+        complete = self.published()
+        if keep <= 0 or not complete:
+            return []
+        kept = set(complete[:keep])
+        newest = checkpoint_step(complete[0])
+        doomed = [n for n in self.folders() if n not in kept and checkpoint_step(n) < newest]
+        for name in doomed:
+            self.fs.rm(self._join(name), recursive=True)
+        return doomed
+
+    def pull_last(self, output_dir: str | Path, warn: Callable[[str], object] | None = None) -> Pulled:
+        """Make the newest complete checkpoint on the store a local `output_dir/checkpoint-N` (unless `output_dir`
+        already holds a complete one as new); `warn` hears which published ones were skipped and why."""
+        output_dir = Path(output_dir)
+        local = last_complete_checkpoint(output_dir).checkpoint
+        local_step = checkpoint_step(local) if local else -1
+        skipped: list[tuple[str, str]] = []
+        pulled = Pulled(local, skipped=skipped)
+        for name in self.folders():
+            if checkpoint_step(name) <= local_step:
+                break
+            manifest = self._manifest(name)
+            problem = _published_problem(manifest)
+            if problem is None:
+                try:
+                    download_tree(self.fs.unstrip_protocol(self._join(name)), output_dir / name, manifest,
+                                  CHECKPOINT_MANIFEST)
+                except (ValueError, OSError) as error:
+                    problem = f"download failed ({type(error).__name__}: {error})"
+                else:
+                    pulled.checkpoint, pulled.downloaded = str(output_dir / name), True
+                    break
+            skipped.append((name, problem))
+        if skipped and warn is not None:
+            warn(f"skipping incomplete published checkpoints: {pulled.describe_skipped()}")
+        return pulled
+
+
+def _published_problem(manifest: dict | None) -> str | None:
+    """Why a published checkpoint cannot be resumed from, or None."""
+    if manifest is None:
+        return "no manifest (publishing cut short?)"
+    missing = [f for f in (ROLLOUT_STATE, TRAINER_STATE) if f not in manifest.get("files", {})]
+    return f"{', '.join(missing)} not in it" if missing else None
+
+
+def pull_last_checkpoint(url: str, output_dir: str | Path, warn: Callable[[str], object] | None = None) -> Pulled:
+    """The last complete checkpoint published under `url`, downloaded into `output_dir` for a resume on a machine
+    that does not have it (see `CheckpointStore.pull_last`)."""
+    return CheckpointStore(url).pull_last(output_dir, warn)
+
+
+class PublishCheckpoints(TrainerCallback):
+    """Publishes each checkpoint transformers has just saved to `store` (main process only), then prunes the store
+    to `save_total_limit`. A failed upload is logged and counted (`failures`), not raised: the run keeps its local
+    checkpoint, and the next save tries again."""
+
+    def __init__(self, store: CheckpointStore):
+        self.store = store
+        self.published: list[str] = []
+        self.failures: list[tuple[str, str]] = []
+
+    def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        folder = Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        try:
+            t0 = time.perf_counter()
+            self.store.publish(folder)
+            if args.save_total_limit:
+                self.store.prune(args.save_total_limit)
+        except (OSError, ValueError) as error:
+            self.failures.append((folder.name, f"{type(error).__name__}: {error}"))
+            log.error("could not publish %s to %s: %s: %s (the local copy is kept; the next save tries again)",
+                      folder.name, self.store.url, type(error).__name__, error)
+            return
+        self.published.append(folder.name)
+        log.info("published %s to %s in %.1fs", folder.name, self.store.url, time.perf_counter() - t0)

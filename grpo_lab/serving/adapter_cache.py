@@ -1,0 +1,117 @@
+"""Node-local copies of published adapter versions, for servers that load adapters by local path only.
+
+vLLM's `/v1/load_lora_adapter` takes a path on the server's own file system, so a replica on a node without the
+bucket mounted has to copy each version to its disk first. `AdapterCache` does that for one replica: the version's
+manifest is read from the store, the files are downloaded and checked against it (`storage.fetch_adapter`), and the
+copy is kept in `<cache>/<name>-<digest>` until the adapter is unloaded (`release`). Keyed by the content digest as
+well as the name, a copy is never mistaken for another store's version of the same name, and one already there and
+still matching is loaded again without a download (a replica restarted on the same cache, a retried load).
+
+The default cache is a temporary folder of this process, removed when it exits; one left by a process killed with
+SIGKILL is removed by the next cache made on that machine (the folder name carries the owner's pid).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+
+from .storage import fetch_adapter, read_manifest
+
+log = logging.getLogger(__name__)
+
+_OWNED_PREFIX = "grpo-lab-adapters-"
+_OWNED = re.compile(rf"^{_OWNED_PREFIX}(\d+)-")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def sweep_orphans(parent: str | os.PathLike | None = None) -> list[str]:
+    """Remove the default caches of processes that no longer run (killed before they could clean up)."""
+    parent = Path(parent or tempfile.gettempdir())
+    removed = []
+    for entry in parent.glob(f"{_OWNED_PREFIX}*"):
+        m = _OWNED.match(entry.name)
+        if m and entry.is_dir() and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(str(entry))
+    return removed
+
+
+def is_remote(path: str) -> bool:
+    """A URL a server cannot open as a path (`s3://`, `gs://`, `hf://`, ...); `file://` and plain paths are local."""
+    return "://" in path and not path.startswith("file://")
+
+
+def _folder_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:120] or "adapter"
+
+
+class AdapterCache:
+    """One replica's local copies of adapters published on an object store.
+
+    Args:
+        root: the cache folder (made if missing; kept, with what this cache did not make, on `close`). Default: a new
+            temporary folder owned by this process, removed on `close` and at exit.
+    """
+
+    def __init__(self, root: str | os.PathLike | None = None):
+        if root is None:
+            sweep_orphans()
+            self.root = Path(tempfile.mkdtemp(prefix=f"{_OWNED_PREFIX}{os.getpid()}-"))
+            self.owned = True
+        else:
+            self.root = Path(root)
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.owned = False
+        self._held: dict[str, Path] = {}  # adapter name -> its local copy
+        self._lock = threading.Lock()  # one download at a time: loads come once per step, and two of one name share
+        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.root), True) if self.owned else None
+
+    def __repr__(self) -> str:
+        return f"AdapterCache({str(self.root)!r})"
+
+    def materialize(self, name: str, url: str) -> Path:
+        """The local folder holding the version published at `url`, downloaded and verified if not there yet.
+
+        FileNotFoundError while `url` has no manifest (not published yet: vLLM's "No adapter found", which the
+        router retries); ValueError when a file does not match it; OSError from the store (credentials, bucket)."""
+        published = read_manifest(url)
+        dest = self.root / f"{_folder_name(name)}-{published['digest'][:16]}"
+        with self._lock:
+            path = fetch_adapter(url, dest, published)
+            self._held[name] = path
+        return path
+
+    def held(self) -> dict[str, Path]:
+        return dict(self._held)
+
+    def release(self, name: str) -> bool:
+        """Remove the local copy of `name` (after the server unloaded it); False when there was none."""
+        with self._lock:
+            path = self._held.pop(name, None)
+        if path is None:
+            return False
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+
+    def close(self) -> None:
+        """Remove every copy this cache made (and the folder itself when it is the temporary default)."""
+        for name in list(self._held):
+            self.release(name)
+        if self._finalizer is not None:
+            self._finalizer()

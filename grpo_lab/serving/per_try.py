@@ -1,0 +1,111 @@
+"""Per-try deadlines: how long one replica may take on a completion before the router also asks another one.
+
+A replica can hang while still answering `/health` (a stuck engine, a wedged GPU, a request it will never schedule).
+The health checks then keep it in service and a completion sent there waits out the whole `upstream_timeout_s`
+(600 s) although another replica would have answered in seconds. So each try gets its own deadline, derived from what
+completions have recently cost: a high quantile of recent latencies (of completions asking for about as many tokens:
+a 16-token and a 3,000-token completion do not share a scale) times a factor, floored and capped. When it passes, the
+completion is *hedged*: sent to another replica as well, and the first answer wins; the other try is cancelled, which
+drops its connection, and vLLM aborts a request whose client went away.
+
+Hedges cost work on a second replica, so they are bounded: only after enough samples to trust the quantile (before
+that the cap applies), never while the replicas are paused (a pause holds every completion), and only while fewer
+than `budget` of the completions in flight are hedges (a slow cluster is not flooded with duplicates).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass
+class PerTryConfig:
+    """When a completion still running on one replica is also sent to another.
+
+    Args:
+        enabled: hedge stuck completions at all (False: a try runs until it answers, fails or the whole deadline).
+        quantile: which quantile of recent completion latencies the deadline starts from.
+        factor: the deadline is that quantile times this.
+        floor_s: the deadline is never shorter (short completions vary a lot in relative terms).
+        cap_s: the deadline is never longer; also the deadline while fewer than `min_samples` are known. The overall
+            `upstream_timeout_s` bounds everything: a hedge is never sent after it.
+        min_samples: latencies needed (per size class) before the quantile is trusted.
+        window: latencies kept per size class (the most recent ones).
+        budget: at most this fraction of the completions in flight may be hedges at once (at least 2).
+    """
+
+    enabled: bool = True
+    quantile: float = 0.95
+    factor: float = 2.0
+    floor_s: float = 1.0
+    cap_s: float = 300.0
+    min_samples: int = 20
+    window: int = 512
+    budget: float = 0.25
+
+    def __post_init__(self):
+        if not 0 < self.quantile <= 1:
+            raise ValueError(f"per_try.quantile must be in (0, 1], got {self.quantile}")
+        if self.factor < 1:
+            raise ValueError(f"per_try.factor must be >= 1, got {self.factor}")
+        if not 0 < self.floor_s <= self.cap_s:
+            raise ValueError(f"per_try needs 0 < floor_s <= cap_s, got {self.floor_s} and {self.cap_s}")
+        if self.min_samples < 1 or self.window < self.min_samples:
+            raise ValueError("per_try needs min_samples >= 1 and window >= min_samples")
+        if not 0 < self.budget <= 1:
+            raise ValueError(f"per_try.budget must be in (0, 1], got {self.budget}")
+
+
+def size_class(max_tokens) -> int:
+    """Completions are compared with those asking for the same power of two of tokens (0: not given)."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        return 0
+    return 1 << (max_tokens - 1).bit_length()
+
+
+class _Window:
+    __slots__ = ("quantile", "samples", "stale")
+
+    def __init__(self, size: int):
+        self.samples: deque[float] = deque(maxlen=size)
+        self.quantile: float | None = None
+        self.stale = 0  # samples added since the quantile was computed
+
+
+class PerTryDeadlines:
+    """Recent completion latencies per size class, and the per-try deadline they give. One event loop; cheap: the
+    quantile is recomputed every 16 new samples (sooner while the window is small), not per request."""
+
+    REFRESH = 16
+
+    def __init__(self, config: PerTryConfig):
+        self.config = config
+        self._windows: dict[int, _Window] = {}
+
+    def observe(self, max_tokens, seconds: float) -> None:
+        """A completion that answered 200 in `seconds` (the try that won)."""
+        key = size_class(max_tokens)
+        window = self._windows.get(key)
+        if window is None:
+            window = self._windows[key] = _Window(self.config.window)
+        window.samples.append(seconds)
+        window.stale += 1
+
+    def deadline_s(self, max_tokens) -> float:
+        """How long one try may run before a hedge is sent."""
+        c = self.config
+        window = self._windows.get(size_class(max_tokens))
+        if window is None or len(window.samples) < c.min_samples:
+            return c.cap_s
+        if window.quantile is None or window.stale >= min(self.REFRESH, max(1, len(window.samples) // 8)):
+            ordered = sorted(window.samples)
+            window.quantile = ordered[min(len(ordered) - 1, math.ceil(c.quantile * len(ordered)) - 1)]
+            window.stale = 0
+        return min(c.cap_s, max(c.floor_s, c.factor * window.quantile))
+
+    def snapshot(self) -> dict[str, dict]:
+        """{size class: {samples, deadline_s}} for /router/state."""
+        return {str(key): {"samples": len(w.samples), "deadline_s": round(self.deadline_s(key or None), 4)}
+                for key, w in sorted(self._windows.items())}
