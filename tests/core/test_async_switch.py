@@ -12,7 +12,7 @@ from trl.trainer.utils import add_fused_lm_head
 from grpo_lab.loss.trl_switch import set_loss_backend
 from grpo_lab.tasks.tiny import build_char_tokenizer, build_tiny_model
 
-from conftest import TINY
+from trainer_fixtures import TINY
 
 
 def async_trainer(model):

@@ -30,8 +30,9 @@ def test_ci_runs_exactly_the_readme_test_command():
     tiers = {"bash scripts/install_browser.sh": "export GRPO_LAB_REQUIRE_BROWSER=1",
              "bash scripts/vllm_cpu_env.sh": "export GRPO_LAB_REQUIRE_VLLM=1"}
     assert ci_lines[-1] == "bash scripts/test.sh"
-    assert ci_lines[:-1] == [line for pair in tiers.items() for line in pair]
-    assert "bash scripts/install_browser.sh" in readme
+    # and the Ray tier's real-vLLM actor test, which reuses the vLLM tier's venv
+    assert ci_lines[:-1] == [line for pair in tiers.items() for line in pair] + ["export GRPO_LAB_RAY_VLLM=1"]
+    assert "bash scripts/install_browser.sh" in readme and "GRPO_LAB_RAY_VLLM" in readme
 
 
 def test_extras_pin_what_the_issue_names():

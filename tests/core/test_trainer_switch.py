@@ -25,7 +25,7 @@ def train_losses(trainer_factory, backend, steps=3, **config):
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, tokenizer_module):
-    from conftest import make_trainer
+    from trainer_fixtures import make_trainer
 
     def factory(**config):
         return make_trainer(tmp_path_factory.mktemp("ref"), tokenizer_module, **config)

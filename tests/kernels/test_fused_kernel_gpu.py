@@ -397,10 +397,10 @@ def test_frozen_head_every_loss_type_through_trl(tmp_path, paths, loss_type, dty
     from grpo_lab.tasks.tiny import build_char_tokenizer
 
     here = os.path.dirname(__file__)
-    conftest, frozen_tests = (_load(os.path.join(here, "..", "core", name))
-                              for name in ("conftest.py", "test_frozen_head.py"))
+    fixtures, frozen_tests = (_load(os.path.join(here, "..", "core", name))
+                              for name in ("trainer_fixtures.py", "test_frozen_head.py"))
     torch.backends.cuda.matmul.allow_tf32 = False
-    trainer = conftest.make_trainer(
+    trainer = fixtures.make_trainer(
         tmp_path, build_char_tokenizer(), use_cpu=False, bf16=dtype == "bf16", loss_type=loss_type, beta=0.04,
         epsilon_high=0.28, temperature=0.9,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))

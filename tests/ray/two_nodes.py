@@ -85,7 +85,7 @@ class TwoNodeCluster:
         port = free_port()
         self.head = self._ray_start(["--head", f"--port={port}", "--num-cpus=1", "--num-gpus=0",
                                      f"--resources={json.dumps(HEAD_RESOURCES)}", "--include-dashboard=false",
-                                     f"--ray-client-server-port={free_port()}"], "head")
+                                     *_client_server_port()], "head")
         host = None
         deadline = time.monotonic() + timeout
         while host is None:  # the GCS listens on the node's IP (Ray never uses loopback for a cluster)
@@ -186,6 +186,14 @@ def _running(proc: psutil.Process) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def _client_server_port() -> list[str]:
+    """A free port for Ray Client's server when `ray[client]` is installed (its default 10001 may be taken); minimal
+    Ray refuses the flag, and starts no client server without it."""
+    from ray._private.utils import get_ray_client_dependency_error
+
+    return [] if get_ray_client_dependency_error() is not None else [f"--ray-client-server-port={free_port()}"]
 
 
 def _local_addresses() -> list[str]:

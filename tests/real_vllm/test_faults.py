@@ -35,7 +35,9 @@ def state(url: str) -> dict:
 
 
 @pytest.mark.kills_replica
-def test_replica_killed_mid_load_rolls_back_and_is_readmitted(cluster, adapters, token):
+def test_replica_killed_mid_load_leaves_routing_and_is_readmitted(cluster, adapters, token):
+    """A replica killed mid-load cannot be reached: it leaves routing, the load stands on the healthy one (a trainer's
+    sync does not fail because one replica died), and the replica gets the live set back at re-admission."""
     from grpo_lab.serving.replica_processes import restart
 
     healthy, victim = cluster.replicas
@@ -55,11 +57,9 @@ def test_replica_killed_mid_load_rolls_back_and_is_readmitted(cluster, adapters,
     loader.join(timeout=120)
 
     response = answer["response"]
-    assert response.status_code >= 500 or response.status_code == 400, response.text
-    # rolled back: the healthy replica does not keep an adapter only half the cluster loaded
-    wait_for(lambda: "trl-policy-v1" not in served_models(healthy, token), 30, "the rollback")
+    assert response.status_code == 200, response.text
     after = state(cluster.url)
-    assert "trl-policy-v1" not in after["live_adapters"]
+    assert "trl-policy-v1" in after["live_adapters"] and "trl-policy-v1" in served_models(healthy, token)
     assert [r["state"] for r in after["replicas"]][1] != "in_service", after
 
     # training goes on with one replica: a sync and rollouts
@@ -78,8 +78,7 @@ def test_replica_killed_mid_load_rolls_back_and_is_readmitted(cluster, adapters,
     try:
         wait_for(lambda: [r["state"] for r in state(cluster.url)["replicas"]] == ["in_service"] * 2, 120,
                  "re-admission")
-        assert "trl-policy-v2" in served_models(fresh, token)
-        assert "trl-policy-v1" not in served_models(fresh, token)
+        assert {"trl-policy-v1", "trl-policy-v2"} <= set(served_models(fresh, token))  # the live set, both
         # and the re-admitted replica serves the adapter exactly as the other one does
         payload = trl_payload("trl-policy-v2", PROMPT, seed=11)
         mine = [requests.post(r.url + "/v1/completions", json=payload, timeout=120,
@@ -87,6 +86,7 @@ def test_replica_killed_mid_load_rolls_back_and_is_readmitted(cluster, adapters,
                 for r in (healthy, fresh)]
         assert mine[0] == mine[1]
     finally:
-        unload(cluster, token, "trl-policy-v2")
+        for name in ("trl-policy-v2", "trl-policy-v1"):
+            unload(cluster, token, name)
     for r in (healthy, fresh):
         assert served_models(r, token) == {SERVED_NAME, "trl-policy-v0"}
