@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
-import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +42,7 @@ from grpo_lab.serving.replica_pool import ReplicaPool
 from grpo_lab.serving.router_config import RouterConfig
 from grpo_lab.serving.trace import TraceConfig, generate_trace
 from grpo_lab.serving.upstream import IN_SERVICE
+from routing_bench import drive_completions, free_port  # benchmarks/ is on sys.path when run as a script
 
 REPLICAS = (8, 64, 256)
 IN_FLIGHT = 128  # TRL's default max_inflight_tasks
@@ -98,42 +97,6 @@ def decision_path(replicas: int, groups: int) -> dict:
             "blocks": policy.num_blocks}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def _drive(url: str, prompts: list[list[int]], in_flight: int, duration_s: float, warmup_s: float) -> list[float]:
-    added: list[float] = []
-    t_start = time.monotonic()
-    stop = t_start + warmup_s + duration_s
-    counter = iter(range(10**9))
-
-    async def worker(session):
-        while time.monotonic() < stop:
-            i = next(counter)
-            payload = {"model": "fake", "prompt": prompts[(i // 8) % len(prompts)], "max_tokens": 2000,
-                       "temperature": 1.0, "n": 1, "return_token_ids": True, "logprobs": 0, "seed": i}
-            began = time.monotonic()
-            t0 = time.perf_counter()
-            async with session.post(url + "/v1/completions", json=payload) as resp:
-                body = await resp.read()
-                if resp.status != 200:
-                    raise RuntimeError(f"router answered {resp.status}: {body[:200]!r}")
-            if began >= t_start + warmup_s:
-                added.append(time.perf_counter() - t0 - json.loads(body)["service_s"])
-
-    async def reset_after_warmup(session):
-        await asyncio.sleep(warmup_s)
-        async with session.get(url + "/router/state", params={"reset_overhead": "1"}) as resp:
-            await resp.read()
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        await asyncio.gather(reset_after_warmup(session), *(worker(session) for _ in range(in_flight)))
-    return added
-
-
 def http_path(replicas: int, in_flight: int, duration_s: float, delay_s: float) -> dict:
     """The router as a subprocess in front of `replicas` fake replicas (one process serving them all)."""
     import requests
@@ -142,7 +105,7 @@ def http_path(replicas: int, in_flight: int, duration_s: float, delay_s: float) 
                              "--delay-s", str(delay_s), "--jitter", "0"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     ports = fake.stdout.readline().split()[1:]
-    port = _free_port()
+    port = free_port()
     router = subprocess.Popen([sys.executable, "-m", "grpo_lab.serving.router", "--port", str(port),
                                "--log-level", "WARNING", *sum((["--replica", f"http://127.0.0.1:{p}"] for p in ports),
                                                               [])], stdout=subprocess.DEVNULL,
@@ -159,7 +122,7 @@ def http_path(replicas: int, in_flight: int, duration_s: float, delay_s: float) 
                 pass
             time.sleep(0.2)
         prompts = [[7] * 23 + [i] * 72 for i in range(1, 200)]  # 95 tokens: the recipe's median prompt
-        added = asyncio.run(_drive(url, prompts, in_flight, duration_s, warmup_s=2.0))
+        added = asyncio.run(drive_completions(url, prompts, in_flight, duration_s, warmup_s=2.0))
         state = requests.get(url + "/router/state", timeout=10).json()
     finally:
         for proc in (router, fake):

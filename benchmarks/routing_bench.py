@@ -117,9 +117,11 @@ def decision_figures(trace, rows: list) -> None:
     add("decisions_per_s_one_core", result.decisions_per_s, ">= 5000")
 
 
-async def _drive(url: str, trace, in_flight: int, duration_s: float, warmup_s: float) -> list[float]:
-    """Keep `in_flight` TRL-shaped completions outstanding; for requests started after the warm-up, the latency
-    the client saw minus the fake replica's own service time (so: router + client + loopback)."""
+async def drive_completions(url: str, prompts: list[list[int]], in_flight: int, duration_s: float,
+                            warmup_s: float) -> list[float]:
+    """Keep `in_flight` TRL-shaped completions outstanding (8 per prompt in turn, a GRPO group); for requests started
+    after the warm-up, the latency the client saw minus the fake replica's own service time (so: router + client +
+    loopback). Shared with router_capacity.py."""
     latencies: list[float] = []
     t_start = time.monotonic()
     stop = t_start + warmup_s + duration_s
@@ -128,16 +130,15 @@ async def _drive(url: str, trace, in_flight: int, duration_s: float, warmup_s: f
     async def worker(session):
         while time.monotonic() < stop:
             i = next(counter)
-            group = trace[(i // 8) % len(trace)]
-            payload = {"model": "fake", "prompt": group.prompt_ids, "max_tokens": 3000, "temperature": 1.0,
-                       "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "n": 1, "return_token_ids": True,
+            payload = {"model": "fake", "prompt": prompts[(i // 8) % len(prompts)], "max_tokens": 3000,
+                       "temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "n": 1, "return_token_ids": True,
                        "logprobs": 0, "seed": i}
             began = time.monotonic()
             t0 = time.perf_counter()
             async with session.post(url + "/v1/completions", json=payload) as resp:
                 body = await resp.read()
                 if resp.status != 200:
-                    raise RuntimeError(f"router answered {resp.status}")
+                    raise RuntimeError(f"router answered {resp.status}: {body[:200]!r}")
             if began >= t_start + warmup_s:
                 latencies.append(time.perf_counter() - t0 - json.loads(body)["service_s"])
 
@@ -157,7 +158,7 @@ def _start(cmd: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, line
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -168,7 +169,7 @@ def proxy_figures(trace, in_flight: int, duration_s: float, delay_s: float, rows
     fake, line = _start([sys.executable, "-m", "grpo_lab.serving.fake_replica", "--ports", "0", "0",
                          "--delay-s", str(delay_s)])
     ports = line.split()[1:]
-    router_port = _free_port()
+    router_port = free_port()
     router = subprocess.Popen([sys.executable, "-m", "grpo_lab.serving.router", "--port", str(router_port),
                                "--log-level", "WARNING", *sum((["--replica", f"http://127.0.0.1:{p}"] for p in ports),
                                                               [])],
@@ -185,7 +186,8 @@ def proxy_figures(trace, in_flight: int, duration_s: float, delay_s: float, rows
             except requests.RequestException:
                 pass
             time.sleep(0.2)
-        latencies = asyncio.run(_drive(url, trace, in_flight, duration_s, warmup_s=max(2 * delay_s, 1.0)))
+        prompts = [g.prompt_ids for g in trace]
+        latencies = asyncio.run(drive_completions(url, prompts, in_flight, duration_s, warmup_s=max(2 * delay_s, 1.0)))
         state = requests.get(url + "/router/state", timeout=10).json()
     finally:
         router.terminate()
