@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 import types
 
 import pytest
@@ -50,6 +51,17 @@ def adapters(tmp_path_factory):
         model.save_pretrained(path)
         paths[f"trl-policy-v{i}"] = str(path)
     return paths
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    """Poll `predicate` until it returns something truthy (returned), or fail naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def metrics_of(url: str) -> dict[str, float]:

@@ -14,20 +14,10 @@ from grpo_lab.serving.replica_processes import CPUReplicaProcess, restart
 from grpo_lab.serving.router_config import RouterConfig
 from grpo_lab.serving.router_thread import start_router
 
-from .conftest import REPLICA_ARGS, TOKEN_ENV, metric, run_group, trl_payload
+from .conftest import REPLICA_ARGS, TOKEN_ENV, metric, run_group, trl_payload, wait_for
 
 LAG_S = 1.0
 PROMPT = list(range(100, 150))
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

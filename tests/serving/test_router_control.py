@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import time
 
 import aiohttp
 import pytest
@@ -20,17 +19,8 @@ from grpo_lab.serving.router_thread import RouterHandle, start_router
 from grpo_lab.serving.router_config import RouterConfig
 from grpo_lab.serving.upstream import DOWN, IN_SERVICE, Replica, UpstreamClient
 
-from .conftest import TOKEN_ENV, metric
+from .conftest import TOKEN_ENV, metric, wait_for
 from .fake_vllm import FakeCluster, FakeVLLM
-
-
-def wait_for(predicate, what: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @contextlib.contextmanager
@@ -159,7 +149,8 @@ def test_failed_rollback_takes_the_replica_out_until_it_has_unloaded(token):
         assert reply.status_code == 400
         message = reply.json()["error"]["message"]
         assert f"the rollback failed on {a.url}" in message and "no replica in service serves it" in message
-        wait_for(lambda: a.adapters == {} and states(url) == [IN_SERVICE, IN_SERVICE], "re-admission unloading v1")
+        wait_for(lambda: a.adapters == {} and states(url) == [IN_SERVICE, IN_SERVICE], 10,
+                 "re-admission unloading v1")
         assert metric(url, "grpo_router_readmissions_total") >= 1
         assert requests.get(url + "/router/state", timeout=5).json()["live_adapters"] == []
 
@@ -172,8 +163,10 @@ def test_failed_unload_takes_the_replica_out_until_it_has_unloaded(token):
         b.fail_next("/v1/unload_lora_adapter", 500, "transient engine error")
         reply = requests.post(url + "/v1/unload_lora_adapter", json={"lora_name": "v1"}, timeout=10)
         assert reply.status_code == 200  # answered at once; the upstream unload follows the drain
-        wait_for(lambda: metric(url, "grpo_router_replica_failures_total") >= 1, "replica b out after its unload failed")
-        wait_for(lambda: b.adapters == {} and states(url) == [IN_SERVICE, IN_SERVICE], "re-admission unloading v1")
+        wait_for(lambda: metric(url, "grpo_router_replica_failures_total") >= 1, 10,
+                 "replica b out after its unload failed")
+        wait_for(lambda: b.adapters == {} and states(url) == [IN_SERVICE, IN_SERVICE], 10,
+                 "re-admission unloading v1")
         assert load(url, "v2").status_code == 200
         assert load(url, "v3").status_code == 200  # the slot v1 held is free again
         assert a.adapters == b.adapters == {"v2": "/p/v2", "v3": "/p/v3"}
@@ -183,7 +176,7 @@ def test_replica_holding_an_adapter_that_is_not_live_is_cleaned_up(token):
     a, b = FakeVLLM(), FakeVLLM()
     with FakeCluster(a, b), router_for(a, b) as url:
         b.adapters["orphan"] = "/p/orphan"  # e.g. a load that finished there after its rollback
-        wait_for(lambda: b.adapters == {} and states(url) == [IN_SERVICE, IN_SERVICE], "the orphan unloaded")
+        wait_for(lambda: b.adapters == {} and states(url) == [IN_SERVICE, IN_SERVICE], 10, "the orphan unloaded")
         assert metric(url, "grpo_router_readmissions_total") >= 1
 
 
