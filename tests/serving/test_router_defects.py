@@ -16,9 +16,8 @@ import requests
 from grpo_lab.serving.router_thread import start_router
 from grpo_lab.serving.router_config import RouterConfig
 
-from .conftest import TOKEN_ENV, metric
+from .conftest import TOKEN_ENV, metric, wait_for
 from .fake_vllm import FakeCluster, FakeVLLM
-from .test_router_control import wait_for
 
 
 @contextlib.contextmanager
@@ -121,15 +120,14 @@ def test_replica_that_lost_its_adapters_during_a_long_load_leaves_routing(token)
         slow.load_delay_s = 4  # the next load holds on for a while
         loader = threading.Thread(target=lambda: load(router.url, "v2"))
         loader.start()
-        wait_for(lambda: "v2" in restarted.adapters, "v2 loaded on the quick replica")
+        wait_for(lambda: "v2" in restarted.adapters, 10, "v2 loaded on the quick replica")
         restarted.adapters.pop("v1")  # it restarted: its adapters are gone, and it answers health checks
-        wait_for(lambda: state(router.url)["replicas"][1]["state"] != "in_service", "the restarted replica out",
-                 timeout=2)
+        wait_for(lambda: state(router.url)["replicas"][1]["state"] != "in_service", 2, "the restarted replica out")
         assert loader.is_alive()  # found out while the load still ran
         replies = complete_all(router.url, distinct_prompts(8), model="v1")
         assert [r.status_code for r in replies] == [200] * 8
         loader.join(15)
-        wait_for(lambda: all(r["state"] == "in_service" for r in state(router.url)["replicas"]), "re-admission")
+        wait_for(lambda: all(r["state"] == "in_service" for r in state(router.url)["replicas"]), 10, "re-admission")
         assert restarted.adapters.keys() == slow.adapters.keys() == {"v1", "v2"}
         # every 404 it gave was re-sent and counted
         assert restarted.unknown_model <= metric(router.url, "grpo_router_reroutes_total")
@@ -193,7 +191,7 @@ def test_missing_adapter_path_blocks_no_other_control_call_and_says_where(token)
         holder: list = []
         loader = threading.Thread(target=lambda: holder.append(load(router.url, "bad", "/p/missing")))
         loader.start()
-        wait_for(lambda: a.calls.get("/v1/load_lora_adapter", 0) >= 2, "the retries under way")
+        wait_for(lambda: a.calls.get("/v1/load_lora_adapter", 0) >= 2, 10, "the retries under way")
         t0 = time.monotonic()
         assert requests.post(router.url + "/pause", params={"mode": "keep"}, timeout=10).status_code == 200
         assert load(router.url, "good").status_code == 200

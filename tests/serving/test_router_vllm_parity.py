@@ -9,9 +9,9 @@ import time
 
 import requests
 
-from .conftest import metric
+from .conftest import metric, wait_for
 from .fake_vllm import FakeCluster, FakeVLLM
-from .test_router_defects import complete, complete_all, distinct_prompts, load, router_for, state, wait_for
+from .test_router_defects import complete, complete_all, distinct_prompts, load, router_for, state
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -25,7 +25,7 @@ def start_completion(url: str, model: str) -> tuple[threading.Thread, list]:
     holder: list = []
     sender = threading.Thread(target=lambda: holder.append(complete(url, list(range(40)), model=model)))
     sender.start()
-    wait_for(lambda: state(url)["replicas"][0]["in_flight"] == 1, "a completion in flight")
+    wait_for(lambda: state(url)["replicas"][0]["in_flight"] == 1, 10, "a completion in flight")
     return sender, holder
 
 
@@ -110,7 +110,7 @@ def test_unload_drains_in_flight_completions_and_a_load_waits_for_the_slot(token
         holder: list = []
         sender = threading.Thread(target=lambda: holder.extend(complete_all(url, distinct_prompts(4), model="v1")))
         sender.start()
-        wait_for(lambda: sum(r["in_flight"] for r in state(url)["replicas"]) == 4, "4 completions in flight")
+        wait_for(lambda: sum(r["in_flight"] for r in state(url)["replicas"]) == 4, 10, "4 completions in flight")
         t0 = time.monotonic()
         assert unload(url, "v1").status_code == 200
         assert time.monotonic() - t0 < 0.5  # answered at once
@@ -159,7 +159,7 @@ def test_a_load_under_pause_does_not_wait_for_drains_frozen_by_the_pause(token):
         assert requests.post(url + "/resume", timeout=10).status_code == 200
         sender.join(10)
         assert holder[0].status_code == 200
-        wait_for(lambda: state(url)["draining"] == {}, "v1 drained")
+        wait_for(lambda: state(url)["draining"] == {}, 10, "v1 drained")
         assert set(a.adapters) == {"v2", "v3"}
         models = requests.get(url + "/v1/models", timeout=10).json()["data"]
         assert {m["id"] for m in models if m.get("parent")} == {"v2", "v3"}
