@@ -7,6 +7,8 @@
     grpo-lab max-batch --quick|--full ... FSDP2 + LoRA max-batch search (python -m grpo_lab.memory.max_batch)
     grpo-lab plan --model M --gpus N --gib G ...  predicted peak memory and max batch (grpo_lab.memory.planner)
     grpo-lab async-loop [--max-steps N] ... async LoRA GRPO: replicas + router + AsyncGRPOTrainer (--resume after a crash)
+    grpo-lab serve-pool [--replicas N]    replicas + a router that several async-loop runs share (--router-url URL
+                                          --run-name NAME joins it); prints the URL and where the admin key is
     grpo-lab doctor RUN_DIR               which side of a (running) async loop waits, and the knob to turn (judged by
                                           the run's own run.json; flags override)
 
@@ -86,6 +88,11 @@ def main(argv=None) -> int:
 
         return loop_main(args)
 
+    def serve_pool(args):
+        from .async_loop.serve_pool import main as pool_main
+
+        return pool_main(args)
+
     def doctor(args):
         from .async_loop.doctor import main as doctor_main
 
@@ -96,6 +103,7 @@ def main(argv=None) -> int:
     commands["max-batch"] = max_batch
     commands["plan"] = plan
     commands["async-loop"] = async_loop
+    commands["serve-pool"] = serve_pool
     commands["doctor"] = doctor
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())

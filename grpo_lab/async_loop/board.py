@@ -22,7 +22,7 @@ SERIES = (
     Series("backpressure_s", "backpressure (s)"), Series("staleness", "staleness (versions)"),
     Series("ratio", "IS ratio"), Series("reward", "reward", rolling=5), Series("completions_per_s", "completions/s"),
     Series("affinity", "prefix affinity (share)"), Series("load_imbalance", "replica load max/mean"),
-    Series("weight_sync_s", "weight sync (s)"),
+    Series("weight_sync_s", "weight sync (s)"), Series("inflight", "requests in flight (autotune: its cap)"),
 )
 LOG_KEYS = {"step_s": "perf/step_s", "fwd_bwd_s": "perf/fwd_bwd_s", "rollout_wait_s": "perf/rollout_wait_s",
             "queue": "sample/rollout_queue_size", "backpressure_s": "rollout/backpressure_s",
@@ -33,6 +33,8 @@ LOG_KEYS = {"step_s": "perf/step_s", "fwd_bwd_s": "perf/fwd_bwd_s", "rollout_wai
 def board_values(row: dict, previous_router: dict | None) -> dict:
     """One logged row (TRL logs + the recorder's router snapshot) as the board's values."""
     values = {k: row.get(log_key) for k, log_key in LOG_KEYS.items()}
+    values["inflight"] = next((row[k] for k in ("autotune/inflight", "rollout/inflight") if row.get(k) is not None),
+                              None)
     if values["backpressure_s"] is None:
         values["backpressure_s"] = 0.0  # logged only when generation was held back
     samples, step_s = row.get("batch/samples_per_step"), row.get("perf/step_s")
@@ -73,6 +75,7 @@ class LoopBoard(TrainerCallback):
         self.max_staleness, self.max_inflight_tasks = max_staleness, max_inflight_tasks
         self.verdict_every = max(1, verdict_every)
         self.rows: list[dict] = []
+        self.autotune_changes: list[str] = []  # one line per autotune change, shown under the verdict
         self.verdict: Verdict | None = None
         self._verdict_view = None
         self._last_router = None
@@ -103,6 +106,11 @@ class LoopBoard(TrainerCallback):
         if snapshot is not None:
             row["router"] = snapshot
         self.rows.append(row)
+        if logs.get("autotune/changes_total"):
+            self.autotune_changes.append(
+                f"step {state.global_step}: in flight {logs['autotune/inflight']:.0f}, queue bound "
+                f"{logs['autotune/queue_bound']:.0f} (rollout wait {100 * logs.get('autotune/rollout_wait_share', 0):.0f}%"
+                f", wasted {100 * logs.get('autotune/waste_share', 0):.1f}%)")
         self.board.update(state.global_step, **board_values(row, self._last_router))
         self._last_router = row.get("router") or self._last_router
         if state.global_step % self.verdict_every == 0:
@@ -112,13 +120,16 @@ class LoopBoard(TrainerCallback):
         verdict = diagnose(self.rows, self.max_staleness, self.max_inflight_tasks, self.doctor)
         verdict.notes = verdict.notes + replica_notes(self.rows)
         self.verdict = verdict
+        html = verdict.html()
+        if self.autotune_changes:
+            html += "<br><b>Autotune:</b> " + "; ".join(self.autotune_changes[-5:])
         if self._verdict_view is not None:
             if self.board.mode == "widgets":
-                self._verdict_view.value = verdict.html()
+                self._verdict_view.value = html
             else:
                 from IPython.display import HTML
 
-                self._verdict_view.update(HTML(verdict.html()))
+                self._verdict_view.update(HTML(html))
         elif self.board.mode == "print":
             print(f"doctor: {verdict.headline}", flush=True)
         return verdict

@@ -118,7 +118,8 @@ def check_server(flag: str, url: str, timeout: float = 5.0) -> None:
             from None
     if models.status_code in (401, 403):
         raise UsageError(flag, f"{url} refused the request (HTTP {models.status_code}): it wants an API key; put "
-                               f"replicas behind the router, which sends the one in $VLLM_API_KEY")
+                               f"replicas behind the router, which sends the one in $VLLM_API_KEY (a shared pool "
+                               f"of `grpo-lab serve-pool`: give --pool-admin-key-file)")
     try:
         listed = models.json().get("data")
     except (ValueError, AttributeError):
@@ -126,6 +127,67 @@ def check_server(flag: str, url: str, timeout: float = 5.0) -> None:
     if health.status_code != 200 or not isinstance(listed, list):
         raise UsageError(flag, f"{url} is not a vLLM server (GET /health -> {health.status_code}, GET /v1/models "
                                f"-> {models.status_code} without a model list)")
+
+
+def check_pool(url: str, key_file: str | None, run_name: str, max_staleness: int, resume: bool, weight: float,
+               timeout: float = 5.0) -> dict | None:
+    """With a pool admin key (`--pool-admin-key-file` or the environment, `pool`): that `url` is a shared pool which
+    takes the key and has room for this run (its name free unless it resumes, `max_staleness + 3` adapter slots per
+    replica free). Returns the pool's `/router/runs` answer, or None when there is no key (a plain router or vLLM
+    server, checked by `check_server`) or only the environment's and `url` shares nothing."""
+    import requests
+
+    from ..serving.adapter_slots import max_loras_for
+    from ..serving.tenancy import check_run_name
+    from .pool import bearer, has_admin_key, read_admin_key
+
+    if not has_admin_key(key_file):
+        return None
+    try:
+        key = read_admin_key(key_file)
+    except ValueError as error:
+        raise UsageError("--pool-admin-key-file", str(error)) from None
+    if not url.startswith(("http://", "https://")):
+        raise UsageError("--router-url", f"{url} is not an http(s) URL")
+    try:
+        answer = requests.get(f"{url.rstrip('/')}/router/runs", headers=bearer(key), timeout=timeout)
+    except requests.Timeout:
+        raise UsageError("--router-url", f"{url} did not answer in {timeout:.0f}s") from None
+    except requests.RequestException as error:
+        reason = type(error).__name__.replace("Error", " error").strip()
+        raise UsageError("--router-url", f"nothing answers at {url} ({reason}); start the pool first "
+                                         "(grpo-lab serve-pool) or fix the URL") from None
+    if answer.status_code in (401, 403) and key_file:
+        raise UsageError("--pool-admin-key-file", f"the pool at {url} refused the key in {key_file} (HTTP "
+                                                  f"{answer.status_code}): give the file its serve-pool printed")
+    if answer.status_code != 200:
+        if key_file:
+            raise UsageError("--pool-admin-key-file", f"{url} is not a shared pool (GET /router/runs -> "
+                                                      f"{answer.status_code}): start one with grpo-lab serve-pool, "
+                                                      "or leave the flag out")
+        return None  # a key in the environment, a router that shares nothing: used as one client
+    try:
+        check_run_name(run_name)
+    except ValueError as error:
+        raise UsageError("--run-name", str(error)) from None
+    try:
+        pool = answer.json()
+        runs = {r["name"]: r for r in pool["runs"]}
+    except (ValueError, KeyError, TypeError):
+        raise UsageError("--router-url", f"{url} answered /router/runs without a list of runs") from None
+    if run_name in runs and not resume:
+        raise UsageError("--run-name", f"run '{run_name}' is already on the pool at {url} (another process uses that "
+                                       "name?): pick another name, or --resume it")
+    if not 0 < weight <= 100:
+        raise UsageError("--run-weight", f"must be in (0, 100], got {weight:g}")
+    slots, need = pool.get("adapter_slots"), max_loras_for(max_staleness)
+    if isinstance(slots, int):
+        free = slots - int(pool.get("slots_taken", 0)) + int(runs.get(run_name, {}).get("slots", 0))
+        if need > free:
+            raise UsageError("--max-staleness", f"the run needs {need} adapter slots per replica (max_staleness + 3) "
+                                                f"but the pool at {url} has {free} of its {slots} free: lower "
+                                                "--max-staleness, or wait for a run to end")
+    return pool
 
 
 def check_port(flag: str, port: int, host: str = "127.0.0.1") -> None:

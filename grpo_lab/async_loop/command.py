@@ -3,6 +3,8 @@
     grpo-lab async-loop --max-steps 20 --output-dir runs/demo                 # offline: 2 CPU replicas + router
     grpo-lab async-loop --max-steps 40 --output-dir runs/demo --resume        # after a crash
     grpo-lab async-loop --replica-url http://node1:8001 --replica-url http://node2:8001   # replicas started elsewhere
+    grpo-lab async-loop --router-url http://pool:8000 --run-name sweep-a --pool-admin-key-file runs/pool/admin.key
+                                                                               # one run of a shared pool (serve-pool)
 
 Every setting that can be checked without starting a process is checked first (`checks`): a bad one is one line on
 stderr naming its flag, exit status 2, nothing started and nothing written. An output directory holds one run
@@ -24,12 +26,13 @@ import time
 
 from ..loss.backends import DEFAULT_LOSS_BACKEND, LOGPROB_BACKENDS
 from ..serving.adapter_slots import DEFAULT_MAX_STALENESS
-from .checks import (UsageError, check_model, check_port, check_server, check_storage, check_vllm_python,
-                     check_writable_folder, cuda_available)
+from .checks import (UsageError, check_model, check_pool, check_port, check_server, check_storage,
+                     check_vllm_python, check_writable_folder, cuda_available)
 from .run_dir import RunDirError, check_output_dir
 from .tree_attention import CHOICES as TREE_ATTENTION_CHOICES
 
 PROG = "grpo-lab async-loop"
+TRACKERS = ("trackio", "tensorboard", "wandb", "none")
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -84,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "the steps before a resume)")
     run.add_argument("--save-steps", type=_number(int, 1), default=10, help="checkpoint every this many steps")
     run.add_argument("--seed", type=_number(int, 0), default=0)
-    run.add_argument("--run-name", default="loop", help="name of the run's results files (with --results-dir)")
+    run.add_argument("--run-name", default="loop", help="name of the run's results files (with --results-dir), and "
+                     "its name on a shared pool (--router-url of `grpo-lab serve-pool`)")
     run.add_argument("--results-dir", default=None, help="also write <run-name>.csv and its doctor verdict here")
 
     task = p.add_argument_group("model and training")
@@ -103,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how many policy versions old a sample may be when trained on")
     loop.add_argument("--max-inflight-tasks", type=_number(int, 1, allow=(-1,)), default=-1,
                       help="rollout requests in flight; -1 is TRL's default, max(max_staleness, 1) x samples per step")
+    loop.add_argument("--autotune", action="store_true", help="let the run turn its requests in flight and queue "
+                      "bound while it trains (grpo_lab.async_loop.autotune): each change is one line and an autotune/* "
+                      "metric")
+    loop.add_argument("--queue-maxsize", type=_number(int, 1), default=1024, help="scored samples the rollout "
+                      "worker may queue ahead of the trainer (TRL's queue_maxsize)")
+    run.add_argument("--report-to", action="append", choices=TRACKERS, default=None, metavar="TRACKER",
+                     help=f"also log the run to a tracker, through transformers' integration (repeatable; one of "
+                          f"{', '.join(TRACKERS)}; default none): trackio and tensorboard write locally")
     loop.add_argument("--no-group-versions", action="store_true", help="TRL's per-rollout policy versions instead "
                       "of one version per prompt group")
     loop.add_argument("--rollout-failure-timeout", type=_number(float, 0.0, low_open=True), default=120.0,
@@ -118,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--router-url", default=None, metavar="URL",
                        help="a router or vLLM server already running: start nothing")
     serve.add_argument("--port", type=_number(int, 0), default=0, help="the router's port (0: a free one)")
+    serve.add_argument("--pool-admin-key-file", default=None, metavar="FILE",
+                       help="with --router-url of a shared pool: the file `grpo-lab serve-pool` wrote its admin key "
+                            "to (default: $GRPO_LAB_POOL_ADMIN_KEY_FILE, then $GRPO_LAB_POOL_ADMIN_KEY); the run "
+                            "joins the pool as --run-name")
+    serve.add_argument("--run-weight", type=_number(float, 0.0, low_open=True), default=1.0,
+                       help="on a shared pool: this run's fair share of the replicas against the others' weights")
     serve.add_argument("--launcher", choices=("local", "ray"), default="local",
                        help="local: replicas are child processes of this command; ray: replica actors placed over a "
                             "Ray cluster's nodes and restarted by Ray (needs the `ray` extra)")
@@ -148,6 +166,7 @@ def validate(a: argparse.Namespace) -> None:
         raise UsageError("--run-name", f"{a.run_name!r} is not a usable file name")
     check_output_dir(a.output_dir, a.resume, a.overwrite)
     a.resume_from = check_resume(a.output_dir, a.checkpoint_storage) if a.resume else None
+    a.report_to = check_trackers(a.report_to)
     if a.results_dir:
         check_writable_folder("--results-dir", a.results_dir)
     if a.model is not None:
@@ -156,14 +175,32 @@ def validate(a: argparse.Namespace) -> None:
         check_storage("--adapter-storage", a.adapter_storage)
     if a.checkpoint_storage:
         check_storage("--checkpoint-storage", a.checkpoint_storage)
+    a.pool = None
     if a.router_url:
-        check_server("--router-url", a.router_url)
+        a.pool = check_pool(a.router_url, a.pool_admin_key_file, a.run_name, a.max_staleness, a.resume, a.run_weight)
+        if a.pool is None:
+            check_server("--router-url", a.router_url)
+    elif a.pool_admin_key_file:
+        raise UsageError("--pool-admin-key-file", "joins a shared pool: give its --router-url")
+    if a.run_weight != 1.0 and a.pool is None:
+        raise UsageError("--run-weight", "is a run's share of a shared pool: give the pool's --router-url and "
+                                         "--pool-admin-key-file")
     for url in a.replica_url:
         check_server("--replica-url", url)
     if not a.router_url:
         check_port("--port", a.port)
     if not a.router_url and not a.replica_url and a.replica_kind == "vllm" and not cuda_available():
         check_vllm_python("--replica-kind vllm")
+
+
+def check_trackers(names: list[str] | None) -> list[str]:
+    """`--report-to` as TRL's `report_to` list; a tracker whose package is missing is refused before anything starts."""
+    names = [n for n in dict.fromkeys(names or []) if n != "none"]
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            extra = "trackers" if name in ("trackio", "tensorboard") else name
+            raise UsageError("--report-to", f"{name} is not installed: pip install 'grpo-lab[{extra}]'")
+    return names
 
 
 def check_ray(a: argparse.Namespace) -> None:

@@ -2,13 +2,16 @@
 
 TRL's client waits up to 1800 s for pause/resume/load and has no timeout at all on `/v1/models` and `/server_info`,
 so a hung router hangs the trainer; its errors read "Request failed: 500, ...". The trainer's control path (weight
-sync, the token-budget query, resume reconciliation) goes through this class instead.
+sync, the token-budget query, resume reconciliation) goes through this class instead. A run that joined a shared
+pool (`pool`) sends its token with every call.
 """
 
 from __future__ import annotations
 
 import requests
 from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+from .pool import run_headers
 
 
 class ControlCallError(RuntimeError):
@@ -23,7 +26,7 @@ class BoundedVLLMClient(VLLMClient):
     def _call(self, method: str, path: str, *, ok=(200,), **kwargs) -> requests.Response:
         url = f"{self.server_url}{path}"
         try:
-            response = requests.request(method, url, timeout=self.control_timeout_s, **kwargs)
+            response = requests.request(method, url, timeout=self.control_timeout_s, headers=run_headers(), **kwargs)
         except requests.Timeout as error:
             raise ControlCallError(f"{method} {url} did not answer within {self.control_timeout_s:.0f}s "
                                    "(control_timeout_s)") from error
@@ -66,7 +69,8 @@ class BoundedVLLMClient(VLLMClient):
         """Adapters the grpo_lab router is still draining (unloaded, completions in flight); None from a server that
         does not say (plain vLLM unloads at once)."""
         try:
-            response = requests.get(f"{self.server_url}/router/state", timeout=min(self.control_timeout_s, 10))
+            response = requests.get(f"{self.server_url}/router/state", timeout=min(self.control_timeout_s, 10),
+                                    headers=run_headers())
             return set(response.json().get("draining", {})) if response.status_code == 200 else None
         except (requests.RequestException, ValueError, AttributeError):
             return None

@@ -229,7 +229,8 @@ def diagnose_run(rows: list[dict], record: dict | None, overrides: dict | None =
 
 
 def main(argv=None) -> int:
-    """`grpo-lab doctor <run folder or loop_metrics.jsonl>`: the verdict on a (running) loop, by its own settings."""
+    """`grpo-lab doctor <run folder, loop_metrics.jsonl, trackio or TensorBoard directory>`: the verdict on a (running)
+    loop, by its own settings."""
     import argparse
     import json
     import os
@@ -237,29 +238,37 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="grpo-lab doctor", description=main.__doc__.split(":")[0] + ". The run's "
                                 "settings come from its run.json; a flag given here overrides one.")
-    p.add_argument("path", help="a run's output folder or its loop_metrics.jsonl")
+    p.add_argument("path", help="a run's output folder or its loop_metrics.jsonl; or a trackio directory "
+                   "($TRACKIO_DIR, or a project's .db) or a TensorBoard log directory the run reported to")
+    p.add_argument("--project", default=None, help="the trackio project, when the directory holds several")
+    p.add_argument("--run", default=None, help="the trackio run (default: the newest)")
     p.add_argument("--max-staleness", type=int, default=None, help="override the run's max_staleness")
     p.add_argument("--max-inflight-tasks", type=int, default=None, help="override the run's requests in flight")
     p.add_argument("--window", type=int, default=DoctorConfig.window, help="judge the last this many steps")
     p.add_argument("--replica-kind", choices=("vllm", "cpu"), default=None,
                    help="override the run's replica kind (cpu: one request at a time; vllm: batching)")
     a = p.parse_args(argv)
-    path = os.path.join(a.path, "loop_metrics.jsonl") if os.path.isdir(a.path) else a.path
-    if not os.path.isfile(path):
-        print(f"error: no {path} (run the loop with grpo-lab async-loop, which records it)", file=sys.stderr)
+    from .trackers import read_run
+
+    try:
+        rows, origin = read_run(a.path, a.project, a.run)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error} (run the loop with grpo-lab async-loop, which records loop_metrics.jsonl)",
+              file=sys.stderr)
         return 2
+    path = os.path.join(a.path, "loop_metrics.jsonl") if os.path.isdir(a.path) else a.path
     if a.window < 2 or (a.max_staleness is not None and a.max_staleness < 0):
         print("error: --window >= 2 and --max-staleness >= 0 are required", file=sys.stderr)
         return 2
-    from .recorder import read_metrics
     from .run_dir import read_run_record
 
-    rows, record = read_metrics(path), read_run_record(path)
+    record = read_run_record(path) if os.path.exists(path) else None
     overrides = {"max_staleness": a.max_staleness, "max_inflight_tasks": a.max_inflight_tasks,
                  "replica_kind": a.replica_kind}
     settings, source = judged_settings(record, overrides)
     verdict = diagnose_run(rows, record, overrides, a.window)
     print(verdict.headline)
+    print(f"read from: {origin} ({len(training_rows(rows))} logged steps)")
     print("judged with: " + ", ".join(f"{k} {settings[k]} ({source[k]})" for k in
                                       ("replica_kind", "max_staleness", "max_inflight_tasks")))
     if record is None:

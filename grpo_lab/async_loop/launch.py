@@ -8,9 +8,10 @@
 or `grpo-lab async-loop --max-steps 20 --output-dir runs/demo` (add `--resume` after a crash; `command` is the
 command line). What serves the rollouts, in `LoopConfig`: replicas this process starts (`replicas`, `replica_kind`),
 replicas started elsewhere (`replica_urls`: only the router is started), or a router already running (`router_url`:
-nothing is started). Replicas are child processes in their own process groups that exit when this process dies
-(even by SIGKILL); the router runs on a thread of this process; the trainer's rollout worker is TRL's spawned child,
-which also exits with this process. A normal exit, an exception, Ctrl-C and SIGTERM all stop every one of them.
+nothing is started), possibly a pool shared with other runs (`pool_run_name`: the run joins it as a tenant, `pool`).
+Replicas are child processes in their own process groups that exit when this process dies (even by SIGKILL); the
+router runs on a thread of this process; the trainer's rollout worker is TRL's spawned child, which also exits with
+this process. A normal exit, an exception, Ctrl-C and SIGTERM all stop every one of them.
 
 An output directory holds one run (`run_dir`): `train()` refuses one that holds another run unless it resumes it,
 cuts the metrics log back to the checkpoint it resumes from, and records the run's settings in `run.json`.
@@ -57,6 +58,15 @@ class LoopConfig:
         ready_timeout_s: how long to wait for the replicas to listen.
         router: extra `RouterConfig` fields (e.g. `{"spill_threshold": 8}` goes under `routing`).
         replica_env: extra environment for the replicas (e.g. `{"VLLM_API_KEY": token}`).
+        pool_run_name: join the shared pool at `router_url` (`grpo-lab serve-pool`) as this run: its own token,
+            adapter namespace and share of adapter slots (`serving.tenancy`); None uses `router_url` as one client.
+        pool_weight: the run's fair-share weight against the pool's other runs (1: an equal share).
+        pool_admin_key_file: the pool's admin key, which registers the run (None: `$GRPO_LAB_POOL_ADMIN_KEY_FILE`,
+            then `$GRPO_LAB_POOL_ADMIN_KEY`).
+        pool_rejoin: take over a run of that name the pool still has (a resume: its adapters stay for the resumed
+            trainer to reconcile); without it a name in use is refused.
+        autotune: let the trainer turn the requests in flight and the queue bound while it runs
+            (`grpo_lab.async_loop.autotune`): True, or an `AutotuneConfig` for other thresholds and bounds.
     """
 
     replicas: int = 2
@@ -75,6 +85,11 @@ class LoopConfig:
     ready_timeout_s: float = 180.0
     router: dict = field(default_factory=dict)
     replica_env: dict = field(default_factory=dict)
+    pool_run_name: str | None = None
+    pool_weight: float = 1.0
+    pool_admin_key_file: str | None = None
+    pool_rejoin: bool = False
+    autotune: object = False
 
     def __post_init__(self):
         if self.replica_kind not in ("cpu", "vllm"):
@@ -90,6 +105,12 @@ class LoopConfig:
                              "replica_urls")
         if not 0 <= self.router_port <= 65535:
             raise ValueError(f"router_port must be in 0..65535, got {self.router_port}")
+        if self.pool_run_name is not None:
+            from ..serving.tenancy import check_run_name
+
+            check_run_name(self.pool_run_name)
+            if not self.router_url:
+                raise ValueError("pool_run_name joins a shared pool: give its router_url")
 
     @property
     def starts_replicas(self) -> bool:
@@ -174,6 +195,7 @@ class AsyncLoop:
         self.router = None  # ... behind a router of this process
         self.trainer = None
         self.url: str | None = None
+        self.seat = None  # pool.PoolSeat when the run joined a shared pool
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> "AsyncLoop":
@@ -188,6 +210,12 @@ class AsyncLoop:
             self.model = model
             self.url = self.loop.router_url or (self._start_router(self.loop.replica_urls) if self.loop.replica_urls
                                                 else self._start_cluster(model))
+            if self.loop.pool_run_name is not None:
+                from .pool import PoolSeat
+
+                self.seat = PoolSeat(self.url, self.loop.pool_run_name, self.args.max_staleness,
+                                     self.loop.pool_weight, self.loop.pool_admin_key_file,
+                                     rejoin=self.loop.pool_rejoin).join()
             self.args.vllm_server_base_url = self.url
             self.recorder = LoopRecorder(router_url=self.url)
             for callback in self.callbacks:  # a LoopBoard reads per-replica load from the router
@@ -195,6 +223,12 @@ class AsyncLoop:
                     callback.router_url = self.url
             with quiet_setup():
                 self.trainer = self._build_trainer(model)
+            if self.trainer.autotuner is not None:  # each step's decisions go into its metrics row
+                self.recorder.extras.append(self.trainer.autotune_callback.row_extra)
+            if [t for t in (self.args.report_to or []) if t != "none"]:  # the router's figures in the trackers too
+                from .trackers import RouterFigures
+
+                self.trainer.callback_handler.callbacks.insert(0, RouterFigures(self.url))
             from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
             self.trainer.remove_callback(PrinterCallback)  # a dict of 60 metrics per step buries the progress
@@ -217,7 +251,7 @@ class AsyncLoop:
             model, reward_funcs=self.reward_funcs or REWARD_FUNCS, args=self.args,
             train_dataset=self.train_dataset if self.train_dataset is not None else addition_dataset(),
             processing_class=self.processing_class, peft_config=self.peft_config or embedded_peft_config(),
-            callbacks=[self.recorder, *self.callbacks])
+            callbacks=[self.recorder, *self.callbacks], autotune=self.loop.autotune)
 
     def _start_cluster(self, model: str) -> str:
         from ..serving.vllm_spec import round_lora_rank
@@ -285,7 +319,9 @@ class AsyncLoop:
         out = os.path.abspath(self.args.output_dir)
         print(f"async loop: router {self.url} (metrics {self.url}/metrics, state {self.url}/router/state); "
               f"adapters {self.trainer.adapter_store.url}; metrics log {out}/loop_metrics.jsonl; "
-              f"tree attention {self.trainer.tree_attention}; replica logs {self.replica_log_dir}", flush=True)
+              f"tree attention {self.trainer.tree_attention}; replica logs {self.replica_log_dir}"
+              + (f"; run {self.seat.name} on a shared pool ({self.seat.slots} adapter slots per replica)"
+                 if self.seat is not None else ""), flush=True)
 
     def train(self, resume_from_checkpoint=None):
         """`trainer.train`; `resume_from_checkpoint=True` means the last complete checkpoint of the output directory
@@ -332,6 +368,9 @@ class AsyncLoop:
         worker = getattr(self.trainer, "rollout_worker", None) if self.trainer is not None else None
         if worker is not None:
             worker.stop()  # TRL stops it at the end of train(); this covers a start() that never trained
+        if self.seat is not None:  # leave the shared pool: its adapters are unloaded there, its slots freed
+            self.seat.leave()
+            self.seat = None
         if self.cluster is not None:
             self.cluster.stop()
             self.cluster = None

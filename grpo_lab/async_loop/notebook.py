@@ -28,6 +28,10 @@ class QuickSettings:
         seed: the run's seed.
         replica_kind: "cpu" (grpo_lab's CPU replica, the fast default) or "vllm" (real vLLM CPU replicas: batching
             and a paged prefix cache; needs `bash scripts/vllm_cpu_env.sh` once, and 1-2 minutes to start).
+        autotune: let the run turn its requests in flight and queue bound itself (`autotune`); its decisions are
+            in `autotune_table(run)`.
+        report_to: also log the run to a tracker through transformers' integration ("none", "trackio",
+            "tensorboard" or "wandb").
     """
 
     steps: int = 20
@@ -40,6 +44,8 @@ class QuickSettings:
     queue_maxsize: int = 1024
     seed: int = 0
     replica_kind: str = "cpu"
+    autotune: bool = False
+    report_to: str = "none"
 
     def doctor_config(self) -> DoctorConfig:
         """The doctor's thresholds for these replicas (the CPU replica serves one request at a time)."""
@@ -52,6 +58,8 @@ class QuickSettings:
             raise ValueError("max_staleness >= 0, learning_rate > 0 and queue_maxsize >= 1 are needed")
         if self.replica_kind not in ("cpu", "vllm"):
             raise ValueError(f"replica_kind must be 'cpu' or 'vllm', got {self.replica_kind!r}")
+        if self.report_to not in REPORT_TO:
+            raise ValueError(f"report_to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
         return self
 
     @property
@@ -91,17 +99,55 @@ def run_quick(settings: QuickSettings, output_dir: str | None = None, name: str 
         output_dir, max_steps=s.steps, per_device_train_batch_size=s.samples_per_step,
         num_generations=s.num_generations, learning_rate=s.learning_rate, max_staleness=s.max_staleness,
         max_inflight_tasks=s.max_inflight_tasks, queue_maxsize=s.queue_maxsize, seed=s.seed, save_strategy="no",
-        loss_backend=loss_backend)
+        loss_backend=loss_backend, report_to=[] if s.report_to == "none" else [s.report_to], run_name=name)
     live = LoopBoard(s.steps, s.max_staleness, s.inflight, mode=board, title=f"async loop: {name}",
                      doctor=s.doctor_config())
     t0 = time.perf_counter()
-    with AsyncLoop(LoopConfig(replicas=s.replicas, replica_kind=s.replica_kind), args, callbacks=[live],
-                   progress=False) as loop:
+    with AsyncLoop(LoopConfig(replicas=s.replicas, replica_kind=s.replica_kind, autotune=s.autotune), args,
+                   callbacks=[live], progress=False) as loop:
         loop.train()
         published = list(loop.trainer.published)
     seconds = time.perf_counter() - t0
     png = live.close()
     return LoopRun(name, s, loop.recorder.rows, live.verdict, png, seconds, output_dir, published)
+
+
+REPORT_TO = ("none", "trackio", "tensorboard", "wandb")
+
+
+def autotune_table(run: LoopRun):
+    """The controller's decisions over a run: one row per change, with the evidence it acted on."""
+    import pandas as pd
+
+    records = [{"step": d["step"], "knob": d["knob"], "from": d["old"], "to": d["new"], "regime": d["regime"],
+                "why": d["reason"], **d["evidence"]} for r in run.rows for d in r.get("autotune", [])]
+    return pd.DataFrame.from_records(records)
+
+
+def autotune_png(run: LoopRun, dpi: int = 90) -> bytes:
+    """Requests in flight and the queue bound at every step of an autotuned run, each change marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in training_rows(run.rows) if "autotune/inflight" in r]
+    fig, ax = plt.subplots(figsize=(7, 3))
+    x = [r["step"] for r in steps]
+    ax.step(x, [r["autotune/inflight"] for r in steps], where="post", label="requests in flight")
+    ax.step(x, [r["autotune/queue_bound"] for r in steps], where="post", label="queue bound")
+    for r in steps:
+        for d in r.get("autotune", []):
+            ax.annotate(d["regime"], (r["step"], d["new"]), fontsize=7, textcoords="offset points", xytext=(2, 4))
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("step")
+    ax.set_title(f"autotune: {run.name}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    return buf.getvalue()
 
 
 def follow_doctor(run: LoopRun) -> tuple[QuickSettings, str]:
@@ -209,6 +255,13 @@ def committed_results(folder: str = "async"):
             if p.name.endswith(".csv")}
 
 
+def committed_autotune_png(folder: str = "async") -> bytes | None:
+    """The committed autotune benchmark's figure (results/async/autotune.png), or None when it is not there."""
+    root = _committed_folder(folder)
+    figure = root.joinpath("autotune.png") if root is not None else None
+    return figure.read_bytes() if figure is not None and figure.is_file() else None
+
+
 def committed_loop_runs(folder: str = "async"):
     """One row per committed loop run (a long-format CSV with its `_verdict.json`): the doctor's verdict and first
     knob beside the numbers it read, sorted by run name."""
@@ -251,4 +304,4 @@ def controls(settings: QuickSettings, on_run):
     from ..lab.widgets import ParamForm
 
     return ParamForm(asdict(settings), on_run=on_run, button="Run the loop",
-                     choices={"replica_kind": ("cpu", "vllm")})
+                     choices={"replica_kind": ("cpu", "vllm"), "report_to": REPORT_TO})

@@ -14,15 +14,18 @@ import time
 import requests
 from transformers import TrainerCallback
 
+from .pool import run_headers
+
 METRICS_FILE = "loop_metrics.jsonl"
 
 
 def router_snapshot(url: str | None, timeout: float = 2.0) -> dict | None:
-    """The router's routing counts and per-replica load, or None when there is no grpo_lab router at `url`."""
+    """The router's routing counts and per-replica load, or None when there is no grpo_lab router at `url`. On a
+    shared pool the run's token makes it the run's own figures (its routing, its completions per replica)."""
     if not url:
         return None
     try:
-        state = requests.get(f"{url.rstrip('/')}/router/state", timeout=timeout)
+        state = requests.get(f"{url.rstrip('/')}/router/state", timeout=timeout, headers=run_headers())
         if state.status_code != 200:
             return None
         body = state.json()
@@ -39,6 +42,7 @@ class LoopRecorder(TrainerCallback):
     def __init__(self, router_url: str | None = None, path: str | None = None):
         self.router_url = router_url
         self.path = path
+        self.extras: list = []  # callables returning more of the row (the autotune decisions of the step)
         self.rows: list[dict] = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -48,6 +52,8 @@ class LoopRecorder(TrainerCallback):
         snapshot = router_snapshot(self.router_url)
         if snapshot is not None:
             row["router"] = snapshot
+        for extra in self.extras:
+            row.update(extra())
         self.rows.append(row)
         path = self.path or os.path.join(args.output_dir, METRICS_FILE)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -15,8 +15,14 @@ prompt can straddle a weight sync. `LabRolloutWorker` keeps TRL's loop and chang
 - failing requests are retried with back-off for at most `rollout_failure_timeout_s`, then the worker fails with a
   message naming the URL and the last error; a 4xx other than a stale adapter fails at once (retrying the same
   payload cannot fix it);
+- a run on a shared pool sends its token (`pool.run_headers`, inherited through the environment);
 - the child exits when the trainer process dies (parent-death signal plus a watchdog), and `check_health` notices a
-  dead child at once instead of after `heartbeat_stale_after_s`.
+  dead child at once instead of after `heartbeat_stale_after_s`;
+- with `live_knobs` (autotune), the requests in flight and the rollout queue's bound are read live from values the
+  trainer shares with the child (`live_knobs.LiveKnobs`): TRL draws up to the knobs' upper bound of rollouts, and
+  only `live_knobs.inflight` of them send a request at a time (the rest wait in FIFO order, their group's version
+  pinned when their first rollout is admitted, not when it was drawn); a sample goes to the queue only while it
+  holds fewer than `live_knobs.queue_bound`, and no request is admitted while it holds that many.
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ from unittest import mock
 import aiohttp
 from trl.experimental.async_grpo import async_rollout_worker as trl_worker
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, _AsyncRolloutLoop
+
+from .live_knobs import BoundedBuffer, LiveKnobs, LiveLimiter
+
+from .pool import run_headers
 
 _PINNED_VERSION: contextvars.ContextVar = contextvars.ContextVar("grpo_lab_pinned_version", default=None)
 _RETRYABLE = (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ConnectionError)
@@ -77,10 +87,16 @@ class LabRolloutLoop(_AsyncRolloutLoop):
     """TRL's rollout loop (in the spawned child) with pinned group versions, bounded retries and no orphans."""
 
     def __init__(self, *, max_staleness: int = 4, group_consistent_versions: bool = True,
-                 rollout_failure_timeout_s: float = 120.0, parent_pid: int | None = None, **kwargs):
+                 rollout_failure_timeout_s: float = 120.0, parent_pid: int | None = None,
+                 live_knobs: LiveKnobs | None = None, **kwargs):
         if parent_pid is not None:
             _die_with_parent(parent_pid)
         super().__init__(**kwargs)
+        self._limiter = None
+        if live_knobs is not None:
+            self.rollout_buffer = BoundedBuffer(self.rollout_buffer, live_knobs)
+            buffer = self.rollout_buffer
+            self._limiter = LiveLimiter(live_knobs, gate=lambda: buffer.qsize() < live_knobs.queue_bound)
         self.max_staleness = max_staleness
         self.group_consistent_versions = group_consistent_versions
         self.rollout_failure_timeout_s = rollout_failure_timeout_s
@@ -101,6 +117,7 @@ class LabRolloutLoop(_AsyncRolloutLoop):
         for every one of them (tens of seconds on a busy replica, then it is terminated)."""
         loops = asyncio.ensure_future(super()._run_loops(stop_event))
         stop = asyncio.ensure_future(stop_event.wait())
+        ticker = asyncio.ensure_future(self._limiter.tick()) if self._limiter is not None else None
         await asyncio.wait({loops, stop}, return_when=asyncio.FIRST_COMPLETED)
         if not loops.done():
             try:
@@ -108,13 +125,16 @@ class LabRolloutLoop(_AsyncRolloutLoop):
             except asyncio.TimeoutError:
                 loops.cancel()
         stop.cancel()
+        if ticker is not None:
+            ticker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await loops
 
     # -- versions -----------------------------------------------------------------------------------------------
     def _repeat_iterator(self):
         for group_id, row in super()._repeat_iterator():
-            self._group_versions.setdefault(group_id, self.model_version)
+            if self._limiter is None:  # with a live cap, a group's version is pinned when its first rollout is admitted
+                self._group_versions.setdefault(group_id, self.model_version)
             yield group_id, row
 
     @property
@@ -128,6 +148,16 @@ class LabRolloutLoop(_AsyncRolloutLoop):
         return self.model_version - version > self.max_staleness
 
     async def _generate_one(self, prompt, tool_dict, tools, group_id: int = 0):
+        if self._limiter is None:
+            return await self._generate_pinned(prompt, tool_dict, tools, group_id)
+        await self._limiter.acquire()
+        try:
+            self._group_versions.setdefault(group_id, self.model_version)
+            return await self._generate_pinned(prompt, tool_dict, tools, group_id)
+        finally:
+            self._limiter.release()
+
+    async def _generate_pinned(self, prompt, tool_dict, tools, group_id: int):
         version = self._group_versions.get(group_id, self.model_version)
         if self.group_consistent_versions:
             _PINNED_VERSION.set(version)
@@ -149,13 +179,17 @@ class LabRolloutLoop(_AsyncRolloutLoop):
             return []
         group.model_version = version
         samples = await super()._score_group(group)
-        self._push_metrics({"rollout/version_min": float(version), "rollout/version_max": float(version)})
+        values = {"rollout/version_min": float(version), "rollout/version_max": float(version)}
+        if self._limiter is not None:  # TRL's rollout/inflight counts the drawn rollouts waiting for admission too
+            values["rollout/requests_inflight"] = float(self._limiter.active)
+        self._push_metrics(values)
         return samples
 
     # -- requests -----------------------------------------------------------------------------------------------
     async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
         client_timeout = aiohttp.ClientTimeout(total=timeout)
-        async with self.session.post(f"{self.vllm_server_url}{path}", json=payload, timeout=client_timeout) as resp:
+        async with self.session.post(f"{self.vllm_server_url}{path}", json=payload, timeout=client_timeout,
+                                     headers=run_headers()) as resp:
             if resp.status == 200:
                 content = await resp.json(content_type=None)
                 if not isinstance(content, dict) or not content.get("choices"):
@@ -212,7 +246,12 @@ class LabRolloutWorker(AsyncRolloutWorker):
     _loop_cls = LabRolloutLoop
 
     def __init__(self, *, max_staleness: int = 4, group_consistent_versions: bool = True,
-                 rollout_failure_timeout_s: float = 120.0, **kwargs):
+                 rollout_failure_timeout_s: float = 120.0, live_knobs: LiveKnobs | None = None, **kwargs):
+        if live_knobs is not None:  # TRL's slots and queue sized for the knobs' upper bounds; the live values cap them
+            kwargs["max_inflight_tasks"] = live_knobs.max_inflight
+            kwargs["queue_maxsize"] = live_knobs.max_queue
+            kwargs["live_knobs"] = live_knobs
+        self.live_knobs = live_knobs
         with _vllm_check_skipped():
             super().__init__(max_staleness=max_staleness, group_consistent_versions=group_consistent_versions,
                              rollout_failure_timeout_s=rollout_failure_timeout_s, parent_pid=os.getpid(), **kwargs)

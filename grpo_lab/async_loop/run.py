@@ -23,14 +23,17 @@ def trainer_args(a: argparse.Namespace):
         max_inflight_tasks=a.max_inflight_tasks, save_steps=a.save_steps, tree_attention=a.tree_attention,
         loss_backend=a.loss_backend, group_consistent_versions=not a.no_group_versions,
         rollout_failure_timeout_s=a.rollout_failure_timeout, adapter_storage=a.adapter_storage,
-        checkpoint_storage=a.checkpoint_storage, seed=a.seed)
+        checkpoint_storage=a.checkpoint_storage, seed=a.seed, queue_maxsize=a.queue_maxsize,
+        report_to=list(a.report_to), run_name=a.run_name)
 
 
 def loop_config(a: argparse.Namespace) -> LoopConfig:
     return LoopConfig(replicas=a.replicas, replica_kind=a.replica_kind, router_url=a.router_url,
                       replica_urls=list(a.replica_url), router_port=a.port, launcher=a.launcher,
                       ray_address=a.ray_address, model=a.model,
-                      replica_threads=a.replica_threads)
+                      replica_threads=a.replica_threads, autotune=a.autotune,
+                      pool_run_name=a.run_name if getattr(a, "pool", None) is not None else None,
+                      pool_weight=a.run_weight, pool_admin_key_file=a.pool_admin_key_file, pool_rejoin=a.resume)
 
 
 def run_command(a: argparse.Namespace, t0: float, argv: list[str]) -> int:
@@ -68,6 +71,7 @@ def run_command(a: argparse.Namespace, t0: float, argv: list[str]) -> int:
         path = write_run(loop.recorder.rows, a.results_dir, a.run_name, a.max_staleness,
                          args.max_inflight_tasks if args.max_inflight_tasks > 0 else None,
                          extra={"replicas": a.replicas, "replica_kind": a.replica_kind,
+                                "pool_run": a.run_name if getattr(a, "pool", None) is not None else "",
                                 "tree_attention": loop.trainer.tree_attention,
                                 "wall_s": round(time.perf_counter() - t0, 1)},
                          doctor=loop.doctor_config())

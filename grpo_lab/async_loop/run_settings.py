@@ -18,7 +18,10 @@ def server_info(url: str, timeout: float = 5.0) -> dict:
     import requests
 
     try:
-        reply = requests.get(f"{url.rstrip('/')}/server_info", params={"config_format": "json"}, timeout=timeout)
+        from .pool import run_headers
+
+        reply = requests.get(f"{url.rstrip('/')}/server_info", params={"config_format": "json"}, timeout=timeout,
+                             headers=run_headers())
         body = reply.json() if reply.status_code == 200 else {}
     except (requests.RequestException, ValueError):
         return {}
@@ -66,11 +69,13 @@ def run_settings(loop, resumed_from: str | None = None) -> dict:
         "replica_urls": cfg.replica_urls, "external_router": cfg.router_url,
         "max_staleness": args.max_staleness, "samples_per_step": samples_per_step,
         "max_inflight_tasks": inflight_tasks(args.max_inflight_tasks, args.max_staleness, samples_per_step),
+        "autotune": bool(getattr(cfg, "autotune", False)),
         "queue_maxsize": getattr(args, "queue_maxsize", None), "max_steps": args.max_steps, "seed": args.seed,
         "loss_backend": args.loss_backend, "tree_attention": getattr(trainer, "tree_attention", args.tree_attention),
         "adapter_storage": trainer.adapter_store.url,
         "block_size": _config_field(info, "cache_config", "block_size"),
         "max_loras": _config_field(info, "lora_config", "max_loras"),
+        "pool_run": cfg.pool_run_name, "pool_weight": cfg.pool_weight if cfg.pool_run_name else None,
         "prompt_tokens_median": statistics.median(lengths) if lengths else None,
         "prompt_tokens_max": max(lengths) if lengths else None,
     }

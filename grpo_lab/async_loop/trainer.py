@@ -15,6 +15,8 @@ What it changes, and why (each was measured on TRL 1.16.0):
   history) or held by the server, unloads every adapter the server still holds from before (the killed run's
   newer-than-checkpoint versions are wrong for the resumed weights), deletes their files, and numbers on from
   there: `trl-policy-v7` never names two different weights.
+- **Autotune** (`autotune=True` or an `AutotuneConfig`): the rollout worker's requests in flight and queue bound are
+  live values (`live_knobs`), turned between steps by `autotune.AutotuneCallback`, which runs first at each log.
 - **Bounded faults.** Every control call has a timeout (`control_timeout_s`), failing rollouts stop the worker
   after `rollout_failure_timeout_s`, and a dead worker is reported at the next queue poll; a failed sync still
   resumes the server.
@@ -37,7 +39,9 @@ from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, sav
 from ..loss import set_loss_backend
 from ..serving.storage import AdapterStore, version_of
 from . import preflight, tree_attention
+from .autotune import AutotuneCallback, Autotuner, AutotuneConfig
 from .config import AsyncGRPOLabConfig
+from .live_knobs import LiveKnobs
 from .control_client import BoundedVLLMClient
 from .rollout_worker import LabRolloutWorker
 
@@ -60,7 +64,7 @@ class AsyncGRPOLabTrainer(AsyncGRPOTrainer):
     def __init__(self, model: str, reward_funcs=None, args: AsyncGRPOLabConfig | None = None, train_dataset=None,
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
                  environment_factory=None, rollout_worker=None, weight_transfer=None,
-                 adapter_store: AdapterStore | None = None):
+                 adapter_store: AdapterStore | None = None, autotune=None):
         if args is None:
             args = AsyncGRPOLabConfig(output_dir=f"{str(model).rstrip('/').split('/')[-1]}-AsyncGRPO")
         elif not isinstance(args, AsyncGRPOLabConfig):
@@ -83,9 +87,10 @@ class AsyncGRPOLabTrainer(AsyncGRPOTrainer):
         if weight_transfer is None and rollout_worker is None:
             preflight.check_server(client_cls(args.vllm_server_base_url, args.vllm_server_timeout), peft_config,
                                    args.max_staleness)
+        self.autotuner, knobs = _autotuner(autotune, args)
         worker_cls = functools.partial(LabRolloutWorker, max_staleness=args.max_staleness,
                                        group_consistent_versions=args.group_consistent_versions,
-                                       rollout_failure_timeout_s=args.rollout_failure_timeout_s)
+                                       rollout_failure_timeout_s=args.rollout_failure_timeout_s, live_knobs=knobs)
         with contextlib.ExitStack() as patches:
             patches.enter_context(mock.patch.object(trl_trainer, "get_peak_flops_per_device", _peak_flops_or_none))
             patches.enter_context(mock.patch.object(trl_trainer, "VLLMClient", client_cls))
@@ -98,6 +103,9 @@ class AsyncGRPOLabTrainer(AsyncGRPOTrainer):
             from .checkpoint_store import CheckpointStore, PublishCheckpoints
 
             self.add_callback(PublishCheckpoints(CheckpointStore(args.checkpoint_storage)))
+        if self.autotuner is not None:  # first at every log: the trackers and the metrics log see autotune/*
+            self.autotune_callback = AutotuneCallback(self.autotuner, knobs)
+            self.callback_handler.callbacks.insert(0, self.autotune_callback)
         self.tree_attention = tree_attention.install(self.accelerator.unwrap_model(self.model), args.tree_attention)
         set_loss_backend(self, args.loss_backend)
         self._lora_dir = self.adapter_store.url
@@ -182,6 +190,22 @@ class AsyncGRPOLabTrainer(AsyncGRPOTrainer):
             for name in old_names:
                 if name not in draining:
                     self.adapter_store.delete(name)
+
+
+def _autotuner(autotune, args: AsyncGRPOLabConfig):
+    """The controller and the worker's live knobs for `autotune` (None, False, True or an `AutotuneConfig`), starting
+    from the run's own in-flight and queue settings."""
+    if autotune is None or autotune is False:
+        return None, None
+    from .config import inflight_tasks
+
+    config = AutotuneConfig() if autotune is True else autotune
+    samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    start = inflight_tasks(args.max_inflight_tasks, args.max_staleness, samples_per_step)
+    queue_bound = args.queue_maxsize if args.queue_maxsize > 0 else 1024
+    tuner = Autotuner(config, start, queue_bound, args.num_generations, samples_per_step, args.max_staleness)
+    b = tuner.bounds
+    return tuner, LiveKnobs(start, queue_bound, b.max_inflight, b.max_queue)
 
 
 def loss_only_trainer(device: str = "cpu", epsilon_low: float = 0.2, epsilon_high: float = 0.2,

@@ -12,6 +12,9 @@ module; importing this package loads none of them (the CPU replica pulls in torc
   `upstream` (authenticated upstream calls), `metrics` (Prometheus text), `forwarding` and `per_try` (a
   completion's re-sends and its hedge after a per-try deadline), `membership`, `admin_api`, `admin_client`
   (replicas added and removed at run time)
+- runs sharing the replicas: `tenancy` (each run's namespace, token, adapter slots and lease), `fair_queue` (whose
+  completion goes next: weighted fair sharing under a per-replica cap), `tenant_api` (`/router/runs` and the vLLM
+  endpoints as each run sees them)
 - adapters: `adapter_lifecycle` (loads and unloads behind the router), `adapter_fanout` (all-or-nothing loads),
   `adapter_drain` (unload once in-flight rollouts finish), `adapter_slots` (how many `--max-loras` a
   `max_staleness` needs), `storage` (atomic adapter publishing with manifests, read by the replicas),

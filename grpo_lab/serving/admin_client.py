@@ -1,8 +1,10 @@
-"""Membership changes of a router in another process, over `POST`/`DELETE /router/replicas` (`admin_api`).
+"""A router's admin calls from another process: membership over `POST`/`DELETE /router/replicas` (`admin_api`),
+runs sharing its replicas over `/router/runs` (`tenant_api`).
 
 It has the methods of `router_thread.RouterHandle` that a launcher uses (`add_replica`, `remove_replica`,
-`replicas`), so `ray_replicas` drives a router in this process or one elsewhere alike. The admin key is read from an
-environment variable or a file, never passed as an argument, and sent only in the Authorization header.
+`replicas`, `register_run`, `remove_run`, `runs`), so `ray_replicas` and a joining training run drive a router in
+this process or one elsewhere alike. The admin key is read from an environment variable or a file, never passed as
+an argument, and sent only in the Authorization header.
 """
 
 from __future__ import annotations
@@ -10,7 +12,16 @@ from __future__ import annotations
 import json
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
+
+
+class RouterAdminError(RuntimeError):
+    """The router refused an admin call; `status` is its HTTP status, the message its own words."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class RouterAdminClient:
@@ -32,10 +43,10 @@ class RouterAdminClient:
     def __repr__(self) -> str:
         return f"RouterAdminClient({self.url!r})"
 
-    def _call(self, method: str, body: dict | None, timeout_s: float) -> tuple[int, dict]:
+    def _call(self, method: str, body: dict | None, timeout_s: float, path: str = "/router/replicas"
+              ) -> tuple[int, dict]:
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.url + "/router/replicas", data=data, method=method,
-                                         headers=self._headers)
+        request = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as answer:
                 return answer.status, json.loads(answer.read() or b"{}")
@@ -43,7 +54,12 @@ class RouterAdminClient:
             text = error.read().decode("utf-8", "replace")
             if error.code == 404 and method == "DELETE":
                 return 404, {}
-            raise RuntimeError(f"{method} {self.url}/router/replicas answered {error.code}: {text[:300]}") from None
+            try:
+                text = json.loads(text)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            raise RouterAdminError(f"{method} {self.url}{path} answered {error.code}: {str(text)[:500]}",
+                                   error.code) from None
 
     def add_replica(self, url: str, wait_s: float = 0.0) -> dict:
         return self._call("POST", {"url": url, "wait_s": wait_s}, self.timeout_s + wait_s)[1]
@@ -55,3 +71,17 @@ class RouterAdminClient:
 
     def replicas(self) -> list[dict]:
         return self._call("GET", None, self.timeout_s)[1]["replicas"]
+
+    def register_run(self, name: str, max_staleness: int = 4, weight: float = 1.0, replace: bool = False) -> dict:
+        """Register a training run on a router with tenancy: its description and its `token` (shown this once)."""
+        body = {"name": name, "max_staleness": max_staleness, "weight": weight, "replace": replace}
+        return self._call("POST", body, self.timeout_s, "/router/runs")[1]
+
+    def remove_run(self, name: str) -> dict | None:
+        """Remove a run (its adapters are unloaded after their drain); None when the router has no such run."""
+        status, answer = self._call("DELETE", None, self.timeout_s, "/router/runs/" + urllib.parse.quote(name))
+        return None if status == 404 else answer
+
+    def runs(self) -> dict:
+        """The registered runs (never their tokens), the pool's adapter slots and how many are taken."""
+        return self._call("GET", None, self.timeout_s, "/router/runs")[1]

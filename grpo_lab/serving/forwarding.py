@@ -57,6 +57,7 @@ class _Try:
     decision: Decision
     started: float
     hedge: bool
+    run: str | None = None  # the tenant run it is for (`tenant_api`), None without tenancy
     hedge_blocked: bool = False  # no hedge can follow this try (no other replica, or no sends left)
     not_before: float = 0.0  # a due hedge put off (paused replicas, hedge budget spent) until then
     over_budget: bool = False  # its hedge was put off for the budget (counted once)
@@ -71,6 +72,11 @@ class Forwarder:
         self.deadlines = PerTryDeadlines(config.per_try)
         self.hedges_in_flight = 0
         self.overhead_s: list[float] = []  # router-side time per completion (parse, route, bookkeeping), last 10k
+        self.run_routing: dict[str, dict[str, int]] = {}  # tenant run -> routing decisions of its completions
+        self.run_in_flight: dict[tuple[str, int], int] = {}  # (tenant run, replica number) -> tries running there
+        # with tenancy, the fair queue's places per replica: a completion it let through goes to a replica with room
+        # (prefix affinity among those), or affinity could pile every place onto one replica and idle the others
+        self.per_replica_cap: int | None = None
         self._losers: set[asyncio.Task] = set()
 
     # -- helpers ---------------------------------------------------------------------------------------------------
@@ -105,6 +111,9 @@ class Forwarder:
         replica, decision, policy = t.replica, t.decision, self.pool.policy
         self.usage.begin(replica.index, model)
         replica.tries += 1
+        if t.run is not None:
+            key = (t.run, replica.index)
+            self.run_in_flight[key] = self.run_in_flight.get(key, 0) + 1
         call = asyncio.ensure_future(self.client.call(replica, "POST", "/v1/completions", data=raw, timeout=timeout))
         replica.calls.add(call)
         t_up = time.perf_counter()
@@ -133,6 +142,12 @@ class Forwarder:
             replica.calls.discard(call)
             self.usage.end(replica.index, model)
             replica.tries -= 1
+            if t.run is not None:
+                key = (t.run, replica.index)
+                if self.run_in_flight.get(key, 0) > 1:
+                    self.run_in_flight[key] -= 1
+                else:
+                    self.run_in_flight.pop(key, None)
         if probe:  # a dropped keep-alive connection is not a dead replica: out only if it fails a probe too
             if not await self.client.healthy(replica, min(1.0, self.config.health_timeout_s)):
                 self.pool.mark_down(replica, f"completion failed: {outcome.problem.split(': ', 1)[-1]}")
@@ -166,9 +181,9 @@ class Forwarder:
         return self.hedges_in_flight < max(2, int(self.config.per_try.budget * in_flight))
 
     async def forward(self, model: str, prompt, raw: bytes, deadline: float, t_start: float,
-                      max_tokens=None) -> tuple[Reply, dict | None]:
+                      max_tokens=None, run: str | None = None) -> tuple[Reply, dict | None]:
         """Send one completion to the best replica; re-send or hedge it as the module docstring says. Returns
-        (reply, parsed answer when 200)."""
+        (reply, parsed answer when 200). `run` (a tenant run's name) labels its routing metrics."""
         pool, policy = self.pool, self.pool.policy
         try:
             hashes = await self.hashes(prompt, model)
@@ -186,15 +201,22 @@ class Forwarder:
             if len(tried) > self.config.max_reroutes:
                 return False
             candidates = [r for r in pool.candidates(model) if r.index not in tried]
+            if self.per_replica_cap is not None:
+                roomy = [r for r in candidates if policy.in_flight[r.index] < self.per_replica_cap]
+                candidates = roomy or candidates
             remaining = deadline - now()
             if not candidates or remaining <= 0:
                 return False
             decision = policy.route(hashes, [r.index for r in candidates])
             replica = pool.by_index(decision.replica)
             tried.add(replica.index)
+            labels = {"run": run} if run is not None else {}
             self.metrics.inc("grpo_router_routed_total", "Completions routed, by replica and decision",
-                             replica=replica.url, decision=decision.kind)
-            t = _Try(replica, decision, now(), hedge)
+                             replica=replica.url, decision=decision.kind, **labels)
+            if run is not None:
+                counts = self.run_routing.setdefault(run, {"affinity": 0, "spilled": 0, "unmatched": 0})
+                counts[decision.kind] = counts.get(decision.kind, 0) + 1
+            t = _Try(replica, decision, now(), hedge, run)
             t.task = asyncio.create_task(self._attempt(t, model, raw, remaining))
             running[t.task] = t
             if hedge:

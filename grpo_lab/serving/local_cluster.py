@@ -25,13 +25,16 @@ class LocalCluster:
         env: extra environment for the replicas (e.g. `{"VLLM_API_KEY": token}`).
         router: keyword arguments for `RouterConfig` (port defaults to 0, a free port).
         log_dir: where each replica's output also goes (`replica-<i>.log`); None keeps it in memory only.
+        adapter_slots: the replicas' `--max-loras` when it is not one run's: a pool shared by runs
+            (`RouterConfig.tenancy`) needs the sum of their shares (`max_loras_for(max_staleness)` each).
     """
 
     def __init__(self, replicas: int = 2, model: str = "tiny-qwen3", max_staleness: int = DEFAULT_MAX_STALENESS,
                  max_lora_rank: int = 16, replica_args: list[str] | None = None, env: dict | None = None,
-                 router: dict | None = None, log_dir: str | None = None):
+                 router: dict | None = None, log_dir: str | None = None, adapter_slots: int | None = None):
+        slots = adapter_slots if adapter_slots is not None else max_loras_for(max_staleness)
         self.args = ["--model", model, "--served-model-name", model, "trl-policy-v0",
-                     "--max-loras", str(max_loras_for(max_staleness)), "--max-lora-rank", str(max_lora_rank),
+                     "--max-loras", str(slots), "--max-lora-rank", str(max_lora_rank),
                      *(replica_args or [])]
         self.n, self.env, self.router_kwargs = replicas, env, {"port": 0, **(router or {})}
         self.log_dir = log_dir

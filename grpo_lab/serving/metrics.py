@@ -66,13 +66,16 @@ class Registry:
         wanted = set(labels.items())
         return float(sum(v for k, v in family[2].items() if wanted <= set(k)))
 
-    def render(self) -> str:
+    def render(self, keep=None) -> str:
+        """The exposition text; `keep(labels)` (a dict) may leave series out (a tenant run sees only its own)."""
         lines = []
         for name, (kind, help_text, series) in self._families.items():
             lines.append(f"# HELP {name} {help_text}")
             lines.append(f"# TYPE {name} {kind}")
             for key, value in series.items():
                 labels = dict(key)
+                if keep is not None and not keep(labels):
+                    continue
                 if kind != "histogram":
                     lines.append(f"{name}{_labels(labels)} {_num(value)}")
                     continue

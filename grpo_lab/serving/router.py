@@ -8,8 +8,10 @@ docs/serving.md). Completions are routed by prompt prefix (`routing_policy`; a b
 when they outlive a per-try deadline (`forwarding`, `per_try`); adapter loads and unloads go to `adapter_lifecycle`
 (all-or-nothing loads, unloads after a drain); pause and resume reach every replica or none; replicas are watched and
 re-admitted safely (`replica_pool`), and join or leave while the router runs (`membership`, `admin_api`);
-`/metrics` reports it all in Prometheus text. NCCL weight transfer cannot be fanned out, so those endpoints are refused: train a PEFT model, for
-which TRL syncs adapters only.
+`/metrics` reports it all in Prometheus text. With `RouterConfig.tenancy` several training runs share the replicas,
+each with its own token, adapter namespace, share of adapter slots and fair share of completions (`tenancy`,
+`tenant_api`, `fair_queue`). NCCL weight transfer cannot be fanned out, so those endpoints are refused: train a
+PEFT model, for which TRL syncs adapters only.
 
 Run it with `python -m grpo_lab.serving.router --replica http://127.0.0.1:8001 --replica ...`, or in-process
 (notebooks, tests) with `router_thread.start_router(RouterConfig(...))`.
@@ -31,15 +33,17 @@ from .adapter_fanout import broadcast
 from .adapter_lifecycle import AdapterLifecycle
 from .admin_api import AdminAPI
 from .completion_batches import PromptError, merge_batch, split_prompt
-from .forwarding import Forwarder
+from .fair_queue import ClientGone
+from .forwarding import Forwarder, failure
 from .membership import Membership, describe
 from .metrics import Registry
 from .per_try import PerTryConfig
 from .replica_pool import ReplicaPool
 from .router_config import RouterConfig
 from .routing_policy import RoutingConfig
+from .tenancy import TenancyConfig
 from .upstream import TRANSPORT_ERRORS, Reply, UpstreamClient, error_body, now
-from .vllm_routes import add_vllm_routes, error_response
+from .vllm_routes import add_vllm_routes, error_response, pause_mode_refusal
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,6 @@ NCCL_ENDPOINTS = ("/init_weight_transfer_engine", "/start_weight_update", "/upda
 NCCL_REFUSAL = ("the grpo_lab router fronts several independent replicas and cannot fan out NCCL weight transfer; "
                 "adapter-only sync is required: train a PEFT (LoRA) model and start every replica with "
                 "--enable-lora so AsyncGRPOTrainer syncs by /v1/load_lora_adapter")
-PAUSE_MODES = ("abort", "wait", "keep")  # vLLM 0.31's PauseMode
 
 
 def _percentiles(xs: list[float]) -> dict:
@@ -75,6 +78,7 @@ class Router:
         self.forwarder: Forwarder | None = None
         self.membership: Membership | None = None
         self.admin: AdminAPI | None = None
+        self.tenancy = None  # tenant_api.TenantAPI when runs share the replicas
         self._session: aiohttp.ClientSession | None = None
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -90,10 +94,16 @@ class Router:
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         r = app.router
-        add_vllm_routes(r, self)
-        r.add_get("/metrics", self.metrics_text)
-        r.add_get("/router/state", self.state)
         self.admin = AdminAPI(None, self.config, self._admin_key, self._json)  # membership attached at startup
+        front = self
+        if self.config.tenancy is not None:
+            from .tenant_api import TenantAPI
+
+            front = self.tenancy = TenantAPI(self, self._admin_key)
+            self.tenancy.add_routes(r)
+        add_vllm_routes(r, front)
+        r.add_get("/metrics", front.metrics_text)
+        r.add_get("/router/state", front.state)
         self.admin.add_routes(r)
         for path in NCCL_ENDPOINTS:
             r.add_route("*", path, self.refuse_nccl)
@@ -102,7 +112,11 @@ class Router:
     @web.middleware
     async def _authenticate(self, request: web.Request, handler):
         """With client authentication on, every endpoint needs the key (vLLM's own key leaves /health, /pause,
-        /resume and /server_info open; a router that can load adapters should not)."""
+        /resume and /server_info open; a router that can load adapters should not). With tenancy, the admin key or
+        a run's token (`tenant_api`)."""
+        if self.tenancy is not None:
+            refused = self.tenancy.authenticate(request)
+            return refused if refused is not None else await handler(request)
         if self._client_auth is not None and not self.admin.bypasses_client_auth(request):
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, self._client_auth):
@@ -115,9 +129,13 @@ class Router:
         self.pool = ReplicaPool(self.config, self.client, self.metrics)
         self.adapters = AdapterLifecycle(self.pool, self.client, self.config, self.metrics)
         self.forwarder = Forwarder(self.pool, self.client, self.adapters.drainer.usage, self.metrics, self.config)
+        if self.tenancy is not None:
+            self.forwarder.per_replica_cap = self.config.tenancy.max_in_flight_per_replica
         self.membership = self.admin.membership = Membership(self.pool, self.metrics)
         self.pool.publish_states()
         self._tasks.append(asyncio.create_task(self.pool.run_health_checks(self._stop)))
+        if self.tenancy is not None:
+            self._tasks.append(asyncio.create_task(self.tenancy.run_leases(self._stop)))
 
     async def _cleanup(self, app) -> None:
         self._stop.set()
@@ -195,6 +213,11 @@ class Router:
         return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
+        self.refresh_gauges()
+        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    def refresh_gauges(self) -> None:
+        """Set the gauges that describe the pool now (in flight, draining, block records, live adapters)."""
         policy, pool = self.pool.policy, self.pool
         for r in pool.replicas:
             self.metrics.set("grpo_router_in_flight", "Completions in flight per replica", policy.in_flight[r.index],
@@ -208,7 +231,6 @@ class Router:
         self.metrics.set("grpo_router_prefix_blocks", "Block records held by the routing policy", policy.num_blocks)
         self.metrics.set("grpo_router_live_adapters", "Adapters loaded on every in-service replica",
                          len(pool.live_adapters))
-        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def state(self, request: web.Request) -> web.Response:
         """Router state (replicas, adapters, draining adapters, routing counts, overhead percentiles) for notebooks
@@ -232,6 +254,13 @@ class Router:
     async def completions(self, request: web.Request) -> web.Response:
         t_start = time.perf_counter()
         body, raw = await self._json(request)
+        return await self.complete(body, raw, t_start)
+
+    async def complete(self, body: dict, raw: bytes, t_start: float, shown: str | None = None, gate=None,
+                       run: str | None = None) -> web.Response:
+        """Answer one `/v1/completions` body. With tenancy (`tenant_api`), `body["model"]` is already the replicas'
+        name of a run's adapter and `shown` the run's own name for it (what errors and answers say); `gate(cost,
+        deadline)` is the fair queue's place a prompt waits for before it is forwarded; `run` labels metrics."""
         model = body.get("model")
         if model is not None and (not isinstance(model, str) or not model):
             return error_response(400, "'model' must be a non-empty string (the base model or a loaded adapter "
@@ -243,22 +272,51 @@ class Router:
         if body.get("stream"):
             return error_response(400, "streaming completions are not supported by the router", param="stream")
         if model is not None and not self.pool.known_model(model):
-            return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", param="model")
+            return error_response(404, f"The model `{shown or model}` does not exist.", "NotFoundError",
+                                  param="model")
         model = model or self._base_model()
         if model is None:
             return error_response(503, "no replica in service", "ServiceUnavailable")
         deadline = now() + self.config.upstream_timeout_s
-        forward, max_tokens = self.forwarder.forward, body.get("max_tokens")
+        max_tokens = body.get("max_tokens")
+
+        async def forward(prompt, data: bytes, t0: float):
+            if gate is None:
+                return await self.forwarder.forward(model, prompt, data, deadline, t0, max_tokens)
+            try:
+                async with gate(max_tokens, deadline):
+                    return await self.forwarder.forward(model, prompt, data, deadline, time.perf_counter(),
+                                                        max_tokens, run=run)
+            except ClientGone as error:
+                return failure(503, str(error), "ServiceUnavailable"), None
+            except TimeoutError:
+                return failure(504, f"no replica capacity for this run within the "
+                                    f"{self.config.upstream_timeout_s}s deadline", "GatewayTimeout"), None
+
         if len(prompts) == 1:  # one prompt (or a batch of one): forwarded as sent
-            reply, _ = await forward(model, prompts[0], raw, deadline, t_start, max_tokens)
+            reply, answer = await forward(prompts[0], raw, t_start)
+            if shown is not None and shown != model:
+                return self._renamed(reply, answer, model, shown)
             return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
         bodies = [json.dumps({**body, "prompt": p}).encode() for p in prompts]
-        results = await asyncio.gather(*(forward(model, p, b, deadline, time.perf_counter(), max_tokens)
-                                         for p, b in zip(prompts, bodies)))
+        results = await asyncio.gather(*(forward(p, b, time.perf_counter()) for p, b in zip(prompts, bodies)))
         failed = next((reply for reply, answer in results if answer is None), None)
         if failed is not None:  # vLLM fails the whole batch when one prompt fails
+            if shown is not None and shown != model:
+                return self._renamed(failed, None, model, shown)
             return web.Response(body=failed.body, status=failed.status, content_type=failed.content_type)
-        return web.json_response(merge_batch([answer for _, answer in results]))
+        merged = merge_batch([answer for _, answer in results])
+        if shown is not None and "model" in merged:
+            merged["model"] = shown
+        return web.json_response(merged)
+
+    @staticmethod
+    def _renamed(reply: Reply, answer: dict | None, upstream: str, shown: str) -> web.Response:
+        """A replica's answer with the run's own adapter name where the replica said the namespaced one."""
+        if answer is not None and reply.status == 200:
+            return web.json_response({**answer, "model": shown} if "model" in answer else answer)
+        return web.Response(body=reply.body.replace(upstream.encode(), shown.encode()), status=reply.status,
+                            content_type=reply.content_type)
 
     def _base_model(self) -> str | None:
         for r in self.pool.in_service():
@@ -277,10 +335,9 @@ class Router:
 
     # -- pause/resume ---------------------------------------------------------------------------------------
     async def pause(self, request: web.Request) -> web.Response:
-        mode = request.query.get("mode", "abort")
-        if mode not in PAUSE_MODES:  # what vLLM's query validation answers
-            return error_response(400, f"1 validation error:\n  query.mode: Input should be 'abort', 'wait' or "
-                                  f"'keep' (got {mode!r})", "Bad Request", param="mode")
+        refused = pause_mode_refusal(request.query.get("mode", "abort"))
+        if refused is not None:  # what vLLM's query validation answers
+            return refused
         return await self._broadcast_pause_state(True, dict(request.query))
 
     async def resume(self, request: web.Request) -> web.Response:
@@ -367,6 +424,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--body-read-timeout", type=float, default=60.0)
     p.add_argument("--unload-drain-timeout", type=float, default=120.0,
                    help="seconds an unloaded adapter may keep serving its in-flight completions on a replica")
+    t = TenancyConfig()
+    p.add_argument("--tenancy", action="store_true",
+                   help="several training runs share the replicas: each registers with POST /router/runs (admin key "
+                        "required) and gets its own token, adapter namespace, adapter slots and fair share")
+    p.add_argument("--run-lease", type=float, default=t.lease_s,
+                   help="with --tenancy: seconds without a request after which a run's adapters are reclaimed")
+    p.add_argument("--max-in-flight-per-replica", type=int, default=t.max_in_flight_per_replica,
+                   help="with --tenancy: completions running per replica; beyond, they queue fairly per run")
+    p.add_argument("--no-base-model", action="store_true",
+                   help="with --tenancy: runs may complete with their own adapters only, not the base model")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -383,6 +450,8 @@ def config_from_args(args) -> RouterConfig:
         body_read_timeout_s=args.body_read_timeout, unload_drain_timeout_s=args.unload_drain_timeout,
         admin_api_key_env=args.admin_api_key_env, admin_api_key_file=args.admin_api_key_file,
         remove_drain_timeout_s=args.remove_drain_timeout,
+        tenancy=TenancyConfig(lease_s=args.run_lease, max_in_flight_per_replica=args.max_in_flight_per_replica,
+                              allow_base_model=not args.no_base_model) if args.tenancy else None,
         per_try=PerTryConfig(enabled=not args.no_hedge, quantile=args.per_try_quantile, factor=args.per_try_factor,
                              floor_s=args.per_try_floor, cap_s=args.per_try_cap),
         log_level=args.log_level)

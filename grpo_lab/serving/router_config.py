@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from .per_try import PerTryConfig
 from .routing_policy import RoutingConfig
+from .tenancy import TenancyConfig
 
 
 @dataclass
@@ -59,6 +60,9 @@ class RouterConfig:
         admin_api_key_file: file holding that key (first line); used when set, instead of the variable.
         remove_drain_timeout_s: a replica removed from the membership gets no new completions at once; those still
             running there may finish for this long, then they are re-sent to other replicas.
+        tenancy: several training runs share the replicas (`tenancy.TenancyConfig`): each registers through
+            `POST /router/runs` (admin key) and gets its own token, adapter namespace, share of adapter slots and fair
+            share of completions. It needs an admin key and replaces the single client key. None: one client.
         log_level: logging level name for the `python -m` entry point.
     """
 
@@ -87,6 +91,7 @@ class RouterConfig:
     admin_api_key_env: str | None = None
     admin_api_key_file: str | None = None
     remove_drain_timeout_s: float = 30.0
+    tenancy: TenancyConfig | None = None
     log_level: str = "INFO"
 
     def __post_init__(self):
@@ -107,9 +112,15 @@ class RouterConfig:
         if self.hash_off_loop_tokens < 0:
             raise ValueError("hash_off_loop_tokens must be >= 0")
         self.adapter_roots = [normalize_root(root) for root in self.adapter_roots]
+        if self.tenancy is not None:
+            if not self.admin_api_key_env and not self.admin_api_key_file:
+                raise ValueError("tenancy needs an admin key (admin_api_key_env or admin_api_key_file): it is what "
+                                 "registers runs and hands out their tokens")
+            if self.client_api_key_env or self.client_api_key_file:
+                raise ValueError("tenancy gives each run a key of its own: leave the client key unset")
         if not is_loopback(self.host) and not self.insecure:
             missing = []
-            if not self.client_api_key_env and not self.client_api_key_file:
+            if not self.client_api_key_env and not self.client_api_key_file and self.tenancy is None:
                 missing.append("client authentication (--client-api-key-env or --client-api-key-file)")
             if not self.adapter_roots:
                 missing.append("adapter storage roots (--adapter-root, repeatable)")

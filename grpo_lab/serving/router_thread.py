@@ -5,6 +5,8 @@
     ... handle.url ...
     handle.add_replica("http://10.0.0.7:8001", wait_s=60)          # membership changes while it runs
     handle.remove_replica("http://10.0.0.5:8001", drain_s=0)
+    run = handle.register_run("sweep-a", max_staleness=4)          # with RouterConfig(tenancy=...): run["token"]
+    handle.remove_run("sweep-a")
     handle.stop()
 
 A failed start (a port taken) releases everything it set up before the error reaches the caller.
@@ -116,6 +118,31 @@ class RouterHandle:
     def replicas(self) -> list[dict]:
         """The current members with their states."""
         return self.call(self.router.membership.members)
+
+    # -- runs sharing the replicas (RouterConfig.tenancy) --------------------------------------------------------
+    def _tenancy(self):
+        if self.router.tenancy is None:
+            raise RuntimeError("this router shares nothing: start it with RouterConfig(tenancy=TenancyConfig(...))")
+        return self.router.tenancy
+
+    def register_run(self, name: str, max_staleness: int = 4, weight: float = 1.0, replace: bool = False) -> dict:
+        """Register a training run (what `POST /router/runs` does): its description, with its `token` (the only
+        time it is shown; hand it to the run, e.g. in its environment). `tenancy.TenancyError` says why not."""
+        tenancy = self._tenancy()
+        return self.call(lambda: tenancy.add_run(name, max_staleness, weight, replace))
+
+    def remove_run(self, name: str) -> list[str] | None:
+        """Remove a run and unload its adapters (after their drain); None when there is no such run."""
+        tenancy = self._tenancy()
+        run = self.call(lambda: tenancy.registry.runs.get(name))
+        if run is None:
+            return None
+        return self._run_on_loop(tenancy.remove(run, "admin", "removed through the Python API"), 60)
+
+    def runs(self) -> list[dict]:
+        """The registered runs (never their tokens)."""
+        tenancy = self._tenancy()
+        return self.call(lambda: [tenancy.describe(r) for r in tenancy.registry.runs.values()])
 
     def stop(self) -> None:
         if self._thread.is_alive():

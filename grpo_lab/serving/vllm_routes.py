@@ -50,6 +50,17 @@ def add_vllm_routes(router: web.UrlDispatcher, server) -> None:
             router.add_route(route.method, route.path, handler)
 
 
+PAUSE_MODES = ("abort", "wait", "keep")  # vLLM 0.31's PauseMode
+
+
+def pause_mode_refusal(mode: str) -> web.Response | None:
+    """vLLM's answer to `/pause?mode=...` with a mode it does not know (its query validation), or None."""
+    if mode in PAUSE_MODES:
+        return None
+    return error_response(400, f"1 validation error:\n  query.mode: Input should be 'abort', 'wait' or 'keep' (got "
+                          f"{mode!r})", "Bad Request", param="mode")
+
+
 def error_response(status: int, message: str, kind: str = "BadRequestError", param: str | None = None
                    ) -> web.Response:
     """An error answered the way vLLM answers it."""

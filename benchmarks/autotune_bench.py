@@ -1,0 +1,163 @@
+"""Does autotune work? The embedded CPU loop under TRL's default, a grid of hand-set in-flight/queue settings,
+autotune from TRL's default, and autotune from two bad starts (1 in flight, 512 in flight), each to the same steps.
+
+    .venv/bin/python benchmarks/autotune_bench.py                 # ~10 min on a 2-core CPU
+    .venv/bin/python benchmarks/autotune_bench.py --steps 10 --only trl_default,autotune   # a quick look
+
+Writes `results/async/autotune.csv` (one row per run: steps/s, trained tokens/s, wasted-sample share, staleness, the
+final in-flight count, machine and versions) and `results/async/autotune.png`. Steps/s is measured from the end of
+step 1 to the end of the last step (step 1 waits for the pipeline to fill, the same for every run); `late_steps_per_s`
+is the last third of the run, where a controller that started badly should have recovered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name: (max_inflight_tasks, queue_maxsize, autotune); -1 in flight is TRL's default, max(S, 1) x samples per step
+RUNS = {
+    "trl_default": (-1, 1024, False),
+    "hand_4_16": (4, 16, False),
+    "hand_8_16": (8, 16, False),
+    "hand_16_16": (16, 16, False),
+    "hand_16_64": (16, 64, False),
+    "hand_32_32": (32, 32, False),
+    "hand_64_64": (64, 64, False),
+    "autotune": (-1, 1024, True),
+    "autotune_from_1": (1, 1024, True),
+    "autotune_from_512": (512, 1024, True),
+}
+
+
+def summarise(rows: list[dict], num_generations: int) -> dict:
+    steps = [r for r in rows if "train_runtime" not in r and "perf/fwd_bwd_s" in r]
+    times = [r["time"] for r in steps]
+    n = len(steps)
+    third = max(n // 3, 2)
+    consumed = sum(r.get("batch/samples_per_step") or 0 for r in steps)
+    wasted = sum((r.get("sample/dropped_stale_total") or 0)
+                 + (r.get("rollout/abandoned_groups_total") or 0) * num_generations for r in steps)
+    tokens = sum(r.get("batch/trained_tokens_per_step") or 0 for r in steps[1:])
+    staleness = [r["sample/staleness_mean"] for r in steps if r.get("sample/staleness_mean") is not None]
+    changes = [d for r in steps for d in r.get("autotune", [])]
+    return {
+        "steps": n,
+        "steps_per_s": (n - 1) / (times[-1] - times[0]),
+        "late_steps_per_s": (third - 1) / (times[-1] - times[-third]),
+        "trained_tok_s": tokens / (times[-1] - times[0]),
+        "wasted_share": wasted / max(consumed + wasted, 1),
+        "staleness_mean": sum(staleness) / max(len(staleness), 1),
+        "staleness_max": max((r.get("sample/staleness_max") or 0) for r in steps),
+        "rollout_wait_share": sum(r.get("perf/rollout_wait_s") or 0 for r in steps[1:])
+        / max(sum(r.get("perf/step_s") or 0 for r in steps[1:]), 1e-9),
+        "final_inflight": steps[-1].get("autotune/inflight"),
+        "final_queue_bound": steps[-1].get("autotune/queue_bound"),
+        "autotune_changes": len(changes),
+        "inflight_trace": json.dumps([r.get("autotune/inflight") for r in steps]) if changes or
+        steps[-1].get("autotune/inflight") else "",
+    }
+
+
+def run_one(name: str, steps: int, workdir: Path) -> dict:
+    from grpo_lab.async_loop.launch import AsyncLoop, LoopConfig, embedded_trainer_args
+    from grpo_lab.async_loop.recorder import read_metrics
+
+    inflight, queue, autotune = RUNS[name]
+    out = workdir / name
+    shutil.rmtree(out, ignore_errors=True)
+    args = embedded_trainer_args(str(out), max_steps=steps, save_strategy="no", max_inflight_tasks=inflight,
+                                 queue_maxsize=queue)
+    t0 = time.perf_counter()
+    with AsyncLoop(LoopConfig(replicas=2, autotune=autotune), args, progress=False) as loop:
+        loop.train()
+    wall = time.perf_counter() - t0
+    from grpo_lab.async_loop.config import inflight_tasks
+
+    rows = read_metrics(out / "loop_metrics.jsonl")
+    summary = summarise(rows, args.num_generations)
+    start = inflight_tasks(inflight, args.max_staleness, args.per_device_train_batch_size)
+    return {"run": name, "start_inflight": start, "queue_maxsize": queue, "autotune": autotune, "wall_s": wall,
+            **summary}
+
+
+def figure(frame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    colors = ["tab:gray" if r == "trl_default" else "tab:green" if r.startswith("autotune") else "tab:blue"
+              for r in frame["run"]]
+    ax1.barh(frame["run"], frame["steps_per_s"], color=colors)
+    for y, (v, w) in enumerate(zip(frame["steps_per_s"], frame["wasted_share"])):
+        ax1.text(v, y, f" {v:.3f} ({100 * w:.0f}% wasted)", va="center", fontsize=8)
+    ax1.set_xlabel("steps/s (gray: TRL default, blue: hand-set, green: autotune)")
+    ax1.invert_yaxis()
+    for _, r in frame[frame["autotune"]].iterrows():
+        trace = json.loads(r["inflight_trace"]) if r["inflight_trace"] else []
+        ax2.plot(range(1, len(trace) + 1), trace, marker=".", label=r["run"])
+    ax2.set_yscale("log", base=2)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("requests in flight (autotune)")
+    ax2.legend(fontsize=8)
+    fig.suptitle("autotune on the embedded CPU loop (2 CPU replicas, 2 cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--only", default="", help="comma-separated run names (default: all)")
+    p.add_argument("--out", default=str(ROOT / "results" / "async"))
+    p.add_argument("--keep", default=None, help="keep each run's folder (its loop_metrics.jsonl) here")
+    a = p.parse_args(argv)
+    import pandas as pd
+
+    sys.path.insert(0, str(ROOT))
+    from grpo_lab.lab.records import run_record
+
+    names = [n for n in (a.only.split(",") if a.only else RUNS)]
+    workdir = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="grpo-lab-autotune-"))
+    results = []
+    try:
+        for name in names:
+            result = run_one(name, a.steps, workdir)
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items()
+                              if k != "inflight_trace"}), flush=True)
+            results.append(result)
+    finally:
+        if not a.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    frame = pd.DataFrame(results)
+    for key, value in run_record("cpu").items():
+        frame[key] = value
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(out / "autotune.csv", index=False)
+    figure(frame, out / "autotune.png")
+    hand = frame[frame["run"].str.startswith("hand_")]
+    if len(hand) and "trl_default" in set(frame["run"]):
+        best = hand["steps_per_s"].max()
+        default = float(frame.loc[frame["run"] == "trl_default", "steps_per_s"].iloc[0])
+        for _, r in frame[frame["autotune"]].iterrows():
+            print(f"{r['run']}: {r['steps_per_s'] / best:.2f}x best hand-set ({best:.3f} steps/s), "
+                  f"{r['steps_per_s'] / default:.2f}x TRL default, last third {r['late_steps_per_s'] / best:.2f}x "
+                  f"best, wasted {100 * r['wasted_share']:.1f}%")
+    print(f"wrote {out / 'autotune.csv'} and {out / 'autotune.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())

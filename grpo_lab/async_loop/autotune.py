@@ -1,0 +1,392 @@
+"""Autotune: the doctor turns the knob itself, between steps, without restarting anything.
+
+`Autotuner` reads each logged step (TRL's own metric names) and moves the rollout worker's two live knobs
+(`live_knobs.LiveKnobs`): the requests in flight and the rollout queue's bound. It decides on the signals the board
+and the doctor read:
+
+| the last steps show | regime | what it does |
+|---|---|---|
+| samples dropped as stale (or abandoned groups), or mean staleness near `max_staleness` | staleness-bound | fewer samples waiting: the queue bound down when generation is held back by a full queue, else fewer in flight |
+| the trainer waits for rollouts (`perf/rollout_wait_s` a large share of the step) and samples are fresh | rollout-bound | more in flight, as a probe: reverted if steps/s fell or samples got wasted |
+| generation held back (`rollout/backpressure_s`) and no rollout wait | train-bound | the queue bound down while samples age in it; restart-only knobs recommended |
+| none of these | balanced | nothing |
+
+Hysteresis: a regime must hold for `patience` logged steps in a row (a starving or badly wasting loop acts at once),
+and no change follows another within `cooldown_steps`. Bounds: the knobs stay in `[min, max]`. No oscillation: an
+in-flight count that wasted samples becomes a ceiling no later raise reaches, and so does a raise that did not pay
+(a probe reverted, for `reprobe_steps`); every reversal of direction halves the step. The decisions are plain data (`Decision`) with their
+evidence, so a recorded trace of logged rows can be replayed through the controller (tests/async_loop).
+
+Knobs that need a restart (more replicas, packing `token_budget`, gradient checkpointing off) are only recommended
+(`Autotuner.recommendations`). `AutotuneCallback` wires the controller into the trainer: it runs first at each log,
+turns the knobs, prints one line per change, and adds `autotune/*` metrics to the logs, so every tracker and
+`loop_metrics.jsonl` gets them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from transformers import TrainerCallback
+
+
+@dataclass
+class AutotuneConfig:
+    r"""
+    Configuration of [`Autotuner`]. Zero for a bound means "derived from the run" (see each field).
+
+    Args:
+        min_inflight (`int`, *optional*, defaults to `0`):
+            Fewest requests in flight. `0`: `num_generations` (one prompt group at a time).
+        max_inflight (`int`, *optional*, defaults to `0`):
+            Most requests in flight. `0`: 4 × TRL's default (`max(max_staleness, 1)` steps of samples), and never
+            below the starting value.
+        min_queue (`int`, *optional*, defaults to `0`):
+            Smallest bound of the rollout queue. `0`: one step of samples.
+        max_queue (`int`, *optional*, defaults to `0`):
+            Largest bound of the rollout queue. `0`: the run's `queue_maxsize`.
+        warmup_steps (`int`, *optional*, defaults to `2`):
+            Logged steps read before any decision (the first ones wait for the pipeline to fill).
+        window (`int`, *optional*, defaults to `3`):
+            Steps averaged into one reading (only steps after the last change count).
+        patience (`int`, *optional*, defaults to `2`):
+            Readings in a row that must show the same regime before a change.
+        cooldown_steps (`int`, *optional*, defaults to `1`):
+            Steps after a change with no other change (its effect takes that long to show).
+        rollout_wait_high (`float`, *optional*, defaults to `0.2`):
+            Share of the step the trainer waits for rollouts above which the loop is rollout-bound.
+        starving (`float`, *optional*, defaults to `0.5`):
+            Rollout-wait share at which a raise needs no patience and doubles instead of `up_factor`.
+        waste_high (`float`, *optional*, defaults to `0.02`):
+            Share of produced samples dropped as stale above which the loop is staleness-bound.
+        wasting (`float`, *optional*, defaults to `0.2`):
+            Waste share at which a cut needs no patience and uses `down_factor`² instead of `down_factor`.
+        staleness_high (`float`, *optional*, defaults to `0.75`):
+            Mean staleness as a fraction of `max_staleness` above which the loop is staleness-bound.
+        raise_below_staleness (`float`, *optional*, defaults to `0.5`):
+            A rollout-bound loop gets more in flight only while its mean staleness is below this fraction of
+            `max_staleness` (older samples would go stale with more waiting beside them).
+        backpressure_high (`float`, *optional*, defaults to `0.1`):
+            Share of the step generation is held back by a full queue above which the trainer is the bottleneck.
+        up_factor (`float`, *optional*, defaults to `1.5`):
+            A raise multiplies the requests in flight by this (at least +1).
+        down_factor (`float`, *optional*, defaults to `0.5`):
+            A cut multiplies the knob by this.
+        max_loss (`float`, *optional*, defaults to `0.1`):
+            A raise is a probe, judged over `window + 1` steps after its cooldown: it is reverted (and its value
+            becomes a ceiling) when steps/s fell by more than this fraction or samples started to be wasted.
+        reprobe_steps (`int`, *optional*, defaults to `10`):
+            Steps after a reverted raise before a loop that is still rollout-bound may probe above it again (`0`:
+            never). Staleness ceilings are never lifted.
+    """
+
+    min_inflight: int = 0
+    max_inflight: int = 0
+    min_queue: int = 0
+    max_queue: int = 0
+    warmup_steps: int = 2
+    window: int = 3
+    patience: int = 2
+    cooldown_steps: int = 1
+    rollout_wait_high: float = 0.2
+    starving: float = 0.5
+    waste_high: float = 0.02
+    wasting: float = 0.2
+    staleness_high: float = 0.75
+    raise_below_staleness: float = 0.5
+    backpressure_high: float = 0.1
+    up_factor: float = 1.5
+    down_factor: float = 0.5
+    max_loss: float = 0.1
+    reprobe_steps: int = 10
+
+    def __post_init__(self):
+        if min(self.min_inflight, self.max_inflight, self.min_queue, self.max_queue) < 0:
+            raise ValueError("autotune bounds must be >= 0 (0: derived from the run)")
+        if self.window < 1 or self.patience < 1 or self.cooldown_steps < 0 or self.warmup_steps < 0:
+            raise ValueError("autotune needs window >= 1, patience >= 1, cooldown_steps >= 0, warmup_steps >= 0")
+        if not (self.up_factor > 1 and 0 < self.down_factor < 1):
+            raise ValueError("autotune needs up_factor > 1 and 0 < down_factor < 1")
+
+
+@dataclass
+class Bounds:
+    """The knobs' resolved bounds for one run."""
+
+    min_inflight: int
+    max_inflight: int
+    min_queue: int
+    max_queue: int
+
+
+def resolve_bounds(config: AutotuneConfig, start_inflight: int, start_queue: int, num_generations: int,
+                   samples_per_step: int, max_staleness: int) -> Bounds:
+    """Bounds of a run: `config`'s, or derived from its settings (see `AutotuneConfig`); the starting values are
+    always inside (a deliberately bad start is where the controller begins, not an error)."""
+    from .config import inflight_tasks
+
+    trl_default = inflight_tasks(-1, max_staleness, samples_per_step)
+    min_inflight = min(config.min_inflight or num_generations, start_inflight)
+    max_inflight = max(config.max_inflight or 4 * trl_default, start_inflight, min_inflight)
+    min_queue = min(config.min_queue or samples_per_step, start_queue)
+    max_queue = max(config.max_queue or start_queue, start_queue, min_queue)
+    return Bounds(max(min_inflight, 1), max_inflight, max(min_queue, 1), max_queue)
+
+
+@dataclass
+class Reading:
+    """The signals of one or more logged steps, as the controller reads them."""
+
+    steps: int
+    step_s: float
+    wait_share: float  # perf/rollout_wait_s over perf/step_s
+    waste_share: float  # samples dropped as stale (abandoned groups included) over samples produced
+    staleness_ratio: float  # sample/staleness_mean over max_staleness
+    backpressure_share: float  # rollout/backpressure_s over perf/step_s
+
+    @property
+    def steps_per_s(self) -> float:
+        return 1.0 / self.step_s if self.step_s > 0 else 0.0
+
+    def evidence(self) -> dict:
+        return {"rollout_wait_share": round(self.wait_share, 4), "waste_share": round(self.waste_share, 4),
+                "staleness_ratio": round(self.staleness_ratio, 4),
+                "backpressure_share": round(self.backpressure_share, 4), "steps_per_s": round(self.steps_per_s, 4)}
+
+
+def read_steps(rows: list[dict], max_staleness: int, num_generations: int) -> Reading | None:
+    """One `Reading` of logged rows (TRL's metric names); None when none of them is a timed training step."""
+    rows = [r for r in rows if r.get("perf/step_s")]
+    if not rows:
+        return None
+    step_s = sum(r["perf/step_s"] for r in rows)
+    wait = sum(r.get("perf/rollout_wait_s") or 0.0 for r in rows)
+    backpressure = sum(r.get("rollout/backpressure_s") or 0.0 for r in rows)
+    consumed = sum(r.get("batch/samples_per_step") or 0.0 for r in rows)
+    wasted = sum((r.get("sample/dropped_stale_total") or 0.0)
+                 + (r.get("rollout/abandoned_groups_total") or 0.0) * num_generations for r in rows)
+    staleness = [r["sample/staleness_mean"] for r in rows if r.get("sample/staleness_mean") is not None]
+    mean_staleness = sum(staleness) / len(staleness) if staleness else 0.0
+    return Reading(len(rows), step_s / len(rows), min(wait / step_s, 1.0), wasted / max(consumed + wasted, 1.0),
+                   mean_staleness / max(max_staleness, 1), min(backpressure / step_s, 1.0))
+
+
+@dataclass
+class Decision:
+    """One change of a knob, with why."""
+
+    step: int
+    knob: str  # "inflight" or "queue"
+    old: int
+    new: int
+    regime: str  # "staleness", "rollout", "train" or "probe"
+    reason: str
+    evidence: dict = field(default_factory=dict)
+
+    def line(self) -> str:
+        name = "in flight" if self.knob == "inflight" else "queue bound"
+        e = self.evidence
+        return (f"autotune: step {self.step}: {name} {self.old} -> {self.new} ({self.regime}-bound: {self.reason}; "
+                f"rollout wait {100 * e.get('rollout_wait_share', 0):.0f}% of the step, wasted "
+                f"{100 * e.get('waste_share', 0):.1f}%, staleness {e.get('staleness_ratio', 0):.2f} of max, "
+                f"backpressure {100 * e.get('backpressure_share', 0):.0f}%, {e.get('steps_per_s', 0):.3f} steps/s)")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def classify(reading: Reading, c: AutotuneConfig) -> str:
+    """The regime a reading shows (the doctor's, with the controller's thresholds)."""
+    if reading.waste_share > c.waste_high or reading.staleness_ratio > c.staleness_high:
+        return "staleness"
+    if reading.wait_share > c.rollout_wait_high:
+        return "rollout"
+    if reading.backpressure_share > c.backpressure_high:
+        return "train"
+    return "balanced"
+
+
+class Autotuner:
+    """The controller (see the module docstring). `observe(step, row)` after each logged step returns the decisions
+    taken at it (usually none); `inflight` and `queue_bound` are the knobs' values now.
+
+    Args:
+        config: thresholds and bounds (`AutotuneConfig`).
+        inflight, queue_bound: the starting values (the run's settings).
+        num_generations, samples_per_step, max_staleness: the run's shape.
+    """
+
+    def __init__(self, config: AutotuneConfig, inflight: int, queue_bound: int, num_generations: int,
+                 samples_per_step: int, max_staleness: int):
+        self.config = config
+        self.bounds = resolve_bounds(config, inflight, queue_bound, num_generations, samples_per_step, max_staleness)
+        self.inflight, self.queue_bound = inflight, queue_bound
+        self.num_generations, self.samples_per_step, self.max_staleness = (num_generations, samples_per_step,
+                                                                          max_staleness)
+        self.ceiling = self.bounds.max_inflight  # no raise goes above (lowered by waste and by failed probes)
+        self.decisions: list[Decision] = []
+        self.recommendations: list[str] = []
+        self.regime = "warmup"
+        self._rows: list[tuple[int, dict]] = []  # (step, logged row) since the last change
+        self._seen = 0
+        self._last_change = -10 ** 9
+        self._streak: tuple[str, int] = ("", 0)
+        self._probe: tuple[int, float] | None = None  # (in flight before the raise, steps/s before it)
+        self._last_direction = 0
+        self._step_scale = 1.0  # halved at every reversal of direction
+        self._ceiling_set_at = 0
+        self._stale_ceiling = self.bounds.max_inflight
+
+    # -- reading --------------------------------------------------------------------------------------------------
+    def observe(self, step: int, row: dict) -> list[Decision]:
+        if not row.get("perf/step_s"):
+            return []
+        self._seen += 1
+        self._rows = self._rows[-(self.config.window + self.config.cooldown_steps + 2):] + [(step, row)]
+        if self._seen <= self.config.warmup_steps or step - self._last_change <= self.config.cooldown_steps:
+            return []
+        settled = [r for s, r in self._rows if s > self._last_change + self.config.cooldown_steps]
+        span = self.config.window + (1 if self._probe is not None else 0)  # a probe is judged on one step more
+        reading = read_steps(settled[-span:], self.max_staleness, self.num_generations)
+        if reading is None:
+            return []
+        if self._probe is not None:
+            if reading.steps >= self.config.window + 1:
+                return self._judge_probe(step, reading)
+            return []
+        regime = classify(reading, self.config)
+        self.regime = regime
+        self._streak = (regime, self._streak[1] + 1 if self._streak[0] == regime else 1)
+        urgent = ((regime == "rollout" and reading.wait_share >= self.config.starving)
+                  or (regime == "staleness" and reading.waste_share >= self.config.wasting))
+        if self._streak[1] < self.config.patience and not urgent:
+            return []
+        return getattr(self, f"_on_{regime}")(step, reading)
+
+    # -- regimes --------------------------------------------------------------------------------------------------
+    def _on_staleness(self, step: int, r: Reading) -> list[Decision]:
+        factor = self.config.down_factor ** (2 if r.waste_share >= self.config.wasting else 1)
+        factor = 1 - (1 - factor) * self._scale(-1)
+        if r.backpressure_share > self.config.backpressure_high and self.queue_bound > self.bounds.min_queue:
+            new = max(self.bounds.min_queue, math.floor(self.queue_bound * factor))
+            return self._change(step, "queue", new, "staleness", "samples age in a full queue", r, -1)
+        if self.inflight > self.bounds.min_inflight:
+            self._stale_ceiling = min(self._stale_ceiling, self.inflight - 1)  # this many wasted samples: never again
+            self.ceiling = min(self.ceiling, self._stale_ceiling)
+            new = max(self.bounds.min_inflight, math.floor(self.inflight * factor))
+            return self._change(step, "inflight", new, "staleness", "samples go stale before they are trained on",
+                                r, -1)
+        self._recommend("staleness at the lowest in-flight bound: more replicas, or a larger max_staleness "
+                        "(one more adapter slot per step)")
+        return []
+
+    def _on_rollout(self, step: int, r: Reading) -> list[Decision]:
+        if r.staleness_ratio >= self.config.raise_below_staleness:
+            # the samples already arrive old: more in flight would only make them older (and then wasted)
+            self._recommend("rollout-bound with samples already near max_staleness: more replicas (a restart)")
+            return []
+        if self.inflight >= self.ceiling and step - self._ceiling_set_at >= self.config.reprobe_steps > 0:
+            self.ceiling = self._stale_ceiling  # still rollout-bound long after a failed raise: try again
+        if self.inflight >= self.ceiling:
+            self._recommend("rollout-bound with in flight at its ceiling: more replicas (a restart)")
+            return []
+        factor = 2.0 if r.wait_share >= self.config.starving else self.config.up_factor
+        factor = 1 + (factor - 1) * self._scale(+1)
+        new = min(self.ceiling, max(self.inflight + 1, math.ceil(self.inflight * factor)))
+        self._probe = (self.inflight, r.steps_per_s)
+        return self._change(step, "inflight", new, "rollout", "the trainer waits for rollouts", r, +1)
+
+    def _on_train(self, step: int, r: Reading) -> list[Decision]:
+        self._recommend("train-bound: pack rows (token_budget), gradient checkpointing off if memory allows "
+                        "(both need a restart)")
+        if r.staleness_ratio > 0.5 and self.queue_bound > self.bounds.min_queue:
+            new = max(self.bounds.min_queue, math.floor(self.queue_bound * self.config.down_factor))
+            return self._change(step, "queue", new, "train", "the trainer is the bottleneck and samples age in the "
+                                "queue", r, -1)
+        return []
+
+    def _on_balanced(self, step: int, r: Reading) -> list[Decision]:
+        return []
+
+    def _judge_probe(self, step: int, r: Reading) -> list[Decision]:
+        before, speed_before = self._probe
+        self._probe = None
+        gain = r.steps_per_s / speed_before - 1 if speed_before > 0 else 1.0
+        if gain > -self.config.max_loss and r.waste_share <= self.config.waste_high:
+            return []  # the raise cost nothing: keep it (steps/s of a few steps is too noisy to ask for a gain)
+        self.ceiling = min(self.ceiling, before)  # it did harm: no raise above `before` for `reprobe_steps`
+        self._ceiling_set_at = step
+        why = (f"steps/s {100 * gain:+.1f}% after the raise" if gain <= -self.config.max_loss
+               else f"{100 * r.waste_share:.1f}% wasted after the raise")
+        return self._change(step, "inflight", before, "probe", f"{why}: reverted", r, -1)
+
+    # -- changes --------------------------------------------------------------------------------------------------
+    def _scale(self, direction: int) -> float:
+        if self._last_direction and direction != self._last_direction:
+            self._step_scale = max(self._step_scale / 2, 0.125)
+        return self._step_scale
+
+    def _change(self, step: int, knob: str, new: int, regime: str, reason: str, r: Reading,
+                direction: int) -> list[Decision]:
+        old = self.inflight if knob == "inflight" else self.queue_bound
+        low, high = ((self.bounds.min_inflight, self.bounds.max_inflight) if knob == "inflight"
+                     else (self.bounds.min_queue, self.bounds.max_queue))
+        new = int(min(max(new, low), high))
+        if new == old:
+            return []
+        if knob == "inflight":
+            self.inflight = new
+        else:
+            self.queue_bound = new
+        self._last_direction = direction
+        self._last_change = step
+        self._rows = []
+        self._streak = ("", 0)
+        decision = Decision(step, knob, old, new, regime, reason, r.evidence())
+        self.decisions.append(decision)
+        return [decision]
+
+    def _recommend(self, text: str) -> None:
+        if text not in self.recommendations:
+            self.recommendations.append(text)
+
+    def metrics(self) -> dict:
+        """The `autotune/*` values logged at every step."""
+        return {"autotune/inflight": float(self.inflight), "autotune/queue_bound": float(self.queue_bound)}
+
+
+class AutotuneCallback(TrainerCallback):
+    """Runs `Autotuner` at every log of the trainer, first among the callbacks (so the trackers and the metrics log
+    see its `autotune/*` values), and applies its decisions to the worker's `LiveKnobs`.
+
+    Args:
+        tuner: the controller.
+        knobs: the rollout worker's live knobs.
+        say: where the one line per change goes (default: print, flushed).
+    """
+
+    def __init__(self, tuner: Autotuner, knobs, say=None):
+        self.tuner, self.knobs = tuner, knobs
+        self.say = say or (lambda line: print(line, flush=True))
+        self.pending: list[Decision] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or "train_runtime" in logs:
+            return
+        decisions = self.tuner.observe(state.global_step, dict(logs))
+        for decision in decisions:
+            if decision.knob == "inflight":
+                self.knobs.inflight = decision.new
+            else:
+                self.knobs.queue_bound = decision.new
+            self.say(decision.line())
+        logs.update(self.tuner.metrics())
+        if decisions:
+            logs["autotune/changes_total"] = float(len(decisions))
+            logs.update({f"autotune/{k}": float(v) for k, v in decisions[-1].evidence.items()})
+        self.pending = decisions
+
+    def row_extra(self) -> dict:
+        """What `LoopRecorder` adds to this step's row: the decisions taken at it, with their evidence."""
+        return {"autotune": [d.as_dict() for d in self.pending]} if self.pending else {}

@@ -1,0 +1,141 @@
+"""The two rollout-worker knobs the trainer may turn while the run goes on: requests in flight and the queue bound.
+
+TRL 1.16's rollout worker fixes both when its child process starts: `_generate_loop` makes `max_inflight_tasks`
+slots once, and the rollout queue is a `multiprocessing.Queue(maxsize=queue_maxsize)`, whose bound is a semaphore
+sized at creation. `LiveKnobs` holds the two values in shared memory, made by the trainer and handed to the spawned
+child with its arguments; the child reads them at every admission (`LiveLimiter`) and every put (`BoundedBuffer`).
+TRL's slots and queue are sized for the knobs' upper bounds, so the live values can move anywhere inside them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import multiprocessing as mp
+import queue
+from multiprocessing.context import get_spawning_popen
+
+
+class LiveKnobs:
+    """Requests in flight and the rollout queue's bound, shared between the trainer and its rollout worker's child.
+
+    Args:
+        inflight: requests the worker may have in flight now.
+        queue_bound: scored samples the rollout queue may hold now.
+        max_inflight, max_queue: the upper bounds (what TRL's slots and queue are sized for).
+    """
+
+    def __init__(self, inflight: int, queue_bound: int, max_inflight: int, max_queue: int):
+        if not 1 <= inflight <= max_inflight or not 1 <= queue_bound <= max_queue:
+            raise ValueError(f"live knobs out of their bounds: in flight {inflight} of 1..{max_inflight}, queue "
+                             f"{queue_bound} of 1..{max_queue}")
+        ctx = mp.get_context("spawn")
+        self._inflight = ctx.RawValue("i", inflight)
+        self._queue = ctx.RawValue("i", queue_bound)
+        self.max_inflight, self.max_queue = max_inflight, max_queue
+
+    @property
+    def inflight(self) -> int:
+        return int(self._inflight.value)
+
+    @inflight.setter
+    def inflight(self, value: int) -> None:
+        self._inflight.value = int(min(max(value, 1), self.max_inflight))
+
+    @property
+    def queue_bound(self) -> int:
+        return int(self._queue.value)
+
+    @queue_bound.setter
+    def queue_bound(self, value: int) -> None:
+        self._queue.value = int(min(max(value, 1), self.max_queue))
+
+    def __reduce__(self):
+        if get_spawning_popen() is None:
+            # TRL pickles the worker's arguments once to check they can be pickled: a copy of the values will do
+            return (_detached, (self.inflight, self.queue_bound, self.max_inflight, self.max_queue))
+        return (_attached, (self._inflight, self._queue, self.max_inflight, self.max_queue))
+
+
+def _detached(inflight: int, queue_bound: int, max_inflight: int, max_queue: int) -> LiveKnobs:
+    return LiveKnobs(inflight, queue_bound, max_inflight, max_queue)
+
+
+def _attached(inflight_value, queue_value, max_inflight: int, max_queue: int) -> LiveKnobs:
+    knobs = object.__new__(LiveKnobs)
+    knobs._inflight, knobs._queue = inflight_value, queue_value
+    knobs.max_inflight, knobs.max_queue = max_inflight, max_queue
+    return knobs
+
+
+class LiveLimiter:
+    """First-come, first-served admission of rollout requests under `knobs.inflight`, read at every admission.
+
+    A raised cap admits waiters at the next release or the next `tick` (every `tick_s`); a lowered one lets the
+    requests already sent finish and admits no more until fewer than the cap are left. `gate` (optional) must also
+    be true for an admission: the rollout worker passes "the rollout queue holds fewer than `knobs.queue_bound`", so
+    no request starts while the trainer is behind (TRL's score queue would otherwise keep up to 16 finished groups
+    aging outside both knobs)."""
+
+    def __init__(self, knobs: LiveKnobs, tick_s: float = 0.05, gate=None):
+        self.knobs, self.tick_s, self.gate = knobs, tick_s, gate
+        self.active = 0
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    async def acquire(self) -> None:
+        if not self._waiters and self._open():
+            self.active += 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # admitted just as it was cancelled: give the place back
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        self.active -= 1
+        self.admit()
+
+    def admit(self) -> None:
+        while self._waiters and self._open():
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                self.active += 1
+
+    def _open(self) -> bool:
+        return self.active < self.knobs.inflight and (self.gate is None or self.gate())
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def tick(self) -> None:
+        """Admit waiters when the trainer raised the cap while nothing was released (run as a task)."""
+        while True:
+            await asyncio.sleep(self.tick_s)
+            self.admit()
+
+
+class BoundedBuffer:
+    """The rollout queue as TRL's score loop sees it: `put_nowait` raises `queue.Full` (TRL then waits and counts
+    `rollout/backpressure_s`) while the queue holds `knobs.queue_bound` samples or more; everything else passes
+    through to the `multiprocessing.Queue`."""
+
+    def __init__(self, buffer, knobs: LiveKnobs):
+        self._buffer, self._knobs = buffer, knobs
+
+    def put_nowait(self, item) -> None:
+        if self._buffer.qsize() >= self._knobs.queue_bound:
+            raise queue.Full
+        self._buffer.put_nowait(item)
+
+    def __getattr__(self, name):
+        return getattr(self._buffer, name)

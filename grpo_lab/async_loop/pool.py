@@ -1,0 +1,143 @@
+"""A training run joining a shared replica pool (`grpo-lab serve-pool`) as one of its tenants.
+
+A pool's router (`serving.tenancy`) gives each run a token, a namespace for its adapters and a share of every
+replica's adapter slots. Joining is three things, all here:
+
+- **register** with the pool's admin key (`POST /router/runs`; the key from `--pool-admin-key-file`, else the file
+  named by `$GRPO_LAB_POOL_ADMIN_KEY_FILE`, else `$GRPO_LAB_POOL_ADMIN_KEY`), which answers the run's token once;
+- **carry the token** in this process's environment (`$GRPO_LAB_RUN_TOKEN`), never in a config, a command line, a
+  checkpoint or a log: the trainer's control client and the rollout worker (a spawned child, which inherits the
+  environment) read it from there and send it as `Authorization: Bearer`, as do the recorder and the run record;
+- **keep the lease**: a thread renews it every `lease_s / 4` (`GET /router/runs/<name>`), so a run whose trainer
+  only trains for a while (a long step, a checkpoint) is not reclaimed; a killed process stops renewing and the
+  router reclaims its adapters after `lease_s`. A run that ends normally leaves (`DELETE`), freeing its slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import urllib.parse
+
+log = logging.getLogger(__name__)
+
+RUN_TOKEN_ENV = "GRPO_LAB_RUN_TOKEN"
+ADMIN_KEY_ENV = "GRPO_LAB_POOL_ADMIN_KEY"
+ADMIN_KEY_FILE_ENV = "GRPO_LAB_POOL_ADMIN_KEY_FILE"
+
+
+def admin_key_file(flag_value: str | None = None) -> str | None:
+    """The file the pool's admin key is read from: the flag's, else `$GRPO_LAB_POOL_ADMIN_KEY_FILE`'s."""
+    return flag_value or os.environ.get(ADMIN_KEY_FILE_ENV) or None
+
+
+def has_admin_key(flag_value: str | None = None) -> bool:
+    """Whether this process was given a pool's admin key (a file, or `$GRPO_LAB_POOL_ADMIN_KEY`)."""
+    return bool(admin_key_file(flag_value) or os.environ.get(ADMIN_KEY_ENV, "").strip())
+
+
+def read_admin_key(flag_value: str | None = None) -> str:
+    """The pool's admin key; ValueError saying where it was looked for when there is none (or the file is empty)."""
+    path = admin_key_file(flag_value)
+    if path:
+        try:
+            with open(path) as f:
+                key = f.readline().strip()
+        except OSError as error:
+            raise ValueError(f"cannot read the pool's admin key file {path}: {error.strerror}") from None
+        if not key:
+            raise ValueError(f"the pool's admin key file {path} is empty")
+        return key
+    key = os.environ.get(ADMIN_KEY_ENV, "").strip()
+    if not key:
+        raise ValueError(f"no pool admin key: give --pool-admin-key-file, or set {ADMIN_KEY_FILE_ENV} (a file) or "
+                         f"{ADMIN_KEY_ENV}")
+    return key
+
+
+def bearer(key: str | None) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def run_headers() -> dict:
+    """The headers a joined run's calls carry (its token), or {} when this process has not joined a pool."""
+    return bearer(os.environ.get(RUN_TOKEN_ENV, "").strip() or None)
+
+
+class PoolSeat:
+    """This process's place in a shared pool: `join()`, then `leave()` (or let the lease lapse if it dies).
+
+    Args:
+        url: the pool's router.
+        name: the run's name on the pool (`--run-name`): its adapters are `<name>--trl-policy-vN` upstream.
+        max_staleness: the trainer's; the run gets `max_staleness + 3` adapter slots per replica.
+        weight: its fair-share weight against the other runs (1: an equal share).
+        admin_key_file: where the pool's admin key is (None: `$GRPO_LAB_POOL_ADMIN_KEY_FILE`, then
+            `$GRPO_LAB_POOL_ADMIN_KEY`).
+        rejoin: re-register a run the pool still has (a resumed run: the old process's token stops working and
+            its adapters stay for the resumed trainer to reconcile); without it such a name is refused.
+    """
+
+    def __init__(self, url: str, name: str, max_staleness: int, weight: float = 1.0,
+                 admin_key_file: str | None = None, rejoin: bool = False):
+        self.url, self.name, self.max_staleness, self.weight = url.rstrip("/"), name, max_staleness, weight
+        self.admin_key_file, self.rejoin = admin_key_file, rejoin
+        self.lease_s: float | None = None
+        self.slots: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"PoolSeat({self.url!r}, {self.name!r})"
+
+    @property
+    def run_url(self) -> str:
+        return f"{self.url}/router/runs/{urllib.parse.quote(self.name)}"
+
+    def join(self) -> "PoolSeat":
+        from ..serving.admin_client import RouterAdminClient
+
+        key_file = admin_key_file(self.admin_key_file)
+        client = RouterAdminClient(self.url, key_env=None if key_file else ADMIN_KEY_ENV, key_file=key_file)
+        answer = client.register_run(self.name, self.max_staleness, self.weight, replace=self.rejoin)
+        os.environ[RUN_TOKEN_ENV] = answer.pop("token")
+        self.lease_s, self.slots = float(answer["lease_s"]), int(answer["slots"])
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._keep_lease, name="grpo-lab-pool-lease", daemon=True)
+        self._thread.start()
+        log.info("joined the pool at %s as run %s (%d adapter slots per replica, lease %gs)", self.url, self.name,
+                 self.slots, self.lease_s)
+        return self
+
+    def _keep_lease(self) -> None:
+        import requests
+
+        interval = max(self.lease_s / 4, 0.05)
+        while not self._stop.wait(interval):
+            try:
+                answer = requests.get(self.run_url, headers=run_headers(), timeout=max(interval, 2.0))
+            except requests.RequestException as error:
+                log.warning("could not renew run %s's lease on %s: %s", self.name, self.url, type(error).__name__)
+                continue
+            if answer.status_code in (401, 404):
+                log.error("the pool at %s no longer has run %s (its lease lapsed, or an admin removed it)",
+                          self.url, self.name)
+                return
+
+    def leave(self) -> None:
+        """Stop renewing the lease and remove the run from the pool (its adapters are unloaded there)."""
+        import requests
+
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        headers = run_headers()
+        if headers:
+            try:
+                requests.delete(self.run_url, headers=headers, timeout=30)
+            except requests.RequestException as error:
+                log.warning("could not leave the pool at %s (%s); the lease will reclaim run %s", self.url,
+                            type(error).__name__, self.name)
+        os.environ.pop(RUN_TOKEN_ENV, None)

@@ -1,0 +1,281 @@
+"""`grpo-lab serve-pool`: one replica pool and a tenancy router, started once, that several training runs share.
+
+    grpo-lab serve-pool --replicas 2 --port 8000                       # prints the URL and where the admin key is
+    grpo-lab async-loop --router-url http://127.0.0.1:8000 --run-name sweep-a --pool-admin-key-file runs/pool/admin.key
+
+or in Python:
+
+    with SharedPool(PoolConfig(replicas=2)) as pool:
+        AsyncLoop(LoopConfig(router_url=pool.url, pool_run_name="sweep-a",
+                             pool_admin_key_file=pool.admin_key_file), args).train()
+
+The replicas get `--max-loras` = `adapter_slots` (the slots shared out: each run takes `max_staleness + 3`), the
+router `RouterConfig.tenancy` (`serving.tenancy`): runs register with the admin key, which this command generates
+into a file only its owner can read and never prints; each run then gets a token of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..serving.adapter_slots import DEFAULT_MAX_STALENESS, max_loras_for
+
+PROG = "grpo-lab serve-pool"
+POOL_FILE = "pool.json"  # in the state folder: the URL, the admin key's file and the pid, for scripts
+
+
+@dataclass
+class PoolConfig:
+    """A shared pool: replicas plus a router with tenancy.
+
+    Args:
+        replicas: replica processes to start.
+        replica_kind: `"cpu"` (grpo_lab's CPU replica) or `"vllm"` (real vLLM; see docs/serving.md).
+        model: what the replicas serve; None = the embedded chat model (what `grpo-lab async-loop` trains).
+        adapter_slots: each replica's `--max-loras`, shared out between runs (`max_staleness + 3` each); the
+            default holds three runs of the default `max_staleness`.
+        max_lora_rank: the replicas' `--max-lora-rank` (the largest LoRA rank a run may train).
+        max_model_len: the replicas' prompt + completion cap.
+        replica_threads: torch threads per CPU replica.
+        host, port: where the router listens (port 0: a free one).
+        state_dir: the pool's folder: `admin.key` (unless `admin_key_file`), `pool.json`, `logs/replica-<i>.log`.
+        admin_key_file: where the admin key is written (mode 0600); None is `<state_dir>/admin.key`.
+        lease_s: a run silent this long (its process killed) is reclaimed: its adapters unloaded, its slots freed.
+        max_in_flight_per_replica: completions running per replica; beyond, they wait at the router, where each
+            run gets its weighted fair share. None: 4 for CPU replicas (one running, a few ready), 64 for vLLM.
+        allow_base_model: whether runs may complete with the base model.
+        ready_timeout_s: how long the replicas may take to listen.
+    """
+
+    replicas: int = 2
+    replica_kind: str = "cpu"
+    model: str | None = None
+    adapter_slots: int = 3 * max_loras_for(DEFAULT_MAX_STALENESS)
+    max_lora_rank: int = 16
+    max_model_len: int = 128
+    replica_threads: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    state_dir: str = "runs/pool"
+    admin_key_file: str | None = None
+    lease_s: float = 120.0
+    max_in_flight_per_replica: int | None = None
+    allow_base_model: bool = True
+    ready_timeout_s: float = 300.0
+    router: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.replica_kind not in ("cpu", "vllm"):
+            raise ValueError(f"replica_kind must be 'cpu' or 'vllm', got {self.replica_kind!r}")
+        if self.adapter_slots < max_loras_for(0):
+            raise ValueError(f"adapter_slots must be >= {max_loras_for(0)} (one run of max_staleness 0), got "
+                             f"{self.adapter_slots}")
+        if self.max_in_flight_per_replica is None:
+            self.max_in_flight_per_replica = 4 if self.replica_kind == "cpu" else 64
+
+
+def write_admin_key(path: str | os.PathLike) -> Path:
+    """A fresh admin key in `path`, readable by its owner only; the key itself is never returned or printed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("grpo-pool-" + secrets.token_urlsafe(32) + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+class SharedPool:
+    """Replicas + a tenancy router in this process: `start()` (or `with`), `url`, `admin_key_file`, `stop()`."""
+
+    def __init__(self, config: PoolConfig | None = None):
+        self.config = config or PoolConfig()
+        self.state_dir = Path(self.config.state_dir)
+        self.admin_key_file = str(self.config.admin_key_file or self.state_dir / "admin.key")
+        self.cluster = None
+        self.router = None
+        self.vllm_replicas: list = []
+
+    @property
+    def handle(self):
+        """The router's `RouterHandle` (register_run, remove_run, runs, ...)."""
+        return self.cluster.router if self.cluster is not None else self.router
+
+    @property
+    def url(self) -> str:
+        return self.handle.url
+
+    def _router_fields(self) -> dict:
+        from ..serving.tenancy import TenancyConfig
+
+        c = self.config
+        tenancy = TenancyConfig(lease_s=c.lease_s, max_in_flight_per_replica=c.max_in_flight_per_replica,
+                                allow_base_model=c.allow_base_model)
+        return {"host": c.host, "port": c.port, "admin_api_key_file": self.admin_key_file, "tenancy": tenancy,
+                **c.router}
+
+    def start(self) -> "SharedPool":
+        c = self.config
+        model = c.model
+        if model is None:
+            from ..tasks.embedded_model import embedded_model_dir
+
+            model = str(embedded_model_dir())
+        write_admin_key(self.admin_key_file)
+        logs = self.state_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        try:
+            if c.replica_kind == "cpu":
+                from ..serving.local_cluster import LocalCluster
+
+                self.cluster = LocalCluster(
+                    replicas=c.replicas, model=model, max_lora_rank=c.max_lora_rank, adapter_slots=c.adapter_slots,
+                    replica_args=["--max-model-len", str(c.max_model_len), "--torch-threads", str(c.replica_threads)],
+                    router=self._router_fields(), log_dir=str(logs))
+                self.cluster.start(timeout=c.ready_timeout_s)
+            else:
+                self._start_vllm(model, logs)
+        except BaseException:
+            self.stop()
+            raise
+        (self.state_dir / POOL_FILE).write_text(json.dumps(
+            {"url": self.url, "admin_key_file": os.path.abspath(self.admin_key_file), "pid": os.getpid(),
+             "replicas": c.replicas, "replica_kind": c.replica_kind, "adapter_slots": c.adapter_slots,
+             "lease_s": c.lease_s, "max_in_flight_per_replica": c.max_in_flight_per_replica}, indent=1) + "\n")
+        return self
+
+    def _start_vllm(self, model: str, logs: Path) -> None:
+        import torch
+
+        from ..serving.replica_processes import start_vllm_replicas
+        from ..serving.router_config import RouterConfig
+        from ..serving.router_thread import start_router
+        from ..serving.vllm_spec import round_lora_rank
+
+        c = self.config
+        self.vllm_replicas = start_vllm_replicas(
+            c.replicas, model, device="cuda" if torch.cuda.is_available() else "cpu", ready_timeout=c.ready_timeout_s,
+            lora_rank=round_lora_rank(c.max_lora_rank), max_staleness=c.adapter_slots - max_loras_for(0),
+            max_model_len=c.max_model_len, log_dir=str(logs))  # --max-loras = max_staleness + 3 = adapter_slots
+        self.router = start_router(RouterConfig(replicas=[r.url for r in self.vllm_replicas],
+                                                **self._router_fields()))
+        self.router.wait_ready(timeout=c.ready_timeout_s)
+
+    def runs(self) -> list[dict]:
+        """The runs sharing the pool now (never their tokens)."""
+        return self.handle.runs()
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+        for replica in self.vllm_replicas:
+            replica.stop()
+        self.vllm_replicas = []
+
+    def __enter__(self) -> "SharedPool":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .command import OneLineParser, _DefaultsFormatter, _number
+
+    d = PoolConfig()
+    p = OneLineParser(prog=PROG, formatter_class=_DefaultsFormatter, description=(
+        "Start replicas and a router that several `grpo-lab async-loop --router-url URL --run-name NAME` runs share: "
+        "each run gets its own adapter namespace, token, share of adapter slots and weighted fair share of the "
+        "replicas. Runs until Ctrl-C or SIGTERM."))
+    p.add_argument("--replicas", type=_number(int, 1), default=d.replicas)
+    p.add_argument("--replica-kind", choices=("cpu", "vllm"), default=d.replica_kind)
+    p.add_argument("--model", default=None, help="what the replicas serve (default: the embedded chat model)")
+    p.add_argument("--adapter-slots", type=_number(int, max_loras_for(0)), default=d.adapter_slots,
+                   help="each replica's --max-loras, shared out between runs (max_staleness + 3 each)")
+    p.add_argument("--max-lora-rank", type=_number(int, 1), default=d.max_lora_rank)
+    p.add_argument("--max-model-len", type=_number(int, 8), default=d.max_model_len)
+    p.add_argument("--replica-threads", type=_number(int, 1), default=d.replica_threads)
+    p.add_argument("--host", default=d.host, help="where the router listens")
+    p.add_argument("--port", type=_number(int, 0), default=8000, help="the router's port (0: a free one)")
+    p.add_argument("--state-dir", default=d.state_dir, help="the pool's folder: admin.key, pool.json, replica logs")
+    p.add_argument("--admin-key-file", default=None, help="where to write the admin key (default "
+                   "<state-dir>/admin.key, mode 0600)")
+    p.add_argument("--run-lease", type=_number(float, 0.0, low_open=True), default=d.lease_s,
+                   help="seconds without a request after which a run's adapters are reclaimed")
+    p.add_argument("--max-in-flight-per-replica", type=_number(int, 1), default=None,
+                   help="completions running per replica; beyond, they queue fairly per run (default: 4 for cpu, "
+                        "64 for vllm)")
+    p.add_argument("--no-base-model", action="store_true", help="runs may complete with their own adapters only")
+    return p
+
+
+def main(argv=None) -> int:
+    from .checks import UsageError, check_model, check_port, check_writable_folder
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        a = build_parser().parse_args(argv)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    try:
+        if a.port > 65535:
+            raise UsageError("--port", f"must be <= 65535, got {a.port}")
+        check_port("--port", a.port, a.host if a.host != "0.0.0.0" else "127.0.0.1")
+        check_writable_folder("--state-dir", a.state_dir)
+        if a.admin_key_file:
+            check_writable_folder("--admin-key-file", os.path.dirname(os.path.abspath(a.admin_key_file)))
+        if a.model is not None:
+            check_model("--model", a.model)
+        config = PoolConfig(replicas=a.replicas, replica_kind=a.replica_kind, model=a.model,
+                            adapter_slots=a.adapter_slots, max_lora_rank=a.max_lora_rank,
+                            max_model_len=a.max_model_len, replica_threads=a.replica_threads, host=a.host,
+                            port=a.port, state_dir=a.state_dir, admin_key_file=a.admin_key_file,
+                            lease_s=a.run_lease, max_in_flight_per_replica=a.max_in_flight_per_replica,
+                            allow_base_model=not a.no_base_model)
+    except (UsageError, ValueError) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    pool = SharedPool(config)
+    try:
+        pool.start()
+    except Exception as error:  # noqa: BLE001 - one line for the user
+        if os.environ.get("GRPO_LAB_DEBUG"):
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"{PROG}: error: {type(error).__name__}: {first} (replica logs: "
+              f"{os.path.abspath(os.path.join(a.state_dir, 'logs'))})", file=sys.stderr)
+        return 1
+    key = os.path.abspath(pool.admin_key_file)
+    print(f"shared pool ready: {pool.url} ({config.replicas} {config.replica_kind} replicas, {config.adapter_slots} "
+          f"adapter slots each, run lease {config.lease_s:g}s)\n"
+          f"admin key in {key} (mode 0600; runs register with it, it is never printed)\n"
+          f"join it: grpo-lab async-loop --router-url {pool.url} --run-name NAME --pool-admin-key-file {key}",
+          flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        pool.stop()
+        print("shared pool stopped: replicas and router", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

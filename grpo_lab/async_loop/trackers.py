@@ -1,0 +1,136 @@
+"""The run in the user's own tracker, and back: trackio, TensorBoard and Weights & Biases through transformers.
+
+Logging goes through the trainer's `report_to` (TRL's config, transformers' integrations): TRL already logs the
+loop's timings under its own names (`perf/rollout_wait_s`, `rollout/backpressure_s`, `sample/staleness_mean`, ...),
+and the autotune controller adds `autotune/*`. `RouterFigures` adds the router's routing and cache figures next to
+them (`router/*`): per step, the routing decisions (`router/affinity_total`: a prefix already cached on the replica
+chosen, `router/unmatched_total`, ...), the share that found their prefix cached (`router/affinity_share`), requests
+in flight at the replicas and their imbalance, and the router's own overhead.
+
+`read_run(path)` reads a run back as `loop_metrics.jsonl`-style rows for the doctor, from the loop's own metrics log,
+a trackio directory (its local SQLite store: `<TRACKIO_DIR>/<project>.db`, works offline) or a TensorBoard log
+directory (`events.out.tfevents.*`, found recursively). The integrations prefix every key with `train/`; the rows
+here carry TRL's names again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from .recorder import METRICS_FILE, read_metrics, router_snapshot
+
+TRACKERS = ("trackio", "tensorboard", "wandb")
+SUMMARY = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
+
+
+class RouterFigures(TrainerCallback):
+    """Adds the router's `router/*` figures to every log (put it first among the callbacks, so that the trackers'
+    callbacks see them)."""
+
+    def __init__(self, router_url: str | None):
+        self.router_url = router_url
+        self._before: dict = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or "train_runtime" in logs:
+            return
+        logs.update(self.figures(router_snapshot(self.router_url)))
+
+    def figures(self, snapshot: dict | None) -> dict:
+        if not snapshot:
+            return {}
+        routing = snapshot.get("routing") or {}
+        delta = {k: v - self._before.get(k, 0) for k, v in routing.items()}
+        self._before = dict(routing)
+        values = {f"router/{k}_total": float(v) for k, v in delta.items()}
+        if sum(delta.values()) > 0:
+            values["router/affinity_share"] = delta.get("affinity", 0) / sum(delta.values())
+        loads = list((snapshot.get("in_flight") or {}).values())
+        if loads:
+            values["router/in_flight"] = float(sum(loads))
+            if sum(loads) > 0:
+                values["router/load_imbalance"] = max(loads) / (sum(loads) / len(loads))
+        return values
+
+
+def _untracked(key: str) -> str:
+    return key[len("train/"):] if key.startswith("train/") else key
+
+
+# -- reading a run back -------------------------------------------------------------------------------------------
+def _trackio_db(path: Path, project: str | None) -> Path | None:
+    if path.is_file() and path.suffix == ".db":
+        return path
+    if not path.is_dir():
+        return None
+    dbs = sorted(path.glob("*.db"))
+    if project is not None:
+        dbs = [d for d in dbs if d.stem == project]
+    return dbs[0] if len(dbs) == 1 else None
+
+
+def read_trackio(db: Path, run: str | None = None) -> tuple[list[dict], str]:
+    """Rows of one run in a trackio project's SQLite file (the newest run unless `run` names one)."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        names = [r[0] for r in conn.execute("SELECT run_name FROM metrics GROUP BY run_name ORDER BY MAX(id)")]
+        if not names:
+            raise ValueError(f"{db} holds no logged run")
+        if run is None:
+            run = names[-1]
+        elif run not in names:
+            raise ValueError(f"{db} has no run {run!r} (runs: {', '.join(names)})")
+        found = conn.execute("SELECT step, metrics FROM metrics WHERE run_name = ? ORDER BY id", (run,)).fetchall()
+    rows = []
+    for step, blob in found:
+        metrics = json.loads(blob)
+        row = {_untracked(k): v for k, v in metrics.items() if isinstance(v, (int, float))}
+        row["step"] = int(row.pop("global_step", step))
+        rows.append(row)
+    return rows, f"trackio project {db.stem}, run {run}"
+
+
+def _event_files(path: Path) -> list[Path]:
+    if path.is_file() and "tfevents" in path.name:
+        return [path]
+    return sorted(path.rglob("events.out.tfevents.*")) if path.is_dir() else []
+
+
+def read_tensorboard(files: list[Path]) -> tuple[list[dict], str]:
+    """Rows from TensorBoard event files (the scalars, one row per step; the newest run's folder when there are
+    several)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folder = max({f.parent for f in files}, key=lambda d: max(f.stat().st_mtime for f in d.glob("*tfevents*")))
+    accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    by_step: dict[int, dict] = {}
+    for tag in accumulator.Tags().get("scalars", []):
+        if _untracked(tag) in SUMMARY:  # the end-of-training summary shares the last step's number
+            continue
+        for event in accumulator.Scalars(tag):
+            by_step.setdefault(int(event.step), {})[_untracked(tag)] = float(event.value)
+    rows = [{"step": step, **values} for step, values in sorted(by_step.items())]
+    return rows, f"TensorBoard run {folder}"
+
+
+def read_run(path: str | os.PathLike, project: str | None = None, run: str | None = None) -> tuple[list[dict], str]:
+    """A run's logged rows and where they came from: `loop_metrics.jsonl` (or a folder holding it), a trackio
+    directory or `.db` file, or a TensorBoard log directory. Raises FileNotFoundError when `path` is none of them."""
+    path = Path(path)
+    metrics = path / METRICS_FILE if path.is_dir() else path
+    if metrics.is_file() and metrics.suffix == ".jsonl":
+        return read_metrics(metrics), f"metrics log {metrics}"
+    db = _trackio_db(path, project)
+    if db is not None:
+        return read_trackio(db, run)
+    files = _event_files(path)
+    if files:
+        return read_tensorboard(files)
+    if path.is_dir() and len(list(path.glob("*.db"))) > 1 and project is None:
+        raise FileNotFoundError(f"{path} holds several trackio projects: name one with --project")
+    raise FileNotFoundError(f"{path} is not a run: no {METRICS_FILE}, trackio .db or TensorBoard event file")

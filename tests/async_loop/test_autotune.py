@@ -1,0 +1,253 @@
+"""The autotune controller on recorded signal traces (rows under TRL's metric names), and its live knobs.
+
+Each trace is a list of logged rows as `loop_metrics.jsonl` holds them; the controller is replayed over it the way
+`AutotuneCallback` runs it in the trainer, with a model of how the loop answers a change where the test needs one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import pytest
+
+from grpo_lab.async_loop.autotune import AutotuneCallback, Autotuner, AutotuneConfig, classify, read_steps
+from grpo_lab.async_loop.live_knobs import BoundedBuffer, LiveKnobs, LiveLimiter
+
+G, SPS, S = 8, 16, 4  # rollouts per prompt, samples per step, max_staleness: the embedded loop's shape
+
+
+def row(step_s=1.0, wait=0.0, staleness=1.0, dropped=0.0, backpressure=0.0, samples=SPS, abandoned=0.0):
+    r = {"perf/step_s": step_s, "perf/rollout_wait_s": wait, "sample/staleness_mean": staleness,
+         "batch/samples_per_step": samples, "perf/fwd_bwd_s": step_s / 2}
+    if dropped:
+        r["sample/dropped_stale_total"] = dropped
+    if abandoned:
+        r["rollout/abandoned_groups_total"] = abandoned
+    if backpressure:
+        r["rollout/backpressure_s"] = backpressure
+    return r
+
+
+def replay(tuner: Autotuner, rows) -> list:
+    decisions = []
+    for step, r in enumerate(rows, 1):
+        decisions += tuner.observe(step, r)
+    return decisions
+
+
+def tuner(inflight=64, queue=1024, **config) -> Autotuner:
+    return Autotuner(AutotuneConfig(**config), inflight, queue, G, SPS, S)
+
+
+def test_staleness_bound_trace_lowers_in_flight_and_never_raises_back_to_a_wasteful_value():
+    t = tuner(64)
+    decisions = replay(t, [row(staleness=3.8, dropped=6)] * 6)
+    assert decisions and all(d.knob == "inflight" and d.new < d.old for d in decisions)
+    assert decisions[0].regime == "staleness" and decisions[0].evidence["waste_share"] > 0.2
+    assert t.ceiling < 64
+    # now the trainer starves: raises stop below the value that wasted samples
+    replay(t, [row(wait=0.9, staleness=0.5)] * 20)
+    assert t.inflight < 64 and t.inflight <= t.ceiling
+
+
+def test_staleness_with_a_full_queue_lowers_the_queue_bound_first():
+    t = tuner(16, 1024)
+    decisions = replay(t, [row(staleness=3.5, backpressure=0.5)] * 4)
+    assert decisions and decisions[0].knob == "queue" and decisions[0].new < 1024
+    assert t.inflight == 16
+
+
+def test_rollout_bound_trace_raises_in_flight_and_keeps_a_raise_that_pays():
+    t = tuner(1)
+    speed = {1: 4.0, 2: 2.2, 4: 1.3, 8: 1.0, 16: 1.0, 32: 1.0}  # step time by in flight: flat from 8
+    rows, step = [], 0
+    for _ in range(40):
+        step += 1
+        s = speed.get(t.inflight, 1.0)
+        r = row(step_s=s, wait=max(s - 1.0, 0.0), staleness=0.5)
+        rows.append(r)
+        t.observe(step, r)
+    raised = [d for d in t.decisions if d.regime == "rollout"]
+    assert raised and raised[0].old == 1 and raised[0].new == 2  # starving: doubled, no patience needed
+    assert 5 <= t.inflight <= 16  # climbed to where steps/s stops improving ...
+    reverted = [d for d in t.decisions if d.regime == "probe"]
+    assert all(d.new < d.old for d in reverted)  # ... and a raise that gained nothing was taken back
+
+
+def test_train_bound_trace_changes_no_in_flight_and_recommends_restart_knobs():
+    t = tuner(16, 64)
+    decisions = replay(t, [row(staleness=2.5, backpressure=0.4)] * 8)
+    assert all(d.knob == "queue" for d in decisions) and t.inflight == 16
+    assert any("token_budget" in r for r in t.recommendations)
+    assert t.queue_bound >= t.bounds.min_queue == SPS
+
+
+def test_balanced_trace_changes_nothing():
+    t = tuner(16, 64)
+    assert replay(t, [row(wait=0.05, staleness=1.0)] * 30) == []
+
+
+def test_oscillation_prone_trace_settles():
+    """A loop that starves at low in flight and wastes at high in flight, with noise: the controller converges."""
+    t = tuner(64)
+    for step in range(1, 81):
+        n = t.inflight
+        jitter = 0.1 if step % 2 else -0.1
+        if n >= 24:
+            r = row(step_s=1.0 + jitter, staleness=3.6, dropped=4)
+        elif n <= 6:
+            r = row(step_s=2.0 + jitter, wait=1.0, staleness=0.4)
+        else:
+            r = row(step_s=1.0 + jitter, wait=0.05, staleness=1.5)
+        t.observe(step, r)
+    late = [d for d in t.decisions if d.step > 40]
+    assert len(late) <= 1, [d.line() for d in t.decisions]
+    assert 6 < t.inflight < 24
+    directions = [d.new > d.old for d in t.decisions if d.knob == "inflight"]
+    flips = sum(a != b for a, b in zip(directions, directions[1:]))
+    assert flips <= 3
+
+
+def test_bounds_hold_and_hysteresis_waits():
+    t = tuner(16, 64, min_inflight=8, max_inflight=32, patience=3, cooldown_steps=2, warmup_steps=2)
+    assert (t.bounds.min_inflight, t.bounds.max_inflight) == (8, 32)
+    # mild rollout wait (not starving): no change before warmup + patience readings
+    decisions = []
+    for step in range(1, 5):
+        decisions += t.observe(step, row(wait=0.3))
+    assert decisions == []
+    decisions += t.observe(5, row(wait=0.3))
+    assert len(decisions) == 1 and decisions[0].new <= 32
+    # a cooldown follows every change
+    assert t.observe(6, row(wait=0.9)) == [] and t.observe(7, row(wait=0.9)) == []
+    for step in range(8, 60):
+        t.observe(step, row(wait=0.9, step_s=1.0 / (1 + step)))  # keeps paying: climbs to the bound, not past it
+    assert t.inflight == 32
+    for step in range(60, 120):
+        t.observe(step, row(staleness=4.0, dropped=12))
+    assert t.inflight == 8  # the floor: never starved below it
+    assert any("more replicas" in r for r in t.recommendations)
+
+
+def test_a_bad_start_outside_the_default_bounds_is_kept_as_a_bound():
+    assert tuner(512).bounds.max_inflight == 512
+    assert tuner(1).bounds.min_inflight == 1
+
+
+def test_readings_and_regimes():
+    r = read_steps([row(step_s=2.0, wait=1.0, dropped=4, staleness=2.0), row(step_s=2.0, abandoned=1)], S, G)
+    assert r.wait_share == pytest.approx(0.25) and r.waste_share == pytest.approx(12 / 44)
+    assert classify(r, AutotuneConfig()) == "staleness"
+    assert read_steps([{"loss": 1.0}], S, G) is None
+    with pytest.raises(ValueError):
+        AutotuneConfig(up_factor=1.0)
+
+
+def test_callback_turns_the_live_knobs_and_logs_the_decision(tmp_path):
+    knobs = LiveKnobs(64, 1024, 256, 1024)
+    t = Autotuner(AutotuneConfig(), 64, 1024, G, SPS, S)
+    lines = []
+    cb = AutotuneCallback(t, knobs, say=lines.append)
+
+    class State:
+        is_world_process_zero = True
+        global_step = 0
+
+    state = State()
+    logged = []
+    for step in range(1, 5):
+        state.global_step = step
+        logs = row(staleness=3.9, dropped=8)
+        cb.on_log(None, state, None, logs=logs)
+        logged.append(logs)
+    assert knobs.inflight < 64 and lines and lines[0].startswith("autotune: step 3: in flight 64 -> ")
+    assert "staleness-bound" in lines[0] and "wasted 33.3%" in lines[0]
+    assert all("autotune/inflight" in r for r in logged) and logged[2]["autotune/changes_total"] == 1.0
+    assert cb.row_extra() == {} or cb.row_extra()["autotune"][0]["knob"] == "inflight"
+
+
+def test_live_knobs_cross_a_pickle_check_and_clamp_to_bounds():
+    knobs = LiveKnobs(4, 16, 64, 1024)
+    copy = pickle.loads(pickle.dumps(knobs))  # TRL's picklability check: a detached copy
+    knobs.inflight = 1000
+    assert knobs.inflight == 64 and copy.inflight == 4
+    knobs.queue_bound = 0
+    assert knobs.queue_bound == 1
+    with pytest.raises(ValueError):
+        LiveKnobs(65, 16, 64, 1024)
+
+
+def test_live_limiter_admits_under_a_cap_changed_while_it_runs():
+    knobs = LiveKnobs(2, 16, 64, 1024)
+    limiter = LiveLimiter(knobs, tick_s=0.01)
+    peak = {"now": 0, "max": 0}
+
+    async def request():
+        await limiter.acquire()
+        try:
+            peak["now"] += 1
+            peak["max"] = max(peak["max"], peak["now"])
+            await asyncio.sleep(0.02)
+        finally:
+            peak["now"] -= 1
+            limiter.release()
+
+    async def main():
+        ticker = asyncio.ensure_future(limiter.tick())
+        await asyncio.gather(*(request() for _ in range(10)))
+        assert peak["max"] == 2
+        peak["max"] = 0
+        tasks = [asyncio.ensure_future(request()) for _ in range(12)]
+        await asyncio.sleep(0.005)
+        knobs.inflight = 6  # raised while requests wait: admitted at the next tick or release
+        await asyncio.gather(*tasks)
+        assert peak["max"] == 6
+        waiting = [asyncio.ensure_future(request()) for _ in range(8)]
+        await asyncio.sleep(0.001)
+        for task in waiting:
+            task.cancel()  # cancelled waiters leave no place taken
+        await asyncio.gather(*waiting, return_exceptions=True)
+        ticker.cancel()
+        assert limiter.active == 0 and limiter.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_bounded_buffer_refuses_above_the_live_bound():
+    import queue as queue_module
+
+    class Q(list):
+        def qsize(self):
+            return len(self)
+
+        def put_nowait(self, item):
+            self.append(item)
+
+    knobs = LiveKnobs(4, 2, 64, 1024)
+    buffer = BoundedBuffer(Q(), knobs)
+    buffer.put_nowait(1)
+    buffer.put_nowait(2)
+    with pytest.raises(queue_module.Full):
+        buffer.put_nowait(3)
+    knobs.queue_bound = 3
+    buffer.put_nowait(3)
+    assert buffer.qsize() == 3
+
+
+def test_live_limiter_admits_nothing_while_its_gate_is_shut():
+    knobs = LiveKnobs(4, 16, 64, 1024)
+    full = {"now": True}
+    limiter = LiveLimiter(knobs, tick_s=0.01, gate=lambda: not full["now"])
+
+    async def main():
+        ticker = asyncio.ensure_future(limiter.tick())
+        task = asyncio.ensure_future(limiter.acquire())
+        await asyncio.sleep(0.05)
+        assert not task.done() and limiter.active == 0  # the queue is full: no request starts
+        full["now"] = False
+        await asyncio.wait_for(task, 1.0)
+        assert limiter.active == 1
+        ticker.cancel()
+
+    asyncio.run(main())
