@@ -371,15 +371,11 @@ class AsyncLoop:
         if self.seat is not None:  # leave the shared pool: its adapters are unloaded there, its slots freed
             self.seat.leave()
             self.seat = None
-        if self.cluster is not None:
-            self.cluster.stop()
-            self.cluster = None
-        if self.router is not None:
-            self.router.stop()
-            self.router = None
-        for replica in self.vllm_replicas:
-            replica.stop()
-        self.vllm_replicas = []
+        from ..serving.local_cluster import stop_servers
+
+        servers, (self.cluster, self.router, self.vllm_replicas) = (self.cluster, self.router,
+                                                                    self.vllm_replicas), (None, None, [])
+        stop_servers(*servers)
 
     def __enter__(self) -> "AsyncLoop":
         return self.start()

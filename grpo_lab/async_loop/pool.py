@@ -39,17 +39,9 @@ def has_admin_key(flag_value: str | None = None) -> bool:
 
 def read_admin_key(flag_value: str | None = None) -> str:
     """The pool's admin key; ValueError saying where it was looked for when there is none (or the file is empty)."""
-    path = admin_key_file(flag_value)
-    if path:
-        try:
-            with open(path) as f:
-                key = f.readline().strip()
-        except OSError as error:
-            raise ValueError(f"cannot read the pool's admin key file {path}: {error.strerror}") from None
-        if not key:
-            raise ValueError(f"the pool's admin key file {path} is empty")
-        return key
-    key = os.environ.get(ADMIN_KEY_ENV, "").strip()
+    from ..serving.router_config import read_secret
+
+    key = read_secret(admin_key_file(flag_value), ADMIN_KEY_ENV, "the pool's admin key file")
     if not key:
         raise ValueError(f"no pool admin key: give --pool-admin-key-file, or set {ADMIN_KEY_FILE_ENV} (a file) or "
                          f"{ADMIN_KEY_ENV}")

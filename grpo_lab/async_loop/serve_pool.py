@@ -176,15 +176,11 @@ class SharedPool:
         return self.handle.runs()
 
     def stop(self) -> None:
-        if self.cluster is not None:
-            self.cluster.stop()
-            self.cluster = None
-        if self.router is not None:
-            self.router.stop()
-            self.router = None
-        for replica in self.vllm_replicas:
-            replica.stop()
-        self.vllm_replicas = []
+        from ..serving.local_cluster import stop_servers
+
+        servers, (self.cluster, self.router, self.vllm_replicas) = (self.cluster, self.router,
+                                                                    self.vllm_replicas), (None, None, [])
+        stop_servers(*servers)
 
     def __enter__(self) -> "SharedPool":
         return self.start()

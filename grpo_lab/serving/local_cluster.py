@@ -66,3 +66,14 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_servers(cluster: LocalCluster | None, router: RouterHandle | None, vllm_replicas) -> None:
+    """Stop what an async loop or a shared pool started, whichever of them it holds: the local cluster (its router
+    and CPU replicas), a router started in front of vLLM replicas, then those replicas."""
+    if cluster is not None:
+        cluster.stop()
+    if router is not None:
+        router.stop()
+    for replica in vllm_replicas:
+        replica.stop()

@@ -132,13 +132,13 @@ class RouterConfig:
 
     def read_api_key(self) -> str | None:
         """The upstream bearer token, or None. Kept out of the dataclass so it never shows in a repr or a log."""
-        return _read_secret(self.api_key_file, self.api_key_env, "api_key_file")
+        return read_secret(self.api_key_file, self.api_key_env, "api_key_file")
 
     def read_client_api_key(self) -> str | None:
         """The key clients must present, or None; an authentication that was asked for but is empty is an error."""
         if not self.client_api_key_env and not self.client_api_key_file:
             return None
-        key = _read_secret(self.client_api_key_file, self.client_api_key_env, "client_api_key_file")
+        key = read_secret(self.client_api_key_file, self.client_api_key_env, "client_api_key_file")
         if key is None:
             raise ValueError(f"client authentication is on but the variable {self.client_api_key_env} is unset or "
                              "empty")
@@ -149,7 +149,7 @@ class RouterConfig:
         """The key that may change the membership, or None; asked for but empty is an error, as for the client key."""
         if not self.admin_api_key_env and not self.admin_api_key_file:
             return None
-        key = _read_secret(self.admin_api_key_file, self.admin_api_key_env, "admin_api_key_file")
+        key = read_secret(self.admin_api_key_file, self.admin_api_key_env, "admin_api_key_file")
         if key is None:
             raise ValueError(f"an admin key is asked for but the variable {self.admin_api_key_env} is unset or empty")
         return key
@@ -173,7 +173,9 @@ def replica_url(url) -> str:
     return url.rstrip("/")
 
 
-def _read_secret(path: str | None, env: str | None, what: str) -> str | None:
+def read_secret(path: str | None, env: str | None, what: str) -> str | None:
+    """A secret from the first line of `path` if given, else from the environment variable `env`; ValueError naming
+    `what` when the file cannot be read or is empty (never the secret itself)."""
     if path:
         try:
             with open(path) as f:
