@@ -255,10 +255,11 @@ def committed_results(folder: str = "async"):
             if p.name.endswith(".csv")}
 
 
-def committed_autotune_png(folder: str = "async") -> bytes | None:
-    """The committed autotune benchmark's figure (results/async/autotune.png), or None when it is not there."""
+def committed_figure(name: str, folder: str = "async") -> bytes | None:
+    """A committed benchmark figure (e.g. results/async/autotune.png, shared_pool.png), or None when it is not
+    there."""
     root = _committed_folder(folder)
-    figure = root.joinpath("autotune.png") if root is not None else None
+    figure = root.joinpath(name) if root is not None else None
     return figure.read_bytes() if figure is not None and figure.is_file() else None
 
 
