@@ -41,7 +41,6 @@ from trl.experimental.async_grpo import async_rollout_worker as trl_worker
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, _AsyncRolloutLoop
 
 from .live_knobs import BoundedBuffer, LiveKnobs, LiveLimiter
-
 from .pool import run_headers
 
 _PINNED_VERSION: contextvars.ContextVar = contextvars.ContextVar("grpo_lab_pinned_version", default=None)
@@ -92,6 +91,7 @@ class LabRolloutLoop(_AsyncRolloutLoop):
         if parent_pid is not None:
             _die_with_parent(parent_pid)
         super().__init__(**kwargs)
+        self._headers = run_headers()  # this child's environment is fixed at spawn: read the run's token once
         self._limiter = None
         if live_knobs is not None:
             self.rollout_buffer = BoundedBuffer(self.rollout_buffer, live_knobs)
@@ -189,7 +189,7 @@ class LabRolloutLoop(_AsyncRolloutLoop):
     async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
         client_timeout = aiohttp.ClientTimeout(total=timeout)
         async with self.session.post(f"{self.vllm_server_url}{path}", json=payload, timeout=client_timeout,
-                                     headers=run_headers()) as resp:
+                                     headers=self._headers) as resp:
             if resp.status == 200:
                 content = await resp.json(content_type=None)
                 if not isinstance(content, dict) or not content.get("choices"):
