@@ -197,14 +197,18 @@ def build_parser() -> argparse.ArgumentParser:
         "Start replicas and a router that several `grpo-lab async-loop --router-url URL --run-name NAME` runs share: "
         "each run gets its own adapter namespace, token, share of adapter slots and weighted fair share of the "
         "replicas. Runs until Ctrl-C or SIGTERM."))
-    p.add_argument("--replicas", type=_number(int, 1), default=d.replicas)
-    p.add_argument("--replica-kind", choices=("cpu", "vllm"), default=d.replica_kind)
+    p.add_argument("--replicas", type=_number(int, 1), default=d.replicas, help="replicas the runs share")
+    p.add_argument("--replica-kind", choices=("cpu", "vllm"), default=d.replica_kind,
+                   help="grpo_lab's CPU replica, or real vLLM (its venv: $GRPO_LAB_VLLM_PYTHON)")
     p.add_argument("--model", default=None, help="what the replicas serve (default: the embedded chat model)")
     p.add_argument("--adapter-slots", type=_number(int, max_loras_for(0)), default=d.adapter_slots,
                    help="each replica's --max-loras, shared out between runs (max_staleness + 3 each)")
-    p.add_argument("--max-lora-rank", type=_number(int, 1), default=d.max_lora_rank)
-    p.add_argument("--max-model-len", type=_number(int, 8), default=d.max_model_len)
-    p.add_argument("--replica-threads", type=_number(int, 1), default=d.replica_threads)
+    p.add_argument("--max-lora-rank", type=_number(int, 1), default=d.max_lora_rank,
+                   help="largest LoRA rank a run may load")
+    p.add_argument("--max-model-len", type=_number(int, 8), default=d.max_model_len,
+                   help="prompt + completion tokens a replica accepts")
+    p.add_argument("--replica-threads", type=_number(int, 1), default=d.replica_threads,
+                   help="torch threads per CPU replica")
     p.add_argument("--host", default=d.host, help="where the router listens")
     p.add_argument("--port", type=_number(int, 0), default=8000, help="the router's port (0: a free one)")
     p.add_argument("--state-dir", default=d.state_dir, help="the pool's folder: admin.key, pool.json, replica logs")
