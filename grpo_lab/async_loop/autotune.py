@@ -1,21 +1,35 @@
 """Autotune: the doctor turns the knob itself, between steps, without restarting anything.
 
 `Autotuner` reads each logged step (TRL's own metric names) and moves the rollout worker's two live knobs
-(`live_knobs.LiveKnobs`): the requests in flight and the rollout queue's bound. It decides on the signals the board
-and the doctor read:
+(`live_knobs.LiveKnobs`): the requests in flight and the rollout queue's bound. It rests on one piece of arithmetic
+and decides the rest on the signals the board and the doctor read.
+
+**The pipeline budget.** The trainer takes `samples_per_step` samples a step, so a sample admitted behind N others
+(in flight or queued) is trained about N / `samples_per_step` steps later, in every regime (Little's law: when
+rollouts are slow the steps slow down with them), plus the step or so before the worker sees a newly published
+version. TRL sizes the requests in flight by that rule, `max(max_staleness, 1) × samples_per_step`, and leaves the
+queue beside them unbounded (1024 by default), though queued samples age just the same. The controller counts both
+against the same budget, `max(max_staleness, 1)` steps of samples: a start above it is clamped before the first
+request (a decision at step 0), and the queue bound follows the in-flight count down and up so that
+`in flight + queue bound` stays within it.
 
 | the last steps show | regime | what it does |
 |---|---|---|
 | samples dropped as stale (or abandoned groups), or mean staleness near `max_staleness` | staleness-bound | fewer samples waiting: the queue bound down when generation is held back by a full queue, else fewer in flight |
+| the trainer waits for rollouts most of the step | starving | twice the requests in flight (a slow start: no probe) |
 | the trainer waits for rollouts (`perf/rollout_wait_s` a large share of the step) and samples are fresh | rollout-bound | more in flight, as a probe: reverted if steps/s fell or samples got wasted |
 | generation held back (`rollout/backpressure_s`) and no rollout wait | train-bound | the queue bound down while samples age in it; restart-only knobs recommended |
 | none of these | balanced | nothing |
 
-Hysteresis: a regime must hold for `patience` logged steps in a row (a starving or badly wasting loop acts at once),
-and no change follows another within `cooldown_steps`. Bounds: the knobs stay in `[min, max]`. No oscillation: an
-in-flight count that wasted samples becomes a ceiling no later raise reaches, and so does a raise that did not pay
-(a probe reverted, for `reprobe_steps`); every reversal of direction halves the step. The decisions are plain data (`Decision`) with their
-evidence, so a recorded trace of logged rows can be replayed through the controller (tests/async_loop).
+Every change is followed by a settling time: the samples admitted under the old value are still in the pipeline
+for about `in flight / samples_per_step` steps, so readings start after they are out (a cut judged on the waste of
+the requests it cut would cut again). A regime must hold for `patience` readings in a row (a starving or badly
+wasting loop acts at once). No oscillation: an in-flight count that wasted samples becomes a ceiling no later raise
+reaches, and so does a raise that did not pay (a probe reverted, for `reprobe_steps`); every reversal of direction
+halves the step. A probe is judged on `probe_steps` steps against the reading that called for it, because the steps/s
+of a few steps is noisy (on a shared 2-core machine one step takes 0.3-0.9 s at the same setting). The decisions are
+plain data (`Decision`) with their evidence, so a recorded trace of logged rows can be replayed through the controller
+(tests/async_loop).
 
 Knobs that need a restart (more replicas, packing `token_budget`, gradient checkpointing off) are only recommended
 (`Autotuner.recommendations`). `AutotuneCallback` wires the controller into the trainer: it runs first at each log,
@@ -40,28 +54,33 @@ class AutotuneConfig:
         min_inflight (`int`, *optional*, defaults to `0`):
             Fewest requests in flight. `0`: `num_generations` (one prompt group at a time).
         max_inflight (`int`, *optional*, defaults to `0`):
-            Most requests in flight. `0`: 4 × TRL's default (`max(max_staleness, 1)` steps of samples), and never
-            below the starting value.
+            Most requests in flight. `0`: the pipeline budget less the smallest queue bound (one step under TRL's
+            default): more only makes samples that go stale.
         min_queue (`int`, *optional*, defaults to `0`):
             Smallest bound of the rollout queue. `0`: one step of samples.
         max_queue (`int`, *optional*, defaults to `0`):
             Largest bound of the rollout queue. `0`: the run's `queue_maxsize`.
+        budget_steps (`int`, *optional*, defaults to `0`):
+            Steps of samples that requests in flight and the queue may hold together (see the module docstring).
+            `0`: `max(max_staleness, 1)`, the steps of samples TRL keeps in flight by default.
         warmup_steps (`int`, *optional*, defaults to `2`):
-            Logged steps read before any decision (the first ones wait for the pipeline to fill).
+            Logged steps read before any decision (the first ones drain the samples made before training started).
         window (`int`, *optional*, defaults to `3`):
-            Steps averaged into one reading (only steps after the last change count).
+            Steps averaged into one reading (only settled steps count: see `cooldown_steps`).
         patience (`int`, *optional*, defaults to `2`):
             Readings in a row that must show the same regime before a change.
         cooldown_steps (`int`, *optional*, defaults to `1`):
-            Steps after a change with no other change (its effect takes that long to show).
+            Fewest steps after a change with no reading; a change of the in-flight count waits longer, until the
+            samples admitted under the old count are out of the pipeline (`in flight / samples_per_step` steps, at
+            most `max_staleness + 1`).
         rollout_wait_high (`float`, *optional*, defaults to `0.2`):
             Share of the step the trainer waits for rollouts above which the loop is rollout-bound.
         starving (`float`, *optional*, defaults to `0.5`):
-            Rollout-wait share at which a raise needs no patience and doubles instead of `up_factor`.
+            Rollout-wait share at which a raise needs no patience, doubles the count, and is kept without a probe.
         waste_high (`float`, *optional*, defaults to `0.02`):
             Share of produced samples dropped as stale above which the loop is staleness-bound.
         wasting (`float`, *optional*, defaults to `0.2`):
-            Waste share at which a cut needs no patience and uses `down_factor`² instead of `down_factor`.
+            Waste share at which a cut needs no patience.
         staleness_high (`float`, *optional*, defaults to `0.75`):
             Mean staleness as a fraction of `max_staleness` above which the loop is staleness-bound.
         raise_below_staleness (`float`, *optional*, defaults to `0.5`):
@@ -69,14 +88,19 @@ class AutotuneConfig:
             `max_staleness` (older samples would go stale with more waiting beside them).
         backpressure_high (`float`, *optional*, defaults to `0.1`):
             Share of the step generation is held back by a full queue above which the trainer is the bottleneck.
-        up_factor (`float`, *optional*, defaults to `1.5`):
-            A raise multiplies the requests in flight by this (at least +1).
+        up_factor (`float`, *optional*, defaults to `2.0`):
+            A raise of a rollout-bound (not starving) loop multiplies the requests in flight by this (at least +1)
+            until the first reversal; each reversal halves the part above 1 (2 -> 1.5 -> 1.25 ...).
         down_factor (`float`, *optional*, defaults to `0.5`):
             A cut multiplies the knob by this.
+        probe_steps (`int`, *optional*, defaults to `3`):
+            Settled steps a probe (a raise while rollout-bound) is judged on; a kept probe whose steps still show a
+            rollout-bound loop is followed by the next raise at once.
         max_loss (`float`, *optional*, defaults to `0.1`):
-            A raise is a probe, judged over `window + 1` steps after its cooldown: it is reverted (and its value
-            becomes a ceiling) when steps/s fell by more than this fraction or samples started to be wasted.
-        reprobe_steps (`int`, *optional*, defaults to `10`):
+            A probe is reverted (and its value becomes a ceiling) when samples started to be wasted, or when the
+            step time grew by more than this fraction and by more than twice its standard error (the step-to-step
+            spread of the steps before and after the raise): a slowdown that noise explains is not a loss.
+        reprobe_steps (`int`, *optional*, defaults to `12`):
             Steps after a reverted raise before a loop that is still rollout-bound may probe above it again (`0`:
             never). Staleness ceilings are never lifted.
     """
@@ -85,6 +109,7 @@ class AutotuneConfig:
     max_inflight: int = 0
     min_queue: int = 0
     max_queue: int = 0
+    budget_steps: int = 0
     warmup_steps: int = 2
     window: int = 3
     patience: int = 2
@@ -96,42 +121,48 @@ class AutotuneConfig:
     staleness_high: float = 0.75
     raise_below_staleness: float = 0.5
     backpressure_high: float = 0.1
-    up_factor: float = 1.5
+    up_factor: float = 2.0
     down_factor: float = 0.5
+    probe_steps: int = 3
     max_loss: float = 0.1
-    reprobe_steps: int = 10
+    reprobe_steps: int = 12
 
     def __post_init__(self):
-        if min(self.min_inflight, self.max_inflight, self.min_queue, self.max_queue) < 0:
+        if min(self.min_inflight, self.max_inflight, self.min_queue, self.max_queue, self.budget_steps) < 0:
             raise ValueError("autotune bounds must be >= 0 (0: derived from the run)")
-        if self.window < 1 or self.patience < 1 or self.cooldown_steps < 0 or self.warmup_steps < 0:
-            raise ValueError("autotune needs window >= 1, patience >= 1, cooldown_steps >= 0, warmup_steps >= 0")
+        if (self.window < 1 or self.patience < 1 or self.cooldown_steps < 0 or self.warmup_steps < 0
+                or self.probe_steps < 1):
+            raise ValueError("autotune needs window >= 1, patience >= 1, probe_steps >= 1, cooldown_steps >= 0, "
+                             "warmup_steps >= 0")
         if not (self.up_factor > 1 and 0 < self.down_factor < 1):
             raise ValueError("autotune needs up_factor > 1 and 0 < down_factor < 1")
 
 
 @dataclass
 class Bounds:
-    """The knobs' resolved bounds for one run."""
+    """The knobs' resolved bounds for one run, and the pipeline budget (samples in flight plus queued)."""
 
     min_inflight: int
     max_inflight: int
     min_queue: int
     max_queue: int
+    budget: int
 
 
 def resolve_bounds(config: AutotuneConfig, start_inflight: int, start_queue: int, num_generations: int,
                    samples_per_step: int, max_staleness: int) -> Bounds:
-    """Bounds of a run: `config`'s, or derived from its settings (see `AutotuneConfig`); the starting values are
-    always inside (a deliberately bad start is where the controller begins, not an error)."""
+    """Bounds of a run: `config`'s, or derived from its settings (see `AutotuneConfig`). A start below the floors is
+    kept as the floor (a loop started at 1 in flight climbs from there); a start above the budget is not a bound:
+    the controller clamps it before the first request."""
     from .config import inflight_tasks
 
     trl_default = inflight_tasks(-1, max_staleness, samples_per_step)
-    min_inflight = min(config.min_inflight or num_generations, start_inflight)
-    max_inflight = max(config.max_inflight or 4 * trl_default, start_inflight, min_inflight)
-    min_queue = min(config.min_queue or samples_per_step, start_queue)
-    max_queue = max(config.max_queue or start_queue, start_queue, min_queue)
-    return Bounds(max(min_inflight, 1), max_inflight, max(min_queue, 1), max_queue)
+    budget = config.budget_steps * samples_per_step if config.budget_steps else trl_default
+    min_queue = max(min(config.min_queue or samples_per_step, start_queue), 1)
+    max_queue = max(config.max_queue or start_queue, min_queue)
+    min_inflight = max(min(config.min_inflight or num_generations, start_inflight), 1)
+    max_inflight = max(config.max_inflight or budget - min_queue, min_inflight)
+    return Bounds(min_inflight, max_inflight, min_queue, max_queue, max(budget, min_inflight + min_queue))
 
 
 @dataclass
@@ -152,7 +183,8 @@ class Reading:
     def evidence(self) -> dict:
         return {"rollout_wait_share": round(self.wait_share, 4), "waste_share": round(self.waste_share, 4),
                 "staleness_ratio": round(self.staleness_ratio, 4),
-                "backpressure_share": round(self.backpressure_share, 4), "steps_per_s": round(self.steps_per_s, 4)}
+                "backpressure_share": round(self.backpressure_share, 4), "steps_per_s": round(self.steps_per_s, 4),
+                "steps": self.steps}
 
 
 def read_steps(rows: list[dict], max_staleness: int, num_generations: int) -> Reading | None:
@@ -180,20 +212,38 @@ class Decision:
     knob: str  # "inflight" or "queue"
     old: int
     new: int
-    regime: str  # "staleness", "rollout", "train" or "probe"
+    regime: str  # "budget", "staleness", "starving", "rollout", "train" or "probe"
     reason: str
     evidence: dict = field(default_factory=dict)
 
     def line(self) -> str:
         name = "in flight" if self.knob == "inflight" else "queue bound"
+        head = f"autotune: step {self.step}: {name} {self.old} -> {self.new} ({self.regime}"
         e = self.evidence
-        return (f"autotune: step {self.step}: {name} {self.old} -> {self.new} ({self.regime}-bound: {self.reason}; "
-                f"rollout wait {100 * e.get('rollout_wait_share', 0):.0f}% of the step, wasted "
-                f"{100 * e.get('waste_share', 0):.1f}%, staleness {e.get('staleness_ratio', 0):.2f} of max, "
+        if not e.get("steps"):  # decided from the run's settings, before any step
+            return f"{head}: {self.reason})"
+        return (f"{head}-bound: {self.reason}; rollout wait {100 * e.get('rollout_wait_share', 0):.0f}% of the step, "
+                f"wasted {100 * e.get('waste_share', 0):.1f}%, staleness {e.get('staleness_ratio', 0):.2f} of max, "
                 f"backpressure {100 * e.get('backpressure_share', 0):.0f}%, {e.get('steps_per_s', 0):.3f} steps/s)")
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def slowdown(before: list[float], after: list[float]) -> float:
+    """How much longer the steps `after` took than those `before`, as a fraction of the latter; 0 unless the
+    difference of the means exceeds twice its standard error (the spread of the steps explains it)."""
+    if not before or not after:
+        return 0.0
+    mean_b, mean_a = sum(before) / len(before), sum(after) / len(after)
+
+    def var(xs: list[float], m: float) -> float:
+        return sum((x - m) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
+
+    error = math.sqrt(var(before, mean_b) / len(before) + var(after, mean_a) / len(after))
+    if mean_b <= 0 or mean_a - mean_b <= 2 * error:
+        return 0.0
+    return (mean_a - mean_b) / mean_b
 
 
 def classify(reading: Reading, c: AutotuneConfig) -> str:
@@ -209,7 +259,8 @@ def classify(reading: Reading, c: AutotuneConfig) -> str:
 
 class Autotuner:
     """The controller (see the module docstring). `observe(step, row)` after each logged step returns the decisions
-    taken at it (usually none); `inflight` and `queue_bound` are the knobs' values now.
+    taken at it (usually none); `inflight` and `queue_bound` are the knobs' values now; `decisions` starts with the
+    step-0 clamps of a start beyond the pipeline budget.
 
     Args:
         config: thresholds and bounds (`AutotuneConfig`).
@@ -221,53 +272,78 @@ class Autotuner:
                  samples_per_step: int, max_staleness: int):
         self.config = config
         self.bounds = resolve_bounds(config, inflight, queue_bound, num_generations, samples_per_step, max_staleness)
-        self.inflight, self.queue_bound = inflight, queue_bound
         self.num_generations, self.samples_per_step, self.max_staleness = (num_generations, samples_per_step,
                                                                           max_staleness)
+        self.inflight, self.queue_cap = inflight, queue_bound  # the queue bound applied is `queue_bound` below
         self.ceiling = self.bounds.max_inflight  # no raise goes above (lowered by waste and by failed probes)
         self.decisions: list[Decision] = []
         self.recommendations: list[str] = []
         self.regime = "warmup"
         self._rows: list[tuple[int, dict]] = []  # (step, logged row) since the last change
         self._seen = 0
-        self._last_change = -10 ** 9
+        self._settled_after = -1  # readings use the steps after this one
         self._streak: tuple[str, int] = ("", 0)
-        self._probe: tuple[int, float] | None = None  # (in flight before the raise, steps/s before it)
+        self._probe: tuple[int, list[float]] | None = None  # (in flight before the raise, step times before it)
+        self._settled: list[dict] = []  # the settled rows of the reading being acted on
         self._last_direction = 0
         self._step_scale = 1.0  # halved at every reversal of direction
         self._ceiling_set_at = 0
         self._stale_ceiling = self.bounds.max_inflight
+        self._clamp_to_budget()
+
+    @property
+    def queue_bound(self) -> int:
+        """The queue bound in force: its own value, within what the pipeline budget leaves beside the requests in
+        flight, never under its floor."""
+        room = self.bounds.budget - self.inflight
+        return int(max(self.bounds.min_queue, min(self.queue_cap, room, self.bounds.max_queue)))
+
+    def _clamp_to_budget(self) -> None:
+        start = Reading(0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        queue_before = self.queue_cap
+        if self.inflight > self.bounds.max_inflight:
+            self._change(0, "inflight", self.bounds.max_inflight, "budget",
+                         f"the pipeline budget is {self.bounds.budget} samples (max_staleness steps of samples, in "
+                         "flight and queued together): beyond it, requests make samples that are dropped as stale",
+                         start, -1)
+        if self.queue_bound < queue_before:
+            self.decisions.append(Decision(0, "queue", queue_before, self.queue_bound, "budget",
+                                           f"with {self.inflight} in flight, the pipeline budget of "
+                                           f"{self.bounds.budget} samples leaves this much for the queue"))
+        self._last_direction, self._step_scale = 0, 1.0
+        self._settled_after = -1
 
     # -- reading --------------------------------------------------------------------------------------------------
     def observe(self, step: int, row: dict) -> list[Decision]:
         if not row.get("perf/step_s"):
             return []
         self._seen += 1
-        self._rows = self._rows[-(self.config.window + self.config.cooldown_steps + 2):] + [(step, row)]
-        if self._seen <= self.config.warmup_steps or step - self._last_change <= self.config.cooldown_steps:
+        keep = max(self.config.window, self.config.probe_steps) + 2
+        self._rows = self._rows[-keep:] + [(step, row)]
+        if self._seen <= self.config.warmup_steps or step <= self._settled_after:
             return []
-        settled = [r for s, r in self._rows if s > self._last_change + self.config.cooldown_steps]
-        span = self.config.window + (1 if self._probe is not None else 0)  # a probe is judged on one step more
-        reading = read_steps(settled[-span:], self.max_staleness, self.num_generations)
+        settled = [r for s, r in self._rows if s > self._settled_after]
+        if self._probe is not None:
+            if len(settled) >= self.config.probe_steps:
+                return self._judge_probe(step, settled[-self.config.probe_steps:])
+            return []
+        reading = read_steps(settled[-self.config.window:], self.max_staleness, self.num_generations)
         if reading is None:
             return []
-        if self._probe is not None:
-            if reading.steps >= self.config.window + 1:
-                return self._judge_probe(step, reading)
-            return []
         regime = classify(reading, self.config)
+        if regime == "rollout" and reading.wait_share >= self.config.starving:
+            regime = "starving"
         self.regime = regime
         self._streak = (regime, self._streak[1] + 1 if self._streak[0] == regime else 1)
-        urgent = ((regime == "rollout" and reading.wait_share >= self.config.starving)
-                  or (regime == "staleness" and reading.waste_share >= self.config.wasting))
-        if self._streak[1] < self.config.patience and not urgent:
-            return []
+        urgent = regime == "starving" or (regime == "staleness" and reading.waste_share >= self.config.wasting)
+        if not urgent and (self._streak[1] < self.config.patience or reading.steps < self.config.window):
+            return []  # a calm regime acts on full readings only, and only when it holds
+        self._settled = settled[-self.config.probe_steps:]
         return getattr(self, f"_on_{regime}")(step, reading)
 
     # -- regimes --------------------------------------------------------------------------------------------------
     def _on_staleness(self, step: int, r: Reading) -> list[Decision]:
-        factor = self.config.down_factor ** (2 if r.waste_share >= self.config.wasting else 1)
-        factor = 1 - (1 - factor) * self._scale(-1)
+        factor = 1 - (1 - self.config.down_factor) * self._scale(-1)
         if r.backpressure_share > self.config.backpressure_high and self.queue_bound > self.bounds.min_queue:
             new = max(self.bounds.min_queue, math.floor(self.queue_bound * factor))
             return self._change(step, "queue", new, "staleness", "samples age in a full queue", r, -1)
@@ -281,21 +357,36 @@ class Autotuner:
                         "(one more adapter slot per step)")
         return []
 
-    def _on_rollout(self, step: int, r: Reading) -> list[Decision]:
+    def _raise_allowed(self, step: int, r: Reading) -> bool:
         if r.staleness_ratio >= self.config.raise_below_staleness:
             # the samples already arrive old: more in flight would only make them older (and then wasted)
             self._recommend("rollout-bound with samples already near max_staleness: more replicas (a restart)")
-            return []
+            return False
         if self.inflight >= self.ceiling and step - self._ceiling_set_at >= self.config.reprobe_steps > 0:
             self.ceiling = self._stale_ceiling  # still rollout-bound long after a failed raise: try again
         if self.inflight >= self.ceiling:
             self._recommend("rollout-bound with in flight at its ceiling: more replicas (a restart)")
+            return False
+        return True
+
+    def _on_starving(self, step: int, r: Reading) -> list[Decision]:
+        if not self._raise_allowed(step, r):
             return []
-        factor = 2.0 if r.wait_share >= self.config.starving else self.config.up_factor
-        factor = 1 + (factor - 1) * self._scale(+1)
+        factor = 1 + self._scale(+1)  # twice as many, while no reversal happened
         new = min(self.ceiling, max(self.inflight + 1, math.ceil(self.inflight * factor)))
-        self._probe = (self.inflight, r.steps_per_s)
-        return self._change(step, "inflight", new, "rollout", "the trainer waits for rollouts", r, +1)
+        return self._change(step, "inflight", new, "starving", "the trainer waits for rollouts most of the step", r,
+                            +1)
+
+    def _on_rollout(self, step: int, r: Reading) -> list[Decision]:
+        if not self._raise_allowed(step, r):
+            return []
+        factor = 1 + (self.config.up_factor - 1) * self._scale(+1)
+        new = min(self.ceiling, max(self.inflight + 1, math.ceil(self.inflight * factor)))
+        before = self.inflight
+        decisions = self._change(step, "inflight", new, "rollout", "the trainer waits for rollouts", r, +1)
+        if decisions:
+            self._probe = (before, [row["perf/step_s"] for row in self._settled])
+        return decisions
 
     def _on_train(self, step: int, r: Reading) -> list[Decision]:
         self._recommend("train-bound: pack rows (token_budget), gradient checkpointing off if memory allows "
@@ -309,16 +400,22 @@ class Autotuner:
     def _on_balanced(self, step: int, r: Reading) -> list[Decision]:
         return []
 
-    def _judge_probe(self, step: int, r: Reading) -> list[Decision]:
-        before, speed_before = self._probe
+    def _judge_probe(self, step: int, rows: list[dict]) -> list[Decision]:
+        before, times_before = self._probe
         self._probe = None
-        gain = r.steps_per_s / speed_before - 1 if speed_before > 0 else 1.0
-        if gain > -self.config.max_loss and r.waste_share <= self.config.waste_high:
-            return []  # the raise cost nothing: keep it (steps/s of a few steps is too noisy to ask for a gain)
+        r = read_steps(rows, self.max_staleness, self.num_generations)
+        slower = slowdown(times_before, [row["perf/step_s"] for row in rows])
+        if slower <= self.config.max_loss and r.waste_share <= self.config.waste_high:
+            # the raise cost nothing that noise does not explain: keep it, and go on if the loop still waits
+            regime = classify(r, self.config)
+            if regime == "rollout":
+                self._settled = rows
+                return self._on_starving(step, r) if r.wait_share >= self.config.starving else self._on_rollout(step, r)
+            return []
         self.ceiling = min(self.ceiling, before)  # it did harm: no raise above `before` for `reprobe_steps`
         self._ceiling_set_at = step
-        why = (f"steps/s {100 * gain:+.1f}% after the raise" if gain <= -self.config.max_loss
-               else f"{100 * r.waste_share:.1f}% wasted after the raise")
+        why = (f"{100 * r.waste_share:.1f}% wasted after the raise" if r.waste_share > self.config.waste_high
+               else f"steps {100 * slower:.0f}% slower after the raise, beyond their spread")
         return self._change(step, "inflight", before, "probe", f"{why}: reverted", r, -1)
 
     # -- changes --------------------------------------------------------------------------------------------------
@@ -327,24 +424,36 @@ class Autotuner:
             self._step_scale = max(self._step_scale / 2, 0.125)
         return self._step_scale
 
+    def _settling_steps(self, old: int, new: int) -> int:
+        """Steps until the samples admitted under `old` in flight (and the queue beside them) are out of the
+        pipeline: they are trained, or dropped, about that many steps later."""
+        pipeline = max(old, new) + (self.queue_bound if new < old else 0)
+        drain = math.ceil(pipeline / max(self.samples_per_step, 1))
+        return max(self.config.cooldown_steps, min(drain, max(self.max_staleness, 1) + 1))
+
     def _change(self, step: int, knob: str, new: int, regime: str, reason: str, r: Reading,
                 direction: int) -> list[Decision]:
         old = self.inflight if knob == "inflight" else self.queue_bound
-        low, high = ((self.bounds.min_inflight, self.bounds.max_inflight) if knob == "inflight"
+        low, high = ((self.bounds.min_inflight, max(self.bounds.max_inflight, self.inflight)) if knob == "inflight"
                      else (self.bounds.min_queue, self.bounds.max_queue))
         new = int(min(max(new, low), high))
         if new == old:
             return []
+        queue_before = self.queue_bound
         if knob == "inflight":
+            settle = self._settling_steps(old, new)
             self.inflight = new
         else:
-            self.queue_bound = new
+            settle = self.config.cooldown_steps
+            self.queue_cap = new
         self._last_direction = direction
-        self._last_change = step
+        self._settled_after = step + settle
         self._rows = []
         self._streak = ("", 0)
         decision = Decision(step, knob, old, new, regime, reason, r.evidence())
         self.decisions.append(decision)
+        if knob == "inflight" and self.queue_bound != queue_before and step > 0:
+            decision.reason += f" (the queue bound follows the budget: {queue_before} -> {self.queue_bound})"
         return [decision]
 
     def _recommend(self, text: str) -> None:
@@ -358,7 +467,8 @@ class Autotuner:
 
 class AutotuneCallback(TrainerCallback):
     """Runs `Autotuner` at every log of the trainer, first among the callbacks (so the trackers and the metrics log
-    see its `autotune/*` values), and applies its decisions to the worker's `LiveKnobs`.
+    see its `autotune/*` values), and applies its decisions to the worker's `LiveKnobs`. The step-0 clamps (made
+    before the worker started) are said when training begins and recorded with the first step.
 
     Args:
         tuner: the controller.
@@ -370,22 +480,27 @@ class AutotuneCallback(TrainerCallback):
         self.tuner, self.knobs = tuner, knobs
         self.say = say or (lambda line: print(line, flush=True))
         self.pending: list[Decision] = []
+        self._initial = list(tuner.decisions)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self._initial and not state.global_step:
+            for decision in self._initial:
+                self.say(decision.line())
+        else:
+            self._initial = []  # a resumed run said them the first time
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs or "train_runtime" in logs:
             return
         decisions = self.tuner.observe(state.global_step, dict(logs))
         for decision in decisions:
-            if decision.knob == "inflight":
-                self.knobs.inflight = decision.new
-            else:
-                self.knobs.queue_bound = decision.new
             self.say(decision.line())
+        self.knobs.inflight, self.knobs.queue_bound = self.tuner.inflight, self.tuner.queue_bound
         logs.update(self.tuner.metrics())
         if decisions:
             logs["autotune/changes_total"] = float(len(decisions))
             logs.update({f"autotune/{k}": float(v) for k, v in decisions[-1].evidence.items()})
-        self.pending = decisions
+        self.pending, self._initial = self._initial + decisions, []
 
     def row_extra(self) -> dict:
         """What `LoopRecorder` adds to this step's row: the decisions taken at it, with their evidence."""

@@ -22,7 +22,8 @@ prompt can straddle a weight sync. `LabRolloutWorker` keeps TRL's loop and chang
   trainer shares with the child (`live_knobs.LiveKnobs`): TRL draws up to the knobs' upper bound of rollouts, and
   only `live_knobs.inflight` of them send a request at a time (the rest wait in FIFO order, their group's version
   pinned when their first rollout is admitted, not when it was drawn); a sample goes to the queue only while it
-  holds fewer than `live_knobs.queue_bound`, and no request is admitted while it holds that many.
+  holds fewer than `live_knobs.queue_bound`, and no request is admitted while the queue and the finished groups
+  waiting to be scored hold that many.
 """
 
 from __future__ import annotations
@@ -95,13 +96,20 @@ class LabRolloutLoop(_AsyncRolloutLoop):
         self._limiter = None
         if live_knobs is not None:
             self.rollout_buffer = BoundedBuffer(self.rollout_buffer, live_knobs)
-            buffer = self.rollout_buffer
-            self._limiter = LiveLimiter(live_knobs, gate=lambda: buffer.qsize() < live_knobs.queue_bound)
+            self._limiter = LiveLimiter(live_knobs, gate=self._queue_has_room)
+            self._live_knobs = live_knobs
         self.max_staleness = max_staleness
         self.group_consistent_versions = group_consistent_versions
         self.rollout_failure_timeout_s = rollout_failure_timeout_s
         self._group_versions: dict[int, int] = {}
         self._abandoned: set[int] = set()
+
+    def _queue_has_room(self) -> bool:
+        """Admission gate under live knobs: the samples made and not yet taken by the trainer, those in the rollout
+        queue and those of finished groups waiting to be scored (TRL holds up to 16 groups there while the queue is
+        full, all made with the version of their time), are fewer than the queue bound."""
+        waiting = self._groups_to_score.qsize() * self.num_generations
+        return self.rollout_buffer.qsize() + waiting < self._live_knobs.queue_bound
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def run(self) -> None:

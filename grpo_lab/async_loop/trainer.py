@@ -204,8 +204,8 @@ def _autotuner(autotune, args: AsyncGRPOLabConfig):
     start = inflight_tasks(args.max_inflight_tasks, args.max_staleness, samples_per_step)
     queue_bound = args.queue_maxsize if args.queue_maxsize > 0 else 1024
     tuner = Autotuner(config, start, queue_bound, args.num_generations, samples_per_step, args.max_staleness)
-    b = tuner.bounds
-    return tuner, LiveKnobs(start, queue_bound, b.max_inflight, b.max_queue)
+    b = tuner.bounds  # the worker starts from the tuner's values: a start beyond the pipeline budget is clamped
+    return tuner, LiveKnobs(tuner.inflight, tuner.queue_bound, b.max_inflight, b.max_queue)
 
 
 def loss_only_trainer(device: str = "cpu", epsilon_low: float = 0.2, epsilon_high: float = 0.2,

@@ -7,6 +7,7 @@ Each trace is a list of logged rows as `loop_metrics.jsonl` holds them; the cont
 from __future__ import annotations
 
 import asyncio
+import math
 import pickle
 
 import pytest
@@ -68,11 +69,27 @@ def test_rollout_bound_trace_raises_in_flight_and_keeps_a_raise_that_pays():
         r = row(step_s=s, wait=max(s - 1.0, 0.0), staleness=0.5)
         rows.append(r)
         t.observe(step, r)
-    raised = [d for d in t.decisions if d.regime == "rollout"]
-    assert raised and raised[0].old == 1 and raised[0].new == 2  # starving: doubled, no patience needed
+    raised = [d for d in t.decisions if d.new > d.old]
+    # starving: a slow start, doubled at each reading, no patience and no probe
+    assert [(d.old, d.new, d.regime) for d in raised[:2]] == [(1, 2, "starving"), (2, 4, "starving")]
     assert 5 <= t.inflight <= 16  # climbed to where steps/s stops improving ...
     reverted = [d for d in t.decisions if d.regime == "probe"]
     assert all(d.new < d.old for d in reverted)  # ... and a raise that gained nothing was taken back
+
+
+def test_a_starving_loop_climbs_within_a_few_steps_and_each_raise_waits_for_its_samples():
+    t = tuner(1)
+    steps_of = {}
+    for step in range(1, 21):
+        n = t.inflight
+        steps_of.setdefault(n, step)
+        t.observe(step, row(step_s=4.0 / min(n, 16), wait=max(4.0 / min(n, 16) - 0.25, 0.0), staleness=0.3))
+    climbs = [(d.step, d.new) for d in t.decisions if d.regime == "starving"]
+    assert [n for _, n in climbs][:4] == [2, 4, 8, 16]
+    assert climbs[3][0] <= 12  # from 1 to 16 in flight by step 12 of a 20-step run
+    # a raise to N in flight is read only after N / samples_per_step steps: 8 -> 16 waits one step more than 1 -> 2
+    gaps = [b - a for (a, _), (b, _) in zip(climbs, climbs[1:])]
+    assert gaps[0] == 2 and gaps[-1] >= gaps[0]
 
 
 def test_train_bound_trace_changes_no_in_flight_and_recommends_restart_knobs():
@@ -130,9 +147,47 @@ def test_bounds_hold_and_hysteresis_waits():
     assert any("more replicas" in r for r in t.recommendations)
 
 
-def test_a_bad_start_outside_the_default_bounds_is_kept_as_a_bound():
-    assert tuner(512).bounds.max_inflight == 512
-    assert tuner(1).bounds.min_inflight == 1
+def test_a_start_beyond_the_pipeline_budget_is_clamped_before_the_first_request():
+    t = tuner(512, 1024)
+    # the budget is TRL's default in-flight count, for the requests in flight and the queue together
+    assert t.bounds.budget == S * SPS and t.bounds.max_inflight == (S - 1) * SPS
+    assert (t.inflight, t.queue_bound) == ((S - 1) * SPS, SPS)
+    first, second = t.decisions
+    assert (first.step, first.knob, first.old, first.new, first.regime) == (0, "inflight", 512, 48, "budget")
+    assert (second.knob, second.old, second.new) == ("queue", 1024, SPS)
+    assert "pipeline budget is 64 samples" in first.line() and "-bound" not in first.line()
+    # TRL's default (64 in flight, 1024 queued) is beyond it too
+    default = tuner(64, 1024)
+    assert (default.inflight, default.queue_bound) == (48, SPS) and len(default.decisions) == 2
+    # a start below the floors is where the controller begins: the queue gets what the budget leaves
+    low = tuner(1, 1024)
+    assert low.bounds.min_inflight == 1 and low.queue_bound == S * SPS - 1 and low.decisions[0].new == 63
+    assert tuner(16, 16).decisions == []  # inside the budget: nothing to clamp
+
+
+def test_the_queue_bound_follows_the_in_flight_count_within_the_budget():
+    t = tuner(48, 1024)
+    replay(t, [row(staleness=3.9, dropped=8)] * 4)
+    cut = t.decisions[-1]
+    assert (cut.old, cut.new) == (48, 24) and t.queue_bound == S * SPS - 24
+    assert "queue bound follows the budget: 16 -> 40" in cut.reason
+    assert t.inflight + t.queue_bound <= t.bounds.budget
+
+
+def test_a_cut_is_not_judged_on_the_waste_of_the_requests_it_cut():
+    """Samples admitted before a cut are dropped for a few steps after it: the controller waits for them to be
+    out of the pipeline instead of cutting again (64 -> 32 -> 16 -> 8 on the same old waste)."""
+    t = tuner(48, 16)
+    replay(t, [row(staleness=3.9, dropped=8)] * 3)
+    assert t.inflight == 24
+    cut_at = t.decisions[-1].step
+    drain = min(math.ceil((48 + 16) / SPS), S + 1)  # the old in-flight count and the queue beside it
+    for step in range(cut_at + 1, cut_at + drain + 1):  # the old pipeline drains: still wasting
+        assert t.observe(step, row(staleness=3.5, dropped=8)) == []
+    assert t.inflight == 24
+    for step in range(cut_at + drain + 1, cut_at + drain + 10):  # then fresh, mildly rollout-bound but old-ish
+        t.observe(step, row(wait=0.3, staleness=2.4))
+    assert t.inflight == 24 and t.ceiling == 47
 
 
 def test_readings_and_regimes():
@@ -161,7 +216,7 @@ def test_callback_turns_the_live_knobs_and_logs_the_decision(tmp_path):
         logs = row(staleness=3.9, dropped=8)
         cb.on_log(None, state, None, logs=logs)
         logged.append(logs)
-    assert knobs.inflight < 64 and lines and lines[0].startswith("autotune: step 3: in flight 64 -> ")
+    assert knobs.inflight < 48 and lines and lines[0].startswith("autotune: step 3: in flight 48 -> ")
     assert "staleness-bound" in lines[0] and "wasted 33.3%" in lines[0]
     assert all("autotune/inflight" in r for r in logged) and logged[2]["autotune/changes_total"] == 1.0
     assert cb.row_extra() == {} or cb.row_extra()["autotune"][0]["knob"] == "inflight"
