@@ -131,6 +131,8 @@ def main(argv=None) -> int:
                    "on the means")
     p.add_argument("--replica-threads", type=int, default=0, help="threads per CPU replica (0: the loop's default)")
     p.add_argument("--name", default="autotune", help="file stem of the outputs (autotune -> autotune.csv, ...)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="CSV",
+                   help="run nothing: merge these per-round CSVs (e.g. one per device call) into --name's files")
     p.add_argument("--only", default="", help="comma-separated run names (default: all)")
     p.add_argument("--out", default=str(ROOT / "results" / "async"))
     p.add_argument("--keep", default=None, help="keep each run's folder (its loop_metrics.jsonl) here")
@@ -140,6 +142,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     from grpo_lab.lab.records import run_record
 
+    if a.merge:
+        return merge_rounds([Path(f) for f in a.merge], Path(a.out), a.name)
     names = [n for n in (a.only.split(",") if a.only else RUNS)]
     workdir = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="grpo-lab-autotune-"))
     results = []
@@ -168,6 +172,38 @@ def main(argv=None) -> int:
         print(line)
     print(f"wrote {out / f'{a.name}.csv'}, {out / f'{a.name}_summary.csv'} and {out / f'{a.name}.png'}")
     return 0
+
+
+def merge_rounds(paths: list[Path], out: Path, name: str) -> int:
+    """One CSV, summary and figure from per-round CSVs (each file's rounds numbered after the previous file's)."""
+    import pandas as pd
+
+    frames, offset = [], 0
+    for path in paths:
+        frame = pd.read_csv(path, keep_default_na=False, na_values=[""])
+        frame["round"] = frame["round"] + offset
+        offset = int(frame["round"].max())
+        frames.append(frame)
+    frame = pd.concat(frames, ignore_index=True)
+    frame["inflight_trace"] = frame["inflight_trace"].fillna("")
+    record_columns = [c for c in frame.columns if c not in RESULT_COLUMNS]
+    summary = summarise_rounds(frame)
+    for key in record_columns:
+        summary[key] = frame[key].iloc[-1]
+    out.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(out / f"{name}.csv", index=False)
+    summary.to_csv(out / f"{name}_summary.csv", index=False)
+    figure(frame, summary, out / f"{name}.png", str(frame["machine"].iloc[-1]) if "machine" in frame else "")
+    for line in verdict_lines(summary):
+        print(line)
+    print(f"wrote {out / f'{name}.csv'}, {out / f'{name}_summary.csv'} and {out / f'{name}.png'}")
+    return 0
+
+
+# the columns a run writes (the rest are the machine's and versions' record)
+RESULT_COLUMNS = {"round", "run", "start_inflight", "queue_maxsize", "autotune", "wall_s", "steps", "steps_per_s",
+                  "late_steps_per_s", "trained_tok_s", "wasted_share", "staleness_mean", "staleness_max",
+                  "rollout_wait_share", "final_inflight", "final_queue_bound", "autotune_changes", "inflight_trace"}
 
 
 def summarise_rounds(frame):
