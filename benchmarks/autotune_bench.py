@@ -106,8 +106,9 @@ def figure(frame, summary, path: Path, machine: str = "") -> None:
     for y, name in enumerate(summary["run"]):
         ax1.plot(frame.loc[frame["run"] == name, "steps_per_s"], [y] * int((frame["run"] == name).sum()), "k.",
                  markersize=4)
-    for y, (v, w) in enumerate(zip(summary["steps_per_s"], summary["wasted_share"])):
-        ax1.text(v, y, f" {v:.2f} ({100 * w:.0f}% wasted)", va="center", fontsize=8)
+    for y, (v, top, w) in enumerate(zip(summary["steps_per_s"], summary["steps_per_s_max"], summary["wasted_share"])):
+        ax1.text(top, y, f"  {v:.2f} ({100 * w:.0f}% wasted)", va="center", fontsize=8)
+    ax1.set_xlim(0, summary["steps_per_s_max"].max() * 1.45)
     ax1.set_xlabel("steps/s, mean of the rounds (dots: each round)\ngray: TRL default, blue: hand-set, green: "
                    "autotune")
     ax1.invert_yaxis()

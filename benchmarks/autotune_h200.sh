@@ -19,5 +19,5 @@ mkdir -p "$OUT/async"
 python3 -c "import torch, trl, datasets, pyarrow; print(torch.cuda.get_device_name(), 'torch', torch.__version__, \
 'trl', trl.__version__, 'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)" || exit 1
 cd "$REPO" && timeout 560 python3 benchmarks/autotune_bench.py --rounds 1 --steps "${STEPS:-30}" --replica-threads 3 \
-  --name "autotune_h200_r$ROUND" --out "$OUT/async" 2>&1 | grep -v -i warning | tee "$OUT/async/autotune_h200_r$ROUND.log" \
+  --name "${NAME:-autotune_h200}_r$ROUND" --out "$OUT/async" 2>&1 | grep -v -i warning | tee "$OUT/async/${NAME:-autotune_h200}_r$ROUND.log" \
   | grep -E '^\{|x the best|wrote|Error|error' | cut -c1-260

@@ -12,7 +12,8 @@ import pickle
 
 import pytest
 
-from grpo_lab.async_loop.autotune import AutotuneCallback, Autotuner, AutotuneConfig, classify, read_steps
+from grpo_lab.async_loop.autotune import (AutotuneCallback, Autotuner, AutotuneConfig, classify, read_steps,
+                                          slowdown)
 from grpo_lab.async_loop.live_knobs import BoundedBuffer, LiveKnobs, LiveLimiter
 
 G, SPS, S = 8, 16, 4  # rollouts per prompt, samples per step, max_staleness: the embedded loop's shape
@@ -190,6 +191,32 @@ def test_a_cut_is_not_judged_on_the_waste_of_the_requests_it_cut():
     assert t.inflight == 24 and t.ceiling == 47
 
 
+def test_a_slowdown_the_spread_of_the_steps_explains_is_not_a_loss():
+    noisy_before = [0.4, 0.8, 0.5, 0.9, 0.45, 0.7]
+    noisy_after = [0.9, 0.5, 0.85, 0.6, 0.8, 0.75]  # 10 % slower on average, well inside the spread
+    assert slowdown(noisy_before, noisy_after) == 0.0
+    steady_before, steady_after = [0.50, 0.52, 0.49, 0.51], [0.70, 0.72, 0.69, 0.71]
+    assert slowdown(steady_before, steady_after) == pytest.approx(0.4, abs=0.01)
+    assert slowdown([], [1.0]) == 0.0 and slowdown([0.5], [0.9]) == pytest.approx(0.8)
+
+
+def test_a_probe_is_kept_through_noise_and_reverted_on_a_real_slowdown():
+    def run(after_raise):
+        t = tuner(16, 16, reprobe_steps=0)
+        jitter = [0.45, 0.75, 0.5, 0.8, 0.55, 0.7]
+        for step in range(1, 40):
+            base = 0.6 if t.inflight == 16 else after_raise
+            t.observe(step, row(step_s=base + jitter[step % 6] - 0.6, wait=0.3 * base, staleness=1.2))
+        return t
+
+    kept = run(after_raise=0.66)  # 10 % slower on average, inside the step-to-step spread
+    assert kept.decisions[0].new > 16 and not [d for d in kept.decisions if d.regime == "probe"]
+    reverted = run(after_raise=1.5)  # far slower: taken back, and no raise above 16 again
+    probes = [d for d in reverted.decisions if d.regime == "probe"]
+    assert probes and probes[0].new == 16 and "slower after the raise" in probes[0].reason
+    assert reverted.inflight == 16 and reverted.ceiling == 16
+
+
 def test_readings_and_regimes():
     r = read_steps([row(step_s=2.0, wait=1.0, dropped=4, staleness=2.0), row(step_s=2.0, abandoned=1)], S, G)
     assert r.wait_share == pytest.approx(0.25) and r.waste_share == pytest.approx(12 / 44)
@@ -306,3 +333,27 @@ def test_live_limiter_admits_nothing_while_its_gate_is_shut():
         ticker.cancel()
 
     asyncio.run(main())
+
+
+def test_the_workers_admission_gate_counts_groups_waiting_to_be_scored():
+    """TRL's score loop holds finished groups while the queue is full: they are samples of their time's version,
+    so the gate counts them against the queue bound (else a high in-flight count overfills the pipeline at start)."""
+    from grpo_lab.async_loop.rollout_worker import LabRolloutLoop
+
+    loop = object.__new__(LabRolloutLoop)
+    loop.num_generations = G
+    loop._live_knobs = LiveKnobs(8, 16, 64, 1024)
+
+    class Sized:
+        def __init__(self, n):
+            self.n = n
+
+        def qsize(self):
+            return self.n
+
+    loop.rollout_buffer, loop._groups_to_score = Sized(4), Sized(0)
+    assert loop._queue_has_room()
+    loop._groups_to_score = Sized(2)  # 4 queued + 2 groups x 8 waiting = 20 >= 16
+    assert not loop._queue_has_room()
+    loop._live_knobs.queue_bound = 32
+    assert loop._queue_has_room()
