@@ -251,7 +251,7 @@ def classify(reading: Reading, c: AutotuneConfig) -> str:
     if reading.waste_share > c.waste_high or reading.staleness_ratio > c.staleness_high:
         return "staleness"
     if reading.wait_share > c.rollout_wait_high:
-        return "rollout"
+        return "starving" if reading.wait_share >= c.starving else "rollout"
     if reading.backpressure_share > c.backpressure_high:
         return "train"
     return "balanced"
@@ -299,19 +299,18 @@ class Autotuner:
         return int(max(self.bounds.min_queue, min(self.queue_cap, room, self.bounds.max_queue)))
 
     def _clamp_to_budget(self) -> None:
-        start = Reading(0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        """The step-0 decisions: a start beyond the pipeline budget is brought inside it before any request."""
         queue_before = self.queue_cap
         if self.inflight > self.bounds.max_inflight:
-            self._change(0, "inflight", self.bounds.max_inflight, "budget",
-                         f"the pipeline budget is {self.bounds.budget} samples (max_staleness steps of samples, in "
-                         "flight and queued together): beyond it, requests make samples that are dropped as stale",
-                         start, -1)
+            self.decisions.append(Decision(
+                0, "inflight", self.inflight, self.bounds.max_inflight, "budget",
+                f"the pipeline budget is {self.bounds.budget} samples (max_staleness steps of samples, in flight and "
+                "queued together): beyond it, requests make samples that are dropped as stale"))
+            self.inflight = self.bounds.max_inflight
         if self.queue_bound < queue_before:
             self.decisions.append(Decision(0, "queue", queue_before, self.queue_bound, "budget",
                                            f"with {self.inflight} in flight, the pipeline budget of "
                                            f"{self.bounds.budget} samples leaves this much for the queue"))
-        self._last_direction, self._step_scale = 0, 1.0
-        self._settled_after = -1
 
     # -- reading --------------------------------------------------------------------------------------------------
     def observe(self, step: int, row: dict) -> list[Decision]:
@@ -331,8 +330,6 @@ class Autotuner:
         if reading is None:
             return []
         regime = classify(reading, self.config)
-        if regime == "rollout" and reading.wait_share >= self.config.starving:
-            regime = "starving"
         self.regime = regime
         self._streak = (regime, self._streak[1] + 1 if self._streak[0] == regime else 1)
         urgent = regime == "starving" or (regime == "staleness" and reading.waste_share >= self.config.wasting)
@@ -408,9 +405,9 @@ class Autotuner:
         if slower <= self.config.max_loss and r.waste_share <= self.config.waste_high:
             # the raise cost nothing that noise does not explain: keep it, and go on if the loop still waits
             regime = classify(r, self.config)
-            if regime == "rollout":
+            if regime in ("starving", "rollout"):
                 self._settled = rows
-                return self._on_starving(step, r) if r.wait_share >= self.config.starving else self._on_rollout(step, r)
+                return getattr(self, f"_on_{regime}")(step, r)
             return []
         self.ceiling = min(self.ceiling, before)  # it did harm: no raise above `before` for `reprobe_steps`
         self._ceiling_set_at = step
@@ -434,7 +431,7 @@ class Autotuner:
     def _change(self, step: int, knob: str, new: int, regime: str, reason: str, r: Reading,
                 direction: int) -> list[Decision]:
         old = self.inflight if knob == "inflight" else self.queue_bound
-        low, high = ((self.bounds.min_inflight, max(self.bounds.max_inflight, self.inflight)) if knob == "inflight"
+        low, high = ((self.bounds.min_inflight, self.bounds.max_inflight) if knob == "inflight"
                      else (self.bounds.min_queue, self.bounds.max_queue))
         new = int(min(max(new, low), high))
         if new == old:
@@ -452,7 +449,7 @@ class Autotuner:
         self._streak = ("", 0)
         decision = Decision(step, knob, old, new, regime, reason, r.evidence())
         self.decisions.append(decision)
-        if knob == "inflight" and self.queue_bound != queue_before and step > 0:
+        if knob == "inflight" and self.queue_bound != queue_before:
             decision.reason += f" (the queue bound follows the budget: {queue_before} -> {self.queue_bound})"
         return [decision]
 
