@@ -159,20 +159,9 @@ def main(argv=None) -> int:
         if not a.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     frame = pd.DataFrame(results)
-    record = run_record("auto")
-    summary = summarise_rounds(frame)
-    for table in (frame, summary):
-        for key, value in record.items():
-            table[key] = value
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(out / f"{a.name}.csv", index=False)
-    summary.to_csv(out / f"{a.name}_summary.csv", index=False)
-    figure(frame, summary, out / f"{a.name}.png", record.get("machine", ""))
-    for line in verdict_lines(summary):
-        print(line)
-    print(f"wrote {out / f'{a.name}.csv'}, {out / f'{a.name}_summary.csv'} and {out / f'{a.name}.png'}")
-    return 0
+    for key, value in run_record("auto").items():
+        frame[key] = value
+    return write_outputs(frame, Path(a.out), a.name)
 
 
 def merge_rounds(paths: list[Path], out: Path, name: str) -> int:
@@ -187,24 +176,25 @@ def merge_rounds(paths: list[Path], out: Path, name: str) -> int:
         frames.append(frame)
     frame = pd.concat(frames, ignore_index=True)
     frame["inflight_trace"] = frame["inflight_trace"].fillna("")
-    record_columns = [c for c in frame.columns if c not in RESULT_COLUMNS]
+    return write_outputs(frame, out, name)
+
+
+def write_outputs(frame, out: Path, name: str) -> int:
+    """The per-run CSV, the summary (with the machine and versions of the last run) and the figure; the verdict."""
+    from grpo_lab.lab.records import run_record
+
     summary = summarise_rounds(frame)
-    for key in record_columns:
-        summary[key] = frame[key].iloc[-1]
+    for key in run_record("cpu"):  # the record's columns, valued as the runs recorded them
+        if key in frame:
+            summary[key] = frame[key].iloc[-1]
     out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out / f"{name}.csv", index=False)
     summary.to_csv(out / f"{name}_summary.csv", index=False)
-    figure(frame, summary, out / f"{name}.png", str(frame["machine"].iloc[-1]) if "machine" in frame else "")
+    figure(frame, summary, out / f"{name}.png", str(summary["machine"].iloc[-1]) if "machine" in summary else "")
     for line in verdict_lines(summary):
         print(line)
     print(f"wrote {out / f'{name}.csv'}, {out / f'{name}_summary.csv'} and {out / f'{name}.png'}")
     return 0
-
-
-# the columns a run writes (the rest are the machine's and versions' record)
-RESULT_COLUMNS = {"round", "run", "start_inflight", "queue_maxsize", "autotune", "wall_s", "steps", "steps_per_s",
-                  "late_steps_per_s", "trained_tok_s", "wasted_share", "staleness_mean", "staleness_max",
-                  "rollout_wait_share", "final_inflight", "final_queue_bound", "autotune_changes", "inflight_trace"}
 
 
 def summarise_rounds(frame):
