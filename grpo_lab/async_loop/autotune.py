@@ -16,7 +16,7 @@ request (a decision at step 0), and the queue bound follows the in-flight count 
 | the last steps show | regime | what it does |
 |---|---|---|
 | samples dropped as stale (or abandoned groups), or mean staleness near `max_staleness` | staleness-bound | fewer samples waiting: the queue bound down when generation is held back by a full queue, else fewer in flight |
-| the trainer waits for rollouts most of the step | starving | twice the requests in flight (a slow start: no probe) |
+| the trainer waits for rollouts most of the step | starving | as many more in flight as would feed it (a slow start: no probe) |
 | the trainer waits for rollouts (`perf/rollout_wait_s` a large share of the step) and samples are fresh | rollout-bound | more in flight, as a probe: reverted if steps/s fell or samples got wasted |
 | generation held back (`rollout/backpressure_s`) and no rollout wait | train-bound | the queue bound down while samples age in it; restart-only knobs recommended |
 | none of these | balanced | nothing |
@@ -76,7 +76,13 @@ class AutotuneConfig:
         rollout_wait_high (`float`, *optional*, defaults to `0.2`):
             Share of the step the trainer waits for rollouts above which the loop is rollout-bound.
         starving (`float`, *optional*, defaults to `0.5`):
-            Rollout-wait share at which a raise needs no patience, doubles the count, and is kept without a probe.
+            Rollout-wait share at which a raise needs no patience and is kept without a probe. It multiplies the
+            count by what would feed the trainer, `1 / (1 - wait share)` (Little's law while the replicas have room:
+            the rollouts now deliver `1 - wait share` of what the trainer takes), at least 2 and at most
+            `slow_start_max_factor`.
+        slow_start_max_factor (`float`, *optional*, defaults to `4.0`):
+            Largest multiplication of a starving loop's requests in flight at one reading (the wait share of the
+            first steps is inflated by the pipeline filling up).
         waste_high (`float`, *optional*, defaults to `0.02`):
             Share of produced samples dropped as stale above which the loop is staleness-bound.
         wasting (`float`, *optional*, defaults to `0.2`):
@@ -116,6 +122,7 @@ class AutotuneConfig:
     cooldown_steps: int = 1
     rollout_wait_high: float = 0.2
     starving: float = 0.5
+    slow_start_max_factor: float = 4.0
     waste_high: float = 0.02
     wasting: float = 0.2
     staleness_high: float = 0.75
@@ -134,8 +141,8 @@ class AutotuneConfig:
                 or self.probe_steps < 1):
             raise ValueError("autotune needs window >= 1, patience >= 1, probe_steps >= 1, cooldown_steps >= 0, "
                              "warmup_steps >= 0")
-        if not (self.up_factor > 1 and 0 < self.down_factor < 1):
-            raise ValueError("autotune needs up_factor > 1 and 0 < down_factor < 1")
+        if not (self.up_factor > 1 and 0 < self.down_factor < 1 and self.slow_start_max_factor >= 2):
+            raise ValueError("autotune needs up_factor > 1, 0 < down_factor < 1 and slow_start_max_factor >= 2")
 
 
 @dataclass
@@ -369,7 +376,8 @@ class Autotuner:
     def _on_starving(self, step: int, r: Reading) -> list[Decision]:
         if not self._raise_allowed(step, r):
             return []
-        factor = 1 + self._scale(+1)  # twice as many, while no reversal happened
+        feeding = 1 / max(1 - r.wait_share, 1e-6)  # the rollout rate the trainer takes, over the rate it gets
+        factor = 1 + (min(max(feeding, 2.0), self.config.slow_start_max_factor) - 1) * self._scale(+1)
         new = min(self.ceiling, max(self.inflight + 1, math.ceil(self.inflight * factor)))
         return self._change(step, "inflight", new, "starving", "the trainer waits for rollouts most of the step", r,
                             +1)

@@ -71,8 +71,8 @@ def test_rollout_bound_trace_raises_in_flight_and_keeps_a_raise_that_pays():
         rows.append(r)
         t.observe(step, r)
     raised = [d for d in t.decisions if d.new > d.old]
-    # starving: a slow start, doubled at each reading, no patience and no probe
-    assert [(d.old, d.new, d.regime) for d in raised[:2]] == [(1, 2, "starving"), (2, 4, "starving")]
+    # starving: a slow start, no patience and no probe; waiting 3 s of a 4 s step, 4x the requests would feed it
+    assert [(d.old, d.new, d.regime) for d in raised[:1]] == [(1, 4, "starving")]
     assert 5 <= t.inflight <= 16  # climbed to where steps/s stops improving ...
     reverted = [d for d in t.decisions if d.regime == "probe"]
     assert all(d.new < d.old for d in reverted)  # ... and a raise that gained nothing was taken back
@@ -86,11 +86,16 @@ def test_a_starving_loop_climbs_within_a_few_steps_and_each_raise_waits_for_its_
         steps_of.setdefault(n, step)
         t.observe(step, row(step_s=4.0 / min(n, 16), wait=max(4.0 / min(n, 16) - 0.25, 0.0), staleness=0.3))
     climbs = [(d.step, d.new) for d in t.decisions if d.regime == "starving"]
-    assert [n for _, n in climbs][:4] == [2, 4, 8, 16]
-    assert climbs[3][0] <= 12  # from 1 to 16 in flight by step 12 of a 20-step run
-    # a raise to N in flight is read only after N / samples_per_step steps: 8 -> 16 waits one step more than 1 -> 2
-    gaps = [b - a for (a, _), (b, _) in zip(climbs, climbs[1:])]
-    assert gaps[0] == 2 and gaps[-1] >= gaps[0]
+    # waiting 94 % of the step, then 75 %: x4 (the most at one reading, where 1/(1 - 0.94) = 16 would be wanted), x4
+    assert [n for _, n in climbs][:2] == [4, 16]
+    assert climbs[1][0] <= 6  # from 1 to 16 in flight by step 6 of a 20-step run
+    assert steps_of[4] == climbs[0][0] + 1 and climbs[1][0] - climbs[0][0] == 2  # one settling step before reading
+
+
+def test_a_loop_starving_half_the_step_gets_twice_the_requests():
+    t = tuner(4)
+    decisions = replay(t, [row(step_s=1.0, wait=0.5, staleness=0.3)] * 4)
+    assert [(d.old, d.new, d.regime) for d in decisions][:1] == [(4, 8, "starving")]
 
 
 def test_train_bound_trace_changes_no_in_flight_and_recommends_restart_knobs():
