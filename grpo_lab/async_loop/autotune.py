@@ -15,10 +15,11 @@ request (a decision at step 0), and the queue bound follows the in-flight count 
 
 | the last steps show | regime | what it does |
 |---|---|---|
-| samples dropped as stale (or abandoned groups), or mean staleness near `max_staleness` | staleness-bound | fewer samples waiting: the queue bound down when generation is held back by a full queue, else fewer in flight |
+| samples dropped as stale (or abandoned groups), or mean staleness near `max_staleness` | staleness-bound | fewer samples waiting where they wait: the queue bound down when the trainer does not wait for rollouts (or a full queue holds generation back), else fewer in flight |
 | the trainer waits for rollouts most of the step | starving | as many more in flight as would feed it (a slow start: no probe) |
 | the trainer waits for rollouts (`perf/rollout_wait_s` a large share of the step) and samples are fresh | rollout-bound | more in flight, as a probe: reverted if steps/s fell or samples got wasted |
 | generation held back (`rollout/backpressure_s`) and no rollout wait | train-bound | the queue bound down while samples age in it; restart-only knobs recommended |
+| none of these, with fewer requests in flight than a step trains on | balanced | more in flight, as a probe (a step needs more than one round of generation, and on shared cores the slow trickle of rollouts also slows the trainer) |
 | none of these | balanced | nothing |
 
 Every change is followed by a settling time: the samples admitted under the old value are still in the pipeline
@@ -219,7 +220,7 @@ class Decision:
     knob: str  # "inflight" or "queue"
     old: int
     new: int
-    regime: str  # "budget", "staleness", "starving", "rollout", "train" or "probe"
+    regime: str  # "budget", "staleness", "starving", "rollout", "train", "balanced" or "probe"
     reason: str
     evidence: dict = field(default_factory=dict)
 
@@ -229,7 +230,8 @@ class Decision:
         e = self.evidence
         if not e.get("steps"):  # decided from the run's settings, before any step
             return f"{head}: {self.reason})"
-        return (f"{head}-bound: {self.reason}; rollout wait {100 * e.get('rollout_wait_share', 0):.0f}% of the step, "
+        bound = "" if self.regime in ("balanced", "probe") else "-bound"
+        return (f"{head}{bound}: {self.reason}; rollout wait {100 * e.get('rollout_wait_share', 0):.0f}% of the step, "
                 f"wasted {100 * e.get('waste_share', 0):.1f}%, staleness {e.get('staleness_ratio', 0):.2f} of max, "
                 f"backpressure {100 * e.get('backpressure_share', 0):.0f}%, {e.get('steps_per_s', 0):.3f} steps/s)")
 
@@ -348,9 +350,15 @@ class Autotuner:
     # -- regimes --------------------------------------------------------------------------------------------------
     def _on_staleness(self, step: int, r: Reading) -> list[Decision]:
         factor = 1 - (1 - self.config.down_factor) * self._scale(-1)
-        if r.backpressure_share > self.config.backpressure_high and self.queue_bound > self.bounds.min_queue:
+        full_queue = r.backpressure_share > self.config.backpressure_high
+        fed = r.wait_share <= self.config.rollout_wait_high  # rollouts are ready before the trainer asks
+        if (full_queue or fed) and self.queue_bound > self.bounds.min_queue:
+            # the samples age in the queue, not in flight: a cut of the requests would starve the trainer and,
+            # as a ceiling, keep it starved
             new = max(self.bounds.min_queue, math.floor(self.queue_bound * factor))
-            return self._change(step, "queue", new, "staleness", "samples age in a full queue", r, -1)
+            why = ("samples age in a full queue" if full_queue
+                   else "the trainer does not wait for rollouts: samples age in the queue")
+            return self._change(step, "queue", new, "staleness", why, r, -1)
         if self.inflight > self.bounds.min_inflight:
             self._stale_ceiling = min(self._stale_ceiling, self.inflight - 1)  # this many wasted samples: never again
             self.ceiling = min(self.ceiling, self._stale_ceiling)
@@ -385,10 +393,14 @@ class Autotuner:
     def _on_rollout(self, step: int, r: Reading) -> list[Decision]:
         if not self._raise_allowed(step, r):
             return []
+        return self._probe_raise(step, r, "rollout", "the trainer waits for rollouts")
+
+    def _probe_raise(self, step: int, r: Reading, regime: str, reason: str) -> list[Decision]:
+        """More in flight, judged on the next `probe_steps` steps against the settled steps before it."""
         factor = 1 + (self.config.up_factor - 1) * self._scale(+1)
         new = min(self.ceiling, max(self.inflight + 1, math.ceil(self.inflight * factor)))
         before = self.inflight
-        decisions = self._change(step, "inflight", new, "rollout", "the trainer waits for rollouts", r, +1)
+        decisions = self._change(step, "inflight", new, regime, reason, r, +1)
         if decisions:
             self._probe = (before, [row["perf/step_s"] for row in self._settled])
         return decisions
@@ -403,7 +415,12 @@ class Autotuner:
         return []
 
     def _on_balanced(self, step: int, r: Reading) -> list[Decision]:
-        return []
+        if (self.inflight >= min(self.samples_per_step, self.ceiling)
+                or r.staleness_ratio >= self.config.raise_below_staleness):
+            return []
+        # fewer requests than a step trains on: the trainer is fed from what queued up, and each step needs more
+        # than one round of generation; on shared cores the replicas' long trickle also slows the trainer
+        return self._probe_raise(step, r, "balanced", "fewer requests in flight than a step trains on")
 
     def _judge_probe(self, step: int, rows: list[dict]) -> list[Decision]:
         before, times_before = self._probe
@@ -413,7 +430,7 @@ class Autotuner:
         if slower <= self.config.max_loss and r.waste_share <= self.config.waste_high:
             # the raise cost nothing that noise does not explain: keep it, and go on if the loop still waits
             regime = classify(r, self.config)
-            if regime in ("starving", "rollout"):
+            if regime in ("starving", "rollout", "balanced"):
                 self._settled = rows
                 return getattr(self, f"_on_{regime}")(step, r)
             return []

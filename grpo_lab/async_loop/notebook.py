@@ -124,6 +124,20 @@ def autotune_table(run: LoopRun):
     return pd.DataFrame.from_records(records)
 
 
+def show_autotune(run: LoopRun) -> None:
+    """Display an autotuned run's decisions (a table with their evidence) and its knobs over the steps; nothing for
+    a run without autotune."""
+    if not run.settings.autotune:
+        return
+    from IPython.display import Image, Markdown, display
+
+    decisions = autotune_table(run)
+    display(Markdown(f"**{run.name}**: {len(decisions)} autotune changes"))
+    if len(decisions):
+        display(decisions)
+    display(Image(autotune_png(run)))
+
+
 def autotune_png(run: LoopRun, dpi: int = 90) -> bytes:
     """Requests in flight and the queue bound at every step of an autotuned run, each change marked."""
     import matplotlib
@@ -304,5 +318,5 @@ def controls(settings: QuickSettings, on_run):
 
     from ..lab.widgets import ParamForm
 
-    return ParamForm(asdict(settings), on_run=on_run, button="Run the loop",
+    return ParamForm(asdict(settings), on_run=on_run, button="Run the loop", output=True,
                      choices={"replica_kind": ("cpu", "vllm"), "report_to": REPORT_TO})

@@ -44,11 +44,16 @@ def text_width_px(text: str, min_chars: int = 24, max_chars: int = 90) -> int:
 
 class ParamForm:
     """One control per parameter (bool → Checkbox, int → IntText, float → FloatText, str/list → Text, a tuple of
-    choices → Dropdown) and a Run button calling `on_run(values)`; errors show in the form, not as a traceback."""
+    choices → Dropdown) and a Run button calling `on_run(values)`; errors show in the form, not as a traceback.
+
+    With `output=True` the form has an Output area under its button, cleared at each run, where whatever `on_run`
+    displays or prints appears: a button's callback runs outside any cell, so without it JupyterLab sends that
+    output to its log console, not to the notebook."""
 
     def __init__(self, params: dict, on_run: Callable[[dict], None], choices: dict | None = None,
-                 button: str = "Run on this machine"):
+                 button: str = "Run on this machine", output: bool = False):
         self.on_run = on_run
+        self.output = None
         self.params = dict(params)
         self.choices = choices or {}
         self._display = _ipython_display()
@@ -75,7 +80,9 @@ class ParamForm:
         self.button = _w.Button(description=button, button_style="primary", layout=_w.Layout(width="auto"))
         self.message = _w.HTML(value="")
         self.button.on_click(self._clicked)
-        self.box = _w.VBox(list(self.controls.values()) + [_w.HBox([self.button, self.message])])
+        self.output = _w.Output() if output else None
+        self.box = _w.VBox(list(self.controls.values()) + [_w.HBox([self.button, self.message])]
+                           + ([self.output] if self.output is not None else []))
 
     def values(self) -> dict:
         return {k: c.value for k, c in self.controls.items()} if self.controls else dict(self.params)
@@ -83,7 +90,12 @@ class ParamForm:
     def _clicked(self, _):
         self.message.value = "<i>running…</i>"
         try:
-            self.on_run(self.values())
+            if self.output is None:
+                self.on_run(self.values())
+            else:
+                self.output.clear_output()
+                with self.output:
+                    self.on_run(self.values())
             self.message.value = "done"
         except ValueError as e:  # bad input: a clear message, no traceback
             self.message.value = f"<span style='color:#b00'>{html.escape(str(e))}</span>"

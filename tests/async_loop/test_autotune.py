@@ -98,6 +98,38 @@ def test_a_loop_starving_half_the_step_gets_twice_the_requests():
     assert [(d.old, d.new, d.regime) for d in decisions][:1] == [(4, 8, "starving")]
 
 
+def test_a_fed_loop_reading_stale_cuts_its_queue_not_its_few_requests():
+    """2 in flight beside a 62-sample queue bound: the trainer never waits, the samples age in the queue. Cutting the
+    requests (and making that a ceiling) would leave the loop at 1 in flight for the rest of the run."""
+    t = tuner(2)
+    assert t.queue_bound == 62
+    decisions = replay(t, [row(wait=0.0, staleness=3.2)] * 12)
+    assert decisions and all(d.knob == "queue" and d.regime == "staleness" for d in decisions)
+    assert "samples age in the queue" in decisions[0].reason
+    assert t.inflight == 2 and t.ceiling == t.bounds.max_inflight
+    assert t.queue_bound == t.bounds.min_queue == SPS  # cut until the floor: one step of samples
+
+
+def test_a_balanced_loop_with_fewer_requests_than_a_step_probes_up_to_a_step():
+    t = tuner(4)
+    decisions = replay(t, [row(step_s=0.5, wait=0.02, staleness=1.0)] * 30)
+    assert [(d.old, d.new, d.regime) for d in decisions] == [(4, 8, "balanced"), (8, 16, "balanced")]
+    assert "in flight 4 -> 8 (balanced: fewer requests in flight than a step trains on" in decisions[0].line()
+    assert t.inflight == SPS  # a step's worth: balanced from there on, nothing more
+
+
+def test_a_balanced_probe_that_slows_the_steps_is_reverted():
+    t = tuner(4)
+    rows, step = [], 0
+    for _ in range(30):
+        step += 1
+        r = row(step_s=(0.5 if t.inflight <= 4 else 0.9) + (0.01 if step % 2 else -0.01), wait=0.02, staleness=1.0)
+        rows.append(r)
+        t.observe(step, r)
+    assert [(d.old, d.new, d.regime) for d in t.decisions if d.step][:2] == [(4, 8, "balanced"), (8, 4, "probe")]
+    assert t.inflight == 4
+
+
 def test_train_bound_trace_changes_no_in_flight_and_recommends_restart_knobs():
     t = tuner(16, 64)
     decisions = replay(t, [row(staleness=2.5, backpressure=0.4)] * 8)

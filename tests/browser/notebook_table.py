@@ -125,13 +125,24 @@ def max_batch_rerun_one_backend(nb: NotebookView, params: dict) -> str:
                             "rel tol": "0.25"}, "fsdp_max_batch_here.csv")
 
 
-def async_loop_rerun_two_steps(nb: NotebookView, params: dict) -> str:
-    """04: a 4-step rerun of the loop from the form (CPU replicas + router + trainer start and stop again; with 2
-    steps the doctor can say "not enough steps logged yet", which the form shows as an error)."""
+def async_loop_rerun_autotuned(nb: NotebookView, params: dict) -> str:
+    """04: a 4-step rerun of the loop from the form with the autotune box ticked (CPU replicas + router + trainer
+    start and stop again; with 2 steps the doctor can say "not enough steps logged yet", which the form shows as an
+    error). Under the form: the run's live board, the doctor's verdict and the controller's decisions (TRL's default
+    of 64 in flight is above the pipeline budget, so there is always at least the step-0 clamp) with its figure."""
     form = nb.cell("nb04.controls(")
     set_text(form, "steps", "4")
+    box = form.locator(".widget-checkbox").filter(has_text=re.compile(r"^\s*autotune\s*$")).locator("input")
+    box.check()
     click(form, "Run the loop")
-    return wait_form_done(form, "Run the loop")
+    wait_form_done(form, "Run the loop")
+    out = form.locator(OUTPUT_WIDGET).last
+    text = out.inner_text()
+    changes = re.search(r"run \d+: (\d+) autotune changes", text)
+    assert changes and int(changes.group(1)) >= 1, f"no autotune decisions under the form: {text[-800:]!r}"
+    assert "budget" in out.locator("table").last.inner_text(), "the decisions table lacks the step-0 clamp"
+    out.locator("img").nth(1).wait_for(timeout=WAIT_MS)   # the board's figure and the knobs' figure
+    return text
 
 
 def reward_curves_run_ten_steps(nb: NotebookView, params: dict) -> str:
@@ -171,9 +182,9 @@ EXPECT: dict[str, Expect] = {
         interaction=reward_curves_run_ten_steps),
     "04_async_lora": Expect(
         figures_quick=1, figures_committed=1,
-        controls={"form text boxes": ".widget-text input",
+        controls={"form text boxes": ".widget-text input", "autotune box": ".widget-checkbox input",
                   "Run button": "button.jupyter-button:has-text('Run the loop')"},
-        interaction=async_loop_rerun_two_steps,
+        interaction=async_loop_rerun_autotuned,
         overrides={"STEPS": "3", "FOLLOW_DOCTOR": "False"}),
 }
 DEFAULT = Expect(figures_quick=1, figures_committed=0)
