@@ -1,7 +1,7 @@
 """Does autotune work? The embedded CPU loop under TRL's default, a grid of hand-set in-flight/queue settings,
 autotune from TRL's default, and autotune from two bad starts (1 in flight, 512 in flight), each to the same steps.
 
-    .venv/bin/python benchmarks/autotune_bench.py                 # ~14 min on a 2-core CPU (2 rounds)
+    .venv/bin/python benchmarks/autotune_bench.py                 # ~20 min on a 2-core CPU (3 rounds of 60 steps)
     .venv/bin/python benchmarks/autotune_bench.py --steps 10 --rounds 1 --only trl_default,autotune   # a quick look
 
 Writes `results/async/autotune.csv` (one row per run and round: steps/s, trained tokens/s, wasted-sample share,
@@ -127,8 +127,8 @@ def figure(frame, summary, path: Path, machine: str = "") -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--rounds", type=int, default=2, help="times each setting runs (interleaved); the verdict is "
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=3, help="times each setting runs (interleaved); the verdict is "
                    "on the means")
     p.add_argument("--replica-threads", type=int, default=0, help="threads per CPU replica (0: the loop's default)")
     p.add_argument("--name", default="autotune", help="file stem of the outputs (autotune -> autotune.csv, ...)")
