@@ -132,11 +132,11 @@ def async_loop_rerun_autotuned(nb: NotebookView, params: dict) -> str:
     of 64 in flight is above the pipeline budget, so there is always at least the step-0 clamp) with its figure."""
     form = nb.cell("nb04.controls(")
     set_text(form, "steps", "4")
-    box = form.locator(".widget-checkbox").filter(has_text=re.compile(r"^\s*autotune\s*$")).locator("input")
+    box = form.locator(".widget-checkbox").filter(has_text="autotune").locator("input[type=checkbox]")
     box.check()
     click(form, "Run the loop")
     wait_form_done(form, "Run the loop")
-    out = form.locator(OUTPUT_WIDGET).last
+    out = form.locator(OUTPUT_WIDGET).first   # the form's own area (the board's plot and table areas are inside it)
     text = out.inner_text()
     changes = re.search(r"run \d+: (\d+) autotune changes", text)
     assert changes and int(changes.group(1)) >= 1, f"no autotune decisions under the form: {text[-800:]!r}"
