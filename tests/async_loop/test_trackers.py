@@ -1,7 +1,7 @@
-"""The run in the user's tracker: `grpo-lab async-loop --report-to trackio --report-to tensorboard --autotune`
-logs through transformers' integrations, offline (trackio's local SQLite store under TRACKIO_DIR, TensorBoard event
-files under the output folder), with TRL's metric names, the router's figures and the autotune knobs; `grpo-lab
-doctor` reads the run back from either."""
+"""The run in the user's tracker: `grpo-lab async-loop --report-to trackio --report-to tensorboard --report-to wandb
+--autotune` logs through transformers' integrations, offline (trackio's local SQLite store under TRACKIO_DIR,
+TensorBoard event files under the output folder, W&B's offline run under WANDB_DIR), with TRL's metric names, the
+router's figures and the autotune knobs; `grpo-lab doctor` reads the run back from trackio or TensorBoard."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from grpo_lab.async_loop.trackers import RouterFigures, read_run
 
 pytest.importorskip("trackio")
 pytest.importorskip("tensorboard")
+pytest.importorskip("wandb")
 
 TRL_NAMES = ("perf/rollout_wait_s", "perf/step_s", "sample/staleness_mean", "batch/samples_per_step")
 
@@ -25,10 +26,11 @@ TRL_NAMES = ("perf/rollout_wait_s", "perf/step_s", "sample/staleness_mean", "bat
 def tracked_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("tracked")
     out, trackio_dir = root / "run", root / "trackio"
-    env = dict(os.environ, TRACKIO_DIR=str(trackio_dir), HF_HUB_OFFLINE="1", TRACKIO_PLOT_ORDER="")
+    env = dict(os.environ, TRACKIO_DIR=str(trackio_dir), HF_HUB_OFFLINE="1", TRACKIO_PLOT_ORDER="",
+               WANDB_MODE="offline", WANDB_DIR=str(root), WANDB_SILENT="true", WANDB_PROJECT="grpo-lab-test")
     done = subprocess.run([sys.executable, "-m", "grpo_lab.cli", "async-loop", "--output-dir", str(out),
                            "--max-steps", "4", "--save-steps", "100", "--autotune", "--report-to", "trackio",
-                           "--report-to", "tensorboard", "--run-name", "tracked"],
+                           "--report-to", "tensorboard", "--report-to", "wandb", "--run-name", "tracked"],
                           capture_output=True, text=True, timeout=400, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out, trackio_dir
@@ -66,6 +68,18 @@ def test_a_tensorboard_run_is_read_back_by_the_doctor(tracked_run, capsys):
     # the loop's own metrics log still works, and holds the same steps
     local, _ = read_run(out)
     assert [r["step"] for r in local if "perf/fwd_bwd_s" in r] == [1, 2, 3, 4]
+
+
+def test_a_wandb_run_written_offline_holds_trls_names_and_the_routers(tracked_run):
+    """W&B's offline run (what `wandb sync` uploads later) has the run's history: its records name every metric
+    logged (wandb 0.31 has no public reader of an offline run, so the names are looked up in the file's bytes)."""
+    out, _ = tracked_run
+    runs = list((out.parent / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    data = runs[0].read_bytes()
+    for name in TRL_NAMES + ("autotune/inflight", "autotune/queue_bound"):
+        assert name.encode() in data, name
+    assert b"router/affinity_share" in data or b"router/unmatched_total" in data
 
 
 def test_doctor_refuses_a_folder_that_is_no_run(tmp_path, capsys):
