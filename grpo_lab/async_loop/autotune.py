@@ -25,7 +25,7 @@ request (a decision at step 0), and the queue bound follows the in-flight count 
 Every change is followed by a settling time: the samples admitted under the old value are still in the pipeline
 for about `in flight / samples_per_step` steps, so readings start after they are out (a cut judged on the waste of
 the requests it cut would cut again). A regime must hold for `patience` readings in a row (a starving or badly
-wasting loop acts at once). No oscillation: an in-flight count that wasted samples becomes a ceiling no later raise
+wasting loop acts at once). No oscillation: an in-flight count cut for staleness becomes a ceiling no later raise
 reaches, and so does a raise that did not pay (a probe reverted, for `reprobe_steps`); every reversal of direction
 halves the step. A probe is judged on `probe_steps` steps against the reading that called for it, because the steps/s
 of a few steps is noisy (on a shared 2-core machine one step takes 0.3-0.9 s at the same setting). The decisions are
@@ -360,7 +360,7 @@ class Autotuner:
                    else "the trainer does not wait for rollouts: samples age in the queue")
             return self._change(step, "queue", new, "staleness", why, r, -1)
         if self.inflight > self.bounds.min_inflight:
-            self._stale_ceiling = min(self._stale_ceiling, self.inflight - 1)  # this many wasted samples: never again
+            self._stale_ceiling = min(self._stale_ceiling, self.inflight - 1)  # this many aged samples: never again
             self.ceiling = min(self.ceiling, self._stale_ceiling)
             new = max(self.bounds.min_inflight, math.floor(self.inflight * factor))
             return self._change(step, "inflight", new, "staleness", "samples go stale before they are trained on",
