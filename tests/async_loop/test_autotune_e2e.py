@@ -17,8 +17,8 @@ def test_autotune_raises_the_in_flight_count_of_a_starved_run_live(cluster, tmp_
     # a budget of two steps of samples and a queue bound of at most one: the default queue (1024) is cut to one step
     # before the first request, so the backlog made while the trainer starts up is gone after a step and does not
     # hide the starving trainer (with the 31 the budget leaves, it could read train-bound until step 5)
-    config = AutotuneConfig(budget_steps=2, max_queue=16, warmup_steps=1, patience=1, cooldown_steps=1, rollout_wait_high=0.01,
-                            starving=0.01, max_loss=1.0)
+    config = AutotuneConfig(budget_steps=2, max_queue=16, warmup_steps=1, patience=1, cooldown_steps=1,
+                            rollout_wait_high=0.01, starving=0.01, max_loss=1.0)
     args = embedded_trainer_args(str(out), max_steps=8, max_staleness=MAX_STALENESS, save_strategy="no",
                                  max_inflight_tasks=1)
     lines, pids = [], []
@@ -35,14 +35,16 @@ def test_autotune_raises_the_in_flight_count_of_a_starved_run_live(cluster, tmp_
     decisions = [d for r in rows for d in r.get("autotune", [])]
     raised = [d for d in decisions if d["knob"] == "inflight" and d["new"] > d["old"]]
     waits = [round(r.get("perf/rollout_wait_s") or 0, 3) for r in rows]
-    assert raised and raised[0]["old"] == 1 and raised[0]["regime"] in ("starving", "rollout", "balanced"), (decisions, waits)
+    assert raised and raised[0]["old"] == 1, (decisions, waits)
+    assert raised[0]["regime"] in ("starving", "rollout", "balanced"), (decisions, waits)
     assert "rollout_wait_share" in raised[0]["evidence"]
     # the queue bound was fitted to the pipeline budget before the first request, said once, kept with step 1
     assert decisions[0]["step"] == 0 and decisions[0]["regime"] == "budget" and decisions[0]["knob"] == "queue"
     assert rows[0]["autotune"][0] == decisions[0]
     assert lines[0].startswith("autotune: step 0: queue bound ")
     # (a startup backlog can make the first reading train-bound: a queue cut may come before the raise)
-    said = [i for i, line in enumerate(lines) if line.startswith(f"autotune: step {raised[0]['step']}: in flight 1 -> ")]
+    raise_line = f"autotune: step {raised[0]['step']}: in flight 1 -> "
+    said = [i for i, line in enumerate(lines) if line.startswith(raise_line)]
     assert said, lines
     # every row carries the knob; the change is the run's own value from its step on
     assert all("autotune/inflight" in r for r in rows)
