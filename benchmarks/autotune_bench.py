@@ -126,18 +126,26 @@ def figure(frame, summary, path: Path, machine: str = "") -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=60)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps of every run (at least 2: steps/s is "
+                   "measured from the end of step 1)")
     p.add_argument("--rounds", type=int, default=3, help="times each setting runs (interleaved); the verdict is "
                    "on the means")
     p.add_argument("--replica-threads", type=int, default=0, help="threads per CPU replica (0: the loop's default)")
     p.add_argument("--name", default="autotune", help="file stem of the outputs (autotune -> autotune.csv, ...)")
     p.add_argument("--merge", nargs="+", default=None, metavar="CSV",
                    help="run nothing: merge these per-round CSVs (e.g. one per device call) into --name's files")
-    p.add_argument("--only", default="", help="comma-separated run names (default: all)")
+    p.add_argument("--only", default="", help=f"comma-separated run names, of: {', '.join(RUNS)} (empty: all)")
     p.add_argument("--out", default=str(ROOT / "results" / "async"))
     p.add_argument("--keep", default=None, help="keep each run's folder (its loop_metrics.jsonl) here")
     a = p.parse_args(argv)
+    unknown = [n for n in a.only.split(",") if n] if a.only else []
+    unknown = [n for n in unknown if n not in RUNS]
+    if unknown:
+        p.error(f"--only: unknown run {', '.join(unknown)} (runs: {', '.join(RUNS)})")
+    if not a.merge and (a.steps < 2 or a.rounds < 1):
+        p.error(f"--steps must be >= 2 and --rounds >= 1, got {a.steps} and {a.rounds}")
     import pandas as pd
 
     sys.path.insert(0, str(ROOT))
@@ -145,7 +153,7 @@ def main(argv=None) -> int:
 
     if a.merge:
         return merge_rounds([Path(f) for f in a.merge], Path(a.out), a.name)
-    names = [n for n in (a.only.split(",") if a.only else RUNS)]
+    names = [n for n in a.only.split(",") if n] if a.only else list(RUNS)
     workdir = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="grpo-lab-autotune-"))
     results = []
     try:
