@@ -10,7 +10,8 @@ module; importing this package loads none of them (the CPU replica pulls in torc
   (`start_router(...)`: the router in this process), `vllm_routes` (the vLLM endpoints both servers register),
   `completion_batches` (a batch prompt split and merged as vLLM does), `replica_pool` (health and re-admission),
   `upstream` (authenticated upstream calls), `metrics` (Prometheus text), `forwarding` and `per_try` (a
-  completion's re-sends and its hedge after a per-try deadline), `membership`, `admin_api`, `admin_client`
+  completion's re-sends and its hedge after a per-try deadline), `client_watch` (a completion whose client hung up
+  is cancelled), `membership`, `admin_api`, `admin_client`
   (replicas added and removed at run time)
 - runs sharing the replicas: `tenancy` (each run's namespace, token, adapter slots and lease), `fair_queue` (whose
   completion goes next: weighted fair sharing under a per-replica cap), `tenant_api` (`/router/runs` and the vLLM

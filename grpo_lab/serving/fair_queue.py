@@ -24,7 +24,7 @@ adapter names seed its prompt hashes, so its groups stay together.
 A run may also pause (TRL pauses "the server" around each adapter sync): its queued completions then stay queued
 until it resumes, while its completions already running finish and the other runs go on; a shared replica cannot
 be paused for one run. A waiter whose client has gone (a killed trainer) is dropped when its turn comes instead of
-being forwarded.
+being forwarded, or sooner when the lease asks whether its run is still busy.
 """
 
 from __future__ import annotations
@@ -110,8 +110,26 @@ class FairQueue:
         return sum(len(s.queue) for s in self.shares.values())
 
     def busy(self, run: str) -> bool:
+        """Whether `run` has a completion running, or queued for a client still connected (a paused run's waiters
+        are never granted, so a killed trainer's would otherwise keep its run busy, and its lease alive, for ever)."""
         share = self.shares.get(run)
-        return bool(share and (share.in_flight or share.queue))
+        if share is None:
+            return False
+        self._drop_gone(share)
+        return bool(share.in_flight or share.queue)
+
+    @staticmethod
+    def _drop_gone(share: RunShare) -> None:
+        """Fail (ClientGone) and drop the waiters of `share` whose client disconnected or whose wait was cancelled."""
+        kept = deque()
+        for waiter in share.queue:
+            if waiter.future.done():
+                continue
+            if waiter.gone is not None and waiter.gone():
+                waiter.future.set_exception(ClientGone("the client disconnected while its completion was queued"))
+                continue
+            kept.append(waiter)
+        share.queue = kept
 
     @contextlib.asynccontextmanager
     async def slot(self, run: str, cost: float = 1.0, gone: Callable[[], bool] | None = None,

@@ -32,6 +32,7 @@ from aiohttp import web
 from .adapter_fanout import broadcast
 from .adapter_lifecycle import AdapterLifecycle
 from .admin_api import AdminAPI
+from .client_watch import client_closed_response, unless_client_gone
 from .completion_batches import PromptError, merge_batch, split_prompt
 from .fair_queue import ClientGone
 from .forwarding import Forwarder, failure
@@ -254,7 +255,8 @@ class Router:
     async def completions(self, request: web.Request) -> web.Response:
         t_start = time.perf_counter()
         body, raw = await self._json(request)
-        return await self.complete(body, raw, t_start)
+        answer = await unless_client_gone(request, self.complete(body, raw, t_start))
+        return client_closed_response() if answer is None else answer
 
     async def complete(self, body: dict, raw: bytes, t_start: float, shown: str | None = None, gate=None,
                        run: str | None = None) -> web.Response:

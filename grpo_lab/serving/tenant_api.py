@@ -45,6 +45,7 @@ from collections import deque
 from aiohttp import web
 
 from .adapter_slots import DEFAULT_MAX_STALENESS
+from .client_watch import client_closed_response, client_gone, unless_client_gone
 from .fair_queue import FairQueue
 from .tenancy import SEPARATOR, Run, RunRegistry, TenancyError
 from .upstream import now
@@ -289,8 +290,12 @@ class TenantAPI:
         def gate(max_tokens, deadline: float):
             return self._queued(run, request, max_tokens, deadline)
 
-        answer = await self.router.complete(body, raw, t_start, shown=shown, gate=gate, run=run.name)
-        run.touch()
+        answer = await unless_client_gone(request, self.router.complete(body, raw, t_start, shown=shown, gate=gate,
+                                                                       run=run.name))
+        if answer is None:  # a dead client's completion renews nothing: its run's lease may lapse
+            answer = client_closed_response()
+        else:
+            run.touch()
         self.metrics.inc("grpo_router_run_completions_total", "Completion requests of each run, by status",
                          run=run.name, status=str(answer.status))
         return answer
@@ -302,10 +307,8 @@ class TenantAPI:
             else DEFAULT_COST
         began = now()
 
-        def gone() -> bool:
-            return request.transport is None or request.transport.is_closing()
-
-        async with self.queue.slot(run.name, cost, gone=gone, timeout_s=max(deadline - now(), 0.0)):
+        async with self.queue.slot(run.name, cost, gone=lambda: client_gone(request),
+                                   timeout_s=max(deadline - now(), 0.0)):
             self.metrics.observe("grpo_router_run_queue_wait_seconds", "Time completions waited for a place in the "
                                  "shared pool, per run", now() - began, QUEUE_BUCKETS, run=run.name)
             yield

@@ -70,10 +70,15 @@ def test_three_runs_share_two_replicas_and_a_killed_one_is_reclaimed(tmp_path, n
 
             for name in ("a", "b"):
                 assert procs[name].wait(timeout=400) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
-            # reclaimed after its lease, not before, and without anyone else's help
-            while "victim" in {r["name"] for r in pool.runs()} and time.monotonic() - killed_at < LEASE_S + 30:
+            # reclaimed after its lease, not before, and without anyone else's help (its rollouts, running or
+            # queued behind a pause for its adapter sync, were cancelled with their connections)
+            deadline = max(time.monotonic(), killed_at + LEASE_S) + 30
+            while "victim" in {r["name"] for r in pool.runs()} and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert "victim" not in {r["name"] for r in pool.runs()}
+            # its adapters leave each replica after their drain, a moment after the removal
+            while any(replica_adapters(r.url) for r in pool.cluster.replicas) and time.monotonic() < deadline + 30:
+                time.sleep(0.2)
         finally:
             for proc in procs.values():
                 if proc.poll() is None:

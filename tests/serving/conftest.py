@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
+import socket
 import time
 import types
 
@@ -62,6 +64,20 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def send_then_hang_up(port: int, path: str, body: dict, headers: dict | None = None, wait_s: float = 0.3,
+                      before_hang_up=None) -> None:
+    """A client killed mid-request: it sends a whole POST, waits `wait_s` (the router has it by then), calls
+    `before_hang_up()` if given, and its connection closes with no answer read."""
+    data = json.dumps(body).encode()
+    head = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
+            f"Content-Length: {len(data)}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+        time.sleep(wait_s)
+        if before_hang_up is not None:
+            before_hang_up()
 
 
 def metrics_of(url: str) -> dict[str, float]:

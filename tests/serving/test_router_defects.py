@@ -16,7 +16,7 @@ import requests
 from grpo_lab.serving.router_thread import start_router
 from grpo_lab.serving.router_config import RouterConfig
 
-from .conftest import TOKEN_ENV, metric, wait_for
+from .conftest import TOKEN_ENV, metric, send_then_hang_up, wait_for
 from .fake_vllm import FakeCluster, FakeVLLM
 
 
@@ -218,6 +218,23 @@ def test_slow_body_gets_408(token):
         assert answer.startswith("HTTP/1.1 408") and "did not arrive" in answer
         assert time.monotonic() - t0 < 5
         assert requests.get(router.url + "/health", timeout=5).status_code == 200
+
+
+def test_a_completion_whose_client_hung_up_is_cancelled_and_frees_its_replica(token):
+    fake = FakeVLLM()
+    fake.completion_delay_s = 60  # a long generation: without the cancel it would hold the replica a minute
+    with FakeCluster(fake), router_for(fake) as router:
+        def running() -> bool:
+            return state(router.url)["replicas"][0]["in_flight"] == 1
+
+        send_then_hang_up(router.port, "/v1/completions", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 8},
+                          before_hang_up=lambda: wait_for(running, 5, "the completion on the replica"))
+        t0 = time.monotonic()
+        wait_for(lambda: state(router.url)["replicas"][0]["in_flight"] == 0, 5, "the cancelled completion's place")
+        assert time.monotonic() - t0 < 5
+        fake.completion_delay_s = 0.0
+        assert complete(router.url, [4, 5, 6]).status_code == 200  # the router serves on, nothing leaked
+        assert fake.served == 1
 
 
 def test_long_prompts_are_hashed_off_the_event_loop(token, monkeypatch):

@@ -20,7 +20,7 @@ from grpo_lab.serving.router_config import RouterConfig
 from grpo_lab.serving.router_thread import start_router
 from grpo_lab.serving.tenancy import RunRegistry, TenancyConfig, TenancyError, check_run_name, upstream_name
 
-from .conftest import TOKEN_ENV
+from .conftest import TOKEN_ENV, send_then_hang_up
 from .fake_vllm import FakeCluster, FakeVLLM
 
 ADMIN_ENV = "GRPO_LAB_TEST_POOL_ADMIN_KEY"
@@ -164,6 +164,13 @@ def test_a_paused_run_waits_while_others_go_on_and_a_forgotten_run_fails_its_wai
         with pytest.raises(ClientGone):
             await waiting
         assert queue.in_flight == 0 and not queue.busy("gone")
+        # a paused run's waiter whose client hung up is never granted, yet does not keep the run busy
+        hung_up = asyncio.ensure_future(queue.slot("killed", gone=lambda: True).__aenter__())
+        queue.set_paused("killed", True)
+        await asyncio.sleep(0)
+        assert not queue.busy("killed") and queue.queued("killed") == 0
+        with pytest.raises(ClientGone):
+            await hung_up
         # a wait that times out leaves no trace: nothing queued, nothing held
         async with queue.slot("r"):
             with pytest.raises(asyncio.TimeoutError):
@@ -344,6 +351,30 @@ def test_a_silent_run_is_reclaimed_after_its_lease_and_the_others_are_untouched(
         assert alive.complete("trl-policy-v1").status_code == 200
         # the freed slots can be taken by a new run
         assert router.register_run("next", max_staleness=1)["slots"] == max_loras_for(1)
+
+
+def test_a_run_killed_mid_sync_with_completions_queued_and_running_is_still_reclaimed(token, admin_key):
+    """TRL pauses its server around each adapter sync: a trainer kill -9'd then leaves a paused run with a completion
+    queued (never granted while paused) and, from its rollout worker, one running. Neither may keep it alive."""
+    a = FakeVLLM(max_loras=14)
+    a.completion_delay_s = 60
+    with FakeCluster(a), pool(a, lease_s=0.6, max_in_flight_per_replica=1) as router:
+        dead = Client(router.url, router.register_run("dead", max_staleness=1)["token"])
+        assert dead.load("trl-policy-v1").status_code == 200
+        body = {"model": "trl-policy-v1", "prompt": [1, 2, 3], "max_tokens": 4}
+        auth = {"Authorization": dead.headers["Authorization"]}
+
+        def mid_sync():  # a rollout runs on the replica; then the trainer pauses and one more rollout queues
+            assert dead.call("POST", "/pause?mode=keep").status_code == 200
+            send_then_hang_up(router.port, "/v1/completions", body, auth)
+
+        send_then_hang_up(router.port, "/v1/completions", body, auth, before_hang_up=mid_sync)
+        t0 = time.monotonic()
+        _wait_until(lambda: not router.runs(), timeout=10)
+        assert time.monotonic() - t0 < 10 and "dead--trl-policy-v1" not in a.adapters
+        unloads = requests.get(router.url + "/router/state", timeout=5,
+                               headers={"Authorization": f"Bearer {admin_key}"}).json()["unloads"]
+        assert [(u["adapter"], u["by"]) for u in unloads] == [("dead--trl-policy-v1", "lease")]
 
 
 def test_completions_of_a_flooding_run_do_not_starve_another(token, admin_key):

@@ -1,0 +1,51 @@
+"""A completion whose client has gone is cancelled, as vLLM aborts a request whose connection closed.
+
+aiohttp (since 3.9) lets a handler run on after its client disconnects. Behind the router that means a killed
+trainer's rollouts keep a replica generating for nobody, hold places other runs of a shared pool wait for, keep an
+unloaded adapter draining, and keep the run busy so its lease cannot lapse. The router therefore runs each
+completion as a task and cancels it once the client's connection is closed (checked every `poll_s`); the forwarder
+and the fair queue release what a cancelled completion held, and closing the upstream connection makes a vLLM
+replica abort the generation too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+
+from aiohttp import web
+
+POLL_S = 0.25
+
+
+def client_closed_response() -> web.Response:
+    """What a cancelled completion answers (nobody reads it): nginx's 499, so metrics count these apart."""
+    return web.Response(status=499, text="the client closed the connection; the completion was cancelled")
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the client of `request` has closed its connection (no answer can reach it any more)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def unless_client_gone(request: web.Request, work: Awaitable[web.Response],
+                             poll_s: float = POLL_S) -> web.Response | None:
+    """`await work`, or cancel it and return None once the client of `request` is gone."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if client_gone(request):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
+    except asyncio.CancelledError:  # the handler itself cancelled (the server stopping): take the work with it
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise
