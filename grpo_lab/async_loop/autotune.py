@@ -26,8 +26,9 @@ Every change is followed by a settling time: the samples admitted under the old 
 for about `in flight / samples_per_step` steps, so readings start after they are out (a cut judged on the waste of
 the requests it cut would cut again). A regime must hold for `patience` readings in a row (a starving or badly
 wasting loop acts at once). No oscillation: an in-flight count cut for staleness becomes a ceiling no later raise
-reaches, and so does a raise that did not pay (a probe reverted, for `reprobe_steps`); every reversal of direction
-halves the step. A probe is judged on `probe_steps` steps against the reading that called for it, because the steps/s
+reaches, and so does a raise that did not pay (a probe reverted, for `reprobe_steps`); every reversal of a knob's
+direction halves that knob's step (each knob keeps its own: a queue cut does not slow the climb of the requests in
+flight). A probe is judged on `probe_steps` steps against the reading that called for it, because the steps/s
 of a few steps is noisy (on a shared 2-core machine one step takes 0.3-0.9 s at the same setting). The decisions are
 plain data (`Decision`) with their evidence, so a recorded trace of logged rows can be replayed through the controller
 (tests/async_loop).
@@ -294,8 +295,10 @@ class Autotuner:
         self._streak: tuple[str, int] = ("", 0)
         self._probe: tuple[int, list[float]] | None = None  # (in flight before the raise, step times before it)
         self._settled: list[dict] = []  # the settled rows of the reading being acted on
-        self._last_direction = 0
-        self._step_scale = 1.0  # halved at every reversal of direction
+        # per knob: its last direction and its step scale, halved at every reversal of that knob (a queue cut
+        # says nothing about how far the requests in flight should still climb)
+        self._last_direction = {"inflight": 0, "queue": 0}
+        self._step_scale = {"inflight": 1.0, "queue": 1.0}
         self._ceiling_set_at = 0
         self._stale_ceiling = self.bounds.max_inflight
         self._clamp_to_budget()
@@ -349,20 +352,19 @@ class Autotuner:
 
     # -- regimes --------------------------------------------------------------------------------------------------
     def _on_staleness(self, step: int, r: Reading) -> list[Decision]:
-        factor = 1 - (1 - self.config.down_factor) * self._scale(-1)
         full_queue = r.backpressure_share > self.config.backpressure_high
         fed = r.wait_share <= self.config.rollout_wait_high  # rollouts are ready before the trainer asks
         if (full_queue or fed) and self.queue_bound > self.bounds.min_queue:
             # the samples age in the queue, not in flight: a cut of the requests would starve the trainer and,
             # as a ceiling, keep it starved
-            new = max(self.bounds.min_queue, math.floor(self.queue_bound * factor))
+            new = max(self.bounds.min_queue, math.floor(self.queue_bound * self._down("queue")))
             why = ("samples age in a full queue" if full_queue
                    else "the trainer does not wait for rollouts: samples age in the queue")
             return self._change(step, "queue", new, "staleness", why, r, -1)
         if self.inflight > self.bounds.min_inflight:
             self._stale_ceiling = min(self._stale_ceiling, self.inflight - 1)  # this many aged samples: never again
             self.ceiling = min(self.ceiling, self._stale_ceiling)
-            new = max(self.bounds.min_inflight, math.floor(self.inflight * factor))
+            new = max(self.bounds.min_inflight, math.floor(self.inflight * self._down("inflight")))
             return self._change(step, "inflight", new, "staleness", "samples go stale before they are trained on",
                                 r, -1)
         self._recommend("staleness at the lowest in-flight bound: more replicas, or a larger max_staleness "
@@ -385,7 +387,7 @@ class Autotuner:
         if not self._raise_allowed(step, r):
             return []
         feeding = 1 / max(1 - r.wait_share, 1e-6)  # the rollout rate the trainer takes, over the rate it gets
-        factor = 1 + (min(max(feeding, 2.0), self.config.slow_start_max_factor) - 1) * self._scale(+1)
+        factor = 1 + (min(max(feeding, 2.0), self.config.slow_start_max_factor) - 1) * self._scale("inflight", +1)
         new = min(self.ceiling, max(self.inflight + 1, math.ceil(self.inflight * factor)))
         return self._change(step, "inflight", new, "starving", "the trainer waits for rollouts most of the step", r,
                             +1)
@@ -397,7 +399,7 @@ class Autotuner:
 
     def _probe_raise(self, step: int, r: Reading, regime: str, reason: str) -> list[Decision]:
         """More in flight, judged on the next `probe_steps` steps against the settled steps before it."""
-        factor = 1 + (self.config.up_factor - 1) * self._scale(+1)
+        factor = 1 + (self.config.up_factor - 1) * self._scale("inflight", +1)
         new = min(self.ceiling, max(self.inflight + 1, math.ceil(self.inflight * factor)))
         before = self.inflight
         decisions = self._change(step, "inflight", new, regime, reason, r, +1)
@@ -441,10 +443,17 @@ class Autotuner:
         return self._change(step, "inflight", before, "probe", f"{why}: reverted", r, -1)
 
     # -- changes --------------------------------------------------------------------------------------------------
-    def _scale(self, direction: int) -> float:
-        if self._last_direction and direction != self._last_direction:
-            self._step_scale = max(self._step_scale / 2, 0.125)
-        return self._step_scale
+    def _scale(self, knob: str, direction: int) -> float:
+        """The step scale of `knob` for a change in `direction`: halved when that knob's last change went the
+        other way (the damping that keeps it from oscillating), never below 1/8."""
+        last = self._last_direction[knob]
+        if last and direction != last:
+            self._step_scale[knob] = max(self._step_scale[knob] / 2, 0.125)
+        return self._step_scale[knob]
+
+    def _down(self, knob: str) -> float:
+        """The factor of a cut of `knob` for staleness: `down_factor`, damped after a reversal."""
+        return 1 - (1 - self.config.down_factor) * self._scale(knob, -1)
 
     def _settling_steps(self, old: int, new: int) -> int:
         """Steps until the samples admitted under `old` in flight (and the queue beside them) are out of the
@@ -468,7 +477,7 @@ class Autotuner:
         else:
             settle = self.config.cooldown_steps
             self.queue_cap = new
-        self._last_direction = direction
+        self._last_direction[knob] = direction
         self._settled_after = step + settle
         self._rows = []
         self._streak = ("", 0)

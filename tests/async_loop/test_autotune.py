@@ -110,6 +110,20 @@ def test_a_fed_loop_reading_stale_cuts_its_queue_not_its_few_requests():
     assert t.queue_bound == t.bounds.min_queue == SPS  # cut until the floor: one step of samples
 
 
+def test_a_queue_cut_for_a_startup_backlog_does_not_slow_the_climb_of_the_requests():
+    """From 2 in flight a startup backlog reads stale while the trainer is fed: the queue bound is cut. When the
+    backlog is gone and the trainer starves, the requests climb at the full slow-start rate: the queue's reversal
+    of direction is the queue's own (the benchmark saw shared damping leave a run climbing one request a time)."""
+    t = tuner(2)
+    cuts = replay(t, [row(wait=0.0, staleness=3.2)] * 6)
+    assert cuts and all(d.knob == "queue" for d in cuts)
+    climb = []
+    for step in range(len(cuts) + 7, len(cuts) + 15):
+        climb += [d for d in t.observe(step, row(step_s=1.0, wait=0.9, staleness=0.3)) if d.knob == "inflight"]
+    # the first reading still holds a fed step (waits 60 %: x2.5), the next waits 90 %: x4, undamped
+    assert [(d.old, d.new, d.regime) for d in climb][:2] == [(2, 5, "starving"), (5, 20, "starving")]
+
+
 def test_a_balanced_loop_with_fewer_requests_than_a_step_probes_up_to_a_step():
     t = tuner(4)
     decisions = replay(t, [row(step_s=0.5, wait=0.02, staleness=1.0)] * 30)
