@@ -119,7 +119,8 @@ def figure(frame, summary, path: Path, machine: str = "") -> None:
     ax2.set_yscale("log", base=2)
     ax2.set_xlabel("step")
     ax2.set_ylabel("requests in flight (autotune, last round)")
-    ax2.legend(fontsize=8)
+    if ax2.get_legend_handles_labels()[0]:  # no autotune run among those chosen (--only): no legend to draw
+        ax2.legend(fontsize=8)
     fig.suptitle(f"autotune on the embedded loop (2 replicas){': ' + machine if machine else ''}")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -162,14 +163,14 @@ def main(argv=None) -> int:
                 result = {"round": round_, **run_one(name, a.steps, workdir, a.replica_threads)}
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items()
                                   if k != "inflight_trace"}), flush=True)
-                results.append(result)
+                results.append({**result, **run_record("auto")})  # the load each run left, its time
+            if round_ < a.rounds:  # a run cut short (Ctrl-C, a time limit) keeps every round it finished
+                write_outputs(pd.DataFrame(results), Path(a.out), a.name, quiet=True)
+                print(f"round {round_}/{a.rounds} written to {Path(a.out) / a.name}.csv", flush=True)
     finally:
         if not a.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    frame = pd.DataFrame(results)
-    for key, value in run_record("auto").items():
-        frame[key] = value
-    return write_outputs(frame, Path(a.out), a.name)
+    return write_outputs(pd.DataFrame(results), Path(a.out), a.name)
 
 
 def merge_rounds(paths: list[Path], out: Path, name: str) -> int:
@@ -187,8 +188,9 @@ def merge_rounds(paths: list[Path], out: Path, name: str) -> int:
     return write_outputs(frame, out, name)
 
 
-def write_outputs(frame, out: Path, name: str) -> int:
-    """The per-run CSV, the summary (with the machine and versions of the last run) and the figure; the verdict."""
+def write_outputs(frame, out: Path, name: str, quiet: bool = False) -> int:
+    """The per-run CSV, the summary (with the machine and versions of the last run) and the figure; the verdict
+    (unless `quiet`: the files written after each round of a longer run)."""
     from grpo_lab.lab.records import run_record
 
     summary = summarise_rounds(frame)
@@ -199,6 +201,8 @@ def write_outputs(frame, out: Path, name: str) -> int:
     frame.to_csv(out / f"{name}.csv", index=False)
     summary.to_csv(out / f"{name}_summary.csv", index=False)
     figure(frame, summary, out / f"{name}.png", str(summary["machine"].iloc[-1]) if "machine" in summary else "")
+    if quiet:
+        return 0
     for line in verdict_lines(summary):
         print(line)
     print(f"wrote {out / f'{name}.csv'}, {out / f'{name}_summary.csv'} and {out / f'{name}.png'}")
