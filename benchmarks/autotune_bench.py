@@ -16,6 +16,7 @@ them rather than on one; on a 2-core VM the same setting's steps/s varies by up 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -149,7 +150,8 @@ def main(argv=None) -> int:
         p.error(f"--steps must be >= 2 and --rounds >= 1, got {a.steps} and {a.rounds}")
     import pandas as pd
 
-    sys.path.insert(0, str(ROOT))
+    if importlib.util.find_spec("grpo_lab") is None:  # an installed grpo_lab (with its data files) comes first
+        sys.path.insert(0, str(ROOT))
     from grpo_lab.lab.records import run_record
 
     if a.merge:

@@ -14,10 +14,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export TRL_EXPERIMENTAL_SILENCE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site \
   "$REPO"/.whl/*.whl || exit 1
-export PYTHONPATH="/root/site:$REPO"  # the replicas and the rollout worker's child import grpo_lab from here too
+# grpo_lab itself, installed (its data files are the package `grpo_lab.data_files`, which only an install maps)
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /root/site "$REPO" || exit 1
+export PYTHONPATH="/root/site"  # the replicas and the rollout worker's child import grpo_lab from here too
 mkdir -p "$OUT/async"
 python3 -c "import torch, trl, datasets, pyarrow; print(torch.cuda.get_device_name(), 'torch', torch.__version__, \
 'trl', trl.__version__, 'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)" || exit 1
-cd "$REPO" && timeout 560 python3 benchmarks/autotune_bench.py --rounds 1 --steps "${STEPS:-30}" --replica-threads 3 \
+cd "$REPO" && timeout "${LIMIT_S:-560}" python3 benchmarks/autotune_bench.py --rounds 1 --steps "${STEPS:-30}" --replica-threads 3 \
   --name "${NAME:-autotune_h200}_r$ROUND" --out "$OUT/async" 2>&1 | grep -v -i warning | tee "$OUT/async/${NAME:-autotune_h200}_r$ROUND.log" \
   | grep -E '^\{|x the best|wrote|Error|error' | cut -c1-260
