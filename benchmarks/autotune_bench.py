@@ -142,8 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "results" / "async"))
     p.add_argument("--keep", default=None, help="keep each run's folder (its loop_metrics.jsonl) here")
     a = p.parse_args(argv)
-    unknown = [n for n in a.only.split(",") if n] if a.only else []
-    unknown = [n for n in unknown if n not in RUNS]
+    names = [n for n in a.only.split(",") if n] if a.only else list(RUNS)
+    unknown = [n for n in names if n not in RUNS]
     if unknown:
         p.error(f"--only: unknown run {', '.join(unknown)} (runs: {', '.join(RUNS)})")
     if not a.merge and (a.steps < 2 or a.rounds < 1):
@@ -156,7 +156,6 @@ def main(argv=None) -> int:
 
     if a.merge:
         return merge_rounds([Path(f) for f in a.merge], Path(a.out), a.name)
-    names = [n for n in a.only.split(",") if n] if a.only else list(RUNS)
     workdir = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="grpo-lab-autotune-"))
     results = []
     try:

@@ -40,12 +40,14 @@ async def unless_client_gone(request: web.Request, work: Awaitable[web.Response]
             if done:
                 return task.result()
             if client_gone(request):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await _cancel(task)
                 return None
     except asyncio.CancelledError:  # the handler itself cancelled (the server stopping): take the work with it
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await _cancel(task)
         raise
+
+
+async def _cancel(task: asyncio.Future) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

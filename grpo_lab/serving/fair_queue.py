@@ -120,16 +120,19 @@ class FairQueue:
 
     @staticmethod
     def _drop_gone(share: RunShare) -> None:
-        """Fail (ClientGone) and drop the waiters of `share` whose client disconnected or whose wait was cancelled."""
-        kept = deque()
-        for waiter in share.queue:
-            if waiter.future.done():
-                continue
-            if waiter.gone is not None and waiter.gone():
-                waiter.future.set_exception(ClientGone("the client disconnected while its completion was queued"))
-                continue
-            kept.append(waiter)
-        share.queue = kept
+        """Drop the waiters of `share` whose wait was cancelled or whose client disconnected (`_dead`)."""
+        share.queue = deque(w for w in share.queue if not FairQueue._dead(w))
+
+    @staticmethod
+    def _dead(waiter: _Waiter) -> bool:
+        """Whether `waiter` can no longer be granted: its wait was cancelled, or its client disconnected (then its
+        wait fails with ClientGone)."""
+        if waiter.future.done():
+            return True
+        if waiter.gone is not None and waiter.gone():
+            waiter.future.set_exception(ClientGone("the client disconnected while its completion was queued"))
+            return True
+        return False
 
     @contextlib.asynccontextmanager
     async def slot(self, run: str, cost: float = 1.0, gone: Callable[[], bool] | None = None,
@@ -197,10 +200,7 @@ class FairQueue:
             _, _, run = min(ready)
             share = self.shares[run]
             waiter = share.queue.popleft()
-            if waiter.future.done():
-                continue  # cancelled while queued
-            if waiter.gone is not None and waiter.gone():
-                waiter.future.set_exception(ClientGone("the client disconnected while its completion was queued"))
+            if self._dead(waiter):
                 continue
             self._take(run, share, waiter.cost, time.monotonic() - waiter.queued_at)
             waiter.future.set_result(None)
