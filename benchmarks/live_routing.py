@@ -20,7 +20,7 @@ import requests
 
 
 def replica_cache(urls: list[str]) -> tuple[float, float]:
-    from grpo_lab.serving.metrics import parse_text
+    from grpo_lab.serving.wire.metrics import parse_text
 
     queries = hits = 0.0
     for url in urls:

@@ -36,12 +36,12 @@ import time
 import aiohttp
 
 from grpo_lab.lab.records import run_record
-from grpo_lab.serving.forwarding import Forwarder
-from grpo_lab.serving.metrics import Registry
-from grpo_lab.serving.replica_pool import ReplicaPool
-from grpo_lab.serving.router_config import RouterConfig
-from grpo_lab.serving.trace import TraceConfig, generate_trace
-from grpo_lab.serving.upstream import IN_SERVICE
+from grpo_lab.serving.routing.forwarding import Forwarder
+from grpo_lab.serving.wire.metrics import Registry
+from grpo_lab.serving.router.replica_pool import ReplicaPool
+from grpo_lab.serving.router.config import RouterConfig
+from grpo_lab.serving.sim.trace import TraceConfig, generate_trace
+from grpo_lab.serving.wire.upstream import IN_SERVICE
 from routing_bench import drive_completions, free_port  # benchmarks/ is on sys.path when run as a script
 
 REPLICAS = (8, 64, 256)
@@ -101,12 +101,12 @@ def http_path(replicas: int, in_flight: int, duration_s: float, delay_s: float) 
     """The router as a subprocess in front of `replicas` fake replicas (one process serving them all)."""
     import requests
 
-    fake = subprocess.Popen([sys.executable, "-m", "grpo_lab.serving.fake_replica", "--ports", *["0"] * replicas,
+    fake = subprocess.Popen([sys.executable, "-m", "grpo_lab.serving.replicas.fake_replica", "--ports", *["0"] * replicas,
                              "--delay-s", str(delay_s), "--jitter", "0"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     ports = fake.stdout.readline().split()[1:]
     port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "grpo_lab.serving.router", "--port", str(port),
+    router = subprocess.Popen([sys.executable, "-m", "grpo_lab.serving.router.server", "--port", str(port),
                                "--log-level", "WARNING", *sum((["--replica", f"http://127.0.0.1:{p}"] for p in ports),
                                                               [])], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)

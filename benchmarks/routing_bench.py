@@ -36,9 +36,9 @@ import time
 import aiohttp
 
 from grpo_lab.lab.records import package_version, run_record
-from grpo_lab.serving.routing_policy import AFFINITY, SPILLED, UNMATCHED, RoutingConfig
-from grpo_lab.serving.routing_sim import SimConfig, replay
-from grpo_lab.serving.trace import TraceConfig, generate_trace
+from grpo_lab.serving.routing.prefix_affinity import AFFINITY, SPILLED, UNMATCHED, RoutingConfig
+from grpo_lab.serving.sim.routing_sim import SimConfig, replay
+from grpo_lab.serving.sim.trace import TraceConfig, generate_trace
 
 
 def environment() -> dict:
@@ -66,7 +66,7 @@ QUALITY_COLUMNS = ["replicas", "arrivals", "cache", "cache_blocks", "policy", "r
 
 
 def real_trace(groups: int, data: str | None):
-    from grpo_lab.serving.trace import sanity_prompt_ids
+    from grpo_lab.serving.sim.trace import sanity_prompt_ids
 
     if data is None:
         from grpo_lab.tasks.data import shared_data_dir
@@ -83,7 +83,7 @@ def real_trace(groups: int, data: str | None):
 
 
 def quality_rows(trace, replicas: int, arrivals: str, cache: str, rows: list) -> None:
-    from grpo_lab.serving.routing_sim import POLICIES
+    from grpo_lab.serving.sim.routing_sim import POLICIES
 
     blocks, holds_running = CACHES[cache]
     mode, versioning = ARRIVALS[arrivals]
@@ -166,11 +166,11 @@ def free_port() -> int:
 
 def proxy_figures(trace, in_flight: int, duration_s: float, delay_s: float, rows: list,
                   figure: str | None = None) -> None:
-    fake, line = _start([sys.executable, "-m", "grpo_lab.serving.fake_replica", "--ports", "0", "0",
+    fake, line = _start([sys.executable, "-m", "grpo_lab.serving.replicas.fake_replica", "--ports", "0", "0",
                          "--delay-s", str(delay_s)])
     ports = line.split()[1:]
     router_port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "grpo_lab.serving.router", "--port", str(router_port),
+    router = subprocess.Popen([sys.executable, "-m", "grpo_lab.serving.router.server", "--port", str(router_port),
                                "--log-level", "WARNING", *sum((["--replica", f"http://127.0.0.1:{p}"] for p in ports),
                                                               [])],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

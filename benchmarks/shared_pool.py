@@ -73,7 +73,7 @@ def _measure(out: Path) -> dict:
 
 def shared(n: int, steps: int, root: Path, timeout: float, in_flight: int | None = None) -> list[dict]:
     from grpo_lab.async_loop.serve_pool import PoolConfig, SharedPool
-    from grpo_lab.serving.adapter_slots import DEFAULT_MAX_STALENESS, max_loras_for
+    from grpo_lab.serving.adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
 
     config = PoolConfig(replicas=n, state_dir=str(root / "pool"), max_in_flight_per_replica=in_flight,
                         adapter_slots=n * max_loras_for(DEFAULT_MAX_STALENESS))

@@ -11,7 +11,7 @@ to 2048 in the benchmark's copy (RoPE is computed, not learned) so the trace's l
 Completions have a fixed length (`ignore_eos`) so every backend does the same work.
 
 Configurations: the router in front of 1 and of 2 vLLM CPU replicas (one core each), and of 1 and 2 CPU replicas
-(`grpo_lab.serving.cpu_replica`, block size 32 like vLLM's so hit rates compare). Hits are the replicas' own
+(`grpo_lab.serving.replicas.cpu_replica`, block size 32 like vLLM's so hit rates compare). Hits are the replicas' own
 `vllm:prefix_cache_hits_total` counters, divided by the prompt tokens sent (the replicas count queried tokens
 differently: vLLM every prompt token, the CPU replica full blocks only); vLLM's caches are reset between
 configurations, and every replica is warmed up first on a prompt outside the trace.
@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from routing_bench import environment  # noqa: E402
 
-from grpo_lab.serving.metrics import parse_text  # noqa: E402
+from grpo_lab.serving.wire.metrics import parse_text  # noqa: E402
 
 SERVED = "tiny-chat"
 FIRST_REGULAR_ID = 5  # the embedded vocabulary: 4 specials and `\boxed{` first, then 46 characters
@@ -110,8 +110,8 @@ async def replay(url: str, prompts: list[list[int]], group_size: int, in_flight:
 
 
 def measure(label: str, replica_urls: list[str], prompts, args) -> dict:
-    from grpo_lab.serving.router_thread import start_router
-    from grpo_lab.serving.router_config import RouterConfig
+    from grpo_lab.serving.router.thread import start_router
+    from grpo_lab.serving.router.config import RouterConfig
 
     router = start_router(RouterConfig(replicas=replica_urls, port=0, upstream_timeout_s=1800,
                                        api_key_env="GRPO_LAB_BENCH_NO_TOKEN"))
@@ -151,7 +151,7 @@ def benchmark_model(directory: Path) -> Path:
 
 
 def vllm_configurations(model: Path, prompts, args, rows: list) -> str:
-    from grpo_lab.serving.replica_processes import start_vllm_replicas
+    from grpo_lab.serving.replicas.processes import start_vllm_replicas
 
     replicas = start_vllm_replicas(2, str(model), device="cpu", served_model_name=SERVED,
                                    max_model_len=2048, ready_timeout=600)
@@ -168,7 +168,7 @@ def vllm_configurations(model: Path, prompts, args, rows: list) -> str:
 
 
 def cpu_replica_configurations(model: Path, prompts, args, rows: list) -> None:
-    from grpo_lab.serving.replica_processes import start_cpu_replicas
+    from grpo_lab.serving.replicas.processes import start_cpu_replicas
 
     for n in (1, 2):
         replicas = start_cpu_replicas(n, ["--model", str(model), "--served-model-name", SERVED, "--block-size", "32",

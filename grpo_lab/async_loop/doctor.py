@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..serving.adapter_slots import max_loras_for
+from ..serving.adapters.slots import max_loras_for
 
 
 @dataclass

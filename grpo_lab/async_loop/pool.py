@@ -1,6 +1,6 @@
 """A training run joining a shared replica pool (`grpo-lab serve-pool`) as one of its tenants.
 
-A pool's router (`serving.tenancy`) gives each run a token, a namespace for its adapters and a share of every
+A pool's router (`serving.tenancy.runs`) gives each run a token, a namespace for its adapters and a share of every
 replica's adapter slots. Joining is three things, all here:
 
 - **register** with the pool's admin key (`POST /router/runs`; the key from `--pool-admin-key-file`, else the file
@@ -39,7 +39,7 @@ def has_admin_key(flag_value: str | None = None) -> bool:
 
 def read_admin_key(flag_value: str | None = None) -> str:
     """The pool's admin key; ValueError saying where it was looked for when there is none (or the file is empty)."""
-    from ..serving.router_config import read_secret
+    from ..serving.router.config import read_secret
 
     key = read_secret(admin_key_file(flag_value), ADMIN_KEY_ENV, "the pool's admin key file")
     if not key:
@@ -88,7 +88,7 @@ class PoolSeat:
         return f"{self.url}/router/runs/{urllib.parse.quote(self.name)}"
 
     def join(self) -> "PoolSeat":
-        from ..serving.admin_client import RouterAdminClient
+        from ..serving.router.admin_client import RouterAdminClient
 
         key_file = admin_key_file(self.admin_key_file)
         client = RouterAdminClient(self.url, key_env=None if key_file else ADMIN_KEY_ENV, key_file=key_file)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 
-from ..serving.adapter_slots import max_loras_for, min_max_loras
+from ..serving.adapters.slots import max_loras_for, min_max_loras
 
 
 class PreflightError(ValueError):

@@ -10,7 +10,7 @@ or in Python:
                              pool_admin_key_file=pool.admin_key_file), args).train()
 
 The replicas get `--max-loras` = `adapter_slots` (the slots shared out: each run takes `max_staleness + 3`), the
-router `RouterConfig.tenancy` (`serving.tenancy`): runs register with the admin key, which this command generates
+router `RouterConfig.tenancy` (`serving.tenancy.runs`): runs register with the admin key, which this command generates
 into a file only its owner can read and never prints; each run then gets a token of its own.
 """
 
@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..serving.adapter_slots import DEFAULT_MAX_STALENESS, max_loras_for
+from ..serving.adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
 
 PROG = "grpo-lab serve-pool"
 POOL_FILE = "pool.json"  # in the state folder: the URL, the admin key's file and the pid, for scripts
@@ -116,7 +116,7 @@ class SharedPool:
         return self.handle.url
 
     def _router_fields(self) -> dict:
-        from ..serving.tenancy import TenancyConfig
+        from ..serving.tenancy.runs import TenancyConfig
 
         c = self.config
         tenancy = TenancyConfig(lease_s=c.lease_s, max_in_flight_per_replica=c.max_in_flight_per_replica,
@@ -136,7 +136,7 @@ class SharedPool:
         logs.mkdir(parents=True, exist_ok=True)
         try:
             if c.replica_kind == "cpu":
-                from ..serving.local_cluster import LocalCluster
+                from ..serving.clusters.local import LocalCluster
 
                 self.cluster = LocalCluster(
                     replicas=c.replicas, model=model, max_lora_rank=c.max_lora_rank, adapter_slots=c.adapter_slots,
@@ -157,10 +157,10 @@ class SharedPool:
     def _start_vllm(self, model: str, logs: Path) -> None:
         import torch
 
-        from ..serving.replica_processes import start_vllm_replicas
-        from ..serving.router_config import RouterConfig
-        from ..serving.router_thread import start_router
-        from ..serving.vllm_spec import round_lora_rank
+        from ..serving.replicas.processes import start_vllm_replicas
+        from ..serving.router.config import RouterConfig
+        from ..serving.router.thread import start_router
+        from ..serving.replicas.vllm_spec import round_lora_rank
 
         c = self.config
         self.vllm_replicas = start_vllm_replicas(
@@ -176,7 +176,7 @@ class SharedPool:
         return self.handle.runs()
 
     def stop(self) -> None:
-        from ..serving.local_cluster import stop_servers
+        from ..serving.clusters.local import stop_servers
 
         servers, (self.cluster, self.router, self.vllm_replicas) = (self.cluster, self.router,
                                                                     self.vllm_replicas), (None, None, [])

@@ -37,7 +37,7 @@ from trl.experimental.async_grpo import async_grpo_trainer as trl_trainer
 from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, save_lora_adapter
 
 from ..loss import set_loss_backend
-from ..serving.storage import AdapterStore, version_of
+from ..serving.adapters.storage import AdapterStore, version_of
 from . import preflight, tree_attention
 from .autotune import AutotuneCallback, Autotuner, AutotuneConfig
 from .config import AsyncGRPOLabConfig

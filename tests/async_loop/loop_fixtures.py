@@ -10,8 +10,8 @@ import pytest
 import requests
 
 from grpo_lab.tasks.embedded_model import embedded_model_dir
-from grpo_lab.serving.local_cluster import LocalCluster
-from grpo_lab.serving.metrics import parse_text
+from grpo_lab.serving.clusters.local import LocalCluster
+from grpo_lab.serving.wire.metrics import parse_text
 
 MAX_STALENESS = 4
 

@@ -10,7 +10,7 @@ import pytest
 
 from grpo_lab.async_loop.checkpoint_store import CHECKPOINT_MANIFEST, CheckpointStore, pull_last_checkpoint
 from grpo_lab.async_loop.checkpoints import ROLLOUT_STATE, TRAINER_STATE, last_complete_checkpoint
-from grpo_lab.serving.storage import AdapterStore, tree_files, version_of
+from grpo_lab.serving.adapters.storage import AdapterStore, tree_files, version_of
 
 from loop_fixtures import MAX_STALENESS, no_leftover_children, replica_adapters, start_cluster  # noqa: F401
 

@@ -25,9 +25,9 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from grpo_lab.async_loop.launch import AsyncLoop, LoopConfig, embedded_trainer_args
 from grpo_lab.async_loop.recorder import METRICS_FILE, read_metrics
-from grpo_lab.serving.local_cluster import LocalCluster
+from grpo_lab.serving.clusters.local import LocalCluster
 from grpo_lab.tasks.embedded_model import embedded_model_dir
-from grpo_lab.serving.storage import MANIFEST, AdapterStore, version_of
+from grpo_lab.serving.adapters.storage import MANIFEST, AdapterStore, version_of
 
 from loop_fixtures import (MAX_STALENESS, descendants, replica_adapters, router_metric, start_cluster,
                            wait_gone)
@@ -281,7 +281,7 @@ def test_ctrl_c_on_the_command_stops_every_process_it_started(tmp_path, no_lefto
 def test_the_command_routes_to_replicas_started_elsewhere_and_ends_with_a_verdict(tmp_path, no_leftover_children):
     """`--replica-url` (repeated): the command starts only a router in front of replicas it did not start, trains,
     prints both step counts and the doctor's verdict, records its settings, and leaves the replicas running."""
-    from grpo_lab.serving.replica_processes import start_cpu_replicas
+    from grpo_lab.serving.replicas.processes import start_cpu_replicas
 
     elsewhere = LocalCluster(replicas=2, model=str(embedded_model_dir()), max_staleness=MAX_STALENESS,
                              max_lora_rank=1, replica_args=["--max-model-len", "128", "--torch-threads", "1"])

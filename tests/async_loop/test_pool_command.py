@@ -19,10 +19,10 @@ import requests
 
 from grpo_lab.async_loop import command, serve_pool
 from grpo_lab.async_loop.pool import ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, RUN_TOKEN_ENV
-from grpo_lab.serving.adapter_slots import max_loras_for
-from grpo_lab.serving.router_config import RouterConfig
-from grpo_lab.serving.router_thread import start_router
-from grpo_lab.serving.tenancy import TenancyConfig
+from grpo_lab.serving.adapters.slots import max_loras_for
+from grpo_lab.serving.router.config import RouterConfig
+from grpo_lab.serving.router.thread import start_router
+from grpo_lab.serving.tenancy.runs import TenancyConfig
 
 from loop_fixtures import wait_gone
 

@@ -21,8 +21,8 @@ import requests
 
 from grpo_lab.async_loop.recorder import METRICS_FILE, read_metrics
 from grpo_lab.async_loop.serve_pool import PoolConfig, SharedPool
-from grpo_lab.serving.adapter_slots import max_loras_for
-from grpo_lab.serving.storage import AdapterStore, version_of
+from grpo_lab.serving.adapters.slots import max_loras_for
+from grpo_lab.serving.adapters.storage import AdapterStore, version_of
 
 from loop_fixtures import descendants, replica_adapters, wait_gone
 

@@ -6,7 +6,7 @@ import uuid
 import fsspec
 import pytest
 
-from grpo_lab.serving.storage import MANIFEST, AdapterStore, fetch_adapter, version_of
+from grpo_lab.serving.adapters.storage import MANIFEST, AdapterStore, fetch_adapter, version_of
 
 
 def adapter_dir(tmp_path, seed: int):
@@ -107,8 +107,8 @@ def test_cpu_replica_loads_from_an_object_store_url_and_checks_manifests(tmp_pat
     from transformers import AutoModelForCausalLM
 
     from grpo_lab.tasks.embedded_model import embedded_model_dir
-    from grpo_lab.serving.generation import Engine, RequestError
-    from grpo_lab.serving.replica_config import CPUReplicaConfig
+    from grpo_lab.serving.replicas.generation import Engine, RequestError
+    from grpo_lab.serving.replicas.config import CPUReplicaConfig
 
     model_dir = str(embedded_model_dir())
     peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),

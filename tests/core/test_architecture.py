@@ -26,6 +26,16 @@ LAYERS = {
 }
 
 
+# docs/architecture.md's serving rooms: a room imports only rooms in a lower row.
+SERVING_ROOMS = {
+    "clusters": 4,
+    "router": 3,
+    "tenancy": 2, "replicas": 2, "sim": 2,
+    "routing": 1, "adapters": 1,
+    "wire": 0,
+}
+
+
 def modules() -> dict[str, Path]:
     found = {}
     for path in PACKAGE.rglob("*.py"):
@@ -121,6 +131,30 @@ def test_imports_point_down_the_layers():
             if a is None or b is None or a == b:
                 continue
             if LAYERS[b] >= LAYERS[a]:
+                upward.append(f"{source} -> {target}")
+    assert upward == []
+
+
+def room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "serving" else None
+
+
+def test_every_serving_module_is_in_a_room():
+    loose = [str(p.relative_to(ROOT)) for p in (PACKAGE / "serving").glob("*.py") if p.name != "__init__.py"]
+    assert loose == [], f"modules directly under grpo_lab/serving: {loose}"
+    rooms = {room(m) for m in modules()} - {None}
+    assert rooms == set(SERVING_ROOMS), f"rooms on disk {sorted(rooms)} vs docs/architecture.md {sorted(SERVING_ROOMS)}"
+
+
+def test_serving_rooms_import_down_only():
+    upward = []
+    for source, targets in import_graph().items():
+        for target in targets:
+            a, b = room(source), room(target)
+            if a is None or b is None or a == b:
+                continue
+            if SERVING_ROOMS[b] >= SERVING_ROOMS[a]:
                 upward.append(f"{source} -> {target}")
     assert upward == []
 

@@ -7,8 +7,8 @@ import json
 import sys
 import time
 
-from grpo_lab.serving.ray_actor import ServerSpec
-from grpo_lab.serving.ray_replicas import RayReplicas
+from grpo_lab.serving.clusters.ray_actor import ServerSpec
+from grpo_lab.serving.clusters.ray_replicas import RayReplicas
 
 with RayReplicas(2, ServerSpec("fake"), address=sys.argv[1], resources={"replica_node": 1}) as replicas:
     print(json.dumps(replicas.infos()), flush=True)

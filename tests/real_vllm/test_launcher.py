@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from grpo_lab.serving.adapter_slots import max_loras_for
-from grpo_lab.serving.replica_processes import vllm_cpu_python
-from grpo_lab.serving.vllm_launcher import main
-from grpo_lab.serving.vllm_spec import VLLMReplicaSpec, replica_specs
+from grpo_lab.serving.adapters.slots import max_loras_for
+from grpo_lab.serving.replicas.processes import vllm_cpu_python
+from grpo_lab.serving.replicas.vllm_launcher import main
+from grpo_lab.serving.replicas.vllm_spec import VLLMReplicaSpec, replica_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ def test_cli_prints_cpu_lines(capsys):
     main(["--device", "cpu", "--python", "/venv/bin/python", "--model", "/m", "--replicas", "2"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert "VLLM_CPU_OMP_THREADS_BIND=0" in lines[0] and "VLLM_CPU_OMP_THREADS_BIND=1" in lines[1]
-    assert lines[2] == "python -m grpo_lab.serving.router --replica http://127.0.0.1:8001 " \
+    assert lines[2] == "python -m grpo_lab.serving.router.server --replica http://127.0.0.1:8001 " \
                        "--replica http://127.0.0.1:8002 --port 8000"
 
 

@@ -63,8 +63,8 @@ def body_of(response: requests.Response):
 @pytest.fixture(scope="module")
 def transcript(replicas, adapters, token, tmp_path_factory):
     """Every step's answer from vLLM (replica 0, directly) and from the router (in front of replica 1)."""
-    from grpo_lab.serving.router_thread import start_router
-    from grpo_lab.serving.router_config import RouterConfig
+    from grpo_lab.serving.router.thread import start_router
+    from grpo_lab.serving.router.config import RouterConfig
 
     from .conftest import TOKEN_ENV
 

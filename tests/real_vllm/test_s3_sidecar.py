@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpo_lab.serving.adapter_sidecar import start_sidecar
-from grpo_lab.serving.storage import AdapterStore
+from grpo_lab.serving.adapters.sidecar import start_sidecar
+from grpo_lab.serving.adapters.storage import AdapterStore
 
 from .conftest import TOKEN_ENV, direct, served_models, trl_payload
 

@@ -13,10 +13,10 @@ import types
 import pytest
 import requests
 
-from grpo_lab.serving.metrics import parse_text
-from grpo_lab.serving.replica_processes import start_cpu_replicas
-from grpo_lab.serving.router_config import RouterConfig
-from grpo_lab.serving.router_thread import start_router
+from grpo_lab.serving.wire.metrics import parse_text
+from grpo_lab.serving.replicas.processes import start_cpu_replicas
+from grpo_lab.serving.router.config import RouterConfig
+from grpo_lab.serving.router.thread import start_router
 
 TOKEN_ENV = "GRPO_LAB_TEST_UPSTREAM_TOKEN"
 REPLICA_ARGS = ["--served-model-name", "tiny-qwen3", "trl-policy-v0", "--max-loras", "6", "--max-lora-rank", "16",

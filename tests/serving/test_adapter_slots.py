@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from grpo_lab.serving.adapter_slots import DEFAULT_MAX_STALENESS, max_loras_for, min_max_loras
+from grpo_lab.serving.adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for, min_max_loras
 
 STALENESS = (0, 1, 4, 7, 16)
 
@@ -33,8 +33,8 @@ def test_default_max_staleness_is_trls():
 
 
 def test_serving_defaults_use_it():
-    from grpo_lab.serving.local_cluster import LocalCluster
-    from grpo_lab.serving.vllm_spec import VLLMReplicaSpec
+    from grpo_lab.serving.clusters.local import LocalCluster
+    from grpo_lab.serving.replicas.vllm_spec import VLLMReplicaSpec
 
     assert VLLMReplicaSpec(model="m").max_staleness == DEFAULT_MAX_STALENESS
     assert flag(LocalCluster().args, "--max-loras") == str(max_loras_for(DEFAULT_MAX_STALENESS))
@@ -42,8 +42,8 @@ def test_serving_defaults_use_it():
 
 @pytest.mark.parametrize("staleness", STALENESS)
 def test_vllm_launcher_starts_replicas_with_max_loras_for(staleness, capsys):
-    from grpo_lab.serving.vllm_launcher import main
-    from grpo_lab.serving.vllm_spec import VLLMReplicaSpec, replica_specs
+    from grpo_lab.serving.replicas.vllm_launcher import main
+    from grpo_lab.serving.replicas.vllm_spec import VLLMReplicaSpec, replica_specs
 
     for device in ("cuda", "cpu"):
         spec = VLLMReplicaSpec(model="m", max_staleness=staleness, device=device, python="/p")
@@ -58,7 +58,7 @@ def test_vllm_launcher_starts_replicas_with_max_loras_for(staleness, capsys):
 
 @pytest.mark.parametrize("staleness", STALENESS)
 def test_local_cluster_starts_replicas_with_max_loras_for(staleness):
-    from grpo_lab.serving.local_cluster import LocalCluster
+    from grpo_lab.serving.clusters.local import LocalCluster
 
     cluster = LocalCluster(max_staleness=staleness)  # not started: its replica arguments are fixed already
     assert flag(cluster.args, "--max-loras") == str(max_loras_for(staleness))

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from grpo_lab.serving.generation import Engine, RequestError, SamplingParams
-from grpo_lab.serving.replica_config import CPUReplicaConfig
+from grpo_lab.serving.replicas.generation import Engine, RequestError, SamplingParams
+from grpo_lab.serving.replicas.config import CPUReplicaConfig
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +97,8 @@ def test_pause_freezes_between_tokens(engine):
 def test_prefix_cache_namespace_index_holds_only_cached_blocks():
     import torch
 
-    from grpo_lab.serving.prefix_hash import block_hashes
-    from grpo_lab.serving.prefix_kv_cache import PrefixKVCache
+    from grpo_lab.serving.routing.prefix_hash import block_hashes
+    from grpo_lab.serving.replicas.prefix_kv_cache import PrefixKVCache
 
     cache = PrefixKVCache(capacity_blocks=8, block_size=2)
     kv = [(torch.zeros(1, 1, 6, 1), torch.zeros(1, 1, 6, 1))]

@@ -10,9 +10,9 @@ import pytest
 import requests
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
-from grpo_lab.serving.replica_processes import CPUReplicaProcess, restart
-from grpo_lab.serving.router_config import RouterConfig
-from grpo_lab.serving.router_thread import start_router
+from grpo_lab.serving.replicas.processes import CPUReplicaProcess, restart
+from grpo_lab.serving.router.config import RouterConfig
+from grpo_lab.serving.router.thread import start_router
 
 from .conftest import REPLICA_ARGS, TOKEN_ENV, metric, run_group, trl_payload, wait_for
 

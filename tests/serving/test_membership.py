@@ -12,9 +12,9 @@ import types
 import pytest
 import requests
 
-from grpo_lab.serving.replica_processes import CPUReplicaProcess
-from grpo_lab.serving.router_config import RouterConfig
-from grpo_lab.serving.router_thread import start_router
+from grpo_lab.serving.replicas.processes import CPUReplicaProcess
+from grpo_lab.serving.router.config import RouterConfig
+from grpo_lab.serving.router.thread import start_router
 
 from .conftest import REPLICA_ARGS, TOKEN_ENV, metric, metrics_of, run_group, trl_payload, wait_for
 

@@ -10,8 +10,8 @@ import pytest
 import requests
 from aiohttp.test_utils import make_mocked_request
 
-from grpo_lab.serving.admin_api import AdminAPI
-from grpo_lab.serving.router_config import RouterConfig
+from grpo_lab.serving.router.admin_api import AdminAPI
+from grpo_lab.serving.router.config import RouterConfig
 
 from .conftest import metric
 from .fake_vllm import FakeCluster, FakeVLLM

@@ -10,8 +10,8 @@ import time
 import pytest
 import requests
 
-from grpo_lab.serving.metrics import parse_text
-from grpo_lab.serving.per_try import PerTryConfig, PerTryDeadlines, size_class
+from grpo_lab.serving.wire.metrics import parse_text
+from grpo_lab.serving.routing.per_try import PerTryConfig, PerTryDeadlines, size_class
 
 from .conftest import metric
 from .fake_vllm import FakeCluster, FakeVLLM

@@ -1,6 +1,6 @@
 import pytest
 
-from grpo_lab.serving.prefix_hash import block_hashes, namespace_seed
+from grpo_lab.serving.routing.prefix_hash import block_hashes, namespace_seed
 
 
 def test_full_blocks_only_and_last_token_excluded():

@@ -1,4 +1,4 @@
-"""`python -m grpo_lab.serving.router` as a real subprocess in front of fake replicas: startup, routing, logs."""
+"""`python -m grpo_lab.serving.router.server` as a real subprocess in front of fake replicas: startup, routing, logs."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def free_port() -> int:
 
 def start_fake(token: str, *ports: str) -> subprocess.Popen:
     """Fake replicas that demand `token`, as vLLM does with VLLM_API_KEY set."""
-    return subprocess.Popen([sys.executable, "-m", "grpo_lab.serving.fake_replica", "--ports", *ports,
+    return subprocess.Popen([sys.executable, "-m", "grpo_lab.serving.replicas.fake_replica", "--ports", *ports,
                              "--delay-s", "0.01"], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "VLLM_API_KEY": token})
 
@@ -38,7 +38,7 @@ def test_router_cli_against_fake_replicas(token, tmp_path):
         port = free_port()
         with open(log_path, "w") as log:
             router = subprocess.Popen(
-                [sys.executable, "-m", "grpo_lab.serving.router", "--port", str(port), "--log-level", "DEBUG",
+                [sys.executable, "-m", "grpo_lab.serving.router.server", "--port", str(port), "--log-level", "DEBUG",
                  "--api-key-file", str(token_file), "--health-interval", "0.2",
                  *sum((["--replica", f"http://127.0.0.1:{p}"] for p in ports), [])],
                 stdout=log, stderr=subprocess.STDOUT)
@@ -74,8 +74,8 @@ def test_router_cli_against_fake_replicas(token, tmp_path):
 
 
 def test_wrong_token_keeps_replica_out_with_a_clear_reason(token, monkeypatch):
-    from grpo_lab.serving.router_thread import start_router
-    from grpo_lab.serving.router_config import RouterConfig
+    from grpo_lab.serving.router.thread import start_router
+    from grpo_lab.serving.router.config import RouterConfig
 
     monkeypatch.setenv("GRPO_LAB_TEST_WRONG_TOKEN", "not-" + token)
     fake = start_fake(token, "0")
@@ -103,7 +103,7 @@ def test_wrong_token_keeps_replica_out_with_a_clear_reason(token, monkeypatch):
 def test_replicas_do_not_outlive_a_crashed_parent():
     """A test or notebook that dies without stopping its replicas must not leave them running."""
     script = ("import os, sys\n"
-              "from grpo_lab.serving.replica_processes import start_cpu_replicas\n"
+              "from grpo_lab.serving.replicas.processes import start_cpu_replicas\n"
               "(r,) = start_cpu_replicas(1)\n"
               "print(r.proc.pid, flush=True)\n"
               "os._exit(1)\n")  # crash: no stop(), no cleanup

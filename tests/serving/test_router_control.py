@@ -11,13 +11,13 @@ import aiohttp
 import pytest
 import requests
 
-from grpo_lab.serving import adapter_fanout
-from grpo_lab.serving.adapter_fanout import load_everywhere
-from grpo_lab.serving.metrics import Registry
-from grpo_lab.serving.replica_pool import ReplicaPool
-from grpo_lab.serving.router_thread import RouterHandle, start_router
-from grpo_lab.serving.router_config import RouterConfig
-from grpo_lab.serving.upstream import DOWN, IN_SERVICE, Replica, UpstreamClient
+from grpo_lab.serving.adapters import fanout as adapter_fanout
+from grpo_lab.serving.adapters.fanout import load_everywhere
+from grpo_lab.serving.wire.metrics import Registry
+from grpo_lab.serving.router.replica_pool import ReplicaPool
+from grpo_lab.serving.router.thread import RouterHandle, start_router
+from grpo_lab.serving.router.config import RouterConfig
+from grpo_lab.serving.wire.upstream import DOWN, IN_SERVICE, Replica, UpstreamClient
 
 from .conftest import TOKEN_ENV, metric, wait_for
 from .fake_vllm import FakeCluster, FakeVLLM

@@ -13,8 +13,8 @@ import time
 import pytest
 import requests
 
-from grpo_lab.serving.router_thread import start_router
-from grpo_lab.serving.router_config import RouterConfig
+from grpo_lab.serving.router.thread import start_router
+from grpo_lab.serving.router.config import RouterConfig
 
 from .conftest import TOKEN_ENV, metric, send_then_hang_up, wait_for
 from .fake_vllm import FakeCluster, FakeVLLM
@@ -161,7 +161,7 @@ def test_router_cli_refuses_an_open_bind_with_a_clear_message():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "grpo_lab.serving.router", "--replica", "http://127.0.0.1:1",
+    out = subprocess.run([sys.executable, "-m", "grpo_lab.serving.router.server", "--replica", "http://127.0.0.1:1",
                           "--host", "0.0.0.0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "refusing to listen on '0.0.0.0'" in out.stderr and "Traceback" not in out.stderr

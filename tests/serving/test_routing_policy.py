@@ -1,7 +1,7 @@
 import pytest
 
-from grpo_lab.serving.prefix_hash import block_hashes
-from grpo_lab.serving.routing_policy import AFFINITY, SPILLED, UNMATCHED, PrefixAffinityPolicy, RoutingConfig
+from grpo_lab.serving.routing.prefix_hash import block_hashes
+from grpo_lab.serving.routing.prefix_affinity import AFFINITY, SPILLED, UNMATCHED, PrefixAffinityPolicy, RoutingConfig
 
 TEMPLATE = list(range(1000, 1023))  # 23 shared tokens, as the qwen_math template
 
@@ -107,9 +107,9 @@ def test_config_validation():
 
 
 def test_launcher_builds_the_vllm_contract():
-    from grpo_lab.serving.adapter_slots import max_loras_for
-    from grpo_lab.serving.vllm_launcher import router_command
-    from grpo_lab.serving.vllm_spec import VLLMReplicaSpec, replica_specs, round_lora_rank
+    from grpo_lab.serving.adapters.slots import max_loras_for
+    from grpo_lab.serving.replicas.vllm_launcher import router_command
+    from grpo_lab.serving.replicas.vllm_spec import VLLMReplicaSpec, replica_specs, round_lora_rank
 
     assert [round_lora_rank(r) for r in (1, 2, 8, 9, 300)] == [1, 8, 8, 16, 320]
     spec = VLLMReplicaSpec(model="Qwen/Qwen2.5-Math-1.5B", lora_rank=4, max_staleness=4, gpu=1)
@@ -126,9 +126,9 @@ def test_launcher_builds_the_vllm_contract():
 
 
 def test_pool_refuses_inconsistent_or_data_parallel_replicas():
-    from grpo_lab.serving.metrics import Registry
-    from grpo_lab.serving.replica_pool import ReplicaPool
-    from grpo_lab.serving.router_config import RouterConfig
+    from grpo_lab.serving.wire.metrics import Registry
+    from grpo_lab.serving.router.replica_pool import ReplicaPool
+    from grpo_lab.serving.router.config import RouterConfig
 
     pool = ReplicaPool(RouterConfig(replicas=["http://127.0.0.1:1", "http://127.0.0.1:2"]), client=None,
                        metrics=Registry())
@@ -145,7 +145,7 @@ def test_pool_refuses_inconsistent_or_data_parallel_replicas():
 
 
 def test_router_config_validation_and_token_sources(tmp_path, monkeypatch):
-    from grpo_lab.serving.router_config import RouterConfig
+    from grpo_lab.serving.router.config import RouterConfig
 
     with pytest.raises(ValueError, match="at least one replica"):
         RouterConfig(replicas=[])
@@ -161,7 +161,7 @@ def test_router_config_validation_and_token_sources(tmp_path, monkeypatch):
 
 
 def test_metrics_text_format():
-    from grpo_lab.serving.metrics import Registry, parse_text
+    from grpo_lab.serving.wire.metrics import Registry, parse_text
 
     reg = Registry()
     reg.inc("x_total", "help", replica='a"b')

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from grpo_lab.serving.adapter_sidecar import start_sidecar
-from grpo_lab.serving.replica_processes import SidecarProcess, start_cpu_replicas
-from grpo_lab.serving.router_config import RouterConfig
-from grpo_lab.serving.router_thread import start_router
-from grpo_lab.serving.storage import MANIFEST, AdapterStore
+from grpo_lab.serving.adapters.sidecar import start_sidecar
+from grpo_lab.serving.replicas.processes import SidecarProcess, start_cpu_replicas
+from grpo_lab.serving.router.config import RouterConfig
+from grpo_lab.serving.router.thread import start_router
+from grpo_lab.serving.adapters.storage import MANIFEST, AdapterStore
 
 from .conftest import REPLICA_ARGS, metric
 from .fake_vllm import FakeCluster, FakeVLLM
@@ -117,7 +117,7 @@ def test_router_fans_out_s3_loads_through_sidecars(s3_url, tmp_path, monkeypatch
 
 @pytest.mark.timeout(180)
 def test_sidecar_process_in_front_of_a_cpu_replica(s3_url, adapters, tmp_path):
-    """`python -m grpo_lab.serving.adapter_sidecar` as a managed child process, in front of a real replica that is
+    """`python -m grpo_lab.serving.adapters.sidecar` as a managed child process, in front of a real replica that is
     given local paths only: the replica generates with the adapter published on S3."""
     store = AdapterStore(f"{s3_url}/adapters")
     store.publish(adapters["trl-policy-v1"], "trl-policy-v1")

@@ -14,8 +14,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from grpo_lab.serving.adapter_cache import AdapterCache, sweep_orphans
-from grpo_lab.serving.storage import MANIFEST, AdapterStore, fetch_adapter, storage_reachable
+from grpo_lab.serving.adapters.cache import AdapterCache, sweep_orphans
+from grpo_lab.serving.adapters.storage import MANIFEST, AdapterStore, fetch_adapter, storage_reachable
 
 from s3_fixtures import forget_s3_clients
 
@@ -50,7 +50,7 @@ def test_publish_list_verify_fetch_on_s3(s3_url, tmp_path):
 _PUBLISHER = """
 import json, os, sys
 from pathlib import Path
-from grpo_lab.serving.storage import AdapterStore
+from grpo_lab.serving.adapters.storage import AdapterStore
 url, name, files, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 d = Path(sys.argv[5])
 d.mkdir()
@@ -230,8 +230,8 @@ def test_adapter_cache_reuses_a_verified_copy_and_cleans_up(s3_url, tmp_path):
 def test_cpu_replica_engine_loads_s3_through_its_cache(s3_url, adapters, tmp_path):
     """The CPU replica copies an s3:// version into its cache, loads the verified copy, answers "No adapter found"
     (the router's retry signal) while there is no manifest, and removes the copy on unload."""
-    from grpo_lab.serving.generation import Engine, RequestError, SamplingParams
-    from grpo_lab.serving.replica_config import CPUReplicaConfig
+    from grpo_lab.serving.replicas.generation import Engine, RequestError, SamplingParams
+    from grpo_lab.serving.replicas.config import CPUReplicaConfig
 
     store = AdapterStore(f"{s3_url}/adapters")
     store.publish(adapters["trl-policy-v1"], "trl-policy-v1")

@@ -14,11 +14,11 @@ import time
 import pytest
 import requests
 
-from grpo_lab.serving.adapter_slots import max_loras_for
-from grpo_lab.serving.fair_queue import ClientGone, FairQueue
-from grpo_lab.serving.router_config import RouterConfig
-from grpo_lab.serving.router_thread import start_router
-from grpo_lab.serving.tenancy import RunRegistry, TenancyConfig, TenancyError, check_run_name, upstream_name
+from grpo_lab.serving.adapters.slots import max_loras_for
+from grpo_lab.serving.tenancy.fair_queue import ClientGone, FairQueue
+from grpo_lab.serving.router.config import RouterConfig
+from grpo_lab.serving.router.thread import start_router
+from grpo_lab.serving.tenancy.runs import RunRegistry, TenancyConfig, TenancyError, check_run_name, upstream_name
 
 from .conftest import TOKEN_ENV, send_then_hang_up
 from .fake_vllm import FakeCluster, FakeVLLM

@@ -1,8 +1,8 @@
 import statistics
 
-from grpo_lab.serving.routing_policy import AFFINITY, SPILLED, UNMATCHED
-from grpo_lab.serving.routing_sim import SimConfig, replay
-from grpo_lab.serving.trace import TraceConfig, generate_trace, make_prompts
+from grpo_lab.serving.routing.prefix_affinity import AFFINITY, SPILLED, UNMATCHED
+from grpo_lab.serving.sim.routing_sim import SimConfig, replay
+from grpo_lab.serving.sim.trace import TraceConfig, generate_trace, make_prompts
 
 
 def test_trace_shape():
@@ -67,9 +67,9 @@ def test_kv_capacity_shared_with_running_requests_evicts_and_queues():
 def test_blog_proxy_policy_counts_template_only_matches_as_affinity():
     """The published proxy's rule (ownership at routing time; the routed request is no successor yet): the second
     prompt under a new adapter version 'matches' the first one's replica on the shared template block alone."""
-    from grpo_lab.serving.prefix_hash import block_hashes
-    from grpo_lab.serving.routing_baselines import BlogProxyPolicy
-    from grpo_lab.serving.routing_policy import AFFINITY, PrefixAffinityPolicy
+    from grpo_lab.serving.routing.prefix_hash import block_hashes
+    from grpo_lab.serving.routing.baselines import BlogProxyPolicy
+    from grpo_lab.serving.routing.prefix_affinity import AFFINITY, PrefixAffinityPolicy
 
     template = list(range(1000, 1023))
     a, b = template + list(range(10, 60)), template + list(range(60, 110))
@@ -88,7 +88,7 @@ def test_real_trace_pipeline_renders_the_chat_template(tmp_path):
     with a stand-in tokenizer (the benchmark uses Qwen2.5's BPE from the `bench` extra)."""
     from datasets import Dataset, DatasetDict
 
-    from grpo_lab.serving.trace import sanity_prompt_ids
+    from grpo_lab.serving.sim.trace import sanity_prompt_ids
     from grpo_lab.models.chat import QWEN_MATH_SYSTEM
 
     DatasetDict({"train": Dataset.from_dict({"problem": ["1+1?", "What is 2+2?"], "answer": ["2", "4"]})}) \

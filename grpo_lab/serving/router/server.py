@@ -1,0 +1,496 @@
+"""The prefix-aware router: an HTTP proxy that puts several vLLM replicas behind one URL, which TRL's
+AsyncGRPOTrainer takes for one server.
+
+To TRL it is a vLLM server with `data_parallel_size == 1`: the endpoints of `vllm_routes`, answered with vLLM 0.31's
+status codes and error bodies (`{"error": {message, type, param, code}}`; the deliberate differences are listed in
+docs/serving.md). Completions are routed by prompt prefix (`routing_policy`; a batch prompt by prompt,
+`completion_batches`), re-sent elsewhere when their replica fails or answers garbage, and hedged on another replica
+when they outlive a per-try deadline (`forwarding`, `per_try`); adapter loads and unloads go to `adapter_lifecycle`
+(all-or-nothing loads, unloads after a drain); pause and resume reach every replica or none; replicas are watched and
+re-admitted safely (`replica_pool`), and join or leave while the router runs (`membership`, `admin_api`);
+`/metrics` reports it all in Prometheus text. With `RouterConfig.tenancy` several training runs share the replicas,
+each with its own token, adapter namespace, share of adapter slots and fair share of completions (`tenancy`,
+`tenant_api`, `fair_queue`). NCCL weight transfer cannot be fanned out, so those endpoints are refused: train a
+PEFT model, for which TRL syncs adapters only.
+
+Run it with `python -m grpo_lab.serving.router.server --replica http://127.0.0.1:8001 --replica ...`, or in-process
+(notebooks, tests) with `router_thread.start_router(RouterConfig(...))`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from ..adapters.fanout import broadcast
+from .adapter_lifecycle import AdapterLifecycle
+from .admin_api import AdminAPI
+from ..wire.client_watch import client_closed_response, unless_client_gone
+from ..wire.completion_batches import PromptError, merge_batch, split_prompt
+from ..tenancy.fair_queue import ClientGone
+from ..routing.forwarding import Forwarder, failure
+from .membership import Membership, describe
+from ..wire.metrics import Registry
+from ..routing.per_try import PerTryConfig
+from .replica_pool import ReplicaPool
+from .config import RouterConfig
+from ..routing.prefix_affinity import RoutingConfig
+from ..tenancy.runs import TenancyConfig
+from ..wire.upstream import TRANSPORT_ERRORS, Reply, UpstreamClient, error_body, now
+from ..wire.vllm_routes import add_vllm_routes, error_response, pause_mode_refusal
+
+log = logging.getLogger(__name__)
+
+NCCL_ENDPOINTS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                  "/get_world_size", "/init_communicator", "/close_communicator", "/update_named_param")
+NCCL_REFUSAL = ("the grpo_lab router fronts several independent replicas and cannot fan out NCCL weight transfer; "
+                "adapter-only sync is required: train a PEFT (LoRA) model and start every replica with "
+                "--enable-lora so AsyncGRPOTrainer syncs by /v1/load_lora_adapter")
+
+
+def _percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {}
+    ys = sorted(xs)
+    pick = lambda q: ys[min(int(q * len(ys)), len(ys) - 1)] * 1e3
+    return {"n": len(ys), "p50": pick(0.5), "p99": pick(0.99), "max": ys[-1] * 1e3}
+
+
+class Router:
+    """The aiohttp application and its state; build with `Router(config).app()`."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.metrics = Registry()
+        self._api_key = config.read_api_key()
+        client_key = config.read_client_api_key()
+        self._client_auth = f"Bearer {client_key}".encode() if client_key else None
+        self._admin_key = config.read_admin_api_key()
+        self.pool: ReplicaPool | None = None
+        self.adapters: AdapterLifecycle | None = None
+        self.client: UpstreamClient | None = None
+        self.forwarder: Forwarder | None = None
+        self.membership: Membership | None = None
+        self.admin: AdminAPI | None = None
+        self.tenancy = None  # tenant_api.TenantAPI when runs share the replicas
+        self._session: aiohttp.ClientSession | None = None
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def overhead_s(self) -> list[float]:
+        """Router-side time per completion (parse, route, bookkeeping), the last 10k or more."""
+        return self.forwarder.overhead_s if self.forwarder is not None else []
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._authenticate])
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        r = app.router
+        self.admin = AdminAPI(None, self.config, self._admin_key, self._json)  # membership attached at startup
+        front = self
+        if self.config.tenancy is not None:
+            from ..tenancy.tenant_api import TenantAPI
+
+            front = self.tenancy = TenantAPI(self, self._admin_key)
+            self.tenancy.add_routes(r)
+        add_vllm_routes(r, front)
+        r.add_get("/metrics", front.metrics_text)
+        r.add_get("/router/state", front.state)
+        self.admin.add_routes(r)
+        for path in NCCL_ENDPOINTS:
+            r.add_route("*", path, self.refuse_nccl)
+        return app
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler):
+        """With client authentication on, every endpoint needs the key (vLLM's own key leaves /health, /pause,
+        /resume and /server_info open; a router that can load adapters should not). With tenancy, the admin key or
+        a run's token (`tenant_api`)."""
+        if self.tenancy is not None:
+            refused = self.tenancy.authenticate(request)
+            return refused if refused is not None else await handler(request)
+        if self._client_auth is not None and not self.admin.bypasses_client_auth(request):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, self._client_auth):
+                return web.json_response({"error": "Unauthorized"}, status=401)  # vLLM's answer
+        return await handler(request)
+
+    async def _startup(self, app) -> None:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False))
+        self.client = UpstreamClient(self._session, self._api_key)
+        self.pool = ReplicaPool(self.config, self.client, self.metrics)
+        self.adapters = AdapterLifecycle(self.pool, self.client, self.config, self.metrics)
+        self.forwarder = Forwarder(self.pool, self.client, self.adapters.drainer.usage, self.metrics, self.config)
+        if self.tenancy is not None:
+            self.forwarder.per_replica_cap = self.config.tenancy.max_in_flight_per_replica
+        self.membership = self.admin.membership = Membership(self.pool, self.metrics)
+        self.pool.publish_states()
+        self._tasks.append(asyncio.create_task(self.pool.run_health_checks(self._stop)))
+        if self.tenancy is not None:
+            self._tasks.append(asyncio.create_task(self.tenancy.run_leases(self._stop)))
+
+    async def _cleanup(self, app) -> None:
+        self._stop.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.adapters is not None:
+            await self.adapters.close()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _json(self, request: web.Request) -> tuple[dict, bytes]:
+        """The request body as a JSON object, or an HTTP 400/408/413 error with a message."""
+        try:
+            async with asyncio.timeout(self.config.body_read_timeout_s):  # no extra task: a body already here
+                raw = await request.read()  # is read without yielding to the loop
+        except web.HTTPRequestEntityTooLarge:
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=self.config.max_body_bytes, actual_size=request.content_length or 0,
+                text=json.dumps(error_body(f"request body over {self.config.max_body_bytes} bytes", 413,
+                                           "RequestEntityTooLarge")),
+                content_type="application/json") from None
+        except asyncio.TimeoutError:
+            raise web.HTTPRequestTimeout(
+                text=json.dumps(error_body(f"the request body did not arrive within "
+                                           f"{self.config.body_read_timeout_s}s", 408, "RequestTimeout")),
+                content_type="application/json") from None
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError as error:
+            raise web.HTTPBadRequest(text=json.dumps(error_body(f"malformed JSON body: {error}", 400)),
+                                     content_type="application/json") from None
+        if not isinstance(body, dict):
+            raise web.HTTPBadRequest(text=json.dumps(error_body("the JSON body must be an object", 400)),
+                                     content_type="application/json")
+        return body, raw
+
+    # -- read-only endpoints ----------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while at least one replica is in service. Answered from the health checks' state, never by asking
+        the replicas, so it stays fast when one of them hangs (TRL polls it with a 5 s timeout)."""
+        if not self.pool.in_service():
+            return error_response(503, "no replica in service", "ServiceUnavailable")
+        return web.Response(text="")
+
+    async def _from_one(self, path: str, params=None) -> Reply | None:
+        for replica in self.pool.in_service():
+            try:
+                reply = await self.client.call(replica, "GET", path, params=params,
+                                               timeout=self.config.health_timeout_s)
+            except TRANSPORT_ERRORS as error:
+                self.pool.mark_down(replica, f"{path}: {type(error).__name__}")
+                continue
+            return reply
+        return None
+
+    async def models(self, request: web.Request) -> web.Response:
+        """One replica's model list, with the adapters narrowed to the live ones (draining ones are gone for
+        clients, and a replica may briefly hold one that is still loading elsewhere)."""
+        reply = await self._from_one("/v1/models")
+        if reply is None:
+            return error_response(503, "no replica in service", "ServiceUnavailable")
+        body = reply.json()
+        if reply.status != 200 or not isinstance(body, dict) or not isinstance(body.get("data"), list):
+            return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
+        live = self.pool.live_adapters
+        body["data"] = [m for m in body["data"] if not (isinstance(m, dict) and m.get("parent")) or m.get("id") in live]
+        return web.json_response(body)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """One replica's answer; admission already checked the others agree on the fields TRL reads."""
+        reply = await self._from_one("/server_info", params=dict(request.query))
+        if reply is None:
+            return error_response(503, "no replica in service", "ServiceUnavailable")
+        return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        self.refresh_gauges()
+        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    def refresh_gauges(self) -> None:
+        """Set the gauges that describe the pool now (in flight, draining, block records, live adapters)."""
+        policy, pool = self.pool.policy, self.pool
+        for r in pool.replicas:
+            self.metrics.set("grpo_router_in_flight", "Completions in flight per replica", policy.in_flight[r.index],
+                             replica=r.url)
+            self.metrics.set("grpo_router_draining_adapters", "Unloaded adapters still draining on the replica",
+                             len(r.draining), replica=r.url)
+        usage = self.adapters.drainer.usage
+        for r in pool.replicas:
+            self.metrics.set("grpo_router_draining_in_flight", "Completions still using adapters draining there",
+                             sum(usage.in_flight(r.index, name) for name in r.draining), replica=r.url)
+        self.metrics.set("grpo_router_prefix_blocks", "Block records held by the routing policy", policy.num_blocks)
+        self.metrics.set("grpo_router_live_adapters", "Adapters loaded on every in-service replica",
+                         len(pool.live_adapters))
+
+    async def state(self, request: web.Request) -> web.Response:
+        """Router state (replicas, adapters, draining adapters, routing counts, overhead percentiles) for notebooks
+        and benchmarks; `?reset_overhead=1` restarts the overhead sample after reading it (to drop a warm-up)."""
+        pool = self.pool
+        answer = web.json_response({
+            "replicas": [describe(r, pool) for r in pool.replicas],
+            "live_adapters": sorted(pool.live_adapters), "draining": self.adapters.drainer.draining(),
+            "paused": pool.paused,
+            "routing": dict(pool.policy.counts), "block_size": pool.policy.config.block_size,
+            "overhead_ms": _percentiles(self.overhead_s), "hedging": self.forwarder.state(),
+        })
+        if request.query.get("reset_overhead") == "1":
+            self.overhead_s.clear()
+        return answer
+
+    async def refuse_nccl(self, request: web.Request) -> web.Response:
+        return error_response(501, NCCL_REFUSAL, "NotImplementedError")
+
+    # -- completions --------------------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.Response:
+        t_start = time.perf_counter()
+        body, raw = await self._json(request)
+        answer = await unless_client_gone(request, self.complete(body, raw, t_start))
+        return client_closed_response() if answer is None else answer
+
+    async def complete(self, body: dict, raw: bytes, t_start: float, shown: str | None = None, gate=None,
+                       run: str | None = None) -> web.Response:
+        """Answer one `/v1/completions` body. With tenancy (`tenant_api`), `body["model"]` is already the replicas'
+        name of a run's adapter and `shown` the run's own name for it (what errors and answers say); `gate(cost,
+        deadline)` is the fair queue's place a prompt waits for before it is forwarded; `run` labels metrics."""
+        model = body.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            return error_response(400, "'model' must be a non-empty string (the base model or a loaded adapter "
+                                  "name)", param="model")
+        try:
+            prompts, is_batch = split_prompt(body.get("prompt"))
+        except PromptError as error:
+            return error_response(400, str(error), error.kind, param=error.param)
+        if body.get("stream"):
+            return error_response(400, "streaming completions are not supported by the router", param="stream")
+        if model is not None and not self.pool.known_model(model):
+            return error_response(404, f"The model `{shown or model}` does not exist.", "NotFoundError",
+                                  param="model")
+        model = model or self._base_model()
+        if model is None:
+            return error_response(503, "no replica in service", "ServiceUnavailable")
+        deadline = now() + self.config.upstream_timeout_s
+        max_tokens = body.get("max_tokens")
+
+        async def forward(prompt, data: bytes, t0: float):
+            if gate is None:
+                return await self.forwarder.forward(model, prompt, data, deadline, t0, max_tokens)
+            try:
+                async with gate(max_tokens, deadline):
+                    return await self.forwarder.forward(model, prompt, data, deadline, time.perf_counter(),
+                                                        max_tokens, run=run)
+            except ClientGone as error:
+                return failure(503, str(error), "ServiceUnavailable"), None
+            except TimeoutError:
+                return failure(504, f"no replica capacity for this run within the "
+                                    f"{self.config.upstream_timeout_s}s deadline", "GatewayTimeout"), None
+
+        if len(prompts) == 1:  # one prompt (or a batch of one): forwarded as sent
+            reply, answer = await forward(prompts[0], raw, t_start)
+            if shown is not None and shown != model:
+                return self._renamed(reply, answer, model, shown)
+            return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
+        bodies = [json.dumps({**body, "prompt": p}).encode() for p in prompts]
+        results = await asyncio.gather(*(forward(p, b, time.perf_counter()) for p, b in zip(prompts, bodies)))
+        failed = next((reply for reply, answer in results if answer is None), None)
+        if failed is not None:  # vLLM fails the whole batch when one prompt fails
+            if shown is not None and shown != model:
+                return self._renamed(failed, None, model, shown)
+            return web.Response(body=failed.body, status=failed.status, content_type=failed.content_type)
+        merged = merge_batch([answer for _, answer in results])
+        if shown is not None and "model" in merged:
+            merged["model"] = shown
+        return web.json_response(merged)
+
+    @staticmethod
+    def _renamed(reply: Reply, answer: dict | None, upstream: str, shown: str) -> web.Response:
+        """A replica's answer with the run's own adapter name where the replica said the namespaced one."""
+        if answer is not None and reply.status == 200:
+            return web.json_response({**answer, "model": shown} if "model" in answer else answer)
+        return web.Response(body=reply.body.replace(upstream.encode(), shown.encode()), status=reply.status,
+                            content_type=reply.content_type)
+
+    def _base_model(self) -> str | None:
+        for r in self.pool.in_service():
+            if r.base_models:
+                return sorted(r.base_models)[0]
+        return None
+
+    # -- adapters (`adapter_lifecycle`) -------------------------------------------------------------------------
+    async def load_adapter(self, request: web.Request) -> web.Response:
+        body, _ = await self._json(request)
+        return await self.adapters.load(body)
+
+    async def unload_adapter(self, request: web.Request) -> web.Response:
+        body, _ = await self._json(request)
+        return await self.adapters.unload(body)
+
+    # -- pause/resume ---------------------------------------------------------------------------------------
+    async def pause(self, request: web.Request) -> web.Response:
+        refused = pause_mode_refusal(request.query.get("mode", "abort"))
+        if refused is not None:  # what vLLM's query validation answers
+            return refused
+        return await self._broadcast_pause_state(True, dict(request.query))
+
+    async def resume(self, request: web.Request) -> web.Response:
+        return await self._broadcast_pause_state(False, None)
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        """vLLM's dev endpoint: whether generation is paused (the router's own record of what the replicas did)."""
+        return web.json_response({"is_paused": self.pool.paused})
+
+    async def _broadcast_pause_state(self, pausing: bool, params) -> web.Response:
+        """Pause or resume every replica; the router's own state changes only when every replica agreed. A replica
+        that cannot be reached (it died) leaves routing and the pause goes on with the others — it is re-admitted in
+        the router's state, like any restarted replica — so with none left the answer is 503. A pause that a live
+        replica refused is undone where it succeeded; a replica that failed to resume leaves routing."""
+        path = "/pause" if pausing else "/resume"
+        pool = self.pool
+        async with pool.control():
+            while True:
+                targets = pool.in_service()
+                if not targets:
+                    return error_response(503, f"no replica in service for {path}", "ServiceUnavailable")
+                outcomes = await broadcast(self.client, targets, "POST", path, params=params,
+                                           timeout_s=self.config.control_timeout_s)
+                bad = [o for o in outcomes if not o.ok]
+                if not bad or not all(o.transport_error for o in bad):
+                    break
+                for o in bad:  # unreachable: out of routing, then the same call on the replicas left
+                    pool.mark_down(o.replica, f"{path} failed: {o.message}")
+            if not bad:
+                pool.paused = pausing
+                return web.json_response({"status": "paused" if pausing else "resumed"})
+            if pausing:
+                undo = [o.replica for o in outcomes if o.ok]
+                await broadcast(self.client, undo, "POST", "/resume", timeout_s=self.config.control_timeout_s)
+                for o in bad:
+                    if o.transport_error:
+                        pool.mark_down(o.replica, f"/pause failed: {o.message}")
+            else:
+                pool.paused = False
+                for o in bad:
+                    pool.mark_down(o.replica, f"/resume failed: {o.status} {o.message}")
+            first = bad[0]
+            undone = "; undone on the replicas that had paused" if pausing and len(bad) < len(outcomes) else ""
+            return error_response(first.status if first.status >= 400 else 502,
+                                  f"{path} failed on {first.replica.url}: {first.status} {first.message}{undone}")
+
+
+# -- command line ----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m grpo_lab.serving.router.server", description=__doc__.split("\n")[0])
+    p.add_argument("--replica", action="append", required=True, help="upstream base URL (repeat per replica)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (loopback by default)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key-env", default="VLLM_API_KEY", help="env var holding the upstream bearer token")
+    p.add_argument("--api-key-file", default=None, help="file holding the upstream bearer token")
+    p.add_argument("--client-api-key-env", default=None,
+                   help="env var holding the key clients must send (Authorization: Bearer) on every endpoint")
+    p.add_argument("--client-api-key-file", default=None, help="file holding that client key")
+    p.add_argument("--adapter-root", action="append", default=[], dest="adapter_roots",
+                   help="storage root lora_path must lie under (repeat per root; required off loopback)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without client authentication or adapter roots")
+    p.add_argument("--admin-api-key-env", default=None,
+                   help="env var holding the key that may add and remove replicas (POST/DELETE /router/replicas); "
+                        "without one, membership changes work on loopback only")
+    p.add_argument("--admin-api-key-file", default=None, help="file holding that admin key")
+    p.add_argument("--remove-drain-timeout", type=float, default=30.0,
+                   help="seconds a removed replica's completions may finish before they are re-sent elsewhere")
+    d = PerTryConfig()
+    p.add_argument("--no-hedge", action="store_true", help="never re-send a stuck completion to another replica")
+    p.add_argument("--per-try-quantile", type=float, default=d.quantile,
+                   help="quantile of recent completion latencies a per-try deadline starts from")
+    p.add_argument("--per-try-factor", type=float, default=d.factor, help="per-try deadline = quantile x this")
+    p.add_argument("--per-try-floor", type=float, default=d.floor_s, help="shortest per-try deadline (s)")
+    p.add_argument("--per-try-cap", type=float, default=d.cap_s,
+                   help="longest per-try deadline (s); also the deadline until enough latencies are known")
+    p.add_argument("--block-size", type=int, default=16, help="used until the replicas report theirs")
+    p.add_argument("--spill-threshold", type=int, default=8)
+    p.add_argument("--max-blocks", type=int, default=1_000_000)
+    p.add_argument("--health-interval", type=float, default=1.0)
+    p.add_argument("--load-retry-deadline", type=float, default=30.0)
+    p.add_argument("--upstream-timeout", type=float, default=600.0)
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument("--body-read-timeout", type=float, default=60.0)
+    p.add_argument("--unload-drain-timeout", type=float, default=120.0,
+                   help="seconds an unloaded adapter may keep serving its in-flight completions on a replica")
+    t = TenancyConfig()
+    p.add_argument("--tenancy", action="store_true",
+                   help="several training runs share the replicas: each registers with POST /router/runs (admin key "
+                        "required) and gets its own token, adapter namespace, adapter slots and fair share")
+    p.add_argument("--run-lease", type=float, default=t.lease_s,
+                   help="with --tenancy: seconds without a request after which a run's adapters are reclaimed")
+    p.add_argument("--max-in-flight-per-replica", type=int, default=t.max_in_flight_per_replica,
+                   help="with --tenancy: completions running per replica; beyond, they queue fairly per run")
+    p.add_argument("--no-base-model", action="store_true",
+                   help="with --tenancy: runs may complete with their own adapters only, not the base model")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args) -> RouterConfig:
+    return RouterConfig(
+        replicas=args.replica, host=args.host, port=args.port, api_key_env=args.api_key_env,
+        api_key_file=args.api_key_file, client_api_key_env=args.client_api_key_env,
+        client_api_key_file=args.client_api_key_file, adapter_roots=args.adapter_roots, insecure=args.insecure,
+        routing=RoutingConfig(block_size=args.block_size, spill_threshold=args.spill_threshold,
+                              max_blocks=args.max_blocks),
+        health_interval_s=args.health_interval, load_retry_deadline_s=args.load_retry_deadline,
+        upstream_timeout_s=args.upstream_timeout, max_body_bytes=args.max_body_bytes,
+        body_read_timeout_s=args.body_read_timeout, unload_drain_timeout_s=args.unload_drain_timeout,
+        admin_api_key_env=args.admin_api_key_env, admin_api_key_file=args.admin_api_key_file,
+        remove_drain_timeout_s=args.remove_drain_timeout,
+        tenancy=TenancyConfig(lease_s=args.run_lease, max_in_flight_per_replica=args.max_in_flight_per_replica,
+                              allow_base_model=not args.no_base_model) if args.tenancy else None,
+        per_try=PerTryConfig(enabled=not args.no_hedge, quantile=args.per_try_quantile, factor=args.per_try_factor,
+                             floor_s=args.per_try_floor, cap_s=args.per_try_cap),
+        log_level=args.log_level)
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
+    try:
+        config = config_from_args(parser.parse_args(argv))
+        router = Router(config)  # reads the keys: a missing key file is a user error too
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    listener = bind_listener(config.host, config.port)  # bound before it is announced: a taken port is one line
+    if listener is None:
+        parser.exit(2, f"{parser.prog}: error: port {config.port} is in use on {config.host} (pick another, or 0 "
+                       f"for a free one)\n")
+    port = listener.getsockname()[1]
+    print(f"grpo_lab router on http://{config.host}:{port} -> {len(config.replicas)} replica(s)", flush=True)
+    web.run_app(router.app(), sock=listener, access_log=None, print=None)
+
+
+def bind_listener(host: str, port: int):
+    """A listening socket on (host, port), or None when the port is taken."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError:
+        listener.close()
+        return None
+    listener.listen(1024)
+    return listener
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The router inside this process, on its own event loop in a daemon thread, for notebooks, tests and the async loop.
+
+    handle = start_router(RouterConfig(replicas=[...], port=0))   # port 0: a free port
+    handle.wait_ready()                                             # every replica in service
+    ... handle.url ...
+    handle.add_replica("http://10.0.0.7:8001", wait_s=60)          # membership changes while it runs
+    handle.remove_replica("http://10.0.0.5:8001", drain_s=0)
+    run = handle.register_run("sweep-a", max_staleness=4)          # with RouterConfig(tenancy=...): run["token"]
+    handle.remove_run("sweep-a")
+    handle.stop()
+
+A failed start (a port taken) releases everything it set up before the error reaches the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from aiohttp import web
+
+from .server import Router
+from .config import RouterConfig
+
+
+class RouterHandle:
+    """A router running on its own event loop in a daemon thread (notebooks, tests)."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.router = Router(config)
+        self.port: int | None = None
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="grpo-router", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._runner = web.AppRunner(self.router.app(), access_log=None)
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, self.config.host, self.config.port)
+            self._loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+        except BaseException as error:  # surfaced to the caller of start(), once everything is released
+            self._error = error
+            try:
+                self._shut_down()
+            finally:
+                self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Stop the health checks, close the upstream session, close the loop. Also after a failed start (port
+        taken): setup has already started the health checks and opened the session by then."""
+        try:
+            if self._runner is not None:
+                self._loop.run_until_complete(self._runner.cleanup())
+            left = [t for t in asyncio.all_tasks(self._loop) if not t.done()]  # e.g. idle keep-alive connections
+            for task in left:
+                task.cancel()
+            if left:
+                self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        finally:
+            self._loop.close()
+
+    def start(self, timeout: float = 30.0) -> "RouterHandle":
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("router did not start")
+        if self._error:
+            raise RuntimeError(f"router failed to start: {self._error}") from self._error
+        return self
+
+    def wait_ready(self, replicas: int | None = None, timeout: float = 60.0) -> None:
+        """Block until `replicas` (default: every member) replicas are in service."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pool = self.router.pool
+            want = (len(pool.replicas) if pool is not None else len(self.config.replicas)) if replicas is None \
+                else replicas
+            if pool is not None and len(pool.in_service()) >= want:
+                return
+            time.sleep(0.02)
+        states = [(r.url, r.state, r.last_error) for r in self.router.pool.replicas] if self.router.pool else []
+        raise TimeoutError(f"{want} replica(s) not in service after {timeout}s: {states}")
+
+    def call(self, fn, timeout: float = 30.0):
+        """Run `fn()` (sync) on the router's loop, e.g. to inspect state consistently."""
+        async def wrapped():
+            return fn()
+        return asyncio.run_coroutine_threadsafe(wrapped(), self._loop).result(timeout)
+
+    def _run_on_loop(self, coroutine, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def add_replica(self, url: str, wait_s: float = 0.0) -> dict:
+        """Add a replica while the router runs; it is routed to only once it holds every live adapter. With `wait_s`,
+        wait that long for its admission. Returns its description (`state` is "in_service" once admitted)."""
+        return self._run_on_loop(self.router.membership.add(url, wait_s), wait_s + 30)
+
+    def remove_replica(self, url: str, drain_s: float | None = None) -> dict | None:
+        """Remove a replica; its completions may finish for `drain_s` (default `remove_drain_timeout_s`; 0 for a
+        replica that died), then they are re-sent elsewhere. None when `url` is not a member."""
+        drain_s = self.config.remove_drain_timeout_s if drain_s is None else drain_s
+        return self._run_on_loop(self.router.membership.remove(url, drain_s), drain_s + 30)
+
+    def replicas(self) -> list[dict]:
+        """The current members with their states."""
+        return self.call(self.router.membership.members)
+
+    # -- runs sharing the replicas (RouterConfig.tenancy) --------------------------------------------------------
+    def _tenancy(self):
+        if self.router.tenancy is None:
+            raise RuntimeError("this router shares nothing: start it with RouterConfig(tenancy=TenancyConfig(...))")
+        return self.router.tenancy
+
+    def register_run(self, name: str, max_staleness: int = 4, weight: float = 1.0, replace: bool = False) -> dict:
+        """Register a training run (what `POST /router/runs` does): its description, with its `token` (the only
+        time it is shown; hand it to the run, e.g. in its environment). `tenancy.TenancyError` says why not."""
+        tenancy = self._tenancy()
+        return self.call(lambda: tenancy.add_run(name, max_staleness, weight, replace))
+
+    def remove_run(self, name: str) -> list[str] | None:
+        """Remove a run and unload its adapters (after their drain); None when there is no such run."""
+        tenancy = self._tenancy()
+        run = self.call(lambda: tenancy.registry.runs.get(name))
+        if run is None:
+            return None
+        return self._run_on_loop(tenancy.remove(run, "admin", "removed through the Python API"), 60)
+
+    def runs(self) -> list[dict]:
+        """The registered runs (never their tokens)."""
+        tenancy = self._tenancy()
+        return self.call(lambda: [tenancy.describe(r) for r in tenancy.registry.runs.values()])
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=15)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def start_router(config: RouterConfig) -> RouterHandle:
+    """Start a router in this process and return its handle (`.url`, `.wait_ready()`, `.stop()`)."""
+    return RouterHandle(config).start()

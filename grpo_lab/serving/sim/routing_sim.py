@@ -1,0 +1,302 @@
+"""Replay a GRPO trace through a routing policy against simulated replicas, and score it.
+
+The replay is a discrete-event simulation of the async trainer's rollout loop: up to `max_in_flight` rollouts are
+outstanding, and the policy version (hence the adapter name that seeds the hash chain) bumps every
+`completions_per_sync` finished rollouts. Arrivals are `"group"` (a prompt's G rollouts arrive together, once there
+is room for all of them) or `"rollout"` (one at a time whenever a slot frees, as TRL 1.16's worker does). Which
+version a rollout names is `versioning`: `"rollout"` (the version current when that rollout starts: TRL's worker, so
+a group can straddle a version bump and its rollouts after the bump match nothing anywhere) or `"group"` (the
+version current when the group's first rollout started, for all G: group-consistent versioning, what grpo_lab's
+async loop does). With group arrivals both are the same.
+
+Each simulated replica has a prefix cache of KV blocks with LRU eviction, `cache_blocks` big. As in vLLM v1 a
+request's blocks are cached when it is scheduled, so rollouts of one group on the same replica share its prefill.
+With `cache_holds_running` the cache is vLLM's paged KV pool: running requests pin their prompt blocks and take
+blocks for their completions out of the same pool, a request waits in the replica's queue until its blocks fit, and
+only blocks no running request uses can be evicted. Without it (the CPU replica, whose prefix cache is separate from
+its generation state) the capacity holds cached prefixes only. Service time is prefill of the uncached tokens plus
+decode, slowing as a replica's batch grows, so an unbalanced router pays in latency.
+
+`replay` runs the router's `PrefixAffinityPolicy`, the published proxy's rule (`routing_baselines.BlogProxyPolicy`) or
+round robin, and times every routing decision, which is the router's own added latency.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from ..routing.prefix_hash import block_hashes
+from ..routing.baselines import BlogProxyPolicy
+from ..routing.prefix_affinity import AFFINITY, SPILLED, UNMATCHED, PrefixAffinityPolicy, RoutingConfig
+from .trace import TraceGroup
+
+POLICIES = ("prefix", "blog_proxy", "round_robin")
+
+
+@dataclass
+class SimConfig:
+    """Simulated replicas and rollout loop.
+
+    Args:
+        num_replicas: R independent replicas.
+        max_in_flight: rollouts outstanding at once (the trainer's `max_inflight_tasks`).
+        completions_per_sync: finished rollouts per policy version: completions per optimizer step (~128 in the
+            recipe) times TRL's `weight_sync_steps` (default 1).
+        adapter_prefix: the adapter name is `{adapter_prefix}-v{version}`.
+        cache_blocks: KV capacity of each replica, in blocks of the routing block size.
+        cache_holds_running: the capacity is vLLM's paged pool, shared with running requests (see the docstring);
+            False: it holds cached prefixes only (the CPU replica).
+        prefill_s_per_token, decode_s_per_token: service-time model of one replica at batch size 1.
+        batch_slowdown: decode time grows by this factor per request in the batch (memory-bound decode).
+        arrivals: "group" (G rollouts together) or "rollout" (one per free slot, TRL's worker).
+        versioning: "rollout" (each rollout names the version current when it starts: TRL 1.16) or "group" (a
+            group's rollouts all name the version current when its first one started: group-consistent).
+    """
+
+    num_replicas: int = 2
+    max_in_flight: int = 128
+    completions_per_sync: int = 128
+    adapter_prefix: str = "trl-policy"
+    cache_blocks: int = 200_000
+    cache_holds_running: bool = False
+    prefill_s_per_token: float = 5e-5
+    decode_s_per_token: float = 0.01
+    batch_slowdown: float = 0.004
+    arrivals: str = "group"
+    versioning: str = "rollout"
+
+    def __post_init__(self):
+        if self.arrivals not in ("group", "rollout"):
+            raise ValueError(f"arrivals must be 'group' or 'rollout', got {self.arrivals!r}")
+        if self.versioning not in ("group", "rollout"):
+            raise ValueError(f"versioning must be 'group' or 'rollout', got {self.versioning!r}")
+        if self.cache_blocks < 0:
+            raise ValueError("cache_blocks must be >= 0")
+
+
+@dataclass
+class _Request:
+    hashes: list
+    prompt_tokens: int
+    completion_tokens: int
+    decision: object
+    private_blocks: int = 0
+    cached_tokens: int = 0
+
+
+class _SimReplica:
+    """One replica's KV cache (LRU of prompt blocks, with pins while running) and its queue."""
+
+    def __init__(self, capacity: int, block_size: int, holds_running: bool):
+        self.capacity, self.block_size, self.holds_running = capacity, block_size, holds_running
+        self.cache: OrderedDict[int, int] = OrderedDict()  # block -> running requests using it (0: evictable)
+        self.private = 0  # blocks running requests hold outside the prefix cache (their completions)
+        self.running = 0
+        self.pinned = 0  # cached blocks some running request uses (cannot be evicted)
+        self.queue: deque = deque()
+        self.evictions = 0
+        self.waits = 0  # requests that had to queue for KV space
+
+    def fits(self, request: _Request) -> bool:
+        if not self.holds_running or self.running == 0:
+            return True  # vLLM runs a lone request even when it needs more than the pool (it preempts later)
+        new = sum(1 for h in request.hashes if h not in self.cache)
+        return self.pinned + self.private + new + request.private_blocks <= self.capacity
+
+    def start(self, request: _Request) -> int:
+        """Schedule `request`: cached prefix blocks found (a prefix), the rest cached; returns the hit count."""
+        cache, hit = self.cache, 0
+        for h in request.hashes:
+            if h in cache:
+                cache.move_to_end(h)
+                hit += 1
+            else:
+                break
+        for h in request.hashes[hit:]:
+            cache[h] = cache.get(h, 0)
+            cache.move_to_end(h)
+        if self.holds_running:
+            for h in request.hashes:
+                if cache[h] == 0:
+                    self.pinned += 1
+                cache[h] += 1
+            self.private += request.private_blocks
+        self.running += 1
+        self._evict()
+        return hit
+
+    def finish(self, request: _Request) -> None:
+        self.running -= 1
+        if self.holds_running:
+            for h in request.hashes:
+                pins = self.cache.get(h)
+                if pins:
+                    self.cache[h] = pins - 1
+                    if pins == 1:
+                        self.pinned -= 1
+            self.private -= request.private_blocks
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop least recently used blocks no running request uses until the cache fits its room."""
+        room = self.capacity - (self.private if self.holds_running else 0)
+        cache = self.cache
+        while len(cache) > room:
+            victim = next((h for h, pins in cache.items() if pins == 0), None)
+            if victim is None:
+                return  # everything left is in use: vLLM would preempt; the replay lets it run
+            del cache[victim]
+            self.evictions += 1
+
+
+@dataclass
+class ReplayResult:
+    policy: str
+    requests: int = 0
+    kinds: dict = field(default_factory=lambda: {AFFINITY: 0, SPILLED: 0, UNMATCHED: 0})
+    prompt_tokens: int = 0
+    cacheable_tokens: int = 0  # tokens in full blocks (what any prefix cache could ever serve)
+    cached_tokens: int = 0  # served from a replica's prefix cache
+    per_replica: list = field(default_factory=list)
+    decision_s: list = field(default_factory=list, repr=False)  # route + claim (+ hashing unless memoised)
+    finish_s: float = 0.0  # total time releasing claims
+    makespan_s: float = 0.0
+    max_in_flight_seen: int = 0
+    first_of_kind: int = 0  # requests whose (adapter, prompt) nobody asked for before: unmatched under any router
+    evictions: int = 0  # prefix blocks evicted from replicas' caches
+    kv_waits: int = 0  # requests that queued for KV space
+
+    @property
+    def unmatched_floor(self) -> float:
+        return self.first_of_kind / max(self.requests, 1)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def cacheable_prefill_tokens(self) -> int:
+        """Full-block tokens recomputed although a prefix cache could have served them."""
+        return self.cacheable_tokens - self.cached_tokens
+
+    def share(self, kind: str) -> float:
+        return self.kinds[kind] / max(self.requests, 1)
+
+    @property
+    def decisions_per_s(self) -> float:
+        """Requests routed per second of router CPU time (hashing, routing and release included)."""
+        return self.requests / max(sum(self.decision_s) + self.finish_s, 1e-12)
+
+    def latency_percentile(self, q: float) -> float:
+        xs = sorted(self.decision_s)
+        return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else 0.0
+
+
+def _make_router(policy: str, replicas: int, routing: RoutingConfig):
+    if policy == "prefix":
+        return PrefixAffinityPolicy(replicas, routing)
+    if policy == "blog_proxy":
+        return BlogProxyPolicy(replicas, routing)
+    if policy == "round_robin":
+        return None
+    raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
+
+
+def replay(trace: list[TraceGroup], sim: SimConfig | None = None, policy: str = "prefix",
+           routing: RoutingConfig | None = None, memo_hashes: bool = False) -> ReplayResult:
+    """Replay `trace` with `policy` ("prefix": the router's, "blog_proxy": the published proxy's rule,
+    "round_robin").
+
+    `memo_hashes` hashes each (prompt, version) once (G rollouts share it), which speeds long replays up but leaves
+    hashing out of `decision_s`."""
+    sim = sim or SimConfig()
+    routing = routing or RoutingConfig()
+    router = _make_router(policy, sim.num_replicas, routing)
+    bs = routing.block_size
+    replicas = [_SimReplica(sim.cache_blocks, bs, sim.cache_holds_running) for _ in range(sim.num_replicas)]
+    result = ReplayResult(policy, per_replica=[0] * sim.num_replicas)
+    candidates = list(range(sim.num_replicas))
+    events: list = []  # (finish time, seq, replica, request)
+    now, seq, finished, rr, in_flight = 0.0, 0, 0, 0, 0
+    # TRL's worker walks the groups rollout by rollout and starts one whenever a slot is free.
+    stream = [(group, completion) for group in trace for completion in group.completion_tokens]
+    next_request = 0
+    seen: set = set()
+    memo: dict = {}
+    group_size = len(trace[0].completion_tokens) if trace else 1
+    name = ""
+
+    def begin(r: int, request: _Request) -> None:
+        nonlocal seq
+        replica = replicas[r]
+        hit = replica.start(request)
+        request.cached_tokens = hit * bs
+        result.cached_tokens += request.cached_tokens
+        service = (request.prompt_tokens - request.cached_tokens) * sim.prefill_s_per_token + \
+            request.completion_tokens * sim.decode_s_per_token * (1 + sim.batch_slowdown * replica.running)
+        heapq.heappush(events, (now + service, seq, r, request))
+        seq += 1
+
+    while next_request < len(stream) or events:
+        while next_request < len(stream) and in_flight < sim.max_in_flight:
+            group, completion = stream[next_request]
+            starts_group = next_request % group_size == 0
+            if sim.arrivals == "group" and starts_group and in_flight + group_size > sim.max_in_flight:
+                break  # wait until the whole group fits
+            next_request += 1
+            if starts_group or (sim.arrivals == "rollout" and sim.versioning == "rollout"):
+                name = f"{sim.adapter_prefix}-v{finished // sim.completions_per_sync}"
+            if (name, group.prompt_index) not in seen:
+                seen.add((name, group.prompt_index))
+                result.first_of_kind += 1
+            t0 = time.perf_counter()
+            key = (name, group.prompt_index)
+            hashes = memo.get(key) if memo_hashes else None
+            if hashes is None:
+                hashes = block_hashes(group.prompt_ids, name, bs)
+                if memo_hashes:
+                    memo[key] = hashes
+            if router is not None:
+                decision = router.route(hashes, candidates)
+                r = decision.replica
+                result.kinds[decision.kind] += 1
+            else:
+                decision, r = None, rr % sim.num_replicas
+                rr += 1
+            result.decision_s.append(time.perf_counter() - t0)
+            tail = len(group.prompt_ids) - len(hashes) * bs
+            request = _Request(hashes, len(group.prompt_ids), completion, decision,
+                               private_blocks=math.ceil((tail + completion) / bs))
+            result.requests += 1
+            result.per_replica[r] += 1
+            result.prompt_tokens += len(group.prompt_ids)
+            result.cacheable_tokens += len(hashes) * bs
+            in_flight += 1
+            result.max_in_flight_seen = max(result.max_in_flight_seen, in_flight)
+            replica = replicas[r]
+            if not replica.queue and replica.fits(request):
+                begin(r, request)
+            else:
+                replica.queue.append(request)
+                replica.waits += 1
+        if not events:
+            break
+        now, _, r, request = heapq.heappop(events)
+        replica = replicas[r]
+        replica.finish(request)
+        in_flight -= 1
+        finished += 1
+        if request.decision is not None:
+            t0 = time.perf_counter()
+            router.finish(request.decision, ok=True)
+            result.finish_s += time.perf_counter() - t0
+        while replica.queue and replica.fits(replica.queue[0]):
+            begin(r, replica.queue.popleft())
+    result.makespan_s = now
+    result.evictions = sum(r.evictions for r in replicas)
+    result.kv_waits = sum(r.waits for r in replicas)
+    return result

