@@ -37,6 +37,7 @@ import aiohttp
 
 from grpo_lab.lab.records import package_version, run_record
 from grpo_lab.serving.routing.prefix_affinity import AFFINITY, SPILLED, UNMATCHED, RoutingConfig
+from grpo_lab.serving.routing.registry import POLICIES
 from grpo_lab.serving.sim.routing_sim import SimConfig, replay
 from grpo_lab.serving.sim.trace import TraceConfig, generate_trace
 
@@ -83,8 +84,6 @@ def real_trace(groups: int, data: str | None):
 
 
 def quality_rows(trace, replicas: int, arrivals: str, cache: str, rows: list) -> None:
-    from grpo_lab.serving.sim.routing_sim import POLICIES
-
     blocks, holds_running = CACHES[cache]
     mode, versioning = ARRIVALS[arrivals]
     sim = SimConfig(num_replicas=replicas, max_in_flight=128, completions_per_sync=128, arrivals=mode,

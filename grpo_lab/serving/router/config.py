@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass, field
 
 from ..routing.per_try import PerTryConfig
-from ..routing.prefix_affinity import RoutingConfig
+from ..routing.policy import RoutingConfig
+from ..routing.registry import DEFAULT_POLICY, check_policy_name
 from ..tenancy.runs import TenancyConfig
 
 
@@ -30,7 +31,9 @@ class RouterConfig:
             loads adapters from any path: only on a trusted network).
         adapter_roots: storage roots (local directories or fsspec-style URLs) that `lora_path` must lie under; a
             path outside them is refused with 400. Empty: any path (fine on loopback).
-        routing: the prefix-affinity policy's parameters; `block_size` is replaced by the replicas'
+        routing_policy: which routing policy spreads completions over the replicas: a name in
+            `routing.registry.POLICIES` (default `DEFAULT_POLICY`, prefix affinity).
+        routing: the routing policy's parameters; `block_size` is replaced by the replicas'
             `cache_config.block_size` when they report one.
         health_interval_s: seconds between background `/health` checks of each replica.
         health_timeout_s: timeout of one check; a replica failing it leaves routing.
@@ -71,6 +74,7 @@ class RouterConfig:
     port: int = 8000
     api_key_env: str = "VLLM_API_KEY"
     api_key_file: str | None = None
+    routing_policy: str = DEFAULT_POLICY
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     health_interval_s: float = 1.0
     health_timeout_s: float = 5.0
@@ -101,6 +105,7 @@ class RouterConfig:
         if len(set(cleaned)) != len(cleaned):
             raise ValueError(f"duplicate replica URLs in {cleaned}")
         self.replicas = cleaned
+        check_policy_name(self.routing_policy)
         if self.remove_drain_timeout_s < 0:
             raise ValueError("remove_drain_timeout_s must be >= 0")
         for name in ("health_interval_s", "health_timeout_s", "load_retry_deadline_s", "upstream_timeout_s",

@@ -25,9 +25,10 @@ import contextlib
 import logging
 
 from ..adapters.fanout import load_one, unload_one
+from ..routing.policy import RoutingPolicy
+from ..routing.registry import make_policy
 from ..wire.metrics import Registry
 from .config import RouterConfig
-from ..routing.prefix_affinity import PrefixAffinityPolicy
 from ..wire.upstream import (DOWN, IN_SERVICE, INCONSISTENT, REMOVED, STARTING, STATES, TRANSPORT_ERRORS, Replica,
                        UpstreamClient, now)
 
@@ -46,13 +47,17 @@ def _field(info: dict, section: str, key: str):
 
 
 class ReplicaPool:
-    def __init__(self, config: RouterConfig, client: UpstreamClient, metrics: Registry):
+    """The replicas, their health and admission, and the routing `policy` that spreads completions over them
+    (default: a new one of the kind `config.routing_policy` names)."""
+
+    def __init__(self, config: RouterConfig, client: UpstreamClient, metrics: Registry,
+                 policy: RoutingPolicy | None = None):
         self.config = config
         self.client = client
         self.metrics = metrics
         self.replicas: list[Replica] = []  # the membership, in the order replicas joined
         self._slots: dict[int, Replica] = {}  # replica number -> replica (members, and removed ones until reused)
-        self.policy = PrefixAffinityPolicy(max(1, len(config.replicas)), config.routing)
+        self.policy = policy or make_policy(config.routing_policy, max(1, len(config.replicas)), config.routing)
         self._watchers: dict[int, asyncio.Task] = {}
         self._stop: asyncio.Event | None = None  # set while the health checks run
         for url in config.replicas:

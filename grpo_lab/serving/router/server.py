@@ -41,7 +41,8 @@ from ..wire.metrics import Registry
 from ..routing.per_try import PerTryConfig
 from .replica_pool import ReplicaPool
 from .config import RouterConfig
-from ..routing.prefix_affinity import RoutingConfig
+from ..routing.policy import RoutingConfig
+from ..routing.registry import DEFAULT_POLICY, POLICIES
 from ..tenancy.runs import TenancyConfig
 from ..wire.upstream import TRANSPORT_ERRORS, Reply, UpstreamClient, error_body, now
 from ..wire.vllm_routes import add_vllm_routes, error_response, pause_mode_refusal
@@ -416,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-try-floor", type=float, default=d.floor_s, help="shortest per-try deadline (s)")
     p.add_argument("--per-try-cap", type=float, default=d.cap_s,
                    help="longest per-try deadline (s); also the deadline until enough latencies are known")
+    p.add_argument("--routing-policy", default=DEFAULT_POLICY,
+                   help=f"how completions are spread over the replicas: one of {', '.join(POLICIES)}")
     p.add_argument("--block-size", type=int, default=16, help="used until the replicas report theirs")
     p.add_argument("--spill-threshold", type=int, default=8)
     p.add_argument("--max-blocks", type=int, default=1_000_000)
@@ -445,6 +448,7 @@ def config_from_args(args) -> RouterConfig:
         replicas=args.replica, host=args.host, port=args.port, api_key_env=args.api_key_env,
         api_key_file=args.api_key_file, client_api_key_env=args.client_api_key_env,
         client_api_key_file=args.client_api_key_file, adapter_roots=args.adapter_roots, insecure=args.insecure,
+        routing_policy=args.routing_policy,
         routing=RoutingConfig(block_size=args.block_size, spill_threshold=args.spill_threshold,
                               max_blocks=args.max_blocks),
         health_interval_s=args.health_interval, load_retry_deadline_s=args.load_retry_deadline,

@@ -1,4 +1,5 @@
-"""Baselines the router's policy is measured against in the replay (`routing_sim`); never used to serve.
+"""Baselines the router's policy is measured against in the replay (`routing_sim`); served only when chosen
+(`--routing-policy blog_proxy` or `round_robin`).
 
 `BlogProxyPolicy` is the routing rule of the proxy published with the Hugging Face blog post "Async GRPO with LoRA
 across HF Jobs" (huggingface.co/blog/asyncgrpo-lora-hfjobs), as that proxy applies it: the same chained block hashes
@@ -10,6 +11,8 @@ the request being routed does not count as a successor. That last point is why i
 requests with 4-8 replicas: the second prompt under each new adapter version still sees the template block with a
 single recorded successor, so it "matches" the replica that served the first prompt on template blocks alone, which
 every replica can serve from its own cache anyway (no prefill saved).
+
+`RoundRobinPolicy` sends each request to the next candidate in turn, prompts ignored: the "no prefix routing" line.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from .prefix_affinity import AffinityRule, Decision, RoutingConfig
+from .policy import BasePolicy, Decision, RoutingConfig
+from .prefix_affinity import AffinityRule
 
 
 class BlogProxyPolicy(AffinityRule):
-    """Same interface as `PrefixAffinityPolicy` (`route`, `finish`, `counts`, `in_flight`)."""
+    """The published proxy's rule as a `RoutingPolicy` (registered as "blog_proxy")."""
 
     def __init__(self, num_replicas: int, config: RoutingConfig | None = None):
         super().__init__(num_replicas, config)
@@ -46,7 +50,7 @@ class BlogProxyPolicy(AffinityRule):
                 break
         return matches
 
-    def _claim(self, decision: Decision) -> None:
+    def claim(self, decision: Decision) -> None:
         """Ownership and successors at routing time, as the published proxy does."""
         hashes, r = decision.hashes, decision.replica
         for i, h in enumerate(hashes):
@@ -60,7 +64,24 @@ class BlogProxyPolicy(AffinityRule):
             self._successor.pop(old, None)
             self._branches.discard(old)
 
-    def finish(self, decision: Decision, ok: bool) -> None:
-        if not decision.done:
-            decision.done = True
-            self.in_flight[decision.replica] -= 1
+    def forget_replica(self, r: int) -> None:
+        mask = ~(1 << r)
+        for h, served in self._served.items():
+            self._served[h] = served & mask  # assigning an existing key keeps the LRU order
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._served)
+
+
+class RoundRobinPolicy(BasePolicy):
+    """Each request to the next candidate in turn (registered as "round_robin")."""
+
+    def __init__(self, num_replicas: int, config: RoutingConfig | None = None):
+        super().__init__(num_replicas, config)
+        self._turn = 0
+
+    def choose(self, hashes: list[int], candidates: Sequence[int]) -> Decision:
+        pick = candidates[self._turn % len(candidates)]
+        self._turn += 1
+        return Decision(pick)

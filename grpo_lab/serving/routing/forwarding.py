@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ..wire.completion_batches import completion_json
 from .per_try import PerTryDeadlines
-from .prefix_affinity import Decision
+from .policy import Decision
 from ..wire.upstream import TRANSPORT_ERRORS, Replica, Reply, error_body, now
 
 UPSTREAM_LATENCY_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

@@ -27,35 +27,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from .prefix_hash import DEFAULT_BLOCK_SIZE, block_hashes
-
-AFFINITY, SPILLED, UNMATCHED = "affinity", "spilled", "unmatched"
-
-
-@dataclass
-class RoutingConfig:
-    """Parameters of the prefix-affinity policy.
-
-    Args:
-        block_size: tokens per KV block; the router replaces it with the replicas' `cache_config.block_size`.
-        spill_threshold: K, how many requests in flight the affine replica may be ahead of the least loaded one
-            before the request spills to the least loaded one.
-        max_blocks: bound on the block records kept (LRU); about 145 bytes each (see the module docstring).
-    """
-
-    block_size: int = DEFAULT_BLOCK_SIZE
-    spill_threshold: int = 8
-    max_blocks: int = 1_000_000
-
-    def __post_init__(self):
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.spill_threshold < 0:
-            raise ValueError(f"spill_threshold must be >= 0, got {self.spill_threshold}")
-        if self.max_blocks < 1:
-            raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
+from .policy import AFFINITY, SPILLED, UNMATCHED, BasePolicy, Decision, RoutingConfig
 
 
 # A block record is one int: bits 0-31 the fingerprint of the first successor seen (0: none yet), bit 32 "a second,
@@ -88,77 +61,29 @@ class _Claims:
         self.record = 0  # successor fingerprint and branch bit, as in an LRU record (no served bits)
 
 
-@dataclass
-class Decision:
-    """Where one request goes and why; hand it back to `finish` when the upstream has answered."""
-
-    replica: int
-    kind: str  # affinity | spilled | unmatched
-    matched_blocks: int  # prompt-specific blocks the chosen-by-affinity replica held (0 when unmatched)
-    hashes: list[int] = field(repr=False, default_factory=list)
-    done: bool = False
-
-
-class AffinityRule:
-    """What every prefix-affinity rule here shares: requests in flight per replica, least loaded with round-robin
-    ties, and the choice between affinity, spill and unmatched given each candidate's matched blocks. Subclasses
-    say how blocks match (`_matches`) and what routing records (`_claim`)."""
-
-    def __init__(self, num_replicas: int, config: RoutingConfig | None = None):
-        if num_replicas < 1:
-            raise ValueError("need at least one replica")
-        self.config = config or RoutingConfig()
-        self.num_replicas = num_replicas
-        self.in_flight = [0] * num_replicas
-        self._rr = 0
-        self.counts = {AFFINITY: 0, SPILLED: 0, UNMATCHED: 0}
-
-    def _least_loaded(self, candidates: Sequence[int]) -> int:
-        low = min(self.in_flight[r] for r in candidates)
-        tied = [r for r in candidates if self.in_flight[r] == low]
-        pick = tied[self._rr % len(tied)]
-        self._rr += 1
-        return pick
+class AffinityRule(BasePolicy):
+    """What every prefix-affinity rule here shares: the choice between affinity, spill and unmatched given each
+    candidate's matched blocks. Subclasses say how blocks match (`_matches`) and what routing records (`claim`)."""
 
     def _matches(self, hashes: list[int], candidates: Sequence[int]) -> list[int]:
         raise NotImplementedError
 
-    def _claim(self, decision: Decision) -> None:
-        raise NotImplementedError
-
-    def route(self, hashes: list[int], candidates: Sequence[int]) -> Decision:
-        """Pick a replica among `candidates` (in service and holding the model) and claim the prompt's blocks."""
-        if not candidates:
-            raise ValueError("no candidate replica")
+    def choose(self, hashes: list[int], candidates: Sequence[int]) -> Decision:
+        """The candidate holding the most prompt-specific blocks, unless it is more than K in flight ahead of the
+        least loaded (spill); with no match, the least loaded."""
         matches = self._matches(hashes, candidates) if hashes else [0] * len(candidates)
         best = max(matches)
         if best == 0:
-            decision = Decision(self._least_loaded(candidates), UNMATCHED, 0, hashes)
-        else:
-            affine = self._least_loaded([r for r, m in zip(candidates, matches) if m == best])
-            low = min(self.in_flight[r] for r in candidates)
-            if self.in_flight[affine] - low > self.config.spill_threshold:
-                decision = Decision(self._least_loaded(candidates), SPILLED, best, hashes)
-            else:
-                decision = Decision(affine, AFFINITY, best, hashes)
-        self.counts[decision.kind] += 1
-        self.in_flight[decision.replica] += 1
-        self._claim(decision)
-        return decision
-
-    def reset_counts(self) -> None:
-        self.counts = {AFFINITY: 0, SPILLED: 0, UNMATCHED: 0}
-
-    def ensure_replicas(self, n: int) -> None:
-        """Room for replica numbers 0..n-1: the router's membership grew while running. What the policy holds about
-        the others (in-flight counts, block records) is kept."""
-        if n > self.num_replicas:
-            self.in_flight.extend([0] * (n - self.num_replicas))
-            self.num_replicas = n
+            return Decision(self.least_loaded(candidates), UNMATCHED, 0, hashes)
+        affine = self.least_loaded([r for r, m in zip(candidates, matches) if m == best])
+        low = min(self.in_flight[r] for r in candidates)
+        if self.in_flight[affine] - low > self.config.spill_threshold:
+            return Decision(self.least_loaded(candidates), SPILLED, best, hashes)
+        return Decision(affine, AFFINITY, best, hashes)
 
 
 class PrefixAffinityPolicy(AffinityRule):
-    """Routing state for replicas numbered 0..n-1. Not thread-safe: call it from one event loop."""
+    """The router's default policy (registered as "prefix"): the rule of the module docstring."""
 
     def __init__(self, num_replicas: int, config: RoutingConfig | None = None):
         super().__init__(num_replicas, config)
@@ -203,10 +128,7 @@ class PrefixAffinityPolicy(AffinityRule):
         return matches
 
     # -- the policy --------------------------------------------------------------------------------------------
-    def hashes_for(self, token_ids: Sequence[int], namespace: str) -> list[int]:
-        return block_hashes(token_ids, namespace, self.config.block_size)
-
-    def _claim(self, decision: Decision) -> None:
+    def claim(self, decision: Decision) -> None:
         """A pending claim on every block: the group's next rollouts follow it; no LRU record until it succeeds."""
         r = decision.replica
         hashes = decision.hashes
@@ -219,6 +141,7 @@ class PrefixAffinityPolicy(AffinityRule):
                 claims.record = _with_successor(claims.record, _fingerprint(hashes[i + 1]))
 
     def _release(self, h: int, r: int) -> None:
+        """One claim of replica `r` on block `h` ends."""
         claims = self._pending.get(h)
         if claims is None:
             return
@@ -243,13 +166,9 @@ class PrefixAffinityPolicy(AffinityRule):
             if len(blocks) > limit:
                 blocks.popitem(last=False)
 
-    def finish(self, decision: Decision, ok: bool) -> None:
-        """Release the claim; on success the replica now owns the blocks. Safe to call twice."""
-        if decision.done:
-            return
-        decision.done = True
+    def release(self, decision: Decision, ok: bool) -> None:
+        """Release the claim; on success the replica now owns the blocks."""
         r = decision.replica
-        self.in_flight[r] -= 1
         for h in decision.hashes:
             self._release(h, r)
         if ok and decision.hashes:

@@ -17,8 +17,9 @@ only blocks no running request uses can be evicted. Without it (the CPU replica,
 its generation state) the capacity holds cached prefixes only. Service time is prefill of the uncached tokens plus
 decode, slowing as a replica's batch grows, so an unbalanced router pays in latency.
 
-`replay` runs the router's `PrefixAffinityPolicy`, the published proxy's rule (`routing_baselines.BlogProxyPolicy`) or
-round robin, and times every routing decision, which is the router's own added latency.
+`replay` runs any policy of `routing.registry.POLICIES` (the router's `prefix`, the published proxy's rule
+`blog_proxy`, `round_robin`, ...) through the same `RoutingPolicy` calls the router makes (`hashes_for`, `route`,
+`finish`), and times every routing decision, which is the router's own added latency.
 """
 
 from __future__ import annotations
@@ -29,12 +30,9 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from ..routing.prefix_hash import block_hashes
-from ..routing.baselines import BlogProxyPolicy
-from ..routing.prefix_affinity import AFFINITY, SPILLED, UNMATCHED, PrefixAffinityPolicy, RoutingConfig
+from ..routing.policy import AFFINITY, SPILLED, UNMATCHED, Decision, RoutingConfig
+from ..routing.registry import DEFAULT_POLICY, make_policy
 from .trace import TraceGroup
-
-POLICIES = ("prefix", "blog_proxy", "round_robin")
 
 
 @dataclass
@@ -83,7 +81,7 @@ class _Request:
     hashes: list
     prompt_tokens: int
     completion_tokens: int
-    decision: object
+    decision: Decision
     private_blocks: int = 0
     cached_tokens: int = 0
 
@@ -196,32 +194,21 @@ class ReplayResult:
         return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else 0.0
 
 
-def _make_router(policy: str, replicas: int, routing: RoutingConfig):
-    if policy == "prefix":
-        return PrefixAffinityPolicy(replicas, routing)
-    if policy == "blog_proxy":
-        return BlogProxyPolicy(replicas, routing)
-    if policy == "round_robin":
-        return None
-    raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
-
-
-def replay(trace: list[TraceGroup], sim: SimConfig | None = None, policy: str = "prefix",
+def replay(trace: list[TraceGroup], sim: SimConfig | None = None, policy: str = DEFAULT_POLICY,
            routing: RoutingConfig | None = None, memo_hashes: bool = False) -> ReplayResult:
-    """Replay `trace` with `policy` ("prefix": the router's, "blog_proxy": the published proxy's rule,
-    "round_robin").
+    """Replay `trace` with the routing policy registered as `policy`.
 
     `memo_hashes` hashes each (prompt, version) once (G rollouts share it), which speeds long replays up but leaves
     hashing out of `decision_s`."""
     sim = sim or SimConfig()
     routing = routing or RoutingConfig()
-    router = _make_router(policy, sim.num_replicas, routing)
+    router = make_policy(policy, sim.num_replicas, routing)
     bs = routing.block_size
     replicas = [_SimReplica(sim.cache_blocks, bs, sim.cache_holds_running) for _ in range(sim.num_replicas)]
     result = ReplayResult(policy, per_replica=[0] * sim.num_replicas)
     candidates = list(range(sim.num_replicas))
     events: list = []  # (finish time, seq, replica, request)
-    now, seq, finished, rr, in_flight = 0.0, 0, 0, 0, 0
+    now, seq, finished, in_flight = 0.0, 0, 0, 0
     # TRL's worker walks the groups rollout by rollout and starts one whenever a slot is free.
     stream = [(group, completion) for group in trace for completion in group.completion_tokens]
     next_request = 0
@@ -257,16 +244,12 @@ def replay(trace: list[TraceGroup], sim: SimConfig | None = None, policy: str = 
             key = (name, group.prompt_index)
             hashes = memo.get(key) if memo_hashes else None
             if hashes is None:
-                hashes = block_hashes(group.prompt_ids, name, bs)
+                hashes = router.hashes_for(group.prompt_ids, name)
                 if memo_hashes:
                     memo[key] = hashes
-            if router is not None:
-                decision = router.route(hashes, candidates)
-                r = decision.replica
-                result.kinds[decision.kind] += 1
-            else:
-                decision, r = None, rr % sim.num_replicas
-                rr += 1
+            decision = router.route(hashes, candidates)
+            r = decision.replica
+            result.kinds[decision.kind] = result.kinds.get(decision.kind, 0) + 1
             result.decision_s.append(time.perf_counter() - t0)
             tail = len(group.prompt_ids) - len(hashes) * bs
             request = _Request(hashes, len(group.prompt_ids), completion, decision,
@@ -290,10 +273,9 @@ def replay(trace: list[TraceGroup], sim: SimConfig | None = None, policy: str = 
         replica.finish(request)
         in_flight -= 1
         finished += 1
-        if request.decision is not None:
-            t0 = time.perf_counter()
-            router.finish(request.decision, ok=True)
-            result.finish_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        router.finish(request.decision, ok=True)
+        result.finish_s += time.perf_counter() - t0
         while replica.queue and replica.fits(replica.queue[0]):
             begin(r, replica.queue.popleft())
     result.makespan_s = now
