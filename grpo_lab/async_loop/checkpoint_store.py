@@ -60,6 +60,8 @@ class CheckpointStore:
         self.url = str(url)
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.local = is_local(self.fs)
+        if self.local:  # a local folder has parents to make (an object store has none): every file's, on upload
+            self.fs = fsspec.filesystem("file", auto_mkdir=True)
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r})"
@@ -170,29 +172,41 @@ def pull_last_checkpoint(url: str, output_dir: str | Path, warn: Callable[[str],
     return CheckpointStore(url).pull_last(output_dir, warn)
 
 
+class CheckpointPublishError(RuntimeError):
+    """A checkpoint could not be published to the checkpoint store: the run stops, since a resume elsewhere would
+    not find it."""
+
+
 class PublishCheckpoints(TrainerCallback):
     """Publishes each checkpoint transformers has just saved to `store` (main process only), then prunes the store
-    to `save_total_limit`. A failed upload is logged and counted (`failures`), not raised: the run keeps its local
-    checkpoint, and the next save tries again."""
+    to `save_total_limit`. A store that still refuses after `attempts` tries (`retry_s` apart, doubling) stops the
+    run with `CheckpointPublishError` naming the store: a run that "succeeds" with its checkpoints missing from the
+    store would leave nothing to resume from on another machine."""
 
-    def __init__(self, store: CheckpointStore):
+    def __init__(self, store: CheckpointStore, attempts: int = 3, retry_s: float = 1.0):
         self.store = store
+        self.attempts, self.retry_s = attempts, retry_s
         self.published: list[str] = []
-        self.failures: list[tuple[str, str]] = []
 
     def on_save(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
         folder = Path(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        try:
-            t0 = time.perf_counter()
-            self.store.publish(folder)
-            if args.save_total_limit:
-                self.store.prune(args.save_total_limit)
-        except (OSError, ValueError) as error:
-            self.failures.append((folder.name, f"{type(error).__name__}: {error}"))
-            log.error("could not publish %s to %s: %s: %s (the local copy is kept; the next save tries again)",
-                      folder.name, self.store.url, type(error).__name__, error)
-            return
+        t0 = time.perf_counter()
+        for attempt in range(1, self.attempts + 1):
+            try:
+                self.store.publish(folder)
+                if args.save_total_limit:
+                    self.store.prune(args.save_total_limit)
+                break
+            except (OSError, ValueError) as error:
+                if attempt == self.attempts:
+                    reason = (str(error).strip().splitlines() or [""])[0]
+                    raise CheckpointPublishError(
+                        f"could not publish {folder.name} to the checkpoint store {self.store.url} after {attempt} "
+                        f"tries ({type(error).__name__}: {reason}); the local copy is in {folder}") from error
+                log.warning("publishing %s to %s failed (%s: %s); trying again", folder.name, self.store.url,
+                            type(error).__name__, error)
+                time.sleep(self.retry_s * 2 ** (attempt - 1))
         self.published.append(folder.name)
         log.info("published %s to %s in %.1fs", folder.name, self.store.url, time.perf_counter() - t0)

@@ -1,8 +1,10 @@
 """Checks a command runs before it starts anything: each names the flag at fault and says what to do.
 
 A bad model path, an unknown storage scheme or a dead router URL used to surface minutes later, after replicas had
-started, as a traceback or as TRL's "increase vllm_server_timeout" (not a flag of ours). Everything that can be
-checked without starting a process is checked here, with short deadlines, and nothing is written.
+started, as a traceback or as TRL's "increase vllm_server_timeout" (not a flag of ours); a Ray address with nothing
+behind it hung in Ray's own connection retries. Everything that can be checked without starting a process is checked
+here, with short deadlines. Nothing is left behind: a store's writability is proven by writing a probe object and
+deleting it at once.
 """
 
 from __future__ import annotations
@@ -10,9 +12,14 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import os
+import posixpath
+import re
 import socket
 import subprocess
+import uuid
 from pathlib import Path
+
+from ..lab import environment
 
 
 class UsageError(ValueError):
@@ -56,15 +63,46 @@ def check_writable_folder(flag: str, path: str) -> None:
         raise UsageError(flag, f"{path} cannot be written ({parent} is not a writable folder)")
 
 
+# `scheme:` at the start of a storage setting: a URL, well-formed only with `://` after it (a one-letter "scheme"
+# would be a Windows drive, which this kit does not run on, so two letters at least)
+_SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):(?P<rest>.*)$", re.DOTALL)
+LOCAL_SCHEMES = ("file", "local")
+PROBE_PREFIX = ".grpo-lab-write-probe-"  # the object `check_storage` writes and deletes to prove a store writable
+
+
+def split_storage_url(flag: str, url: str) -> tuple[str | None, str]:
+    """(scheme, what follows `://`) of a storage URL, or (None, url) for a local path. A setting that starts like a
+    URL without `://` (`s3:/bucket/x`, `s3:bucket`) is refused rather than taken as a local folder named `s3:`, and
+    so is a URL without a bucket or host (`s3://`, `s3:///x`)."""
+    if not url.strip():
+        raise UsageError(flag, "is empty: give a folder or a URL such as s3://bucket/path")
+    m = _SCHEME.match(url)
+    if m is None:
+        return None, url
+    scheme, rest = m["scheme"], m["rest"]
+    if not rest.startswith("//"):
+        raise UsageError(flag, f"{url!r} looks like a URL but has no '://' after {scheme}: (did you mean "
+                               f"{scheme}://{rest.lstrip('/')}?); a local folder with a colon in its name: ./{url}")
+    rest = rest[2:]
+    if scheme.lower() in LOCAL_SCHEMES:
+        if not rest.strip("/"):
+            raise UsageError(flag, f"{url!r} names no folder: {scheme}:///absolute/path")
+    elif scheme.lower() != "memory" and not rest.split("/", 1)[0].strip():
+        raise UsageError(flag, f"{url!r} names no bucket (or host): {scheme}://BUCKET/path")
+    return scheme, rest
+
+
 def check_storage(flag: str, url: str, timeout: float = 10.0) -> None:
-    """A local path that can be made, or an fsspec URL whose scheme is known, whose package is installed and
-    whose store answers (bucket present, credentials accepted) within `timeout`."""
-    if "://" not in url:
+    """A local path that can be made, or a well-formed fsspec URL whose scheme is known, whose package is installed,
+    whose credentials are found (S3) and whose store takes a probe object (written and deleted) within `timeout`."""
+    scheme, rest = split_storage_url(flag, url)
+    if scheme is None:
         check_writable_folder(flag, url)
+        probe_local_folder(flag, url)
         return
     import fsspec
 
-    protocol = url.split("://", 1)[0]
+    protocol = scheme.lower()
     try:
         fsspec.get_filesystem_class(protocol)
     except ValueError:
@@ -72,18 +110,68 @@ def check_storage(flag: str, url: str, timeout: float = 10.0) -> None:
         raise UsageError(flag, f"unknown storage scheme {protocol}:// (fsspec knows {known}, ...)") from None
     except ImportError as error:
         raise UsageError(flag, f"{protocol}:// needs a package that is not installed ({error})") from None
-    if protocol in ("file", "local", "memory"):
-        if protocol != "memory":
-            check_writable_folder(flag, url.split("://", 1)[1])
+    if protocol in LOCAL_SCHEMES:
+        check_writable_folder(flag, rest)
+        probe_local_folder(flag, rest)
         return
+    if protocol == "memory":
+        return
+    if protocol in ("s3", "s3a"):
+        try:
+            within(timeout, check_s3_credentials, flag, url)
+        except TimeoutError:
+            raise UsageError(flag, f"looking for S3 credentials for {url} took over {timeout:.0f}s") from None
     from ..serving.adapters.storage import storage_reachable
 
     try:
         within(timeout, storage_reachable, url)
+        within(timeout, probe_store, url)
     except TimeoutError:
         raise UsageError(flag, f"{url} did not answer in {timeout:.0f}s (is the endpoint reachable?)") from None
-    except (OSError, ValueError, PermissionError) as error:
+    except Exception as error:  # noqa: BLE001 - whatever the store's client raises is one line for the user
         raise UsageError(flag, f"{url}: {describe_storage_error(error)}") from None
+
+
+def check_s3_credentials(flag: str, url: str) -> None:
+    """Credentials for `url` exist where s3fs (botocore's credential chain, anonymous access off) looks: the
+    environment, ~/.aws, a container or instance role. Without any, s3fs fails at its first request with a long
+    botocore traceback."""
+    import botocore.exceptions
+    import botocore.session
+
+    try:
+        found = botocore.session.get_session().get_credentials()
+    except botocore.exceptions.BotoCoreError as error:
+        raise UsageError(flag, f"{url}: the AWS configuration is unusable ({error})") from None
+    if found is None:
+        raise UsageError(flag, f"{url} needs S3 credentials and none were found: export AWS_ACCESS_KEY_ID and "
+                               "AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL_S3 for a store other than AWS), or "
+                               "configure ~/.aws or an instance role")
+
+
+def probe_store(url: str) -> None:
+    """Write an empty probe object under `url` and delete it: what the store's error is when it cannot be written
+    (read-only credentials, a bucket policy), before a run starts rather than at its first publish."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    probe = posixpath.join(root, f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}")
+    fs.pipe_file(probe, b"")
+    fs.rm_file(probe)
+
+
+def probe_local_folder(flag: str, path: str) -> None:
+    """Write and delete a probe file in `path`, or in its nearest existing parent when it is still to be made
+    (permission bits can say yes where a read-only mount says no)."""
+    from .run_dir import nearest_existing
+
+    folder = nearest_existing(Path(path))
+    probe = folder / f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(flag, f"{path} cannot be written ({folder}: {error.strerror or error})") from None
 
 
 def describe_storage_error(error: BaseException) -> str:
@@ -130,11 +218,12 @@ def check_server(flag: str, url: str, timeout: float = 5.0) -> None:
 
 
 def check_pool(url: str, key_file: str | None, run_name: str, max_staleness: int, resume: bool, weight: float,
-               timeout: float = 5.0) -> dict | None:
+               timeout: float = 5.0, name_flag: str = "--run-name") -> dict | None:
     """With a pool admin key (`--pool-admin-key-file` or the environment, `pool`): that `url` is a shared pool which
     takes the key and has room for this run (its name free unless it resumes, `max_staleness + 3` adapter slots per
     replica free). Returns the pool's `/router/runs` answer, or None when there is no key (a plain router or vLLM
-    server, checked by `check_server`) or only the environment's and `url` shares nothing."""
+    server, checked by `check_server`) or only the environment's and `url` shares nothing. `name_flag` is the flag
+    `run_name` came from (`--pool-run`, or `--run-name` by default)."""
     import requests
 
     from ..serving.adapters.slots import max_loras_for
@@ -169,14 +258,14 @@ def check_pool(url: str, key_file: str | None, run_name: str, max_staleness: int
     try:
         check_run_name(run_name)
     except ValueError as error:
-        raise UsageError("--run-name", str(error)) from None
+        raise UsageError(name_flag, str(error)) from None
     try:
         pool = answer.json()
         runs = {r["name"]: r for r in pool["runs"]}
     except (ValueError, KeyError, TypeError):
         raise UsageError("--router-url", f"{url} answered /router/runs without a list of runs") from None
     if run_name in runs and not resume:
-        raise UsageError("--run-name", f"run '{run_name}' is already on the pool at {url} (another process uses that "
+        raise UsageError(name_flag, f"run '{run_name}' is already on the pool at {url} (another process uses that "
                                        "name?): pick another name, or --resume it")
     if not 0 < weight <= 100:
         raise UsageError("--run-weight", f"must be in (0, 100], got {weight:g}")
@@ -188,6 +277,48 @@ def check_pool(url: str, key_file: str | None, run_name: str, max_staleness: int
                                                 f"but the pool at {url} has {free} of its {slots} free: lower "
                                                 "--max-staleness, or wait for a run to end")
     return pool
+
+
+def check_ray_address(flag: str, address: str | None, timeout: float = 3.0) -> None:
+    """The Ray cluster `ray.init(address)` would join answers: its GCS port (`host:port`, or what `auto` finds: the
+    last `ray start` on this machine or a running GCS) or its Ray Client port (`ray://host:port`) takes a TCP
+    connection within `timeout`. Ray itself retries an address with nothing behind it for minutes. As in Ray,
+    RAY_ADDRESS stands in for no address or `auto`; no address and no RAY_ADDRESS starts a local cluster."""
+    env = environment.ray_address() or ""
+    given = address
+    if env and address in (None, "auto"):
+        flag, address = "RAY_ADDRESS", env
+    if address is None or address == "local":
+        return
+    if address == "auto":
+        address = find_ray_cluster(flag, timeout)
+    target = address[len("ray://"):] if address.startswith("ray://") else address
+    host, _, port = target.rpartition(":")
+    if "://" in target or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(flag, f"{address!r} is not a Ray address: auto, host:6379 (the head's GCS port) or "
+                               "ray://host:10001 (Ray Client)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as error:
+        found = f" (found by {given})" if given == "auto" and address != given else ""
+        reason = f"no answer in {timeout:.0f}s" if isinstance(error, TimeoutError) else (
+            error.strerror or type(error).__name__)
+        raise UsageError(flag, f"nothing answers at {address}{found} ({reason}): start the cluster first (ray start "
+                               "--head) or fix the address") from None
+
+
+def find_ray_cluster(flag: str, timeout: float) -> str:
+    """What Ray's `auto` resolves to on this machine (its own lookup), or a UsageError when there is no cluster."""
+    from ray._private.services import canonicalize_bootstrap_address_or_die  # heavy (Ray): only for the ray launcher
+
+    try:
+        return within(timeout * 3, canonicalize_bootstrap_address_or_die, "auto")
+    except TimeoutError:
+        raise UsageError(flag, f"auto: looking for a Ray cluster on this machine took over {timeout * 3:.0f}s") \
+            from None
+    except (ConnectionError, ValueError) as error:
+        raise UsageError(flag, f"auto found no Ray cluster on this machine ({str(error).split('.')[0]}): start one "
+                               "(ray start --head) or give its host:port") from None
 
 
 def check_port(flag: str, port: int, host: str = "127.0.0.1") -> None:
@@ -216,7 +347,7 @@ def check_vllm_python(flag: str = "--replica-kind vllm") -> str:
     except (OSError, subprocess.TimeoutExpired) as error:
         raise UsageError(flag, f"{python} does not run ({error})") from None
     if done.returncode != 0:
-        source = "GRPO_LAB_VLLM_PYTHON" if os.environ.get("GRPO_LAB_VLLM_PYTHON") else "the vLLM CPU venv"
+        source = "GRPO_LAB_VLLM_PYTHON" if environment.vllm_python() else "the vLLM CPU venv"
         raise UsageError(flag, f"{python} ({source}) has no vllm: point GRPO_LAB_VLLM_PYTHON at an interpreter "
                                f"with vLLM, or run `bash scripts/vllm_cpu_env.sh`")
     return python

@@ -26,8 +26,8 @@ import time
 
 from ..loss.backends import DEFAULT_LOSS_BACKEND, LOGPROB_BACKENDS
 from ..serving.adapters.slots import DEFAULT_MAX_STALENESS
-from .checks import (UsageError, check_model, check_pool, check_port, check_server, check_storage,
-                     check_vllm_python, check_writable_folder, cuda_available)
+from .checks import (UsageError, check_model, check_pool, check_port, check_ray_address, check_server,
+                     check_storage, check_vllm_python, check_writable_folder, cuda_available)
 from .run_dir import RunDirError, check_output_dir
 from .tree_attention import CHOICES as TREE_ATTENTION_CHOICES
 
@@ -209,6 +209,7 @@ def check_ray(a: argparse.Namespace) -> None:
                                            "--replica-url")
     if importlib.util.find_spec("ray") is None:
         raise UsageError("--launcher ray", "Ray is not installed: pip install 'grpo-lab[ray]'")
+    check_ray_address("--ray-address", a.ray_address)
 
 
 def check_resume(output_dir: str, checkpoint_storage: str | None = None) -> str | bool:

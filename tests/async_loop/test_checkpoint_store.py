@@ -100,7 +100,7 @@ def test_checkpoints_on_s3_resume_on_a_fresh_machine(s3_cluster, s3_url, tmp_pat
     with first:
         first.train()
     (publisher,) = [c for c in first.trainer.callback_handler.callbacks if isinstance(c, PublishCheckpoints)]
-    assert publisher.published == ["checkpoint-1", "checkpoint-2"] and publisher.failures == []
+    assert publisher.published == ["checkpoint-1", "checkpoint-2"]
     store = CheckpointStore(checkpoints)
     assert store.published() == ["checkpoint-2", "checkpoint-1"]
     files = json.loads(store.fs.cat_file(store._join("checkpoint-2", CHECKPOINT_MANIFEST)))["files"]
@@ -129,3 +129,52 @@ def test_checkpoints_on_s3_resume_on_a_fresh_machine(s3_cluster, s3_url, tmp_pat
     assert store.published()[0] == "checkpoint-3"  # re-published whole by the resumed run
     saved = json.loads(store.fs.cat_file(store._join("checkpoint-3", TRAINER_STATE)))
     assert saved["global_step"] == 3
+
+
+def test_a_local_checkpoint_store_takes_nested_files(tmp_path):
+    """`--checkpoint-storage <a local folder>` (issue 43): every publish failed with FileNotFoundError on the first
+    file in a subfolder (a local file system makes no parent folders), so the store stayed empty."""
+    store = CheckpointStore(tmp_path / "store")
+    store.publish(_checkpoint(tmp_path / "run", 1))
+    assert store.published() == ["checkpoint-1"]
+    pulled = pull_last_checkpoint(store.url, tmp_path / "fresh")
+    assert pulled.downloaded and (Path(pulled.checkpoint) / "rng" / "rng_state.pth").read_bytes() == b"rng"
+
+
+def test_a_publish_the_store_keeps_refusing_stops_the_run_naming_the_store(tmp_path):
+    from types import SimpleNamespace
+
+    from grpo_lab.async_loop.checkpoint_store import CheckpointPublishError, PublishCheckpoints
+
+    _checkpoint(tmp_path / "run", 1)
+    blocked = tmp_path / "store"
+    blocked.write_text("a file where the store's folder should be")
+    publisher = PublishCheckpoints(CheckpointStore(blocked), retry_s=0)
+    args = SimpleNamespace(output_dir=str(tmp_path / "run"), save_total_limit=None)
+    state = SimpleNamespace(is_world_process_zero=True, global_step=1)
+    with pytest.raises(CheckpointPublishError) as stopped:
+        publisher.on_save(args, state, None)
+    assert f"could not publish checkpoint-1 to the checkpoint store {blocked} after 3 tries" in str(stopped.value)
+    assert publisher.published == []
+
+
+def test_the_command_keeps_every_checkpoint_or_stops_with_an_error(cluster, tmp_path, capsys, monkeypatch):
+    """The issue's run: 2 steps, a save at each, `--checkpoint-storage` a local folder: exit 0 with both checkpoints
+    on the store; the same run with a store that refuses every upload ends with exit 1 and one line naming it."""
+    from grpo_lab.async_loop import command
+
+    store = tmp_path / "ck"
+    store.mkdir()
+    run = ["--router-url", cluster.url, "--max-steps", "2", "--save-steps", "1", "--checkpoint-storage", str(store)]
+    assert command.main([*run, "--output-dir", str(tmp_path / "kept")]) == 0
+    assert CheckpointStore(store).published() == ["checkpoint-2", "checkpoint-1"]
+    capsys.readouterr()
+
+    def refuse(self, folder):
+        raise PermissionError(13, "Permission denied", str(folder))
+
+    monkeypatch.setattr(CheckpointStore, "publish", refuse)
+    monkeypatch.setattr("grpo_lab.async_loop.checkpoint_store.PublishCheckpoints.__init__.__defaults__", (3, 0.0))
+    assert command.main([*run, "--output-dir", str(tmp_path / "lost")]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err) == 1 and "CheckpointPublishError" in err[0] and f"checkpoint store {store}" in err[0], err
