@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 from grpo_lab.async_loop.launch import AsyncLoop, LoopConfig, embedded_trainer_args
 from grpo_lab.async_loop.recorder import METRICS_FILE, read_metrics
 from grpo_lab.serving.wire.metrics import parse_text
-from grpo_lab.serving.clusters.ray_cluster import RayCluster
+from grpo_lab.serving.clusters.launcher import RayActors
 from grpo_lab.tasks.embedded_model import embedded_model_dir
 
 ray = pytest.importorskip("ray", reason="the Ray tier needs Ray: pip install 'grpo-lab[ray]'")
@@ -70,7 +70,7 @@ def test_async_loop_on_a_two_node_ray_cluster_survives_a_replica_restart(ray_clu
         router={"health_interval_s": 0.2, "load_retry_deadline_s": 10, "control_timeout_s": 60}), args, progress=False)
     loop.start()
     cluster = loop.cluster
-    assert isinstance(cluster, RayCluster)
+    assert isinstance(cluster.placement, RayActors)  # the one launcher, its replicas placed by Ray
     started_s = time.monotonic() - t0
     launcher, url = cluster.replicas, cluster.url
     first = launcher.infos()
