@@ -528,10 +528,11 @@ class AutotuneCallback(TrainerCallback):
             self.say(decision.line())
         self.knobs.inflight, self.knobs.queue_bound = self.tuner.inflight, self.tuner.queue_bound
         logs.update(self.tuner.metrics())
-        if decisions:
-            logs["autotune/changes_total"] = float(len(decisions))
-            logs.update({f"autotune/{k}": float(v) for k, v in decisions[-1].evidence.items()})
         self.pending, self._initial = self._initial + decisions, []
+        if self.pending:  # the step-0 clamps count with the first step, as its row records them
+            logs["autotune/changes_total"] = float(len(self.pending))
+        if decisions:
+            logs.update({f"autotune/{k}": float(v) for k, v in decisions[-1].evidence.items()})
 
     def row_extra(self) -> dict:
         """What `LoopRecorder` adds to this step's row: the decisions taken at it, with their evidence."""

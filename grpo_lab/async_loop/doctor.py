@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..serving.adapters.slots import max_loras_for
+from ..serving.adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
 
 
 @dataclass
@@ -199,7 +199,7 @@ def replica_notes(rows: list[dict], block_size: int | None = None, prompt_tokens
 
 
 # The settings a verdict depends on, as `run.json` names them, with what is assumed when a run did not record them.
-RUN_DEFAULTS = {"replica_kind": "vllm", "max_staleness": 4, "max_inflight_tasks": None, "block_size": None,
+RUN_DEFAULTS = {"replica_kind": "vllm", "max_staleness": DEFAULT_MAX_STALENESS, "max_inflight_tasks": None, "block_size": None,
                 "prompt_tokens_median": None}
 
 
@@ -215,6 +215,24 @@ def judged_settings(record: dict | None, overrides: dict | None = None) -> tuple
         else:
             settings[key], source[key] = default, "default"
     return settings, source
+
+
+def find_run_record(path: str, levels: int = 3) -> tuple[dict | None, str | None]:
+    """The `run.json` of the run `path` belongs to, and where it is: `path` may be the run's folder, a file in it,
+    or a folder inside it (`<run>/runs`, `<run>/runs/<date_host>`: the TensorBoard logs transformers writes there),
+    so the folder and up to `levels` folders above it are looked in."""
+    from pathlib import Path
+
+    from .run_dir import RUN_RECORD, read_run_record
+
+    folder = Path(path).absolute()
+    if not folder.is_dir():
+        folder = folder.parent
+    for candidate in [folder, *folder.parents][:levels + 1]:
+        record = read_run_record(candidate)
+        if record is not None:
+            return record, str(candidate / RUN_RECORD)
+    return None, None
 
 
 def diagnose_run(rows: list[dict], record: dict | None, overrides: dict | None = None,
@@ -233,7 +251,6 @@ def main(argv=None) -> int:
     loop, by its own settings."""
     import argparse
     import json
-    import os
     import sys
 
     p = argparse.ArgumentParser(prog="grpo-lab doctor", description=main.__doc__.split(":")[0] + ". The run's "
@@ -256,19 +273,17 @@ def main(argv=None) -> int:
         print(f"error: {error} (run the loop with grpo-lab async-loop, which records loop_metrics.jsonl)",
               file=sys.stderr)
         return 2
-    path = os.path.join(a.path, "loop_metrics.jsonl") if os.path.isdir(a.path) else a.path
     if a.window < 2 or (a.max_staleness is not None and a.max_staleness < 0):
         print("error: --window >= 2 and --max-staleness >= 0 are required", file=sys.stderr)
         return 2
-    from .run_dir import read_run_record
-
-    record = read_run_record(path) if os.path.exists(path) else None
+    record, record_path = find_run_record(a.path)
     overrides = {"max_staleness": a.max_staleness, "max_inflight_tasks": a.max_inflight_tasks,
                  "replica_kind": a.replica_kind}
     settings, source = judged_settings(record, overrides)
     verdict = diagnose_run(rows, record, overrides, a.window)
     print(verdict.headline)
-    print(f"read from: {origin} ({len(training_rows(rows))} logged steps)")
+    print(f"read from: {origin} ({len(training_rows(rows))} logged steps)" + (
+        f"; settings from {record_path}" if record_path else ""))
     print("judged with: " + ", ".join(f"{k} {settings[k]} ({source[k]})" for k in
                                       ("replica_kind", "max_staleness", "max_inflight_tasks")))
     if record is None:

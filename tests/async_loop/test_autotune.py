@@ -297,6 +297,8 @@ def test_callback_turns_the_live_knobs_and_logs_the_decision(tmp_path):
     assert knobs.inflight < 48 and lines and lines[0].startswith("autotune: step 3: in flight 48 -> ")
     assert "staleness-bound" in lines[0] and "wasted 33.3%" in lines[0]
     assert all("autotune/inflight" in r for r in logged) and logged[2]["autotune/changes_total"] == 1.0
+    assert logged[0]["autotune/changes_total"] == 2.0  # the step-0 clamps (64 -> 48 in flight, the queue bound)
+    assert "autotune/changes_total" not in logged[1]
     assert cb.row_extra() == {} or cb.row_extra()["autotune"][0]["knob"] == "inflight"
 
 

@@ -199,3 +199,26 @@ def test_zero_affinity_from_prompts_shorter_than_a_block_is_explained():
     explained = replica_notes(rows, block_size=32, prompt_tokens=25)
     assert "expected" in explained[0] and "shorter than one KV cache block (32 tokens)" in explained[0]
     assert "expected" not in replica_notes(rows, block_size=16, prompt_tokens=25)[0]  # longer than a block
+
+
+def test_doctor_on_the_tensorboard_folder_finds_the_runs_record(tmp_path, capsys):
+    """`grpo-lab doctor <out>/runs` (the TensorBoard logs transformers writes inside the run folder) judged the run
+    by the defaults (vLLM replicas): the run.json one or two folders up was never looked for."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from grpo_lab.async_loop.doctor import main
+
+    run = _recorded_run(tmp_path, {"replica_kind": "cpu", "max_staleness": 4, "max_inflight_tasks": 64})
+    (run / "loop_metrics.jsonl").unlink()  # only the tracker's copy of the metrics
+    writer = SummaryWriter(str(run / "runs" / "Dec06_13-00-00_host"))
+    for row in (json.loads(line) for line in RECORDED.read_text().splitlines()):
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                writer.add_scalar(f"train/{key}", value, row["step"])
+    writer.close()
+    for path in (run / "runs", next((run / "runs").iterdir())):
+        assert main([str(path)]) == 0
+        out = capsys.readouterr().out
+        assert "read from: TensorBoard run" in out and f"settings from {run / 'run.json'}" in out, out
+        assert "judged with: replica_kind cpu (run), max_staleness 4 (run), max_inflight_tasks 64 (run)" in out
+        assert "no run.json" not in out
