@@ -9,8 +9,9 @@ when they outlive a per-try deadline (`forwarding`, `per_try`); adapter loads an
 (all-or-nothing loads, unloads after a drain); pause and resume reach every replica or none; replicas are watched and
 re-admitted safely (`replica_pool`), and join or leave while the router runs (`membership`, `admin_api`);
 `/metrics` reports it all in Prometheus text. With `RouterConfig.tenancy` several training runs share the replicas,
-each with its own token, adapter namespace, share of adapter slots and fair share of completions (`tenancy`,
-`tenant_api`, `fair_queue`). NCCL weight transfer cannot be fanned out, so those endpoints are refused: train a
+each with its own token, adapter namespace, share of adapter slots and fair share of completions (`tenancy`:
+`tenant_api` registers them, `fair_queue` shares the replicas, and each request's `views` view tells these same
+handlers what its caller sees). NCCL weight transfer cannot be fanned out, so those endpoints are refused: train a
 PEFT model, for which TRL syncs adapters only.
 
 Run it with `python -m grpo_lab.serving.router.server --replica http://127.0.0.1:8001 --replica ...`, or in-process
@@ -32,7 +33,7 @@ from aiohttp import web
 from ..adapters.fanout import broadcast
 from .adapter_lifecycle import AdapterLifecycle
 from .admin_api import AdminAPI
-from ..wire.client_watch import client_closed_response, unless_client_gone
+from ..wire.client_watch import unless_client_gone
 from ..wire.completion_batches import PromptError, merge_batch, split_prompt
 from ..tenancy.fair_queue import ClientGone
 from ..routing.forwarding import Forwarder, failure
@@ -44,6 +45,8 @@ from .config import RouterConfig
 from ..routing.policy import RoutingConfig
 from ..routing.registry import DEFAULT_POLICY, POLICIES
 from ..tenancy.runs import TenancyConfig
+from ..tenancy.tenant_api import RunsAPI
+from ..tenancy.views import VIEW, PoolView
 from ..wire.upstream import TRANSPORT_ERRORS, Reply, UpstreamClient, error_body, now
 from ..wire.vllm_routes import add_vllm_routes, error_response, pause_mode_refusal
 
@@ -80,7 +83,8 @@ class Router:
         self.forwarder: Forwarder | None = None
         self.membership: Membership | None = None
         self.admin: AdminAPI | None = None
-        self.tenancy = None  # tenant_api.TenantAPI when runs share the replicas
+        self.tenancy: RunsAPI | None = None  # when runs share the replicas
+        self.whole_pool = PoolView(self)  # what a caller sees without tenancy
         self._session: aiohttp.ClientSession | None = None
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -97,25 +101,26 @@ class Router:
         app.on_cleanup.append(self._cleanup)
         r = app.router
         self.admin = AdminAPI(None, self.config, self._admin_key, self._json)  # membership attached at startup
-        front = self
         if self.config.tenancy is not None:
-            from ..tenancy.tenant_api import TenantAPI
-
-            front = self.tenancy = TenantAPI(self, self._admin_key)
+            self.tenancy = RunsAPI(self, self._admin_key)
             self.tenancy.add_routes(r)
-        add_vllm_routes(r, front)
-        r.add_get("/metrics", front.metrics_text)
-        r.add_get("/router/state", front.state)
+        add_vllm_routes(r, self)
+        r.add_get("/metrics", self.metrics_text)
+        r.add_get("/router/state", self.state)
         self.admin.add_routes(r)
         for path in NCCL_ENDPOINTS:
             r.add_route("*", path, self.refuse_nccl)
         return app
 
+    def view_of(self, request: web.Request) -> PoolView:
+        """What the caller sees (`tenancy.views`): a run of a shared pool, its admin, or the whole pool."""
+        return request.get(VIEW, self.whole_pool)
+
     @web.middleware
     async def _authenticate(self, request: web.Request, handler):
         """With client authentication on, every endpoint needs the key (vLLM's own key leaves /health, /pause,
         /resume and /server_info open; a router that can load adapters should not). With tenancy, the admin key or
-        a run's token (`tenant_api`)."""
+        a run's token (`tenant_api`), which sets the request's view."""
         if self.tenancy is not None:
             refused = self.tenancy.authenticate(request)
             return refused if refused is not None else await handler(request)
@@ -203,20 +208,34 @@ class Router:
         body = reply.json()
         if reply.status != 200 or not isinstance(body, dict) or not isinstance(body.get("data"), list):
             return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
-        live = self.pool.live_adapters
-        body["data"] = [m for m in body["data"] if not (isinstance(m, dict) and m.get("parent")) or m.get("id") in live]
+        live, view = self.pool.live_adapters, self.view_of(request)
+        body["data"] = [{**m, "id": view.shown(m.get("id", ""))} if isinstance(m, dict) and m.get("parent") else m
+                        for m in body["data"] if not (isinstance(m, dict) and m.get("parent"))
+                        or (m.get("id") in live and view.owns(str(m.get("id"))))]
         return web.json_response(body)
 
     async def server_info(self, request: web.Request) -> web.Response:
-        """One replica's answer; admission already checked the others agree on the fields TRL reads."""
+        """One replica's answer (admission already checked the others agree on the fields TRL reads), with the
+        caller's share of adapter slots where it has one."""
         reply = await self._from_one("/server_info", params=dict(request.query))
         if reply is None:
             return error_response(503, "no replica in service", "ServiceUnavailable")
-        return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
+        slots = self.view_of(request).slots
+        body = reply.json() if slots is not None and reply.status == 200 else None
+        lora = (body.get("vllm_config") or {}).get("lora_config") if isinstance(body, dict) else None
+        if not isinstance(lora, dict):
+            return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
+        lora["max_loras"] = slots
+        if "max_cpu_loras" in lora:
+            lora["max_cpu_loras"] = slots
+        return web.json_response(body)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         self.refresh_gauges()
-        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
+        if self.tenancy is not None:
+            self.tenancy.publish_gauges()
+        text = self.metrics.render(self.view_of(request).keep)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     def refresh_gauges(self) -> None:
         """Set the gauges that describe the pool now (in flight, draining, block records, live adapters)."""
@@ -238,13 +257,13 @@ class Router:
         """Router state (replicas, adapters, draining adapters, routing counts, overhead percentiles) for notebooks
         and benchmarks; `?reset_overhead=1` restarts the overhead sample after reading it (to drop a warm-up)."""
         pool = self.pool
-        answer = web.json_response({
+        answer = web.json_response(self.view_of(request).state({
             "replicas": [describe(r, pool) for r in pool.replicas],
             "live_adapters": sorted(pool.live_adapters), "draining": self.adapters.drainer.draining(),
             "paused": pool.paused,
             "routing": dict(pool.policy.counts), "block_size": pool.policy.config.block_size,
             "overhead_ms": _percentiles(self.overhead_s), "hedging": self.forwarder.state(),
-        })
+        }))
         if request.query.get("reset_overhead") == "1":
             self.overhead_s.clear()
         return answer
@@ -256,14 +275,22 @@ class Router:
     async def completions(self, request: web.Request) -> web.Response:
         t_start = time.perf_counter()
         body, raw = await self._json(request)
-        answer = await unless_client_gone(request, self.complete(body, raw, t_start))
-        return client_closed_response() if answer is None else answer
+        view = self.view_of(request)
+        asked = view.completion(body)  # a run's adapter by the replicas' name, and the name to answer with
+        if isinstance(asked, web.Response):
+            return asked
+        forwarded, shown = asked
+        if forwarded is not body:
+            raw = json.dumps(forwarded).encode()
+        return view.answered(await unless_client_gone(request, self.complete(
+            forwarded, raw, t_start, shown=shown, gate=view.gate(request), run=view.run_name)))
 
     async def complete(self, body: dict, raw: bytes, t_start: float, shown: str | None = None, gate=None,
                        run: str | None = None) -> web.Response:
-        """Answer one `/v1/completions` body. With tenancy (`tenant_api`), `body["model"]` is already the replicas'
-        name of a run's adapter and `shown` the run's own name for it (what errors and answers say); `gate(cost,
-        deadline)` is the fair queue's place a prompt waits for before it is forwarded; `run` labels metrics."""
+        """Answer one `/v1/completions` body. For a run of a shared pool (`tenancy.views.RunView`), `body["model"]`
+        is already the replicas' name of its adapter and `shown` the run's own name for it (what errors and answers
+        say); `gate(cost, deadline)` is the fair queue's place a prompt waits for before it is forwarded; `run` labels
+        metrics."""
         model = body.get("model")
         if model is not None and (not isinstance(model, str) or not model):
             return error_response(400, "'model' must be a non-empty string (the base model or a loaded adapter "
@@ -330,27 +357,28 @@ class Router:
     # -- adapters (`adapter_lifecycle`) -------------------------------------------------------------------------
     async def load_adapter(self, request: web.Request) -> web.Response:
         body, _ = await self._json(request)
-        return await self.adapters.load(body)
+        return await self.view_of(request).load(body)
 
     async def unload_adapter(self, request: web.Request) -> web.Response:
         body, _ = await self._json(request)
-        return await self.adapters.unload(body)
+        return await self.view_of(request).unload(body)
 
     # -- pause/resume ---------------------------------------------------------------------------------------
     async def pause(self, request: web.Request) -> web.Response:
         refused = pause_mode_refusal(request.query.get("mode", "abort"))
         if refused is not None:  # what vLLM's query validation answers
             return refused
-        return await self._broadcast_pause_state(True, dict(request.query))
+        return await self.view_of(request).pause(True, dict(request.query))
 
     async def resume(self, request: web.Request) -> web.Response:
-        return await self._broadcast_pause_state(False, None)
+        return await self.view_of(request).pause(False, None)
 
     async def is_paused(self, request: web.Request) -> web.Response:
-        """vLLM's dev endpoint: whether generation is paused (the router's own record of what the replicas did)."""
-        return web.json_response({"is_paused": self.pool.paused})
+        """vLLM's dev endpoint: whether generation is paused (the router's own record of what the replicas did, or
+        a run's own pause)."""
+        return web.json_response({"is_paused": self.view_of(request).paused})
 
-    async def _broadcast_pause_state(self, pausing: bool, params) -> web.Response:
+    async def pause_replicas(self, pausing: bool, params) -> web.Response:
         """Pause or resume every replica; the router's own state changes only when every replica agreed. A replica
         that cannot be reached (it died) leaves routing and the pause goes on with the others — it is re-admitted in
         the router's state, like any restarted replica — so with none left the answer is 503. A pause that a live
