@@ -33,12 +33,12 @@ import json
 import logging
 import os
 import signal
-import threading
 
 import aiohttp
 from aiohttp import web
 
 from .cache import AdapterCache, is_remote
+from ..wire.app_thread import AppThread
 from ..wire.vllm_routes import error_response
 
 log = logging.getLogger(__name__)
@@ -165,54 +165,17 @@ class AdapterSidecar:
         return web.json_response(listing)
 
 
-class SidecarHandle:
+class SidecarHandle(AppThread):
     """A sidecar running on its own event loop in a daemon thread of this process (tests, notebooks)."""
 
+    what = "adapter sidecar"
+
     def __init__(self, sidecar: AdapterSidecar, host: str, port: int):
-        self.sidecar, self.host, self.port = sidecar, host, port
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="adapter-sidecar", daemon=True)
+        super().__init__(host, port, "adapter-sidecar")
+        self.sidecar = sidecar
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._runner = web.AppRunner(self.sidecar.app(), access_log=None)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, self.host, self.port)
-            self._loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]
-        except BaseException as error:
-            self._error = error
-            self._ready.set()
-            return
-        self._ready.set()
-        self._loop.run_forever()
-        self._loop.run_until_complete(self._runner.cleanup())
-        self._loop.close()
-
-    def start(self, timeout: float = 30.0) -> "SidecarHandle":
-        self._thread.start()
-        if not self._ready.wait(timeout) or self._error is not None:
-            raise RuntimeError(f"adapter sidecar failed to start: {self._error}") from self._error
-        return self
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=15)
-
-    def __enter__(self) -> "SidecarHandle":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def app(self) -> web.Application:
+        return self.sidecar.app()
 
 
 def start_sidecar(upstream: str, port: int = 0, host: str = "127.0.0.1", cache_dir: str | None = None,

@@ -171,7 +171,21 @@ class ReplicaProcess:
             self.proc.stdin.close()
 
 
-class CPUReplicaProcess(ReplicaProcess):
+class AnnouncingProcess(ReplicaProcess):
+    """A flavour that is ready once it prints `READY <port>` (the CPU replica, the adapter sidecar): with `--port 0`
+    it reports the free port it took."""
+
+    _announced: int | None = None  # set from the reader thread
+
+    def _on_line(self, line: str) -> None:
+        if line.startswith("READY "):
+            self._announced = int(line.split()[1])
+
+    def _ready_port(self) -> int | None:
+        return self._announced
+
+
+class CPUReplicaProcess(AnnouncingProcess):
     """A `python -m grpo_lab.serving.replicas.cpu_replica` child, ready when it prints `READY <port>` (give `--port 0` for a
     free port, which it then reports)."""
 
@@ -180,18 +194,10 @@ class CPUReplicaProcess(ReplicaProcess):
     def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 120.0,
                  log_path: str | os.PathLike | None = None):
         self.args = list(args)
-        self._announced: int | None = None
         super().__init__(env, ready_timeout, log_path)
 
     def command(self) -> list[str]:
         return [sys.executable, "-u", "-m", "grpo_lab.serving.replicas.cpu_replica", *self.args]
-
-    def _on_line(self, line: str) -> None:
-        if line.startswith("READY "):
-            self._announced = int(line.split()[1])
-
-    def _ready_port(self) -> int | None:
-        return self._announced
 
     def fresh(self, env: dict | None = None) -> "CPUReplicaProcess":
         args = list(self.args)
@@ -238,7 +244,7 @@ class VLLMReplicaProcess(ReplicaProcess):
                                   self.log_path.parent)
 
 
-class SidecarProcess(ReplicaProcess):
+class SidecarProcess(AnnouncingProcess):
     """An adapter sidecar (`python -m grpo_lab.serving.adapters.sidecar`) in front of the vLLM server at `upstream`,
     so that it can load adapters published on an object store; ready when it prints `READY <port>`. Start one per
     vLLM replica on the same node and give the router the sidecar's `url` instead of the replica's."""
@@ -247,20 +253,13 @@ class SidecarProcess(ReplicaProcess):
 
     def __init__(self, upstream: str, cache_dir: str | os.PathLike | None = None, port: int = 0,
                  env: dict | None = None, ready_timeout: float = 30.0, log_path: str | os.PathLike | None = None):
-        self.upstream, self.cache_dir, self._announced = upstream, cache_dir, None
+        self.upstream, self.cache_dir = upstream, cache_dir
         super().__init__(env, ready_timeout, log_path, port=port)
 
     def command(self) -> list[str]:
         extra = ["--cache-dir", str(self.cache_dir)] if self.cache_dir is not None else []
         return [sys.executable, "-u", "-m", "grpo_lab.serving.adapters.sidecar", "--upstream", self.upstream,
                 "--port", str(self.port or 0), *extra]
-
-    def _on_line(self, line: str) -> None:
-        if line.startswith("READY "):
-            self._announced = int(line.split()[1])
-
-    def _ready_port(self) -> int | None:
-        return self._announced
 
     def fresh(self, env: dict | None = None) -> "SidecarProcess":
         return SidecarProcess(self.upstream, self.cache_dir, self.port, self.env if env is None else env,

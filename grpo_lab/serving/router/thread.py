@@ -15,72 +15,30 @@ A failed start (a port taken) releases everything it set up before the error rea
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 from aiohttp import web
 
 from .server import Router
 from .config import RouterConfig
+from ..wire.app_thread import AppThread
 
 
-class RouterHandle:
+class RouterHandle(AppThread):
     """A router running on its own event loop in a daemon thread (notebooks, tests)."""
 
+    what = "router"
+
     def __init__(self, config: RouterConfig):
+        super().__init__(config.host, config.port, "grpo-router")
         self.config = config
         self.router = Router(config)
-        self.port: int | None = None
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="grpo-router", daemon=True)
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._runner = web.AppRunner(self.router.app(), access_log=None)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, self.config.host, self.config.port)
-            self._loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]
-        except BaseException as error:  # surfaced to the caller of start(), once everything is released
-            self._error = error
-            try:
-                self._shut_down()
-            finally:
-                self._ready.set()
-            return
-        self._ready.set()
-        self._loop.run_forever()
-        self._shut_down()
-
-    def _shut_down(self) -> None:
-        """Stop the health checks, close the upstream session, close the loop. Also after a failed start (port
-        taken): setup has already started the health checks and opened the session by then."""
-        try:
-            if self._runner is not None:
-                self._loop.run_until_complete(self._runner.cleanup())
-            left = [t for t in asyncio.all_tasks(self._loop) if not t.done()]  # e.g. idle keep-alive connections
-            for task in left:
-                task.cancel()
-            if left:
-                self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-        finally:
-            self._loop.close()
+    def app(self) -> web.Application:
+        return self.router.app()
 
     def start(self, timeout: float = 30.0) -> "RouterHandle":
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError("router did not start")
-        if self._error:
-            raise RuntimeError(f"router failed to start: {self._error}") from self._error
-        return self
+        return super().start(timeout)
 
     def wait_ready(self, replicas: int | None = None, timeout: float = 60.0) -> None:
         """Block until `replicas` (default: every member) replicas are in service."""
@@ -143,18 +101,6 @@ class RouterHandle:
         """The registered runs (never their tokens)."""
         tenancy = self._tenancy()
         return self.call(lambda: [tenancy.describe(r) for r in tenancy.registry.runs.values()])
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=15)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
 
 def start_router(config: RouterConfig) -> RouterHandle:
     """Start a router in this process and return its handle (`.url`, `.wait_ready()`, `.stop()`)."""

@@ -1,0 +1,88 @@
+"""An aiohttp application served on its own event loop in a daemon thread of this process (notebooks, tests): what
+the in-process router (`router.thread.RouterHandle`) and the adapter sidecar (`adapters.sidecar.SidecarHandle`) share.
+
+A failed start (a port taken) releases everything the application set up before the error reaches the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from aiohttp import web
+
+
+class AppThread:
+    """Serves `app()` on `host`:`port` (port 0: a free one, `.port` once started). Subclasses give `app()` and
+    `what` (named in errors)."""
+
+    what = "server"
+
+    def __init__(self, host: str, port: int, thread_name: str):
+        self.host, self.port = host, port
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+
+    def app(self) -> web.Application:
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._runner = web.AppRunner(self.app(), access_log=None)
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, self.host, self.port)
+            self._loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+        except BaseException as error:  # surfaced to the caller of start(), once everything is released
+            self._error = error
+            try:
+                self._shut_down()
+            finally:
+                self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Run the application's cleanup (the router stops its health checks and closes its upstream session; the
+        sidecar also removes its adapter copies), cancel what is left (idle keep-alive connections), close the
+        loop. Also after a failed start: setup has already started the application's tasks by then."""
+        try:
+            if self._runner is not None:
+                self._loop.run_until_complete(self._runner.cleanup())
+            left = [t for t in asyncio.all_tasks(self._loop) if not t.done()]
+            for task in left:
+                task.cancel()
+            if left:
+                self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        finally:
+            self._loop.close()
+
+    def start(self, timeout: float = 30.0):
+        """Serve it; returns self. TimeoutError if it is not listening within `timeout`, RuntimeError if it failed."""
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"{self.what} did not start within {timeout}s")
+        if self._error is not None:
+            raise RuntimeError(f"{self.what} failed to start: {self._error}") from self._error
+        return self
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=15)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
