@@ -4,16 +4,22 @@ instead of the whole upstream deadline."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import requests
 
-from grpo_lab.serving.wire.metrics import parse_text
+from grpo_lab.serving.router.config import RouterConfig
+from grpo_lab.serving.router.thread import start_router
 from grpo_lab.serving.routing.per_try import PerTryConfig, PerTryDeadlines, size_class
+from grpo_lab.serving.wire.metrics import parse_text
 
-from .conftest import metric
+from .conftest import TOKEN_ENV, metric
 from .fake_vllm import FakeCluster, FakeVLLM
 from .test_router_defects import complete, distinct_prompts, load, router_for, state
 
@@ -22,12 +28,16 @@ UPSTREAM_S = 30.0
 
 
 def test_deadline_is_a_floored_capped_multiple_of_a_recent_quantile():
-    c = PerTryConfig(quantile=0.9, factor=3.0, floor_s=0.5, cap_s=10.0, min_samples=5, window=10)
+    c = PerTryConfig(quantile=0.9, factor=3.0, floor_s=0.5, cap_s=10.0, initial_s=4.0, min_samples=5, window=10)
     d = PerTryDeadlines(c)
-    assert d.deadline_s(16) == 10.0  # nothing known yet: the cap
-    for s in (0.1, 0.1, 0.1, 0.1):
+    assert d.deadline_s(16) == 4.0  # nothing known yet (start-up, a router restart): the initial deadline
+    for s in (0.1, 1.0, 0.1):
         d.observe(16, s)
-    assert d.deadline_s(16) == 10.0  # still fewer than min_samples
+    assert d.deadline_s(16) == pytest.approx(3.0)  # fewer than min_samples: the slowest of them x the factor
+    assert d.deadline_s(32) == 4.0  # another size class knows nothing yet
+    d = PerTryDeadlines(c)
+    for s in (0.1,) * 4:
+        d.observe(16, s)
     d.observe(16, 0.1)
     assert d.deadline_s(16) == 0.5  # 3 x 0.1 is under the floor
     for s in [1.0] * 10:
@@ -36,11 +46,14 @@ def test_deadline_is_a_floored_capped_multiple_of_a_recent_quantile():
     for s in [9.0] * 10:
         d.observe(16, s)
     assert d.deadline_s(16) == 10.0  # capped
-    assert d.deadline_s(3000) == 10.0  # another size class has its own samples
+    assert d.deadline_s(3000) == 4.0  # another size class has its own samples (none yet)
     assert size_class(16) == 16 and size_class(17) == 32 and size_class(None) == 0 and size_class(True) == 0
     assert set(d.snapshot()) == {"16"}
     with pytest.raises(ValueError):
         PerTryConfig(floor_s=5, cap_s=1)
+    with pytest.raises(ValueError):
+        PerTryConfig(initial_s=0)
+    assert PerTryDeadlines(PerTryConfig(cap_s=10.0)).deadline_s(16) == 10.0  # the initial deadline is capped too
 
 
 def warm(url: str, n: int = 24) -> None:
@@ -142,3 +155,48 @@ def test_no_hedge_while_paused_nor_when_disabled(token):
         hung.hang = {"/v1/completions"}
         assert complete(router.url, prompt, seed=99).status_code == 504  # without hedging: the whole deadline
         assert metric(router.url, "grpo_router_hedges_total") == 0
+
+
+@contextlib.contextmanager
+def fake_replica(delay_s: float, token: str):
+    """`python -m grpo_lab.serving.replicas.fake_replica` on a free loopback port (a `delay_s` far beyond the test:
+    a replica that answers /health, /server_info and /v1/models but never a completion); stopped by its pid."""
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_lab.serving.replicas.fake_replica", "--ports", "0",
+                             "--delay-s", str(delay_s), "--jitter", "0"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "VLLM_API_KEY": token})
+    try:
+        ready = proc.stdout.readline().split()
+        assert ready[:1] == ["READY"], ready
+        yield f"http://127.0.0.1:{ready[1]}"
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_replica_hung_from_the_start_costs_the_initial_deadline_at_start_up_and_after_a_router_restart(token):
+    """Issue 43: with no latency known yet (a fresh router, or one restarted), the per-try deadline was the cap (300
+    s), so a replica hung from the start cost each completion sent there the whole upstream deadline."""
+    per_try = PerTryConfig(floor_s=FLOOR_S, initial_s=2.0)
+    with fake_replica(0.05, token) as healthy, fake_replica(1e6, token) as hung:
+        for life in ("start-up", "after a restart"):
+            config = RouterConfig(replicas=[healthy, hung], port=0, api_key_env=TOKEN_ENV, health_interval_s=0.2,
+                                  upstream_timeout_s=UPSTREAM_S, per_try=per_try)
+            handle = start_router(config)
+            try:
+                handle.wait_ready(timeout=10)
+                assert state(handle.url)["hedging"]["per_try_deadline_s"] == {}  # nothing learnt yet
+                replies = [None] * 6
+                threads = [threading.Thread(target=lambda i=i, p=p: replies.__setitem__(
+                    i, complete(handle.url, p, model="fake", seed=i, timeout=UPSTREAM_S + 5)))
+                    for i, p in enumerate(distinct_prompts(6))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(UPSTREAM_S + 10)
+                assert [r.status_code for r in replies] == [200] * 6, (life, [r.text for r in replies])
+                text = requests.get(handle.url + "/metrics", timeout=5).text
+                assert f'grpo_router_hedges_total{{replica="{hung}"}}' in text, life  # the hung one was hedged
+                assert metric(handle.url, "grpo_router_hedge_wins_total") == metric(handle.url,
+                                                                                    "grpo_router_hedges_total")
+            finally:
+                handle.stop()

@@ -8,9 +8,16 @@ a 16-token and a 3,000-token completion do not share a scale) times a factor, fl
 completion is *hedged*: sent to another replica as well, and the first answer wins; the other try is cancelled, which
 drops its connection, and vLLM aborts a request whose client went away.
 
-Hedges cost work on a second replica, so they are bounded: only after enough samples to trust the quantile (before
-that the cap applies), never while the replicas are paused (a pause holds every completion), and only while fewer
-than `budget` of the completions in flight are hedges (a slow cluster is not flooded with duplicates).
+Until enough latencies are known to trust the quantile (`min_samples`) the deadline still has to be finite and short:
+a replica that hangs from the start, or a router just restarted, or a pool too quiet to collect `min_samples`, would
+otherwise cost each completion sent there the cap (300 s) — the whole `upstream_timeout_s` before the cap existed.
+With a few latencies of the size class known (from whichever replicas answered), the deadline is the slowest of them
+times the factor (floored, capped: a few samples make the maximum the safe estimate of a high quantile); with none,
+it is `initial_s`.
+
+Hedges cost work on a second replica, so they are bounded: never while the replicas are paused (a pause holds every
+completion), and only while fewer than `budget` of the completions in flight are hedges (a slow cluster is not
+flooded with duplicates, which also bounds what a too-short start-up deadline costs).
 """
 
 from __future__ import annotations
@@ -29,9 +36,13 @@ class PerTryConfig:
         quantile: which quantile of recent completion latencies the deadline starts from.
         factor: the deadline is that quantile times this.
         floor_s: the deadline is never shorter (short completions vary a lot in relative terms).
-        cap_s: the deadline is never longer; also the deadline while fewer than `min_samples` are known. The overall
-            `upstream_timeout_s` bounds everything: a hedge is never sent after it.
-        min_samples: latencies needed (per size class) before the quantile is trusted.
+        cap_s: the deadline is never longer. The overall `upstream_timeout_s` bounds everything: a hedge is never
+            sent after it.
+        initial_s: the deadline while no latency of the size class is known (start-up, a router restart): what a
+            replica hung from the start costs a completion (floored and capped too). Long enough for a first completion on a loaded replica;
+            a too-short one costs hedges, which `budget` bounds.
+        min_samples: latencies needed (per size class) before the quantile is trusted; with fewer (but some), the
+            slowest of them times `factor`.
         window: latencies kept per size class (the most recent ones).
         budget: at most this fraction of the completions in flight may be hedges at once (at least 2).
     """
@@ -41,6 +52,7 @@ class PerTryConfig:
     factor: float = 2.0
     floor_s: float = 1.0
     cap_s: float = 300.0
+    initial_s: float = 60.0
     min_samples: int = 20
     window: int = 512
     budget: float = 0.25
@@ -52,6 +64,8 @@ class PerTryConfig:
             raise ValueError(f"per_try.factor must be >= 1, got {self.factor}")
         if not 0 < self.floor_s <= self.cap_s:
             raise ValueError(f"per_try needs 0 < floor_s <= cap_s, got {self.floor_s} and {self.cap_s}")
+        if not self.initial_s > 0:
+            raise ValueError(f"per_try.initial_s must be > 0, got {self.initial_s}")
         if self.min_samples < 1 or self.window < self.min_samples:
             raise ValueError("per_try needs min_samples >= 1 and window >= min_samples")
         if not 0 < self.budget <= 1:
@@ -97,8 +111,10 @@ class PerTryDeadlines:
         """How long one try may run before a hedge is sent."""
         c = self.config
         window = self._windows.get(size_class(max_tokens))
-        if window is None or len(window.samples) < c.min_samples:
-            return c.cap_s
+        if window is None or not window.samples:
+            return min(c.cap_s, max(c.floor_s, c.initial_s))
+        if len(window.samples) < c.min_samples:
+            return min(c.cap_s, max(c.floor_s, c.factor * max(window.samples)))
         if window.quantile is None or window.stale >= min(self.REFRESH, max(1, len(window.samples) // 8)):
             ordered = sorted(window.samples)
             window.quantile = ordered[min(len(ordered) - 1, math.ceil(c.quantile * len(ordered)) - 1)]
