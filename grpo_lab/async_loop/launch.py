@@ -9,6 +9,8 @@ or `grpo-lab async-loop --max-steps 20 --output-dir runs/demo` (add `--resume` a
 command line). What serves the rollouts, in `LoopConfig`: replicas this process starts (`replicas`, `replica_kind`),
 replicas started elsewhere (`replica_urls`: only the router is started), or a router already running (`router_url`:
 nothing is started), possibly a pool shared with other runs (`pool_run_name`: the run joins it as a tenant, `pool`).
+The fields that are also `grpo-lab async-loop` flags take their defaults and rules from `LoopSettings`
+(`LoopConfig.from_settings` builds one from the command's settings).
 Replicas are child processes in their own process groups that exit when this process dies (even by SIGKILL); the
 router runs on a thread of this process; the trainer's rollout worker is TRL's spawned child, which also exits with
 this process. A normal exit, an exception, Ctrl-C and SIGTERM all stop every one of them.
@@ -29,10 +31,19 @@ from pathlib import Path
 from ..serving.clusters.launcher import Cluster, ClusterSpec, GivenReplicas, LocalProcesses, RayActors
 from ..serving.replicas.vllm_spec import round_lora_rank
 from .checkpoints import checkpoint_step, resume_checkpoint
+from .loop_settings import LoopSettings, PoolSettings, SettingError
 from .run_dir import RunDirError, holds_a_run, truncate_metrics, write_run_record
 from .run_settings import run_settings
 
 log = logging.getLogger(__name__)
+
+
+# LoopConfig's fields that are command-line settings too, by their `LoopSettings` name: default and rule live there.
+SETTINGS_NAMES = {"replicas": "replicas", "replica_kind": "replica_kind", "router_url": "router_url",
+                  "replica_urls": "replica_url", "router_port": "port", "launcher": "launcher",
+                  "ray_address": "ray_address", "model": "model", "replica_threads": "replica_threads",
+                  "pool_run_name": "pool_run", "pool_weight": "run_weight",
+                  "pool_admin_key_file": "pool_admin_key_file", "autotune": "autotune"}
 
 
 @dataclass
@@ -71,48 +82,50 @@ class LoopConfig:
             (`grpo_lab.async_loop.autotune`): True, or an `AutotuneConfig` for other thresholds and bounds.
     """
 
-    replicas: int = 2
-    replica_kind: str = "cpu"
-    router_url: str | None = None
+    replicas: int = LoopSettings.replicas
+    replica_kind: str = LoopSettings.replica_kind
+    router_url: str | None = LoopSettings.router_url
     replica_urls: list[str] = field(default_factory=list)
-    router_port: int = 0
-    launcher: str = "local"
-    ray_address: str | None = None
+    router_port: int = LoopSettings.port
+    launcher: str = LoopSettings.launcher
+    ray_address: str | None = LoopSettings.ray_address
     ray_resources: dict = field(default_factory=dict)
     ray_strategy: str = "SPREAD"
     replica_host: str | None = None
-    model: str | None = None
-    max_model_len: int = 128
-    replica_threads: int = 1
+    model: str | None = LoopSettings.model
+    max_model_len: int = PoolSettings.max_model_len  # the embedded model's cap, as a pool's replicas
+    replica_threads: int = LoopSettings.replica_threads
     ready_timeout_s: float = 180.0
     router: dict = field(default_factory=dict)
     replica_env: dict = field(default_factory=dict)
-    pool_run_name: str | None = None
-    pool_weight: float = 1.0
-    pool_admin_key_file: str | None = None
+    pool_run_name: str | None = LoopSettings.pool_run
+    pool_weight: float = LoopSettings.run_weight
+    pool_admin_key_file: str | None = LoopSettings.pool_admin_key_file
     pool_rejoin: bool = False
-    autotune: object = False
+    autotune: object = LoopSettings.autotune
 
     def __post_init__(self):
-        if self.replica_kind not in ("cpu", "vllm"):
-            raise ValueError(f"replica_kind must be 'cpu' or 'vllm', got {self.replica_kind!r}")
-        if self.router_url is None and not self.replica_urls and self.replicas < 1:
-            raise ValueError("replicas must be >= 1 (or give router_url or replica_urls)")
-        if self.router_url and self.replica_urls:
-            raise ValueError("give router_url (a running router) or replica_urls (replicas to route to), not both")
-        if self.launcher not in ("local", "ray"):
-            raise ValueError(f"launcher must be 'local' or 'ray', got {self.launcher!r}")
-        if self.launcher == "ray" and not self.starts_replicas:
-            raise ValueError("launcher='ray' places the replicas this loop starts: not with router_url or "
-                             "replica_urls")
-        if not 0 <= self.router_port <= 65535:
-            raise ValueError(f"router_port must be in 0..65535, got {self.router_port}")
+        """The shared fields' rules are `LoopSettings`' (checked there, named here); a pool run's name follows
+        the pool's rule (`serving.tenancy.runs.check_run_name`)."""
+        ours = {setting: name for name, setting in SETTINGS_NAMES.items()}
+        try:
+            LoopSettings(**{setting: getattr(self, name) for name, setting in SETTINGS_NAMES.items()
+                            if setting != "autotune"})
+        except SettingError as error:
+            raise ValueError(f"{ours[error.name]}: {error.message}") from None
         if self.pool_run_name is not None:
             from ..serving.tenancy.runs import check_run_name
 
             check_run_name(self.pool_run_name)
-            if not self.router_url:
-                raise ValueError("pool_run_name joins a shared pool: give its router_url")
+
+    @classmethod
+    def from_settings(cls, settings: LoopSettings, joins_pool: bool = False) -> "LoopConfig":
+        """The loop the command's settings describe; `joins_pool`: the router is a shared pool the run joins as
+        `settings.pool_name` (a resume takes its old place back)."""
+        values = {name: getattr(settings, setting) for name, setting in SETTINGS_NAMES.items()}
+        values.update(replica_urls=list(settings.replica_url), pool_rejoin=settings.resume,
+                      pool_run_name=settings.pool_name if joins_pool else None)
+        return cls(**values)
 
     @property
     def starts_replicas(self) -> bool:
@@ -129,17 +142,18 @@ def no_checkpointing() -> dict:
     return {name: False}
 
 
-def embedded_trainer_args(output_dir: str, **overrides):
-    """`AsyncGRPOLabConfig` for the embedded task: 2 prompts x 8 rollouts a step, LoRA-sized lr, fixed-count rows."""
+def embedded_trainer_args(output_dir: str, settings: LoopSettings | None = None, **overrides):
+    """`AsyncGRPOLabConfig` for the embedded task: the loop's settings (`LoopSettings`, its defaults when None: 2
+    prompts x 8 rollouts a step, a LoRA-sized lr, ...) plus what the embedded task fixes (8-token completions,
+    fixed-count rows, float32, one optimizer step per batch); `overrides` are trainer fields on top."""
     import torch
 
     from .config import AsyncGRPOLabConfig
 
     values = dict(
-        output_dir=output_dir, max_steps=20, learning_rate=3e-3, per_device_train_batch_size=16,
-        gradient_accumulation_steps=1, num_generations=8, max_completion_length=8, temperature=1.0,
-        max_staleness=4, token_budget=0, **no_checkpointing(), logging_steps=1, save_strategy="steps",
-        save_steps=10, report_to=[], seed=0, use_cpu=not torch.cuda.is_available(), vllm_server_timeout=120.0,
+        output_dir=output_dir, **(settings or LoopSettings()).trainer_values(), gradient_accumulation_steps=1,
+        max_completion_length=8, temperature=1.0, token_budget=0, **no_checkpointing(), logging_steps=1,
+        save_strategy="steps", use_cpu=not torch.cuda.is_available(), vllm_server_timeout=120.0,
         bf16=False,  # the replicas serve the embedded model in float32; the IS ratio compares the two
         dataloader_num_workers=0, disable_tqdm=True)
     values.update(overrides)

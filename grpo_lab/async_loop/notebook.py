@@ -9,13 +9,16 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..serving.adapters.slots import DEFAULT_MAX_STALENESS
 from .board import LoopBoard
 from .doctor import DoctorConfig, Verdict, diagnose, training_rows
+from .loop_settings import TRACKERS, LoopSettings
 
 
 @dataclass
 class QuickSettings:
-    """The knobs of a quick run (the embedded task on CPU replicas). Every field is a notebook control.
+    """The knobs of a quick run (the embedded task on CPU replicas). Every field is a notebook control; each is a
+    `LoopSettings` field (`steps` is `max_steps`), whose default and rule it takes (`loop_settings()`).
 
     Args:
         steps: optimizer steps.
@@ -34,44 +37,46 @@ class QuickSettings:
             "tensorboard" or "wandb").
     """
 
-    steps: int = 20
-    replicas: int = 2
-    prompts_per_step: int = 2
-    num_generations: int = 8
-    learning_rate: float = 3e-3
-    max_staleness: int = 4
-    max_inflight_tasks: int = -1
-    queue_maxsize: int = 1024
-    seed: int = 0
-    replica_kind: str = "cpu"
-    autotune: bool = False
-    report_to: str = "none"
+    steps: int = LoopSettings.max_steps
+    replicas: int = LoopSettings.replicas
+    prompts_per_step: int = LoopSettings.prompts_per_step
+    num_generations: int = LoopSettings.num_generations
+    learning_rate: float = LoopSettings.learning_rate
+    max_staleness: int = LoopSettings.max_staleness
+    max_inflight_tasks: int = LoopSettings.max_inflight_tasks
+    queue_maxsize: int = LoopSettings.queue_maxsize
+    seed: int = LoopSettings.seed
+    replica_kind: str = LoopSettings.replica_kind
+    autotune: bool = LoopSettings.autotune
+    report_to: str = TRACKERS[0]
 
     def doctor_config(self) -> DoctorConfig:
         """The doctor's thresholds for these replicas (the CPU replica serves one request at a time)."""
         return DoctorConfig.for_replicas(self.replica_kind)
 
+    def loop_settings(self, **fixed) -> LoopSettings:
+        """These knobs as the loop's settings (their rules checked there: ValueError naming the field), with `fixed`
+        (`output_dir`, `run_name`, `loss_backend`) on top."""
+        return LoopSettings(max_steps=self.steps, replicas=self.replicas, prompts_per_step=self.prompts_per_step,
+                            num_generations=self.num_generations, learning_rate=self.learning_rate,
+                            max_staleness=self.max_staleness, max_inflight_tasks=self.max_inflight_tasks,
+                            queue_maxsize=self.queue_maxsize, seed=self.seed, replica_kind=self.replica_kind,
+                            autotune=self.autotune, report_to=[self.report_to], **fixed)
+
     def validate(self) -> "QuickSettings":
-        if self.steps < 2 or self.replicas < 1 or self.prompts_per_step < 1 or self.num_generations < 2:
-            raise ValueError("steps >= 2, replicas >= 1, prompts_per_step >= 1 and num_generations >= 2 are needed")
-        if self.max_staleness < 0 or self.learning_rate <= 0 or self.queue_maxsize < 1:
-            raise ValueError("max_staleness >= 0, learning_rate > 0 and queue_maxsize >= 1 are needed")
-        if self.replica_kind not in ("cpu", "vllm"):
-            raise ValueError(f"replica_kind must be 'cpu' or 'vllm', got {self.replica_kind!r}")
-        if self.report_to not in REPORT_TO:
-            raise ValueError(f"report_to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
+        if self.steps < 2:
+            raise ValueError(f"steps must be >= 2 for a quick run (the board compares steps), got {self.steps}")
+        self.loop_settings()
         return self
 
     @property
     def samples_per_step(self) -> int:
-        return self.prompts_per_step * self.num_generations
+        return self.loop_settings().samples_per_step
 
     @property
     def inflight(self) -> int:
         """The requests in flight these settings give (`max_inflight_tasks`, or TRL's default for -1)."""
-        from .config import inflight_tasks
-
-        return inflight_tasks(self.max_inflight_tasks, self.max_staleness, self.samples_per_step)
+        return self.loop_settings().inflight
 
 
 @dataclass
@@ -88,23 +93,19 @@ class LoopRun:
     published: list[dict] = field(default_factory=list)
 
 
-def run_quick(settings: QuickSettings, output_dir: str | None = None, name: str = "run", board: str = "auto",
-              loss_backend: str = "grpo_lab") -> LoopRun:
+def run_quick(settings: QuickSettings, output_dir: str | None = None, name: str = LoopSettings.run_name,
+              board: str = "auto", loss_backend: str = LoopSettings.loss_backend) -> LoopRun:
     """Start 2 CPU replicas + router + trainer on the embedded task, train with the live board, tear down."""
     from .launch import AsyncLoop, LoopConfig, embedded_trainer_args
 
     s = settings.validate()
     output_dir = output_dir or tempfile.mkdtemp(prefix=f"grpo-lab-async-{name}-")
-    args = embedded_trainer_args(
-        output_dir, max_steps=s.steps, per_device_train_batch_size=s.samples_per_step,
-        num_generations=s.num_generations, learning_rate=s.learning_rate, max_staleness=s.max_staleness,
-        max_inflight_tasks=s.max_inflight_tasks, queue_maxsize=s.queue_maxsize, seed=s.seed, save_strategy="no",
-        loss_backend=loss_backend, report_to=[] if s.report_to == "none" else [s.report_to], run_name=name)
-    live = LoopBoard(s.steps, s.max_staleness, s.inflight, mode=board, title=f"async loop: {name}",
+    loop_settings = s.loop_settings(output_dir=output_dir, run_name=name, loss_backend=loss_backend)
+    args = embedded_trainer_args(output_dir, settings=loop_settings, save_strategy="no")
+    live = LoopBoard(s.steps, s.max_staleness, loop_settings.inflight, mode=board, title=f"async loop: {name}",
                      doctor=s.doctor_config())
     t0 = time.perf_counter()
-    with AsyncLoop(LoopConfig(replicas=s.replicas, replica_kind=s.replica_kind, autotune=s.autotune), args,
-                   callbacks=[live], progress=False) as loop:
+    with AsyncLoop(LoopConfig.from_settings(loop_settings), args, callbacks=[live], progress=False) as loop:
         loop.train()
         published = list(loop.trainer.published)
     seconds = time.perf_counter() - t0
@@ -112,7 +113,7 @@ def run_quick(settings: QuickSettings, output_dir: str | None = None, name: str 
     return LoopRun(name, s, loop.recorder.rows, live.verdict, png, seconds, output_dir, published)
 
 
-REPORT_TO = ("none", "trackio", "tensorboard", "wandb")
+REPORT_TO = TRACKERS
 
 
 def autotune_table(run: LoopRun):
@@ -237,7 +238,8 @@ def verdict_markdown(run: LoopRun) -> str:
     return "\n".join(lines)
 
 
-def recipe_commands(replicas: int = 2, max_staleness: int = 4, lora_rank: int = 1) -> str:
+def recipe_commands(replicas: int = LoopSettings.replicas, max_staleness: int = DEFAULT_MAX_STALENESS,
+                    lora_rank: int = 1) -> str:
     """The commands of the Sanity recipe on GPUs: one `vllm serve` per GPU, the router, then the trainer."""
     from ..serving.replicas.vllm_launcher import router_command
     from ..serving.replicas.vllm_spec import replica_specs

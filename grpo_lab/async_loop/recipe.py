@@ -11,6 +11,7 @@ the `vllm serve` and router lines.
 
 from __future__ import annotations
 
+from ..serving.adapters.slots import DEFAULT_MAX_STALENESS
 from .launch import AsyncLoop, LoopConfig, no_checkpointing
 
 
@@ -19,7 +20,8 @@ def sanity_args(output_dir: str = "runs/sanity-async", **overrides):
 
     values = dict(
         output_dir=output_dir, max_steps=500, learning_rate=4e-5, num_generations=8, per_device_train_batch_size=16,
-        gradient_accumulation_steps=8, token_budget=16384, max_completion_length=3000, max_staleness=4,
+        gradient_accumulation_steps=8, token_budget=16384, max_completion_length=3000,
+        max_staleness=DEFAULT_MAX_STALENESS,  # the recipe's 4 is TRL's default
         max_inflight_tasks=384, **no_checkpointing(), bf16=True, logging_steps=1, save_steps=50,
         report_to=[], temperature=1.0)
     values.update(overrides)

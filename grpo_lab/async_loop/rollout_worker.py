@@ -41,7 +41,9 @@ import aiohttp
 from trl.experimental.async_grpo import async_rollout_worker as trl_worker
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, _AsyncRolloutLoop
 
+from ..serving.adapters.slots import DEFAULT_MAX_STALENESS
 from .live_knobs import BoundedBuffer, LiveKnobs, LiveLimiter
+from .loop_settings import LoopSettings
 from .pool import run_headers
 
 _PINNED_VERSION: contextvars.ContextVar = contextvars.ContextVar("grpo_lab_pinned_version", default=None)
@@ -86,8 +88,8 @@ def _die_with_parent(parent_pid: int) -> None:
 class LabRolloutLoop(_AsyncRolloutLoop):
     """TRL's rollout loop (in the spawned child) with pinned group versions, bounded retries and no orphans."""
 
-    def __init__(self, *, max_staleness: int = 4, group_consistent_versions: bool = True,
-                 rollout_failure_timeout_s: float = 120.0, parent_pid: int | None = None,
+    def __init__(self, *, max_staleness: int = DEFAULT_MAX_STALENESS, group_consistent_versions: bool = True,
+                 rollout_failure_timeout_s: float = LoopSettings.rollout_failure_timeout, parent_pid: int | None = None,
                  live_knobs: LiveKnobs | None = None, **kwargs):
         if parent_pid is not None:
             _die_with_parent(parent_pid)
@@ -253,8 +255,8 @@ class LabRolloutWorker(AsyncRolloutWorker):
 
     _loop_cls = LabRolloutLoop
 
-    def __init__(self, *, max_staleness: int = 4, group_consistent_versions: bool = True,
-                 rollout_failure_timeout_s: float = 120.0, live_knobs: LiveKnobs | None = None, **kwargs):
+    def __init__(self, *, max_staleness: int = DEFAULT_MAX_STALENESS, group_consistent_versions: bool = True,
+                 rollout_failure_timeout_s: float = LoopSettings.rollout_failure_timeout, live_knobs: LiveKnobs | None = None, **kwargs):
         if live_knobs is not None:  # TRL's slots and queue sized for the knobs' upper bounds; the live values cap them
             kwargs["max_inflight_tasks"] = live_knobs.max_inflight
             kwargs["queue_maxsize"] = live_knobs.max_queue

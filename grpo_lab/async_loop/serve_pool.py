@@ -16,7 +16,6 @@ into a file only its owner can read and never prints; each run then gets a token
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
@@ -26,12 +25,21 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..serving.adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
 from ..serving.clusters.launcher import Cluster, ClusterSpec
 from ..serving.tenancy.runs import TenancyConfig
+from .loop_settings import PoolSettings, SettingError
+from .settings_parser import SettingsParser
 
 PROG = "grpo-lab serve-pool"
 POOL_FILE = "pool.json"  # in the state folder: the URL, the admin key's file and the pid, for scripts
+
+
+# PoolConfig's fields that are `grpo-lab serve-pool` settings too, by their `PoolSettings` name.
+SETTINGS_NAMES = {"replicas": "replicas", "replica_kind": "replica_kind", "model": "model",
+                  "adapter_slots": "adapter_slots", "max_lora_rank": "max_lora_rank", "max_model_len": "max_model_len",
+                  "replica_threads": "replica_threads", "host": "host", "state_dir": "state_dir",
+                  "admin_key_file": "admin_key_file", "lease_s": "run_lease",
+                  "max_in_flight_per_replica": "max_in_flight_per_replica", "allow_base_model": "base_model"}
 
 
 @dataclass
@@ -57,33 +65,37 @@ class PoolConfig:
         ready_timeout_s: how long the replicas may take to listen.
     """
 
-    replicas: int = 2
-    replica_kind: str = "cpu"
-    model: str | None = None
-    adapter_slots: int = 3 * max_loras_for(DEFAULT_MAX_STALENESS)
-    max_lora_rank: int = 16
-    max_model_len: int = 128
-    replica_threads: int = 1
-    host: str = "127.0.0.1"
-    port: int = 0
-    state_dir: str = "runs/pool"
-    admin_key_file: str | None = None
-    lease_s: float = 120.0
-    max_in_flight_per_replica: int | None = None
-    allow_base_model: bool = True
+    replicas: int = PoolSettings.replicas
+    replica_kind: str = PoolSettings.replica_kind
+    model: str | None = PoolSettings.model
+    adapter_slots: int = PoolSettings.adapter_slots
+    max_lora_rank: int = PoolSettings.max_lora_rank
+    max_model_len: int = PoolSettings.max_model_len
+    replica_threads: int = PoolSettings.replica_threads
+    host: str = PoolSettings.host
+    port: int = 0  # in Python a free one; the command's fixed default is PoolSettings.port
+    state_dir: str = PoolSettings.state_dir
+    admin_key_file: str | None = PoolSettings.admin_key_file
+    lease_s: float = PoolSettings.run_lease
+    max_in_flight_per_replica: int | None = PoolSettings.max_in_flight_per_replica
+    allow_base_model: bool = PoolSettings.base_model
     ready_timeout_s: float = 300.0
     router: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        if self.replica_kind not in ("cpu", "vllm"):
-            raise ValueError(f"replica_kind must be 'cpu' or 'vllm', got {self.replica_kind!r}")
-        if self.adapter_slots < max_loras_for(0):
-            raise ValueError(f"adapter_slots must be >= {max_loras_for(0)} (one run of max_staleness 0), got "
-                             f"{self.adapter_slots}")
+        """The fields' rules are `PoolSettings`' (checked there, named here)."""
+        ours = {setting: name for name, setting in SETTINGS_NAMES.items()}
+        try:
+            PoolSettings(**{setting: getattr(self, name) for name, setting in SETTINGS_NAMES.items()})
+        except SettingError as error:
+            raise ValueError(f"{ours[error.name]}: {error.message}") from None
         if self.max_in_flight_per_replica is None:
             self.max_in_flight_per_replica = 4 if self.replica_kind == "cpu" else 64
+
+    @classmethod
+    def from_settings(cls, settings: PoolSettings) -> "PoolConfig":
+        """The pool the command's settings describe."""
+        return cls(port=settings.port, **{name: getattr(settings, setting) for name, setting in SETTINGS_NAMES.items()})
 
 
 def write_admin_key(path: str | os.PathLike) -> Path:
@@ -158,38 +170,12 @@ class SharedPool:
         self.stop()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .command import OneLineParser, _DefaultsFormatter, _number
-
-    d = PoolConfig()
-    p = OneLineParser(prog=PROG, formatter_class=_DefaultsFormatter, description=(
+def build_parser() -> SettingsParser:
+    """The command line, generated from `PoolSettings` (each field one flag, its default and rule there)."""
+    return SettingsParser(PoolSettings, PROG, description=(
         "Start replicas and a router that several `grpo-lab async-loop --router-url URL --run-name NAME` runs share: "
         "each run gets its own adapter namespace, token, share of adapter slots and weighted fair share of the "
         "replicas. Runs until Ctrl-C or SIGTERM."))
-    p.add_argument("--replicas", type=_number(int, 1), default=d.replicas, help="replicas the runs share")
-    p.add_argument("--replica-kind", choices=("cpu", "vllm"), default=d.replica_kind,
-                   help="grpo_lab's CPU replica, or real vLLM (its venv: $GRPO_LAB_VLLM_PYTHON)")
-    p.add_argument("--model", default=None, help="what the replicas serve (default: the embedded chat model)")
-    p.add_argument("--adapter-slots", type=_number(int, max_loras_for(0)), default=d.adapter_slots,
-                   help="each replica's --max-loras, shared out between runs (max_staleness + 3 each)")
-    p.add_argument("--max-lora-rank", type=_number(int, 1), default=d.max_lora_rank,
-                   help="largest LoRA rank a run may load")
-    p.add_argument("--max-model-len", type=_number(int, 8), default=d.max_model_len,
-                   help="prompt + completion tokens a replica accepts")
-    p.add_argument("--replica-threads", type=_number(int, 1), default=d.replica_threads,
-                   help="torch threads per CPU replica")
-    p.add_argument("--host", default=d.host, help="where the router listens")
-    p.add_argument("--port", type=_number(int, 0), default=8000, help="the router's port (0: a free one)")
-    p.add_argument("--state-dir", default=d.state_dir, help="the pool's folder: admin.key, pool.json, replica logs")
-    p.add_argument("--admin-key-file", default=None, help="where to write the admin key (default "
-                   "<state-dir>/admin.key, mode 0600)")
-    p.add_argument("--run-lease", type=_number(float, 0.0, low_open=True), default=d.lease_s,
-                   help="seconds without a request after which a run's adapters are reclaimed")
-    p.add_argument("--max-in-flight-per-replica", type=_number(int, 1), default=None,
-                   help="completions running per replica; beyond, they queue fairly per run (default: 4 for cpu, "
-                        "64 for vllm)")
-    p.add_argument("--no-base-model", action="store_true", help="runs may complete with their own adapters only")
-    return p
 
 
 def main(argv=None) -> int:
@@ -197,24 +183,16 @@ def main(argv=None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        a = build_parser().parse_args(argv)
-    except SystemExit as stop:
-        return int(stop.code or 0)
-    try:
-        if a.port > 65535:
-            raise UsageError("--port", f"must be <= 65535, got {a.port}")
+        a = build_parser().parse(argv)
         check_port("--port", a.port, a.host if a.host != "0.0.0.0" else "127.0.0.1")
         check_writable_folder("--state-dir", a.state_dir)
         if a.admin_key_file:
             check_writable_folder("--admin-key-file", os.path.dirname(os.path.abspath(a.admin_key_file)))
         if a.model is not None:
             check_model("--model", a.model)
-        config = PoolConfig(replicas=a.replicas, replica_kind=a.replica_kind, model=a.model,
-                            adapter_slots=a.adapter_slots, max_lora_rank=a.max_lora_rank,
-                            max_model_len=a.max_model_len, replica_threads=a.replica_threads, host=a.host,
-                            port=a.port, state_dir=a.state_dir, admin_key_file=a.admin_key_file,
-                            lease_s=a.run_lease, max_in_flight_per_replica=a.max_in_flight_per_replica,
-                            allow_base_model=not a.no_base_model)
+        config = PoolConfig.from_settings(a)
+    except SystemExit as stop:  # a refused flag (status 2, its one line printed) or --help (0)
+        return int(stop.code or 0)
     except (UsageError, ValueError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2

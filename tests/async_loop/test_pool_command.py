@@ -65,6 +65,13 @@ CASES = [
      "--run-name", "single '-'"),
     ("name-taken", lambda p, t: ["--router-url", p[0], "--pool-admin-key-file", p[1], "--run-name", "taken"],
      "--run-name", "already on the pool"),
+    ("pool-run-taken", lambda p, t: ["--router-url", p[0], "--pool-admin-key-file", p[1], "--run-name", "free",
+                                     "--pool-run", "taken"], "--pool-run", "already on the pool"),
+    ("pool-run-with-separator", lambda p, t: ["--router-url", p[0], "--pool-admin-key-file", p[1], "--pool-run",
+                                              "a--b"], "--pool-run", "single '-'"),
+    ("pool-run-without-router", lambda p, t: ["--pool-run", "sweep-a"], "--pool-run", "--router-url"),
+    ("pool-run-without-a-pool", lambda p, t: ["--router-url", p[0], "--pool-run", "sweep-a"], "--pool-run",
+     "--pool-admin-key-file"),
     ("pool-full", lambda p, t: ["--router-url", p[0], "--pool-admin-key-file", p[1], "--run-name", "big",
                                 "--max-staleness", "8"], "--max-staleness", "adapter slots"),
     ("pool-dead", lambda p, t: ["--router-url", _dead_url(), "--pool-admin-key-file", p[1]], "--router-url",
@@ -87,16 +94,29 @@ def test_a_bad_pool_setting_is_one_line_naming_its_flag(make_args, flag, word, p
 
 
 def test_a_free_name_on_a_pool_passes_the_checks(pool_router, tmp_path):
-    args = command.build_parser().parse_args(["--router-url", pool_router[0], "--pool-admin-key-file",
-                                              pool_router[1], "--run-name", "sweep-a", "--output-dir",
-                                              str(tmp_path / "out")])
-    command.validate(args)
-    assert args.pool is not None and {r["name"] for r in args.pool["runs"]} == {"taken"}
-    from grpo_lab.async_loop.run import loop_config
+    settings = command.parse_settings(["--router-url", pool_router[0], "--pool-admin-key-file", pool_router[1],
+                                       "--run-name", "sweep-a", "--output-dir", str(tmp_path / "out")])
+    found = command.validate(settings)
+    assert found.pool is not None and {r["name"] for r in found.pool["runs"]} == {"taken"}
+    from grpo_lab.async_loop.launch import LoopConfig
 
-    config = loop_config(args)
+    config = LoopConfig.from_settings(settings, joins_pool=found.pool is not None)
     assert config.pool_run_name == "sweep-a" and config.pool_admin_key_file == pool_router[1]
     assert not config.pool_rejoin
+
+
+def test_the_pool_run_names_the_tenant_and_the_run_name_the_run(pool_router, tmp_path):
+    """--pool-run is the run's name on the pool; --run-name stays the results' and the trackers' name."""
+    settings = command.parse_settings(["--router-url", pool_router[0], "--pool-admin-key-file", pool_router[1],
+                                       "--run-name", "lr-3e-3 seed 1", "--pool-run", "sweep-b",
+                                       "--output-dir", str(tmp_path / "out")])
+    found = command.validate(settings)
+    from grpo_lab.async_loop.launch import LoopConfig
+
+    config = LoopConfig.from_settings(settings, joins_pool=found.pool is not None)
+    assert config.pool_run_name == "sweep-b" and settings.trainer_values()["run_name"] == "lr-3e-3 seed 1"
+    plain = command.parse_settings(["--run-name", "sweep-c"])  # no pool: the name is the run's only
+    assert LoopConfig.from_settings(plain).pool_run_name is None and plain.pool_name == "sweep-c"
 
 
 @pytest.mark.parametrize("args, word", [(["--replicas", "0"], "--replicas"), (["--port", "70000"], "--port"),

@@ -15,6 +15,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from ..adapters.slots import DEFAULT_MAX_STALENESS
+
 
 class RouterAdminError(RuntimeError):
     """The router refused an admin call; `status` is its HTTP status, the message its own words."""
@@ -72,7 +74,7 @@ class RouterAdminClient:
     def replicas(self) -> list[dict]:
         return self._call("GET", None, self.timeout_s)[1]["replicas"]
 
-    def register_run(self, name: str, max_staleness: int = 4, weight: float = 1.0, replace: bool = False) -> dict:
+    def register_run(self, name: str, max_staleness: int = DEFAULT_MAX_STALENESS, weight: float = 1.0, replace: bool = False) -> dict:
         """Register a training run on a router with tenancy: its description and its `token` (shown this once)."""
         body = {"name": name, "max_staleness": max_staleness, "weight": weight, "replace": replace}
         return self._call("POST", body, self.timeout_s, "/router/runs")[1]

@@ -19,6 +19,7 @@ import time
 
 from aiohttp import web
 
+from ..adapters.slots import DEFAULT_MAX_STALENESS
 from .server import Router
 from .config import RouterConfig
 from ..wire.app_thread import AppThread
@@ -83,7 +84,8 @@ class RouterHandle(AppThread):
             raise RuntimeError("this router shares nothing: start it with RouterConfig(tenancy=TenancyConfig(...))")
         return self.router.tenancy
 
-    def register_run(self, name: str, max_staleness: int = 4, weight: float = 1.0, replace: bool = False) -> dict:
+    def register_run(self, name: str, max_staleness: int = DEFAULT_MAX_STALENESS, weight: float = 1.0,
+                     replace: bool = False) -> dict:
         """Register a training run (what `POST /router/runs` does): its description, with its `token` (the only
         time it is shown; hand it to the run, e.g. in its environment). `tenancy.TenancyError` says why not."""
         tenancy = self._tenancy()

@@ -1,0 +1,294 @@
+"""The settings of `grpo-lab async-loop` and `grpo-lab serve-pool`, each declared once (TRL's `*_config.py` style).
+
+Every field carries its default, its help and its rule (`Range`, `FileName`, a `Literal` of choices); the command
+lines are generated from these dataclasses (`settings_parser.SettingsParser`: one dashed flag per field, and
+`--config file.yaml`), and `LoopConfig`, `PoolConfig`, notebook 04's `QuickSettings` and `embedded_trainer_args`
+take their defaults from the class attributes here (`LoopSettings.max_steps` is the default). What follows from a
+setting (adapter slots, requests in flight, the run's name on a pool) is a property computed from it, never stored.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+from ..loss.backends import DEFAULT_LOSS_BACKEND, LOGPROB_BACKENDS
+from ..serving.adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
+from .tree_attention import CHOICES as TREE_ATTENTION_CHOICES
+
+TRACKERS = ("none", "trackio", "tensorboard", "wandb")  # `--report-to`: transformers' integrations a run may log to
+REPLICA_KINDS = ("cpu", "vllm")
+LAUNCHERS = ("local", "ray")
+POOL_RUNS_BY_DEFAULT = 3  # a pool's default adapter slots hold this many runs of the default max_staleness
+
+
+class SettingError(ValueError):
+    """A setting out of its rule. `str()` names the field; the command line names its flag (`flag`) instead."""
+
+    def __init__(self, name: str, message: str, flag: str | None = None):
+        super().__init__(f"{name}: {message}")
+        self.name, self.message = name, message
+        self.flag = flag or "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Range:
+    """A number's rule: finite, >= `low` (> `low` when `open`), <= `high`, or one of `allow`."""
+
+    low: float | None = None
+    open: bool = False
+    high: float | None = None
+    allow: tuple = ()
+
+    def problem(self, value) -> str | None:
+        """What is wrong with `value` (one phrase), or None."""
+        if value in self.allow:
+            return None
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number, got {value}"
+        if self.low is not None and (value <= self.low if self.open else value < self.low):
+            extra = f" (or {', '.join(map(str, self.allow))})" if self.allow else ""
+            return f"must be {'>' if self.open else '>='} {self.low}{extra}, got {value}"
+        if self.high is not None and value > self.high:
+            return f"must be <= {self.high}, got {value}"
+        return None
+
+
+@dataclass(frozen=True)
+class FileName:
+    """A name that can be a file's name: not empty, no folder separator, not hidden."""
+
+    def problem(self, value) -> str | None:
+        if not value or os.sep in value or value.startswith("."):
+            return f"{value!r} is not a usable file name"
+        return None
+
+
+def setting(default=None, *, help: str, group: str | None = None, check=None, **argparse_extra):  # noqa: A002
+    """A settings field: its default, its help, the help group of its flag and its rule (`Range`, `FileName`).
+    A list default is given as `list` (a fresh one per instance); `argparse_extra` goes to its flag (`metavar`)."""
+    metadata = {"help": help, **argparse_extra}
+    if group:
+        metadata["group"] = group
+    if check is not None:
+        metadata["check"] = check
+    if default is list:
+        return field(default_factory=list, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def check_fields(settings) -> None:
+    """Each field of a settings dataclass against its type and rule (SettingError naming the first one at fault):
+    a value from a config file or from Python reaches here without the command line's checks."""
+    hints = typing.get_type_hints(type(settings))
+    for f in fields(settings):
+        value, kind = getattr(settings, f.name), hints[f.name]
+        if value is None and type(None) in typing.get_args(kind):
+            continue
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `X | None` holding an X
+            kind = next(k for k in typing.get_args(kind) if k is not type(None))
+        if typing.get_origin(kind) is list:
+            if isinstance(value, str):  # `report_to: trackio` in a config file
+                value = [value]
+                setattr(settings, f.name, value)
+            items = value
+        else:
+            items = [value]
+        choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else f.metadata.get("choices")
+        for item in items:
+            if choices and item not in choices:
+                raise SettingError(f.name, f"{item!r} is not one of {', '.join(map(str, choices))}")
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+            setattr(settings, f.name, value)
+        if kind in (int, float, bool) and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            raise SettingError(f.name, f"{value!r} is not {'an integer' if kind is int else 'a ' + kind.__name__}")
+        check = f.metadata.get("check")
+        problem = check.problem(value) if check is not None else None
+        if problem:
+            raise SettingError(f.name, problem)
+
+
+RUN, TRAINING, ASYNC, SERVING = "the run", "model and training", "asynchrony", "replicas and router"
+
+
+@dataclass
+class LoopSettings:
+    """The settings of one async-loop run: the `grpo-lab async-loop` flags (each field is `--field-name`), also read
+    from `--config file.yaml` (the field names as keys; flags given override it).
+
+    Derived, never stored: `samples_per_step`, `inflight` (requests in flight), `adapter_slots` (`--max-loras` a
+    replica needs), `pool_name` (the run's name on a shared pool), `trackers`.
+    """
+
+    output_dir: str = setting("runs/async-loop", group=RUN, help=(
+        "folder of this run (checkpoints, metrics log, run.json, replica logs); it must be new or empty unless "
+        "--resume or --overwrite"))
+    resume: bool = setting(False, group=RUN, help="continue the run in --output-dir from its last complete checkpoint")
+    overwrite: bool = setting(False, group=RUN, help="delete the run already in --output-dir and start over")
+    max_steps: int = setting(20, group=RUN, check=Range(1), help=(
+        "optimizer steps (global, counting the steps before a resume)"))
+    save_steps: int = setting(10, group=RUN, check=Range(1), help="checkpoint every this many steps")
+    seed: int = setting(0, group=RUN, check=Range(0), help="the run's seed")
+    run_name: str = setting("loop", group=RUN, check=FileName(), help=(
+        "the run's name: its results files (<run-name>.csv with --results-dir) and its run in the trackers "
+        "(--report-to); also its name on a shared pool unless --pool-run gives another"))
+    results_dir: str | None = setting(None, group=RUN, help="also write <run-name>.csv and its doctor verdict here")
+    report_to: list[str] = setting(list, group=RUN, choices=TRACKERS, metavar="TRACKER", help=(
+        f"also log the run to a tracker, through transformers' integration (repeatable; one of "
+        f"{', '.join(TRACKERS)}; default none): trackio and tensorboard write locally"))
+    checkpoint_storage: str | None = setting(None, group=RUN, metavar="URL", help=(
+        "also publish every complete checkpoint here (e.g. s3://bucket/run/checkpoints); --resume on a fresh machine "
+        "pulls the last complete one back"))
+
+    model: str | None = setting(None, group=TRAINING, help=(
+        "model directory, or a hub id when online (default: the embedded chat model)"))
+    prompts_per_step: int = setting(2, group=TRAINING, check=Range(1), help="prompts per optimizer step")
+    num_generations: int = setting(8, group=TRAINING, check=Range(2), help="rollouts per prompt (G)")
+    learning_rate: float = setting(3e-3, group=TRAINING, check=Range(0.0, open=True), help="the LoRA learning rate")
+    loss_backend: Literal[LOGPROB_BACKENDS] = setting(DEFAULT_LOSS_BACKEND, group=TRAINING, help=(
+        "how the log-probs are computed (liger fuses its own loss and is not available here)"))
+    tree_attention: Literal[TREE_ATTENTION_CHOICES] = setting("auto", group=TRAINING, help=(
+        "attention over packed prefix-trie rows"))
+
+    max_staleness: int = setting(DEFAULT_MAX_STALENESS, group=ASYNC, check=Range(0), help=(
+        "how many policy versions old a sample may be when trained on"))
+    max_inflight_tasks: int = setting(-1, group=ASYNC, check=Range(1, allow=(-1,)), help=(
+        "rollout requests in flight; -1 is TRL's default, max(max_staleness, 1) x samples per step"))
+    autotune: bool = setting(False, group=ASYNC, help=(
+        "let the run turn its requests in flight and queue bound while it trains (grpo_lab.async_loop.autotune): "
+        "each change is one line and an autotune/* metric"))
+    queue_maxsize: int = setting(1024, group=ASYNC, check=Range(1), help=(
+        "scored samples the rollout worker may queue ahead of the trainer (TRL's queue_maxsize)"))
+    group_versions: bool = setting(True, group=ASYNC, help=(
+        "(--no-group-versions) TRL's per-rollout policy versions instead of one version per prompt group"))
+    rollout_failure_timeout: float = setting(120.0, group=ASYNC, check=Range(0.0, open=True), help=(
+        "seconds of failing rollout requests before the run stops with an error"))
+
+    replicas: int = setting(2, group=SERVING, check=Range(1), help="replicas to start")
+    replica_kind: Literal[REPLICA_KINDS] = setting("cpu", group=SERVING, help=(
+        "cpu: grpo_lab's CPU replica; vllm: real vLLM (on a CPU: bash scripts/vllm_cpu_env.sh)"))
+    replica_threads: int = setting(1, group=SERVING, check=Range(1), help="torch threads per CPU replica")
+    replica_url: list[str] = setting(list, group=SERVING, metavar="URL", help=(
+        "a replica started elsewhere (repeatable): start only the router, in front of these"))
+    router_url: str | None = setting(None, group=SERVING, metavar="URL", help=(
+        "a router or vLLM server already running: start nothing"))
+    port: int = setting(0, group=SERVING, check=Range(0, high=65535), help="the router's port (0: a free one)")
+    pool_admin_key_file: str | None = setting(None, group=SERVING, metavar="FILE", help=(
+        "with --router-url of a shared pool: the file `grpo-lab serve-pool` wrote its admin key to (default: "
+        "$GRPO_LAB_POOL_ADMIN_KEY_FILE, then $GRPO_LAB_POOL_ADMIN_KEY)"))
+    pool_run: str | None = setting(None, group=SERVING, metavar="NAME", help=(
+        "the run's name on a shared pool (its token, adapter namespace and slots); default: --run-name"))
+    run_weight: float = setting(1.0, group=SERVING, check=Range(0.0, open=True), help=(
+        "on a shared pool: this run's fair share of the replicas against the others' weights"))
+    launcher: Literal[LAUNCHERS] = setting("local", group=SERVING, help=(
+        "local: replicas are child processes of this command; ray: replica actors placed over a Ray cluster's "
+        "nodes and restarted by Ray (needs the `ray` extra)"))
+    ray_address: str | None = setting(None, group=SERVING, metavar="ADDRESS", help=(
+        "the Ray cluster for --launcher ray (auto, host:6379, ray://host:10001); default: start a local one"))
+    adapter_storage: str | None = setting(None, group=SERVING, metavar="PATH_OR_URL", help=(
+        "where adapter versions are published: a path or fsspec URL every replica can read "
+        "(default <output-dir>/.vllm_lora)"))
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.router_url and self.replica_url:
+            raise SettingError("router_url", "give either --router-url (a running router) or --replica-url "
+                                             "(replicas to route to), not both")
+        if self.launcher == "ray" and not self.starts_replicas:
+            raise SettingError("launcher", "places the replicas the command starts: not with --router-url or "
+                                           "--replica-url", flag="--launcher ray")
+        if self.ray_address and self.launcher != "ray":
+            raise SettingError("ray_address", "only means something with --launcher ray")
+        if self.pool_run is not None and not self.router_url:
+            raise SettingError("pool_run", "is the run's name on a shared pool: give the pool's --router-url")
+
+    @property
+    def starts_replicas(self) -> bool:
+        return not self.router_url and not self.replica_url
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+    @property
+    def inflight(self) -> int:
+        """The requests in flight these settings give (`max_inflight_tasks`, or TRL's default for -1)."""
+        from .config import inflight_tasks  # imports TRL: not at the top, so `--help` stays quick
+
+        return inflight_tasks(self.max_inflight_tasks, self.max_staleness, self.samples_per_step)
+
+    @property
+    def adapter_slots(self) -> int:
+        """The adapter slots (`--max-loras`) a replica needs for this run (`max_staleness + 3`)."""
+        return max_loras_for(self.max_staleness)
+
+    @property
+    def pool_name(self) -> str:
+        """The run's name on a shared pool: `--pool-run`, else `--run-name` (the one rule)."""
+        return self.pool_run if self.pool_run is not None else self.run_name
+
+    @property
+    def pool_name_flag(self) -> str:
+        """The flag `pool_name` came from, for a message about it."""
+        return "--pool-run" if self.pool_run is not None else "--run-name"
+
+    @property
+    def trackers(self) -> list[str]:
+        """`report_to` as TRL's list: each tracker once, "none" dropped."""
+        return [name for name in dict.fromkeys(self.report_to) if name != "none"]
+
+    def trainer_values(self) -> dict:
+        """The `AsyncGRPOLabConfig` fields these settings set (`embedded_trainer_args` adds the embedded task's)."""
+        return dict(
+            max_steps=self.max_steps, per_device_train_batch_size=self.samples_per_step,
+            num_generations=self.num_generations, learning_rate=self.learning_rate, max_staleness=self.max_staleness,
+            max_inflight_tasks=self.max_inflight_tasks, queue_maxsize=self.queue_maxsize, save_steps=self.save_steps,
+            seed=self.seed, loss_backend=self.loss_backend, tree_attention=self.tree_attention,
+            group_consistent_versions=self.group_versions, rollout_failure_timeout_s=self.rollout_failure_timeout,
+            adapter_storage=self.adapter_storage, checkpoint_storage=self.checkpoint_storage,
+            report_to=self.trackers, run_name=self.run_name)
+
+
+def like(name: str, **changes):
+    """A `LoopSettings` field for another settings class: its default, help and rule unless `changes` say
+    otherwise (`default=`, `help=`, `group=`)."""
+    source = LoopSettings.__dataclass_fields__[name]
+    metadata = {key: value for key, value in source.metadata.items() if key != "group"}
+    default = changes.pop("default", source.default)
+    return field(default=default, metadata={**metadata, **changes})
+
+
+@dataclass
+class PoolSettings:
+    """The settings of a shared pool: the `grpo-lab serve-pool` flags (and `--config file.yaml`)."""
+
+    replicas: int = like("replicas", help="replicas the runs share")
+    replica_kind: Literal[REPLICA_KINDS] = like("replica_kind", help=(
+        "grpo_lab's CPU replica, or real vLLM (its venv: $GRPO_LAB_VLLM_PYTHON)"))
+    model: str | None = like("model", help="what the replicas serve (default: the embedded chat model)")
+    adapter_slots: int = setting(POOL_RUNS_BY_DEFAULT * max_loras_for(DEFAULT_MAX_STALENESS),
+                                 check=Range(max_loras_for(0)), help=(
+        f"each replica's --max-loras, shared out between runs (max_staleness + 3 each; the default holds "
+        f"{POOL_RUNS_BY_DEFAULT} runs of max_staleness {DEFAULT_MAX_STALENESS})"))
+    max_lora_rank: int = setting(16, check=Range(1), help="largest LoRA rank a run may load")
+    max_model_len: int = setting(128, check=Range(8), help="prompt + completion tokens a replica accepts")
+    replica_threads: int = like("replica_threads")
+    host: str = setting("127.0.0.1", help="where the router listens")
+    port: int = like("port", default=8000)
+    state_dir: str = setting("runs/pool", help="the pool's folder: admin.key, pool.json, replica logs")
+    admin_key_file: str | None = setting(None, metavar="FILE", help=(
+        "where to write the admin key (default <state-dir>/admin.key, mode 0600)"))
+    run_lease: float = setting(120.0, check=Range(0.0, open=True), help=(
+        "seconds without a request after which a run's adapters are reclaimed"))
+    max_in_flight_per_replica: int | None = setting(None, check=Range(1), help=(
+        "completions running per replica; beyond, they queue fairly per run (default: 4 for cpu, 64 for vllm)"))
+    base_model: bool = setting(True, help="(--no-base-model) runs may complete with their own adapters only, not "
+                                          "with the base model")
+
+    def __post_init__(self):
+        check_fields(self)

@@ -1,0 +1,117 @@
+"""A command line generated from a settings dataclass (`loop_settings`): TRL's `TrlParser` with this kit's flags.
+
+Each field becomes one dashed flag (`max_steps` → `--max-steps`) in its help group: a bool that defaults to False a
+switch, one that defaults to True a `--no-...` switch, a list a repeatable flag, and a field's rule checked as the
+flag is read, so a bad value names its flag. `--config file.yaml` sets any field by name (flags given override it;
+TRL's `env:` section sets environment variables). Every mistake is one line and exit status 2 (argparse's own, or a
+`UsageError` naming the flag), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import types
+import typing
+
+import yaml
+from transformers import HfArgumentParser
+from trl.scripts.utils import TrlParser
+
+from .checks import UsageError
+from .loop_settings import SettingError
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help with each flag's default, except where there is none to show (None, a switch, a repeatable flag)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.nargs == 0 or isinstance(action, argparse._AppendAction):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def checked_type(kind, check):
+    """An argparse type: `kind(text)`, refused in one phrase when it is not a `kind` or breaks `check`'s rule."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except (ValueError, TypeError):
+            noun = {int: "an integer", float: "a number"}.get(kind, "a valid value")
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        problem = check.problem(value) if check is not None else None
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
+
+
+class SettingsParser(TrlParser):
+    """`TrlParser` over one settings dataclass with dashed flags, switches, repeatable lists and one-line errors.
+
+    Args:
+        settings_type: the dataclass (`LoopSettings`, `PoolSettings`).
+        prog, description: as for argparse.
+    """
+
+    def __init__(self, settings_type, prog: str, description: str):
+        self._groups: dict[str, argparse._ArgumentGroup] = {}
+        super().__init__(settings_type, prog=prog, description=description, formatter_class=DefaultsFormatter)
+        self.settings_type = settings_type
+        self.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=(
+            "read settings from a YAML file (the flags' names with '_' as keys; flags given here override it)"))
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def _parse_dataclass_field(self, parser, field):
+        """One field's flag. Called by `HfArgumentParser.__init__` for each field, in their order."""
+        metadata = dict(field.metadata)
+        check, group = metadata.pop("check", None), metadata.pop("group", None)
+        if group is not None:
+            if group not in self._groups:
+                self._groups[group] = self.add_argument_group(group)
+            parser = self._groups[group]
+        dashed = "--" + field.name.replace("_", "-")
+        if field.type is bool and field.default:
+            parser.add_argument("--no-" + dashed[2:], dest=field.name, action="store_false", default=True, **metadata)
+        elif field.type is bool:
+            parser.add_argument(dashed, action="store_true", default=False, **metadata)
+        elif typing.get_origin(field.type) is list:
+            parser.add_argument(dashed, action="append", type=typing.get_args(field.type)[0],
+                                default=field.default_factory(), **metadata)
+        else:
+            plain = copy.copy(field)
+            plain.metadata = types.MappingProxyType(metadata)
+            HfArgumentParser._parse_dataclass_field(parser, plain)
+            action = parser._option_string_actions[dashed if "_" in field.name else f"--{field.name}"]
+            if "_" in field.name:  # HfArgumentParser also adds `--max_steps`: the dashed flag is the only one
+                del parser._option_string_actions[f"--{field.name}"]
+                action.option_strings = [dashed]
+            action.type = checked_type(action.type, check)
+
+    def parse_args_into_dataclasses(self, args=None, return_remaining_strings=False, **_ignored):
+        """HfArgumentParser's, without its search for a `<script>.args` file next to the program."""
+        return super().parse_args_into_dataclasses(args, return_remaining_strings, look_for_args_file=False)
+
+    def parse(self, argv: list[str]):
+        """The settings `argv` (and its `--config` file) give. A refused flag exits (status 2, its one line printed),
+        as `--help` does (0); a refused value or config file raises UsageError naming the flag."""
+        argv = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
+        if argv and argv[-1] == "--config":
+            self.error("argument --config: expected one argument")
+        try:
+            settings, from_file, given = self.parse_args_and_config(
+                argv, return_remaining_strings=True, separate_remaining_strings=True)
+        except SettingError as error:
+            raise UsageError(error.flag, error.message) from None
+        except (OSError, yaml.YAMLError, ValueError) as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise UsageError("--config", first) from None
+        if from_file:
+            raise UsageError("--config", f"unknown settings {', '.join(from_file[::2])} (a key is a flag's name with "
+                                         f"'_', e.g. max_steps)")
+        if given:
+            self.error(f"unrecognized arguments: {' '.join(given)}")
+        return settings
