@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING
 
 from .checkpoints import checkpoint_step
 from .launch import AsyncLoop, LoopConfig, embedded_trainer_args
@@ -16,12 +15,10 @@ from .loop_settings import LoopSettings
 from .progress import verdict_lines
 from .run_dir import clear_previous_run, write_run_record
 
-if TYPE_CHECKING:
-    from .command import Checked
 
-
-def run_command(s: LoopSettings, found: "Checked", t0: float, argv: list[str]) -> int:
-    """Clear the old run (--overwrite) or say where the resume starts, train, then report and judge the run."""
+def run_command(s: LoopSettings, found, t0: float, argv: list[str]) -> int:
+    """Clear the old run (--overwrite) or say where the resume starts, train, then report and judge the run.
+    `found` is what the checks found (`command.Checked`: the resume's checkpoint, the shared pool)."""
     if s.overwrite:
         removed = clear_previous_run(s.output_dir)
         if removed:
