@@ -38,9 +38,13 @@ def has_parameters_cell(path: Path) -> bool:
 
 def run_notebook(path: str | Path, parameters: dict | None = None, executed_dir: str | Path | None = None,
                  quick: bool = True, timeout_s: int = 900, kernel_name: str = "python3",
-                 refresh_results: bool = False) -> Path:
-    """Execute one notebook; returns the executed copy's path. Raises `NotebookFailed` with the failing cell."""
+                 refresh_results: bool = False, kernel_manager_class: type | None = None) -> Path:
+    """Execute one notebook; returns the executed copy's path. Raises `NotebookFailed` with the failing cell, also
+    for a cell that took its whole `timeout_s` (a wait nbclient can end without an error). The kernel's client polls
+    in short slices (`headless_kernel`) unless `kernel_manager_class` says otherwise."""
     import papermill as pm
+
+    from .headless_kernel import HeadlessKernelManager  # jupyter_client: the notebooks extra, like papermill
 
     path = Path(path).resolve()
     params = {"QUICK": True} if quick else {}
@@ -60,17 +64,37 @@ def run_notebook(path: str | Path, parameters: dict | None = None, executed_dir:
 
     try:
         inject = params if has_parameters_cell(path) else {}
-        pm.execute_notebook(str(path), str(out), parameters=inject, cwd=str(path.parent), kernel_name=kernel_name,
-                            progress_bar=False, execution_timeout=timeout_s, log_output=False)
+        executed = pm.execute_notebook(str(path), str(out), parameters=inject, cwd=str(path.parent),
+                                       kernel_name=kernel_name, progress_bar=False, execution_timeout=timeout_s,
+                                       log_output=False,
+                                       kernel_manager_class=kernel_manager_class or HeadlessKernelManager)
     except pm.PapermillExecutionError as e:
         raise NotebookFailed(f"{path.name}: cell {e.exec_count} failed: {e.ename}: {e.evalue}") from None
-    except CellTimeoutError:
-        raise NotebookFailed(f"{path.name}: a cell ran longer than {timeout_s}s") from None
+    except CellTimeoutError as e:
+        first = (str(e).strip().splitlines() or ["Cell execution timed out"])[0]
+        raise NotebookFailed(f"{path.name}: {first} (cell timeout {timeout_s}s)") from None
     except DeadKernelError as e:
         raise NotebookFailed(f"{path.name}: the kernel died ({e})") from None
     except (ValueError, OSError) as e:  # not a notebook (bad JSON / nbformat), unreadable file
         raise NotebookFailed(f"{path.name}: could not be run: {type(e).__name__}: {e}") from None
+    waited = timed_out_cells(executed, timeout_s)
+    if waited:
+        raise NotebookFailed(f"{path.name}: cell {waited[0][0]} took {waited[0][1]:.0f}s, its whole {timeout_s}s "
+                             "timeout, and was not reported as timed out: not ok (executed copy: "
+                             f"{out})")
     return out
+
+
+def timed_out_cells(nb, timeout_s: float) -> list[tuple[int, float]]:
+    """(execution count or index, seconds) of the code cells of an executed notebook that ran for `timeout_s` or
+    more by papermill's clock: nbclient ends a wait that long without an error when the reply was there all along
+    (see `headless_kernel`), so such a cell is a timeout, never ok."""
+    cells = []
+    for index, cell in enumerate(nb.cells):
+        duration = cell.get("metadata", {}).get("papermill", {}).get("duration")
+        if cell.cell_type == "code" and duration is not None and duration >= timeout_s:
+            cells.append((cell.get("execution_count") or index, float(duration)))
+    return cells
 
 
 def run_all(folder: str | Path = "notebooks", executed_dir: str | Path | None = None, quick: bool = True,
