@@ -7,25 +7,11 @@ and `async_loop`. The loss stack's public names are re-exported here, imported o
 `GRPOLabFusedLinearGRPOLoss`, `fused_linear_logprobs`.
 """
 
+from .lab import environment as _environment
+
 __version__ = "0.1.0"
 
-
-def _no_hub_telemetry():
-    """Offline first: TRL's trainers report usage to the Hub (`huggingface_hub.send_telemetry`) on every start,
-    which is a network call from every notebook cell and every fresh-process probe. Off unless the user set
-    HF_HUB_DISABLE_TELEMETRY themselves; children of this process inherit the setting."""
-    import os
-    import sys
-
-    if "HF_HUB_DISABLE_TELEMETRY" in os.environ:
-        return
-    os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
-    hub = sys.modules.get("huggingface_hub.constants")
-    if hub is not None:  # imported before grpo_lab: it read the variable already
-        hub.HF_HUB_DISABLE_TELEMETRY = True
-
-
-_no_hub_telemetry()
+_environment.no_hub_telemetry()  # offline first: no Hub telemetry from TRL's trainers unless the user asks for it
 
 
 _LOSS_EXPORTS = ("GRPOLabConfig", "GRPOLabTrainer", "set_loss_backend", "GRPOLossConfig", "grpo_loss",

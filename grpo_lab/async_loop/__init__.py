@@ -6,8 +6,8 @@ faults), `control_client` (bounded control calls), `preflight` (early, clear err
 (`AsyncGRPOLabConfig`, `AsyncGRPOLabTrainer`), `launch` (replicas + router + trainer in one call).
 """
 
-import os as _os
+from grpo_lab.lab import environment as _environment
 
 # TRL warns on every import of trl.experimental; this package is built on it on purpose, and the warning is not
 # something its users can act on.
-_os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+_environment.silence_trl_experimental()

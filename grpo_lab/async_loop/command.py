@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from ..lab import environment
 from .checks import (UsageError, check_model, check_pool, check_port, check_ray_address, check_server,
                      check_storage, check_vllm_python, check_writable_folder, cuda_available)
 from .loop_settings import LoopSettings
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
         print("interrupted: replicas, router and rollout worker stopped", file=sys.stderr)
         return 130
     except Exception as error:  # noqa: BLE001 - one line for the user; the traceback on request
-        if os.environ.get("GRPO_LAB_DEBUG"):
+        if environment.debug():
             raise
         logs = os.path.join(os.path.abspath(s.output_dir), "logs")
         where = f" (replica logs: {logs})" if os.path.isdir(logs) else ""

@@ -28,6 +28,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..lab import environment
 from ..serving.clusters.launcher import Cluster, ClusterSpec, GivenReplicas, LocalProcesses, RayActors
 from ..serving.replicas.vllm_spec import round_lora_rank
 from .checkpoints import checkpoint_step, resume_checkpoint
@@ -172,7 +173,7 @@ def quiet_setup():
     TRL's own duplicate-callback warning and a weight-loading bar: none is the user's to act on."""
     import transformers
 
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # also for the spawned rollout worker
+    environment.silence_trl_experimental()  # also for the spawned rollout worker
     level = transformers.logging.get_verbosity()
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.logging.set_verbosity_error()

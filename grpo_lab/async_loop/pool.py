@@ -20,21 +20,23 @@ import os
 import threading
 import urllib.parse
 
+from ..lab import environment
+
 log = logging.getLogger(__name__)
 
-RUN_TOKEN_ENV = "GRPO_LAB_RUN_TOKEN"
-ADMIN_KEY_ENV = "GRPO_LAB_POOL_ADMIN_KEY"
-ADMIN_KEY_FILE_ENV = "GRPO_LAB_POOL_ADMIN_KEY_FILE"
+RUN_TOKEN_ENV = environment.RUN_TOKEN
+ADMIN_KEY_ENV = environment.POOL_ADMIN_KEY
+ADMIN_KEY_FILE_ENV = environment.POOL_ADMIN_KEY_FILE
 
 
 def admin_key_file(flag_value: str | None = None) -> str | None:
     """The file the pool's admin key is read from: the flag's, else `$GRPO_LAB_POOL_ADMIN_KEY_FILE`'s."""
-    return flag_value or os.environ.get(ADMIN_KEY_FILE_ENV) or None
+    return flag_value or environment.pool_admin_key_file()
 
 
 def has_admin_key(flag_value: str | None = None) -> bool:
     """Whether this process was given a pool's admin key (a file, or `$GRPO_LAB_POOL_ADMIN_KEY`)."""
-    return bool(admin_key_file(flag_value) or os.environ.get(ADMIN_KEY_ENV, "").strip())
+    return bool(admin_key_file(flag_value) or environment.pool_admin_key())
 
 
 def read_admin_key(flag_value: str | None = None) -> str:
@@ -54,7 +56,7 @@ def bearer(key: str | None) -> dict:
 
 def run_headers() -> dict:
     """The headers a joined run's calls carry (its token), or {} when this process has not joined a pool."""
-    return bearer(os.environ.get(RUN_TOKEN_ENV, "").strip() or None)
+    return bearer(environment.run_token())
 
 
 class PoolSeat:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 
+from ..lab import environment
 from ..serving.adapters.slots import max_loras_for, min_max_loras
 
 
@@ -18,7 +19,7 @@ class PreflightError(ValueError):
 
 
 def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no")
+    return environment.hub_offline()
 
 
 def check_model(model) -> None:

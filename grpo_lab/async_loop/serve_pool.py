@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..lab import environment
 from ..serving.clusters.launcher import Cluster, ClusterSpec
 from ..serving.tenancy.runs import TenancyConfig
 from .loop_settings import PoolSettings, SettingError
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
     try:
         pool.start()
     except Exception as error:  # noqa: BLE001 - one line for the user
-        if os.environ.get("GRPO_LAB_DEBUG"):
+        if environment.debug():
             raise
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         print(f"{PROG}: error: {type(error).__name__}: {first} (replica logs: "

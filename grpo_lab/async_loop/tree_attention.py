@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
+
+from ..lab import environment
 
 log = logging.getLogger(__name__)
 
@@ -214,8 +215,7 @@ def resolve(choice: str, device: torch.device | str | None = None) -> str:
                                                                            else "cpu")
     if choice == "auto":
         if device_type == "cuda":
-            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-            return "fa3" if not offline and fa3_available() else "flex"
+            return "fa3" if not environment.hub_offline() and fa3_available() else "flex"
         return "sdpa"
     if choice == "flex" and device_type != "cuda":
         raise ValueError("tree_attention='flex' needs a CUDA device (FlexAttention has no CPU backward); use 'sdpa'")

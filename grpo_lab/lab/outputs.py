@@ -19,7 +19,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-OUTPUT_ENV = "GRPO_LAB_OUTPUT_DIR"
+from . import environment
+
+OUTPUT_ENV = environment.OUTPUT_DIR
 SCRATCH = "outputs"                 # under the repository root; listed in .gitignore
 SCRATCH_OUTSIDE_A_CHECKOUT = "grpo_lab_outputs"
 
@@ -46,8 +48,8 @@ def output_dir(figure: str, out_dir: str | os.PathLike | None = None, refresh: b
             raise ValueError("REFRESH_RESULTS needs a clone of grpo-lab (it rewrites the committed results/); "
                              "outside one, leave it False or give an output folder")
         p = root / "results" / figure
-    elif os.environ.get(OUTPUT_ENV):
-        p = Path(os.environ[OUTPUT_ENV]).expanduser().resolve() / figure
+    elif environment.output_dir() is not None:
+        p = environment.output_dir() / figure  # resolved
     else:
         p = (root / SCRATCH if root is not None else Path.cwd() / SCRATCH_OUTSIDE_A_CHECKOUT) / figure
     if p.exists() and not p.is_dir():

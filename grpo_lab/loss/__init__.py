@@ -7,8 +7,8 @@ gradient algebra), `heads` (one module per head, `logprob_head(name)`), `kernel`
 (Liger-Kernel's fused loss in TRL's place), `fused_module` (`GRPOLabFusedLinearGRPOLoss`) and `trl_switch`
 (`set_loss_backend`, `GRPOLabConfig`, `GRPOLabTrainer`).
 
-This package imports nothing else of grpo_lab. The names below are imported on first use, so `import grpo_lab.loss`
-imports neither TRL nor Triton (nor torch).
+Of the rest of grpo_lab this package imports only `grpo_lab.lab.environment` (the kernel's `GRPO_LAB_*` variables).
+The names below are imported on first use, so `import grpo_lab.loss` imports neither TRL nor Triton (nor torch).
 """
 
 from __future__ import annotations

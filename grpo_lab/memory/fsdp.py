@@ -18,9 +18,9 @@ changes nothing in memory; at world size N each rank holds the full embeddings/h
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from grpo_lab.lab import environment
 
 
 def init_process_group(device: torch.device) -> tuple[int, int]:
@@ -30,8 +30,8 @@ def init_process_group(device: torch.device) -> tuple[int, int]:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, rank=int(os.environ.get("RANK", "0")),
-                                world_size=int(os.environ.get("WORLD_SIZE", "1")), **kwargs)
+        dist.init_process_group(backend=backend, rank=environment.distributed_rank(),
+                                world_size=environment.world_size(), **kwargs)
     return dist.get_rank(), dist.get_world_size()
 
 

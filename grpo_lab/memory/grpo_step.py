@@ -13,12 +13,13 @@ max over all steps (the first step allocates the AdamW state).
 
 from __future__ import annotations
 
-import os
 import time
 import zlib
 from typing import Any
 
 import torch
+
+from grpo_lab.lab import environment
 
 from .meter import BudgetExceeded, device_info, prepare_probe_device
 from .spec import PointSpec
@@ -183,7 +184,7 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
                             flag=not spec.extra.get("without_transformers_flag", False))
     rollout = None
     if spec.generation == "synthetic":
-        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        environment.silence_trl_experimental()
         rollout = synthetic_rollout(spec.completion_len, model_config.vocab_size, _special_ids(tokenizer), spec.seed)
     trainer = trainer_cls(model=model, reward_funcs=length_reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, rollout_func=rollout,

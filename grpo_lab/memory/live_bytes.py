@@ -13,13 +13,14 @@ does not, so the planner's tensor terms can be checked to the byte on a 2-core m
 
 from __future__ import annotations
 
-import os
 import tempfile
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from grpo_lab.lab import environment
 
 
 def _storage_key(t: torch.Tensor):
@@ -88,7 +89,7 @@ def traced_step_peak(spec, gradient_checkpointing: bool = True) -> dict:
         def on_step_end(self, *a, **k):
             peaks.append(live.peak)
 
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    environment.silence_trl_experimental()
     with tempfile.TemporaryDirectory(prefix="grpo_lab_trace_") as out:
         trainer = make_trainer(spec, out, torch.device("cpu"), callbacks=[_Phases()])
         if not gradient_checkpointing:  # transformers >= 5.20 reads `activation_checkpointing` (the old name's alias)

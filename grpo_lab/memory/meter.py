@@ -7,11 +7,12 @@ meter falls back to `ru_maxrss`, which cannot be reset (then every phase reports
 
 from __future__ import annotations
 
-import os
 import resource
 import sys
 
 import torch
+
+from grpo_lab.lab import environment
 
 GiB = 1024**3
 
@@ -95,8 +96,7 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.device("cuda", local_rank)
+        return torch.device("cuda", environment.local_rank())
     return torch.device("cpu")
 
 

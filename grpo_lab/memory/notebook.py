@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pandas as pd
+
+from grpo_lab.lab import environment
 
 from .results import load_reference, ratio_table, rows_to_frame, savings_table, write_csv
 
@@ -17,7 +18,7 @@ LIGER_GRPO_POST = 'the Hugging Face blog post "Liger GRPO meets TRL" (huggingfac
 def _mpl():
     import matplotlib
 
-    if "MPLBACKEND" not in os.environ and not _in_kernel():
+    if environment.matplotlib_backend() is None and not _in_kernel():
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

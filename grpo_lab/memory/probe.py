@@ -20,6 +20,8 @@ import tempfile
 import time
 import traceback
 
+from grpo_lab.lab import environment
+
 from .meter import is_oom_error
 from .spec import PointSpec
 
@@ -41,9 +43,9 @@ def _memory_flat_head() -> None:
     when free memory allows (the kernel's memory policy: speed where memory is spare), which would put that optional
     buffer into every small batch's peak; the figures are of the head's lean path, which is also what runs at the
     memory limit. `GRPO_LAB_MATERIALIZE_FRACTION` set by the caller still wins."""
-    os.environ.setdefault("GRPO_LAB_MATERIALIZE_FRACTION", "0")
+    flat = environment.set_default("GRPO_LAB_MATERIALIZE_FRACTION", "0") == "0"
     tuning = sys.modules.get("grpo_lab.loss.kernel.tuning")
-    if tuning is not None and os.environ["GRPO_LAB_MATERIALIZE_FRACTION"] == "0":
+    if tuning is not None and flat:
         tuning.TUNING.materialize_fraction = 0.0
 
 
@@ -51,8 +53,8 @@ def _child(spec: PointSpec, rank: int, port: int, conn, capture_grads: bool) -> 
     os.environ.update(NCCL_SAFE_ENV)
     if spec.extra.get("cuda_alloc_conf"):  # read by the caching allocator at its first use, after this
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = spec.extra["cuda_alloc_conf"]
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    environment.set_default("TOKENIZERS_PARALLELISM", "false")
+    environment.silence_trl_experimental()
     _memory_flat_head()
     distributed = spec.fsdp or spec.world_size > 1
     if distributed:
@@ -66,7 +68,7 @@ def _child(spec: PointSpec, rank: int, port: int, conn, capture_grads: bool) -> 
         import torch
 
         # One intra-op thread by default: on small shared CPUs, thread contention costs far more than it gains
-        torch.set_num_threads(int(os.environ.get("GRPO_LAB_PROBE_THREADS", "1")))
+        torch.set_num_threads(environment.probe_threads())
         _return_freed_memory_to_os()
     import warnings
 
@@ -129,14 +131,14 @@ def _context(start_method: str):
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             # the fork server inherits this: `torch.cuda.is_available()` then asks NVML and leaves CUDA uninitialised
-            os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+            environment.set_default("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
             ctx.set_forkserver_preload(["grpo_lab.memory._preload"])
         _CONTEXTS[start_method] = ctx
     return _CONTEXTS[start_method]
 
 
 def default_start_method() -> str:
-    return os.environ.get("GRPO_LAB_PROBE_START", "forkserver")
+    return environment.probe_start_method()
 
 
 def run_point(spec: PointSpec, timeout_s: float | None = None, start_method: str | None = None,
@@ -147,11 +149,11 @@ def run_point(spec: PointSpec, timeout_s: float | None = None, start_method: str
     Should a forked probe ever find CUDA initialised by the fork server, the probe is retried once with "spawn", which
     then becomes the default for this process."""
     if timeout_s is None:  # a hung probe (e.g. a rank stuck in a collective) is an error after this long
-        timeout_s = float(os.environ.get("GRPO_LAB_PROBE_TIMEOUT", "600"))
+        timeout_s = environment.probe_timeout_s()
     method = start_method or default_start_method()
     out = _run_point(spec, timeout_s, method, capture_grads)
     if out["status"] == "error" and method != "spawn" and "re-initialize CUDA in forked subprocess" in out["message"]:
-        os.environ["GRPO_LAB_PROBE_START"] = "spawn"
+        environment.set_probe_start_method("spawn")
         out = _run_point(spec, timeout_s, "spawn", capture_grads)
     if out["status"] == "error" and raise_on_error:
         raise ProbeError(f"probe {spec.as_dict()} failed:\n{out['message']}")

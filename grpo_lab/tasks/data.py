@@ -13,6 +13,7 @@ from pathlib import Path
 
 import datasets
 
+from grpo_lab.lab import environment
 from grpo_lab.models.chat import make_prompt
 
 HUB_IDS = {
@@ -25,8 +26,7 @@ DATASET_NAMES = tuple(HUB_IDS)
 
 def shared_data_dir() -> Path:
     """The shared offline copies: `$GRPO_LAB_SHARED_DATA`, else `<repo>/../shared/data`. Fails loudly if absent."""
-    env = os.environ.get("GRPO_LAB_SHARED_DATA")
-    path = Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    path = environment.shared_data_dir() or Path(__file__).resolve().parents[2].parent / "shared" / "data"
     if not path.is_dir():
         raise FileNotFoundError(
             f"Shared offline data not found at {path}. Set GRPO_LAB_SHARED_DATA to the folder holding "

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from grpo_lab.lab import environment
+
 EMBEDDED_MODEL_NAME = "grpo-lab/tiny-addition-chat"
 WARM_START_FILE = "tiny_addition_chat_sft.safetensors"
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -154,7 +156,7 @@ def _fingerprint() -> str:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("GRPO_LAB_CACHE", Path.home() / ".cache" / "grpo-lab"))
+    return environment.cache_dir()
 
 
 def embedded_model_dir() -> Path:

@@ -16,13 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "grpo_lab"
 
 # docs/architecture.md's table: the layer of each top-level unit of grpo_lab (higher imports lower, never the reverse;
-# units in one layer never import each other).
+# units in one layer never import each other). `lab` is the bottom: it holds the one reader of the environment.
 LAYERS = {
-    "cli": 4, "router": 4,
-    "async_loop": 3,
-    "serving": 2,
-    "tasks": 1, "memory": 1,
-    "loss": 0, "models": 0, "lab": 0,
+    "cli": 5, "router": 5,
+    "async_loop": 4,
+    "serving": 3,
+    "tasks": 2, "memory": 2,
+    "loss": 1, "models": 1,
+    "lab": 0,
 }
 
 

@@ -2,16 +2,18 @@
 
 Tile sizes, launch styles and path thresholds were chosen on an H200 with `benchmarks/loss_bench.py --tune` (the
 measurements quoted below are in results/loss_kernel/; docs/kernel.md tells the story). The `GRPO_LAB_*`
-environment variables are read in one place, `KernelTuning.from_env`, once at import; the kernel reads `TUNING` at
+environment variables (`grpo_lab.lab.environment.kernel_variables`) are applied in one place,
+`KernelTuning.from_env`, once at import; the kernel reads `TUNING` at
 every call, so an experiment (the benchmark's tile sweep, a test) changes a field of `TUNING` and the next call runs
 with it. No Triton import here: the memory planner and the benchmark's report read these values on any machine.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from grpo_lab.lab import environment
 
 DTYPE_KEYS = ("16", "32")  # per-compute-dtype tables: "16" (bf16 / fp16) and "32" (fp32)
 
@@ -175,11 +177,11 @@ class KernelTuning:
         `TMA`, `FP32_MM`, `FP32_DOT`, `BWD_TOKENS`, `BWD_VOCAB`, `PERSISTENT`, `DZ_TMA`, `P_TMA`, `FROZEN`,
         `FROZEN_RECOMPUTE_BELOW`, `MATERIALIZE_FRACTION`, `MATERIALIZE_FLAT_BELOW`, `MATERIALIZE_GIB`, `REF_STATS`,
         `REF_STATS_PLAIN`."""
-        env = os.environ if environ is None else environ
+        env = environment.kernel_variables(environ)
         tuning = cls()
 
         def get(name, default):
-            return env.get(f"GRPO_LAB_{name}", default)
+            return env.get(name, default)
 
         def both(name, defaults):  # a 0/1 switch: the variable sets both dtypes, else each keeps its default
             return {key: get(name, "1" if on else "0") == "1" for key, on in defaults.items()}

@@ -31,12 +31,12 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 import signal
 
 import aiohttp
 from aiohttp import web
 
+from grpo_lab.lab import environment
 from .cache import AdapterCache, is_remote
 from ..wire.app_thread import AppThread
 from ..wire.vllm_routes import error_response
@@ -64,7 +64,7 @@ class AdapterSidecar:
     def __init__(self, upstream: str, cache_dir: str | None = None, api_key_env: str = "VLLM_API_KEY"):
         self.upstream = upstream.rstrip("/")
         self.cache = AdapterCache(cache_dir)
-        self._api_key = os.environ.get(api_key_env, "").strip() or None
+        self._api_key = environment.bearer_key(api_key_env)
         self.sources: dict[str, tuple[str, str]] = {}  # adapter loaded through here -> (its URL, its local copy)
         self._session: aiohttp.ClientSession | None = None
 

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
+from grpo_lab.lab import environment
 from .generation import Engine, RequestError, SamplingParams
 from ..wire.metrics import Registry
 from .config import CPUReplicaConfig
@@ -39,7 +40,7 @@ class CPUReplica:
     def __init__(self, config: CPUReplicaConfig, engine: Engine | None = None):
         self.config = config
         self.engine = engine or Engine(config)
-        self._api_key = os.environ.get(config.api_key_env, "").strip() or None
+        self._api_key = environment.bearer_key(config.api_key_env)
         self._generate_pool = ThreadPoolExecutor(1, thread_name_prefix="generate")
         self._control_pool = ThreadPoolExecutor(1, thread_name_prefix="control")
         self.started = int(time.time())

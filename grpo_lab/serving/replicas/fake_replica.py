@@ -14,10 +14,11 @@ import argparse
 import asyncio
 import hmac
 import json
-import os
 import random
 
 from aiohttp import web
+
+from grpo_lab.lab import environment
 
 ANSWER = {"object": "text_completion", "model": "fake",
           "choices": [{"index": 0, "text": "", "token_ids": [1, 2, 3],
@@ -29,7 +30,7 @@ def make_app(delay_s: float, jitter: float = 0.0, model: str = "fake") -> web.Ap
                             "cache_config": {"block_size": 16}, "parallel_config": {"data_parallel_size": 1},
                             "lora_config": {"max_lora_rank": 16, "max_loras": 6}}}
     models = {"object": "list", "data": [{"id": model, "root": model, "parent": None, "max_model_len": 4096}]}
-    token = os.environ.get("VLLM_API_KEY", "").strip()
+    token = environment.bearer_key("VLLM_API_KEY") or ""
 
     @web.middleware
     async def auth(request, handler):  # like vLLM's --api-key: everything but /health needs the bearer token

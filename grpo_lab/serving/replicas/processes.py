@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from grpo_lab.lab import environment
 from .vllm_spec import VLLMReplicaSpec, replica_specs
 
 RECIPE_STAMP = ".grpo-lab-recipe"  # written by scripts/vllm_cpu_env.sh once the venv imports vLLM
@@ -293,17 +294,14 @@ def start_cpu_replicas(n: int, args: list[str] | None = None, env: dict | None =
 
 def vllm_cpu_venv() -> Path:
     """Where scripts/vllm_cpu_env.sh puts the vllm-cpu venv (GRPO_LAB_VLLM_VENV, else the user's cache)."""
-    if os.environ.get("GRPO_LAB_VLLM_VENV"):
-        return Path(os.environ["GRPO_LAB_VLLM_VENV"])
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "grpo-lab" / "vllm-cpu-venv"
+    return environment.vllm_venv()
 
 
 def vllm_cpu_python() -> str:
     """The interpreter of the vllm-cpu venv: GRPO_LAB_VLLM_PYTHON if set, else the venv the script made.
 
     Raises FileNotFoundError, saying how to make it, when there is none."""
-    explicit = os.environ.get("GRPO_LAB_VLLM_PYTHON")
+    explicit = environment.vllm_python()
     if explicit:
         if not os.access(explicit, os.X_OK):
             raise FileNotFoundError(f"GRPO_LAB_VLLM_PYTHON={explicit} is not an executable interpreter")

@@ -10,11 +10,11 @@ an argument, and sent only in the Authorization header.
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.parse
 import urllib.request
 
+from grpo_lab.lab import environment
 from ..adapters.slots import DEFAULT_MAX_STALENESS
 
 
@@ -37,7 +37,7 @@ class RouterAdminClient:
             with open(key_file) as f:
                 key = f.readline().strip() or None
         elif key_env:
-            key = os.environ.get(key_env, "").strip() or None
+            key = environment.bearer_key(key_env)
         self._headers = {"Content-Type": "application/json"}
         if key:
             self._headers["Authorization"] = f"Bearer {key}"

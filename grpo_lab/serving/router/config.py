@@ -6,6 +6,7 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 
+from grpo_lab.lab import environment
 from ..routing.per_try import PerTryConfig
 from ..routing.policy import RoutingConfig
 from ..routing.registry import DEFAULT_POLICY, check_policy_name
@@ -190,8 +191,7 @@ def read_secret(path: str | None, env: str | None, what: str) -> str | None:
         if not token:
             raise ValueError(f"{what} {path} is empty")
         return token
-    token = os.environ.get(env, "").strip() if env else ""
-    return token or None
+    return environment.bearer_key(env)
 
 
 def is_loopback(host: str) -> bool:
