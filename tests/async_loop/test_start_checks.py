@@ -123,7 +123,7 @@ def _read_only_user(server) -> tuple[str, str]:
                        aws_secret_access_key=server.secret)
     iam.create_user(UserName="reader")
     iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps({
-        "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": ["s3:ListBucket", "s3:GetObject"],
+        "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": ["s3:List*", "s3:Get*"],
                                                 "Resource": "*"}]}))
     key = iam.create_access_key(UserName="reader")["AccessKey"]
     return key["AccessKeyId"], key["SecretAccessKey"]
