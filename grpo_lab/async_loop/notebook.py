@@ -12,7 +12,7 @@ from pathlib import Path
 from ..serving.adapters.slots import DEFAULT_MAX_STALENESS
 from .board import LoopBoard
 from .doctor import DoctorConfig, Verdict, diagnose, training_rows
-from .loop_settings import TRACKERS, LoopSettings
+from .loop_settings import REPLICA_KINDS, TRACKERS, LoopSettings
 
 
 @dataclass
@@ -111,9 +111,6 @@ def run_quick(settings: QuickSettings, output_dir: str | None = None, name: str 
     seconds = time.perf_counter() - t0
     png = live.close()
     return LoopRun(name, s, loop.recorder.rows, live.verdict, png, seconds, output_dir, published)
-
-
-REPORT_TO = TRACKERS
 
 
 def autotune_table(run: LoopRun):
@@ -321,4 +318,4 @@ def controls(settings: QuickSettings, on_run):
     from ..lab.widgets import ParamForm
 
     return ParamForm(asdict(settings), on_run=on_run, button="Run the loop", output=True,
-                     choices={"replica_kind": ("cpu", "vllm"), "report_to": REPORT_TO})
+                     choices={"replica_kind": REPLICA_KINDS, "report_to": TRACKERS})

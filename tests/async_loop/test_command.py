@@ -178,8 +178,31 @@ def test_the_installed_command_refuses_in_one_line_too(tmp_path):
 def test_help_lists_defaults_and_choices():
     text = command.build_parser().format_help()
     for needle in ("(default: 20)", "{trl,grpo_lab,naive}", "{auto,sdpa,flex,fa3}", "--replica-url URL",
-                   "--port", "--overwrite", "(default: -1)"):
+                   "--port", "--overwrite", "(default: -1)", "--config FILE", "--pool-run NAME", "(default: loop)",
+                   "--no-group-versions"):
         assert needle in text, needle
+    assert "--max_steps" not in text  # one spelling per flag: the dashed one
+
+
+def test_every_flag_of_before_still_parses():
+    """The flags the hand-written parser had, each with a value, land on the settings field of that name."""
+    s = command.parse_settings([
+        "--output-dir", "o", "--resume", "--max-steps", "3", "--save-steps", "2", "--seed", "1", "--run-name", "r",
+        "--results-dir", "res", "--report-to", "none", "--report-to", "none", "--checkpoint-storage", "c",
+        "--model", "m", "--prompts-per-step", "3", "--num-generations", "4", "--learning-rate", "1e-4",
+        "--loss-backend", "trl", "--tree-attention", "sdpa", "--max-staleness", "0", "--max-inflight-tasks", "5",
+        "--autotune", "--queue-maxsize", "6", "--no-group-versions", "--rollout-failure-timeout", "7",
+        "--replicas", "3", "--replica-kind", "vllm", "--replica-threads", "2", "--replica-url", "http://a:1",
+        "--replica-url", "http://b:1", "--port", "9", "--run-weight", "2", "--adapter-storage", "a"])
+    assert (s.output_dir, s.resume, s.max_steps, s.save_steps, s.seed, s.run_name, s.results_dir) == \
+        ("o", True, 3, 2, 1, "r", "res")
+    assert (s.trackers, s.checkpoint_storage, s.model, s.samples_per_step, s.learning_rate) == ([], "c", "m", 12, 1e-4)
+    assert (s.loss_backend, s.tree_attention, s.max_staleness, s.inflight, s.autotune, s.queue_maxsize) == \
+        ("trl", "sdpa", 0, 5, True, 6)
+    assert (s.group_versions, s.rollout_failure_timeout, s.replicas, s.replica_kind, s.replica_threads) == \
+        (False, 7.0, 3, "vllm", 2)
+    assert (s.replica_url, s.port, s.run_weight, s.adapter_storage) == (["http://a:1", "http://b:1"], 9, 2.0, "a")
+    assert s.trainer_values()["group_consistent_versions"] is False
 
 
 # -- an output directory is one run ---------------------------------------------------------------------------------

@@ -128,6 +128,13 @@ def test_serve_pool_refuses_bad_settings_in_one_line(args, word, tmp_path, capsy
     assert len(err.splitlines()) == 1 and word in err and "Traceback" not in err
 
 
+def test_serve_pool_help_lists_defaults_and_every_flag():
+    text = serve_pool.build_parser().format_help()
+    for needle in ("(default: 8000)", f"(default: {serve_pool.PoolConfig().adapter_slots})", "--no-base-model",
+                   "--run-lease", "--max-in-flight-per-replica", "{cpu,vllm}", "--config FILE"):
+        assert needle in text, needle
+
+
 def test_serve_pool_prints_where_the_key_is_never_the_key_and_stops_what_it_started(tmp_path):
     state = tmp_path / "pool"
     proc = subprocess.Popen([sys.executable, "-m", "grpo_lab.cli", "serve-pool", "--replicas", "1", "--port", "0",
