@@ -1,20 +1,27 @@
 """The Ray tier: a real two-node Ray cluster on this machine, started once for the tier and stopped by PID.
 
 The head node has `{"trainer_node": 1}`, the worker node `{"replica_node": 4}`; replicas ask for `replica_node`, so
-a test can prove they landed on the worker node. The cluster is stopped right after the tier's last test (not at the
-end of the whole run: later tiers must not share the cores with an idle Ray), and anything of its session still
-alive then is an error. The tier skips when Ray is not installed (`pip install 'grpo-lab[ray]'`; the `test` extra
-has it). The start and stop times are printed: they are what Ray costs CI.
+a test can prove they landed on the worker node. Each node is a host of its own: a network namespace with its own
+address on the run's network (`netns`), so head and worker talk across the worker's link, which a test can cut
+(`ray_cluster.network.partition("worker")`). The driver is on the head node, as on a real cluster: this process's
+main thread enters the head's namespace for the tier (`ray.init`, the trainer, the router and every process a test
+starts live there) and leaves it when the cluster stops. The cluster is stopped right after the tier's last test
+(not at the end of the whole run: later tiers must not share the cores with an idle Ray), and anything of its session
+still alive then is an error. The tier skips when Ray is not installed (`pip install 'grpo-lab[ray]'`; the `test`
+extra has it) or namespaces cannot be made (not root, no `ip`); CI sets GRPO_LAB_REQUIRE_NETNS=1, which turns the
+latter into a failure. The start and stop times are printed: they are what Ray costs CI.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 from pathlib import Path
 
+import netns
 import pytest
-from two_nodes import HEAD_RESOURCES, WORKER_RESOURCES, TwoNodeCluster
+from two_nodes import HEAD, HEAD_RESOURCES, WORKER_RESOURCES, TwoNodeCluster
 
 try:
     import ray
@@ -30,9 +37,14 @@ def _stop() -> list[str]:
     if cluster is None:
         return []
     t0 = time.monotonic()
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
-    leftovers = cluster.stop()
+    try:
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+    finally:
+        if "home" in _running:  # back to the namespace this thread came from
+            cluster.network.leave(_running.pop("home"))
+        leftovers = cluster.stop()
+        _running.pop("network").close()
     print(f"\n[ray tier] cluster stopped in {time.monotonic() - t0:.1f} s; leftovers: {leftovers}", flush=True)
     return leftovers
 
@@ -41,11 +53,16 @@ def _stop() -> list[str]:
 def ray_cluster():
     if ray is None:
         pytest.skip("the Ray tier needs Ray: pip install 'grpo-lab[ray]'")
-    cluster = _running["cluster"] = TwoNodeCluster()
+    netns.require_or_skip("the Ray tier (head and worker on hosts of their own)")
     t0 = time.monotonic()
+    network = contextlib.ExitStack()
+    cluster = TwoNodeCluster(network.enter_context(netns.shared_network()))
+    _running["network"], _running["cluster"] = network, cluster
     try:
         cluster.start()
-        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+        _running["home"] = cluster.network.enter(HEAD)
+        ray.init(address=cluster.address, _node_ip_address=cluster.head_ip, log_to_driver=False,
+                 configure_logging=False)
         nodes = cluster.wait_nodes(ray)
     except BaseException:
         _stop()
@@ -53,8 +70,10 @@ def ray_cluster():
     up_s = time.monotonic() - t0
     by_resource = {name: next(n["NodeID"] for n in nodes if name in n["Resources"])
                    for name in (*HEAD_RESOURCES, *WORKER_RESOURCES)}
-    print(f"\n[ray tier] two-node cluster up in {up_s:.1f} s at {cluster.address}", flush=True)
-    yield types.SimpleNamespace(address=cluster.address, marker=cluster.marker, up_s=up_s,
+    print(f"\n[ray tier] two-node cluster up in {up_s:.1f} s at {cluster.address} (worker {cluster.worker_ip})",
+          flush=True)
+    yield types.SimpleNamespace(address=cluster.address, marker=cluster.marker, up_s=up_s, network=cluster.network,
+                                head_ip=cluster.head_ip, worker_ip=cluster.worker_ip,
                                 head_node=by_resource["trainer_node"], worker_node=by_resource["replica_node"])
     leftovers = _stop()  # already stopped after the tier's last test, unless the run ended inside the tier
     assert not leftovers, f"processes of the Ray session outlived `ray start`'s stop: {leftovers}"

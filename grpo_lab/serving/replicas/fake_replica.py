@@ -62,12 +62,12 @@ async def _ok(text: str, content_type: str = "text/plain"):
     return web.Response(text=text, content_type=content_type)
 
 
-async def _serve(ports: list[int], delay_s: float, jitter: float) -> None:
+async def _serve(host: str, ports: list[int], delay_s: float, jitter: float) -> None:
     bound = []
     for port in ports:
         runner = web.AppRunner(make_app(delay_s, jitter), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", port)
+        site = web.TCPSite(runner, host, port)
         await site.start()
         bound.append(site._server.sockets[0].getsockname()[1])
     print("READY " + " ".join(map(str, bound)), flush=True)
@@ -76,11 +76,12 @@ async def _serve(ports: list[int], delay_s: float, jitter: float) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m grpo_lab.serving.replicas.fake_replica")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (a Ray node's IP for a cluster)")
     p.add_argument("--ports", type=int, nargs="+", default=[0])
     p.add_argument("--delay-s", type=float, default=0.2, help="mean service time of a completion")
     p.add_argument("--jitter", type=float, default=0.5, help="service time is uniform in delay*(1 +- jitter)")
     args = p.parse_args(argv)
-    asyncio.run(_serve(args.ports, args.delay_s, args.jitter))
+    asyncio.run(_serve(args.host, args.ports, args.delay_s, args.jitter))
 
 
 if __name__ == "__main__":
