@@ -30,9 +30,12 @@ def test_ci_runs_exactly_the_readme_test_command():
     tiers = {"bash scripts/install_browser.sh": "export GRPO_LAB_REQUIRE_BROWSER=1",
              "bash scripts/vllm_cpu_env.sh": "export GRPO_LAB_REQUIRE_VLLM=1"}
     assert ci_lines[-1] == "bash scripts/test.sh"
-    # and the Ray tier's real-vLLM actor test, which reuses the vLLM tier's venv
-    assert ci_lines[:-1] == [line for pair in tiers.items() for line in pair] + ["export GRPO_LAB_RAY_VLLM=1"]
+    # and the Ray tier's real-vLLM actor test, which reuses the vLLM tier's venv; and the network namespaces of the
+    # Ray tier's nodes and the S3 server, required (CI runs as root)
+    assert ci_lines[:-1] == [line for pair in tiers.items() for line in pair] + ["export GRPO_LAB_RAY_VLLM=1",
+                                                                                 "export GRPO_LAB_REQUIRE_NETNS=1"]
     assert "bash scripts/install_browser.sh" in readme and "GRPO_LAB_RAY_VLLM" in readme
+    assert "GRPO_LAB_REQUIRE_NETNS" in readme
 
 
 def test_extras_pin_what_the_issue_names():
