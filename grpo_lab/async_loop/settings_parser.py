@@ -99,8 +99,10 @@ class SettingsParser(TrlParser):
         """The settings `argv` (and its `--config` file) give. A refused flag exits (status 2, its one line printed),
         as `--help` does (0); a refused value or config file raises UsageError naming the flag."""
         argv = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
-        if argv and argv[-1] == "--config":
-            self.error("argument --config: expected one argument")
+        if "--config" in argv:
+            after = argv[argv.index("--config") + 1:]
+            if not after or after[0].startswith("-"):
+                self.error("argument --config: expected one argument")
         try:
             settings, from_file, given = self.parse_args_and_config(
                 argv, return_remaining_strings=True, separate_remaining_strings=True)
@@ -108,7 +110,9 @@ class SettingsParser(TrlParser):
             raise UsageError(error.flag, error.message) from None
         except (OSError, yaml.YAMLError, ValueError) as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise UsageError("--config", first) from None
+            what = f"{after[0]} is not a YAML file of settings ({first})" if isinstance(error, yaml.YAMLError) \
+                else first
+            raise UsageError("--config", what) from None
         if from_file:
             raise UsageError("--config", f"unknown settings {', '.join(from_file[::2])} (a key is a flag's name with "
                                          f"'_', e.g. max_steps)")

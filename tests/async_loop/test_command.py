@@ -126,6 +126,9 @@ CASES = [
      "not with --router-url"),
     ("ray-address-without-ray", lambda t, f: ["--ray-address", "auto"], "--ray-address", "--launcher ray"),
     ("unknown-launcher", lambda t, f: ["--launcher", "slurm"], "--launcher", "choose from"),
+    ("config-without-a-file", lambda t, f: ["--config"], "--config", "expected one argument"),
+    ("config-missing", lambda t, f: ["--config", str(t / "none.yaml")], "--config", "No such file"),
+    ("config-not-a-mapping", lambda t, f: ["--config", str(f["file"])], "--config", "mapping"),
 ]
 
 

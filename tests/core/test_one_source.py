@@ -143,6 +143,7 @@ def test_a_config_file_sets_settings_and_flags_override_it(tmp_path):
     ("loss_backend: liger\n", "--loss-backend", "liger"),
     ("max_stepz: 3\n", "--config", "max_stepz"),
     ("- a list\n", "--config", "mapping"),
+    ("max_steps: [\n", "--config", "not a YAML file"),
 ])
 def test_a_bad_config_file_is_one_line_naming_the_setting(text, flag, word, tmp_path, capsys):
     config = tmp_path / "bad.yaml"
