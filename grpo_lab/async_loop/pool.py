@@ -64,7 +64,8 @@ class PoolSeat:
 
     Args:
         url: the pool's router.
-        name: the run's name on the pool (`--run-name`): its adapters are `<name>--trl-policy-vN` upstream.
+        name: the run's name on the pool (`--pool-run`, by default `--run-name`): its adapters are
+            `<name>--trl-policy-vN` upstream.
         max_staleness: the trainer's; the run gets `max_staleness + 3` adapter slots per replica.
         weight: its fair-share weight against the other runs (1: an equal share).
         admin_key_file: where the pool's admin key is (None: `$GRPO_LAB_POOL_ADMIN_KEY_FILE`, then

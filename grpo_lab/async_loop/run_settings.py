@@ -75,7 +75,7 @@ def run_settings(loop, resumed_from: str | None = None) -> dict:
         "adapter_storage": trainer.adapter_store.url,
         "block_size": _config_field(info, "cache_config", "block_size"),
         "max_loras": _config_field(info, "lora_config", "max_loras"),
-        "pool_run": cfg.pool_run_name, "pool_weight": cfg.pool_weight if cfg.pool_run_name else None,
+        "run_name": args.run_name, "pool_run": cfg.pool_run_name, "pool_weight": cfg.pool_weight if cfg.pool_run_name else None,
         "prompt_tokens_median": statistics.median(lengths) if lengths else None,
         "prompt_tokens_max": max(lengths) if lengths else None,
     }
