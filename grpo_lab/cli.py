@@ -19,7 +19,9 @@ with exit status 2, never as a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from pathlib import Path
 
 
 def _reproduce(argv) -> int:
@@ -41,8 +43,6 @@ def _reproduce(argv) -> int:
                     help="write the measured files into the committed results/ (maintainers refreshing them) "
                          "instead of outputs/")
     a = ap.parse_args(argv)
-    from pathlib import Path
-
     if not Path(a.notebooks).is_dir():
         print(f"error: no notebooks folder {a.notebooks!r} (run from the repository root or pass --notebooks)",
               file=sys.stderr)
@@ -59,61 +59,25 @@ def _reproduce(argv) -> int:
     return 1 if bad else 0
 
 
+# each command's module, imported only when that command runs (they pull in torch, transformers, Jupyter, ...)
+COMMANDS = {"reproduce": None, "memory": "grpo_lab.memory.sweep", "lab": "grpo_lab.lab.jupyter",
+            "max-batch": "grpo_lab.memory.max_batch", "plan": "grpo_lab.memory.planner.cli",
+            "async-loop": "grpo_lab.async_loop.command", "serve-pool": "grpo_lab.async_loop.serve_pool",
+            "doctor": "grpo_lab.async_loop.doctor"}
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"reproduce": _reproduce}
-
-    def memory(args):
-        from .memory.sweep import main as sweep_main
-
-        return sweep_main(args)
-
-    def max_batch(args):
-        from .memory.max_batch import main as max_batch_main
-
-        return max_batch_main(args)
-
-    def plan(args):
-        from .memory.planner.cli import main as plan_main
-
-        return plan_main(args)
-
-    def lab(args):
-        from .lab.jupyter import main as lab_main
-
-        return lab_main(args)
-
-    def async_loop(args):
-        from .async_loop.command import main as loop_main
-
-        return loop_main(args)
-
-    def serve_pool(args):
-        from .async_loop.serve_pool import main as pool_main
-
-        return pool_main(args)
-
-    def doctor(args):
-        from .async_loop.doctor import main as doctor_main
-
-        return doctor_main(args)
-
-    commands["memory"] = memory
-    commands["lab"] = lab
-    commands["max-batch"] = max_batch
-    commands["plan"] = plan
-    commands["async-loop"] = async_loop
-    commands["serve-pool"] = serve_pool
-    commands["doctor"] = doctor
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
-    if cmd not in commands:
-        print(f"error: unknown command {cmd!r}; use one of: {', '.join(commands)}", file=sys.stderr)
+    if cmd not in COMMANDS:
+        print(f"error: unknown command {cmd!r}; use one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     try:
-        return int(commands[cmd](rest) or 0)
+        command = _reproduce if COMMANDS[cmd] is None else importlib.import_module(COMMANDS[cmd]).main
+        return int(command(rest) or 0)
     except (ValueError, OSError) as e:  # bad input, a path that is a file, a folder that cannot be written
         print(f"error: {e}", file=sys.stderr)
         return 2
