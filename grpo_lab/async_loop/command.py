@@ -64,6 +64,8 @@ def validate(s: LoopSettings) -> Checked:
     if s.launcher == "ray":
         check_ray_address("--ray-address", s.ray_address)
     check_output_dir(s.output_dir, s.resume, s.overwrite)
+    if s.checkpoint_storage:  # before --resume reads the store
+        check_storage("--checkpoint-storage", s.checkpoint_storage)
     found = Checked(resume_from=check_resume(s.output_dir, s.checkpoint_storage) if s.resume else None)
     check_trackers(s.trackers)
     if s.results_dir:
@@ -72,8 +74,6 @@ def validate(s: LoopSettings) -> Checked:
         check_model("--model", s.model)
     if s.adapter_storage:
         check_storage("--adapter-storage", s.adapter_storage)
-    if s.checkpoint_storage:
-        check_storage("--checkpoint-storage", s.checkpoint_storage)
     if s.router_url:
         found.pool = check_pool(s.router_url, s.pool_admin_key_file, s.pool_name, s.max_staleness, s.resume,
                                 s.run_weight, name_flag=s.pool_name_flag)

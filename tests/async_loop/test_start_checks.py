@@ -87,9 +87,9 @@ def test_ray_address_from_the_environment_is_checked_too(tmp_path, capsys, monke
 ])
 def test_a_malformed_storage_url_is_refused_not_taken_as_a_local_path(url, word, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # where `./s3:/bucket/x` would have been made
-    for flag in ("--adapter-storage", "--checkpoint-storage"):
-        line = refused([flag, url], tmp_path, capsys)
-        assert flag in line and word in line, line
+    for args in (["--adapter-storage"], ["--checkpoint-storage"], ["--resume", "--checkpoint-storage"]):
+        line = refused([*args, url], tmp_path, capsys)
+        assert args[-1] in line and word in line, line
 
 
 def test_local_paths_and_well_formed_urls_pass(tmp_path, monkeypatch):
@@ -107,9 +107,9 @@ def test_s3_without_credentials_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to ask on this machine
     forget_s3_clients()
     try:
-        for flag in ("--adapter-storage", "--checkpoint-storage"):
-            line = refused([flag, "s3://some-bucket/run"], tmp_path, capsys)
-            assert flag in line and "needs S3 credentials and none were found" in line, line
+        for args in (["--adapter-storage"], ["--checkpoint-storage"], ["--resume", "--checkpoint-storage"]):
+            line = refused([*args, "s3://some-bucket/run"], tmp_path, capsys)  # a resume reads the store: after
+            assert args[-1] in line and "needs S3 credentials and none were found" in line, line
     finally:
         monkeypatch.undo()
         forget_s3_clients()
