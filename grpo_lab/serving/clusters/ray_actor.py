@@ -30,7 +30,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..replicas.processes import CPUReplicaProcess, ReplicaProcess, VLLMReplicaProcess, free_port, vllm_cpu_python
+from ..replicas.processes import (AnnouncingProcess, CPUReplicaProcess, ReplicaProcess, VLLMReplicaProcess, free_port,
+                                  vllm_cpu_python)
 from ..replicas.vllm_spec import VLLMReplicaSpec
 
 KINDS = ("cpu", "vllm", "fake")
@@ -103,13 +104,12 @@ class GuardedVLLMReplica(VLLMReplicaProcess):
         return guarded(super().command())
 
 
-class FakeReplicaProcess(ReplicaProcess):
+class FakeReplicaProcess(AnnouncingProcess):
     """`python -m grpo_lab.serving.replicas.fake_replica` on `host`, ready when it prints `READY <port>`."""
 
     name = "fake replica"
 
     def __init__(self, host: str, env: dict | None = None, ready_timeout: float = 60.0):
-        self._announced: int | None = None
         self.host = host
         super().__init__(env, ready_timeout)
 
@@ -117,24 +117,13 @@ class FakeReplicaProcess(ReplicaProcess):
         return guarded([sys.executable, "-u", "-m", "grpo_lab.serving.replicas.fake_replica", "--host", self.host,
                         "--ports", "0", "--delay-s", "0.05"])
 
-    def _on_line(self, line: str) -> None:
-        if line.startswith("READY "):
-            self._announced = int(line.split()[1])
-
-    def _ready_port(self) -> int | None:
-        return self._announced
-
 
 def start_server(spec: ServerSpec, host: str, index: int) -> tuple[ReplicaProcess, str]:
     """Start the server `spec` describes on `host`; returns (process, url) once it serves."""
-    if spec.kind == "cpu":
-        process = GuardedCPUReplica(["--host", host, "--port", "0", *spec.cpu_args], spec.env, spec.ready_timeout_s)
-        process.wait_ready()
-        return process, f"http://{host}:{process.port}"
-    if spec.kind == "fake":
-        process = FakeReplicaProcess(host, spec.env, spec.ready_timeout_s)
-        process.wait_ready()
-        return process, f"http://{host}:{process.port}"
+    if spec.kind != "vllm":
+        process = (GuardedCPUReplica(["--host", host, "--port", "0", *spec.cpu_args], spec.env, spec.ready_timeout_s)
+                   if spec.kind == "cpu" else FakeReplicaProcess(host, spec.env, spec.ready_timeout_s))
+        return process.wait_ready(), f"http://{host}:{process.port}"
     fields = dict(spec.vllm)
     if spec.device == "cpu":
         fields.setdefault("python", vllm_cpu_python())
@@ -143,9 +132,7 @@ def start_server(spec: ServerSpec, host: str, index: int) -> tuple[ReplicaProces
     else:  # the node's environment (this actor's interpreter) has vLLM; its console script may not be on PATH
         fields.setdefault("python", sys.executable)
     vllm = VLLMReplicaSpec(host=host, port=free_port(host), device=spec.device, **fields)
-    process = GuardedVLLMReplica(vllm, spec.env, spec.ready_timeout_s)
-    process.wait_ready()
-    return process, vllm.url
+    return GuardedVLLMReplica(vllm, spec.env, spec.ready_timeout_s).wait_ready(), vllm.url
 
 
 class ReplicaServer:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from grpo_lab.lab import environment
+
 from .vllm_spec import VLLMReplicaSpec, replica_specs
 
 RECIPE_STAMP = ".grpo-lab-recipe"  # written by scripts/vllm_cpu_env.sh once the venv imports vLLM
@@ -292,11 +293,6 @@ def start_cpu_replicas(n: int, args: list[str] | None = None, env: dict | None =
     return _start_all([lambda i=i: CPUReplicaProcess(base, env, ready_timeout, log(i)) for i in range(n)])
 
 
-def vllm_cpu_venv() -> Path:
-    """Where scripts/vllm_cpu_env.sh puts the vllm-cpu venv (GRPO_LAB_VLLM_VENV, else the user's cache)."""
-    return environment.vllm_venv()
-
-
 def vllm_cpu_python() -> str:
     """The interpreter of the vllm-cpu venv: GRPO_LAB_VLLM_PYTHON if set, else the venv the script made.
 
@@ -306,7 +302,7 @@ def vllm_cpu_python() -> str:
         if not os.access(explicit, os.X_OK):
             raise FileNotFoundError(f"GRPO_LAB_VLLM_PYTHON={explicit} is not an executable interpreter")
         return explicit
-    venv = vllm_cpu_venv()
+    venv = environment.vllm_venv()  # where scripts/vllm_cpu_env.sh puts it
     python = venv / "bin" / "python"
     if not (python.exists() and (venv / RECIPE_STAMP).is_file()):
         raise FileNotFoundError(f"no vLLM CPU venv at {venv}: create it with `bash scripts/vllm_cpu_env.sh` "
