@@ -58,7 +58,6 @@ class RunShare:
     pass_: float = 0.0
     in_flight: int = 0
     granted: int = 0  # completions granted so far
-    granted_cost: float = 0.0
     waited_s: float = 0.0  # total time its completions spent queued
     paused: bool = False
     queue: deque = field(default_factory=deque)
@@ -104,6 +103,7 @@ class FairQueue:
             self._last.pop(run, None)
 
     def queued(self, run: str | None = None) -> int:
+        """Completions of `run` waiting for a place (None: of every run)."""
         if run is not None:
             share = self.shares.get(run)
             return len(share.queue) if share else 0
@@ -178,7 +178,6 @@ class FairQueue:
         share.pass_ = start + cost / share.weight
         share.in_flight += 1
         share.granted += 1
-        share.granted_cost += cost
         share.waited_s += waited
         self.in_flight += 1
         self._last[run] = next(self._order)

@@ -168,7 +168,7 @@ class RunsAPI:
         return {**run.describe(), "adapters": sorted(run.client_name(n) for n in live),
                 "draining": sorted(run.client_name(n) for n in draining), "slots_used": len(live | draining),
                 "weight_share": run.weight / weights, "runs_sharing": len(self.registry.runs),
-                "queued": len(share.queue) if share else 0, "in_flight": share.in_flight if share else 0,
+                "queued": self.queue.queued(run.name), "in_flight": share.in_flight if share else 0,
                 "granted": share.granted if share else 0,
                 "queue_wait_s": round(share.waited_s, 3) if share else 0.0}
 
@@ -260,8 +260,8 @@ class RunsAPI:
         for name, run in self.registry.runs.items():
             share = self.queue.shares.get(name)
             live, draining = self.held(run)
-            m.set("grpo_router_run_queued", "Completions of the run waiting for a place", len(share.queue)
-                  if share else 0, run=name)
+            m.set("grpo_router_run_queued", "Completions of the run waiting for a place", self.queue.queued(name),
+                  run=name)
             m.set("grpo_router_run_in_flight", "Completions of the run running on replicas",
                   share.in_flight if share else 0, run=name)
             m.set("grpo_router_run_adapters", "The run's live adapters", len(live), run=name)
