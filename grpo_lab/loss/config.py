@@ -87,17 +87,10 @@ class GRPOLossConfig:
     max_completion_length: int = field(default=512, metadata={"help": "dr_grpo normaliser (TRL's default 512)."})
 
     def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"Unknown loss_type {self.loss_type!r}; expected one of {', '.join(LOSS_TYPES)}.")
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(
-                f"Unknown importance_sampling_level {self.importance_sampling_level!r}; expected 'token' or 'sequence'."
-            )
-        if self.vllm_importance_sampling_mode not in VLLM_IS_MODES:
-            raise ValueError(
-                f"Unknown vllm_importance_sampling_mode {self.vllm_importance_sampling_mode!r}; expected one of "
-                f"{', '.join(VLLM_IS_MODES)}."
-            )
+        for name, allowed in (("loss_type", LOSS_TYPES), ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
+                              ("vllm_importance_sampling_mode", VLLM_IS_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Unknown {name} {getattr(self, name)!r}; expected one of {', '.join(allowed)}.")
         lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         if lo is not None and hi is not None and lo >= hi:
             raise ValueError(f"vllm_importance_sampling_clip_min ({lo}) must be less than "

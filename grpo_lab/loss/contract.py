@@ -51,10 +51,6 @@ def transform_logits(y: torch.Tensor, logit_scale: float, softcap: float | None,
 
 
 # --- which head computation a call needs -----------------------------------------------------------------------------
-
-HEAD_MODES = ("inference", "frozen", "trainable")
-
-
 def head_mode(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """`inference` (no gradient will be asked for), `frozen` (only the hidden states need one: PEFT / LoRA, FSDP2 +
     LoRA, `requires_grad=False` heads) or `trainable` (the head's weight or bias needs one).
