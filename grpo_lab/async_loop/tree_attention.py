@@ -13,7 +13,7 @@ the rule is `on_path[segment(q), k] and k <= q`. This module computes exactly th
   16k-token rows — FlexAttention has no CPU backward);
 - `fa3`: TRL's own kernel, left in place.
 
-`register(name)` installs one under the name TRL's trainer gave its model (`"tree_fa3"`); `resolve("auto")` picks
+`install(model, choice)` puts one in place of the `"tree_fa3"` TRL's trainer gave its model; `resolve("auto")` picks
 fa3 where the `kernels` package, the Hub kernel and a Hopper GPU are all there, else flex on CUDA, else sdpa.
 """
 
@@ -29,7 +29,6 @@ from ..lab import environment
 
 log = logging.getLogger(__name__)
 
-TRL_TREE_ATTENTION = "tree_fa3"
 CHOICES = ("auto", "sdpa", "flex", "fa3")
 
 
@@ -134,10 +133,8 @@ def _pad_layout(layout: TreeLayout, n_pad: int) -> TreeLayout:
     extra = n_pad - layout.segment_of.numel()
     if extra == 0:
         return layout
-    segment_of = torch.nn.functional.pad(layout.segment_of, (0, extra))
-    on_path = torch.nn.functional.pad(layout.on_path, (0, extra))
-    depth = torch.nn.functional.pad(layout.depth, (0, extra))
-    return TreeLayout(segment_of, on_path, depth)
+    return TreeLayout(*(torch.nn.functional.pad(t, (0, extra)) for t in (layout.segment_of, layout.on_path,
+                                                                          layout.depth)))
 
 
 def _mask_mod(layout: TreeLayout, sliding_window: int | None):
