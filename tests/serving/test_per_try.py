@@ -33,7 +33,9 @@ def test_deadline_is_a_floored_capped_multiple_of_a_recent_quantile():
     assert d.deadline_s(16) == 4.0  # nothing known yet (start-up, a router restart): the initial deadline
     for s in (0.1, 1.0, 0.1):
         d.observe(16, s)
-    assert d.deadline_s(16) == pytest.approx(3.0)  # fewer than min_samples: the slowest of them x the factor
+    assert d.deadline_s(16) == 4.0  # fewer than min_samples, all fast: never shorter than the initial deadline
+    d.observe(16, 2.0)
+    assert d.deadline_s(16) == pytest.approx(6.0)  # ... but the slowest of them x the factor when that is longer
     assert d.deadline_s(32) == 4.0  # another size class knows nothing yet
     d = PerTryDeadlines(c)
     for s in (0.1,) * 4:

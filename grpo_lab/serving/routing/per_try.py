@@ -11,9 +11,9 @@ drops its connection, and vLLM aborts a request whose client went away.
 Until enough latencies are known to trust the quantile (`min_samples`) the deadline still has to be finite and short:
 a replica that hangs from the start, or a router just restarted, or a pool too quiet to collect `min_samples`, would
 otherwise cost each completion sent there the cap (300 s) — the whole `upstream_timeout_s` before the cap existed.
-With a few latencies of the size class known (from whichever replicas answered), the deadline is the slowest of them
-times the factor (floored, capped: a few samples make the maximum the safe estimate of a high quantile); with none,
-it is `initial_s`.
+With none of the size class known the deadline is `initial_s`; with a few (from whichever replicas answered), the
+slowest of them times the factor where that is longer (capped): the first completions of a run meet empty queues, so
+a few fast ones must not shorten the deadline and set off hedges on a pool that is only filling up.
 
 Hedges cost work on a second replica, so they are bounded: never while the replicas are paused (a pause holds every
 completion), and only while fewer than `budget` of the completions in flight are hedges (a slow cluster is not
@@ -42,7 +42,7 @@ class PerTryConfig:
             replica hung from the start costs a completion (floored and capped too). Long enough for a first completion on a loaded replica;
             a too-short one costs hedges, which `budget` bounds.
         min_samples: latencies needed (per size class) before the quantile is trusted; with fewer (but some), the
-            slowest of them times `factor`.
+            slowest of them times `factor` where that is longer than `initial_s`.
         window: latencies kept per size class (the most recent ones).
         budget: at most this fraction of the completions in flight may be hedges at once (at least 2).
     """
@@ -111,10 +111,9 @@ class PerTryDeadlines:
         """How long one try may run before a hedge is sent."""
         c = self.config
         window = self._windows.get(size_class(max_tokens))
-        if window is None or not window.samples:
-            return min(c.cap_s, max(c.floor_s, c.initial_s))
-        if len(window.samples) < c.min_samples:
-            return min(c.cap_s, max(c.floor_s, c.factor * max(window.samples)))
+        if window is None or len(window.samples) < c.min_samples:
+            slowest = max(window.samples) if window is not None and window.samples else 0.0
+            return min(c.cap_s, max(c.floor_s, c.initial_s, c.factor * slowest))
         if window.quantile is None or window.stale >= min(self.REFRESH, max(1, len(window.samples) // 8)):
             ordered = sorted(window.samples)
             window.quantile = ordered[min(len(ordered) - 1, math.ceil(c.quantile * len(ordered)) - 1)]
