@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from ..loss.backends import BACKEND_HELP, DEFAULT_LOSS_BACKEND, resolve_backend
+from .loop_settings import LoopSettings, inflight_tasks  # noqa: F401 - inflight_tasks: its old import path
 from .tree_attention import CHOICES as TREE_ATTENTION_CHOICES
 
 
@@ -49,7 +50,8 @@ class AsyncGRPOLabConfig(AsyncGRPOConfig):
     """
 
     loss_backend: str = field(default=DEFAULT_LOSS_BACKEND, metadata={"help": BACKEND_HELP})
-    tree_attention: str = field(default="auto", metadata={"help": "Tree attention: auto, sdpa, flex or fa3."})
+    tree_attention: str = field(default=LoopSettings.tree_attention,
+                                metadata={"help": "Tree attention: auto, sdpa, flex or fa3."})
     adapter_storage: str | None = field(
         default=None, metadata={"help": "Where adapters are published (path or fsspec URL); default "
                                         "<output_dir>/.vllm_lora."})
@@ -61,7 +63,8 @@ class AsyncGRPOLabConfig(AsyncGRPOConfig):
     group_consistent_versions: bool = field(
         default=True, metadata={"help": "All rollouts of a prompt use one policy version."})
     rollout_failure_timeout_s: float = field(
-        default=120.0, metadata={"help": "Seconds of failing rollout requests before the run stops with an error."})
+        default=LoopSettings.rollout_failure_timeout,
+        metadata={"help": "Seconds of failing rollout requests before the run stops with an error."})
     control_timeout_s: float = field(
         default=600.0, metadata={"help": "Timeout of each control call (pause, resume, adapter load/unload, info)."})
 
@@ -82,13 +85,3 @@ class AsyncGRPOLabConfig(AsyncGRPOConfig):
 
             self.bf16 = bool(torch.cuda.is_available()) and not self.use_cpu
         super().__post_init__()
-
-
-def inflight_tasks(max_inflight_tasks: int, max_staleness: int, samples_per_step: int) -> int:
-    """The rollout requests a run keeps in flight: `max_inflight_tasks` when set (> 0), else TRL 1.16's own default,
-    `max(max_staleness, 1) × samples_per_step` (more would only produce samples that go stale before the trainer
-    takes them; the floor of one step keeps `max_staleness=0` from stalling the worker). The one place the rule is
-    written: the notebook's settings, the board and the doctor all ask here."""
-    if max_inflight_tasks > 0:
-        return max_inflight_tasks
-    return max(max_staleness, 1) * samples_per_step

@@ -26,6 +26,16 @@ LAUNCHERS = ("local", "ray")
 POOL_RUNS_BY_DEFAULT = 3  # a pool's default adapter slots hold this many runs of the default max_staleness
 
 
+def inflight_tasks(max_inflight_tasks: int, max_staleness: int, samples_per_step: int) -> int:
+    """The rollout requests a run keeps in flight: `max_inflight_tasks` when set (> 0), else TRL 1.16's own default,
+    `max(max_staleness, 1) × samples_per_step` (more would only produce samples that go stale before the trainer
+    takes them; the floor of one step keeps `max_staleness=0` from stalling the worker). The one place the rule is
+    written: the settings, the trainer's board, autotune and the doctor all ask here."""
+    if max_inflight_tasks > 0:
+        return max_inflight_tasks
+    return max(max_staleness, 1) * samples_per_step
+
+
 class SettingError(ValueError):
     """A setting out of its rule. `str()` names the field; the command line names its flag (`flag`) instead."""
 
@@ -218,8 +228,6 @@ class LoopSettings:
     @property
     def inflight(self) -> int:
         """The requests in flight these settings give (`max_inflight_tasks`, or TRL's default for -1)."""
-        from .config import inflight_tasks  # imports TRL: not at the top, so `--help` stays quick
-
         return inflight_tasks(self.max_inflight_tasks, self.max_staleness, self.samples_per_step)
 
     @property

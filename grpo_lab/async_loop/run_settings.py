@@ -53,7 +53,7 @@ def prompt_token_lengths(trainer, limit: int = 64) -> list[int]:
 
 def run_settings(loop, resumed_from: str | None = None) -> dict:
     """The settings of `loop` (an `AsyncLoop` after `start()`) worth keeping with its run."""
-    from .config import inflight_tasks
+    from .loop_settings import inflight_tasks
 
     args, cfg, trainer = loop.args, loop.loop, loop.trainer
     samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size

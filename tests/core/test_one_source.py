@@ -67,7 +67,10 @@ def named_literals(tree: ast.AST):
             pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
             yield from ((d.lineno, a.arg, _literal(d)) for a, d in pairs)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
-            yield node.lineno, node.target.id, _literal(node.value)
+            value = node.value  # `x: int = 4`, or a dataclass's `x: int = field(default=4, ...)`
+            if isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", "")) == "field":
+                value = next((k.value for k in value.keywords if k.arg == "default"), value)
+            yield node.lineno, node.target.id, _literal(value)
         elif isinstance(node, ast.Call):
             yield from ((k.value.lineno, k.arg, _literal(k.value)) for k in node.keywords if k.arg)
         elif isinstance(node, ast.Dict):
@@ -83,7 +86,8 @@ def violations(source: str, in_async_loop: bool, defaults: dict[str, object]) ->
         if name == "max_staleness" and isinstance(value, int):
             found.append((line, f"max_staleness={value!r} (use DEFAULT_MAX_STALENESS)"))
         elif in_async_loop and name in defaults and value == defaults[name] and type(value) is type(defaults[name]):
-            found.append((line, f"{name}={value!r} repeats a loop default (use LoopSettings.{ALIASES.get(name, name)})"))
+            home = f"LoopSettings.{ALIASES.get(name, name)}"
+            found.append((line, f"{name}={value!r} repeats a loop default (use {home})"))
     return found
 
 
@@ -102,6 +106,8 @@ def test_no_loop_default_is_written_outside_its_home():
 @pytest.mark.parametrize("source, in_async_loop, expected", [
     ("def f(max_staleness: int = 4): pass", False, 1),
     ("class C:\n    max_staleness: int = 4\n", False, 1),
+    ("class C:\n    max_staleness: int = field(default=4, metadata={})\n", False, 1),
+    ("class C:\n    tree_attention: str = dataclasses.field(default='auto')\n", True, 1),
     ("register(name, max_staleness=2)", False, 1),
     ("RUN = {'max_staleness': 4}", False, 1),
     ("def f(max_staleness=DEFAULT_MAX_STALENESS): pass", False, 0),
