@@ -19,6 +19,15 @@ from ..wire.upstream import Replica, now
 log = logging.getLogger(__name__)
 
 
+async def set_within(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait for `event`, at most `timeout_s`; whether it was set by then."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+        return True
+    except asyncio.TimeoutError:
+        return False
+
+
 class AdapterUsage:
     """Completions in flight per (replica, adapter), so a drain knows when a replica is done with an adapter."""
 
@@ -49,12 +58,7 @@ class AdapterUsage:
         key = (replica, model)
         if key not in self._counts:
             return True
-        event = self._idle.setdefault(key, asyncio.Event())
-        try:
-            await asyncio.wait_for(event.wait(), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        return await set_within(self._idle.setdefault(key, asyncio.Event()), timeout_s)
 
 
 class Drainer:
@@ -91,13 +95,7 @@ class Drainer:
     async def wait_done(self, name: str, timeout_s: float) -> bool:
         """Wait until no replica drains `name` any more (a load of the same name must not race its unload)."""
         event = self._done.get(name)
-        if event is None or not self.is_draining(name):
-            return True
-        try:
-            await asyncio.wait_for(event.wait(), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        return event is None or not self.is_draining(name) or await set_within(event, timeout_s)
 
     async def wait_for_slots(self, replicas: list[Replica], timeout_s: float) -> list[Replica]:
         """Wait (at most `timeout_s`) until each replica that is at its `max_loras` because of adapters still
@@ -113,10 +111,7 @@ class Drainer:
             left = deadline - now()
             if not waiting or left <= 0:
                 return full
-            try:
-                await asyncio.wait_for(self.pool.slot_freed.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+            await set_within(self.pool.slot_freed, left)
         return [r for r in replicas if r.max_loras is not None and r.slots_used() >= r.max_loras]
 
     async def _drain(self, replica: Replica, name: str) -> None:

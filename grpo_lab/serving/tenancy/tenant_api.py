@@ -29,6 +29,7 @@ from collections import deque
 
 from aiohttp import web
 
+from ..adapters.drain import set_within
 from ..adapters.slots import DEFAULT_MAX_STALENESS
 from ..wire.client_watch import client_gone
 from ..wire.upstream import now
@@ -184,10 +185,7 @@ class RunsAPI:
                                                     f"{self.config.lease_s:g}s): its process is gone")
                 except Exception:  # one failed removal must not end the leases of the others
                     log.exception("reclaiming run %s failed", run.name)
-            try:
-                await asyncio.wait_for(stop.wait(), interval)
-            except asyncio.TimeoutError:
-                pass
+            await set_within(stop, interval)
 
     async def remove(self, run: Run, by: str, why: str) -> list[str]:
         """Remove `run` (its token stops working at once) and unload its adapters (each after its drain); the other
@@ -244,8 +242,7 @@ class RunsAPI:
                 return None
             if not draining or now() >= deadline:
                 break
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.pool.slot_freed.wait(), deadline - now())
+            await set_within(self.pool.slot_freed, deadline - now())
         self.metrics.inc("grpo_router_run_refusals_total", "Requests of a run refused, by reason", run=run.name,
                          reason="slots")
         names = ", ".join(sorted(run.client_name(n) for n in held))
