@@ -70,10 +70,10 @@ def test_reproduce_survives_a_dead_kernel_and_never_writes_over_a_notebook(tmp_p
 
 @pytest.mark.parametrize("argv, needle", [
     (["memory", "--model", "Qwen3-99B"], "Unknown model 'Qwen3-99B'"),
-    (["memory", "--backends", "trl,turbo"], "Unknown loss backend 'turbo'"),
+    (["memory", "--backends", "trl,turbo"], "Unknown loss_backend 'turbo'"),
     (["memory", "--batch-sizes", "8,-2"], "positive integer"),
     (["max-batch", "--models", "nope"], "Unknown model 'nope'"),
-    (["max-batch", "--backends", "x"], "Unknown loss backend 'x'"),
+    (["max-batch", "--backends", "x"], "Unknown loss_backend 'x'"),
     (["frobnicate"], "unknown command 'frobnicate'"),
     (["reproduce", "--notebooks", "/nonexistent/notebooks"], "no notebooks folder"),
 ])

@@ -29,7 +29,7 @@ def _fake_hub():
 def test_a_memory_probe_sends_nothing_to_the_hub(tmp_path):
     endpoint, seen = _fake_hub()
     code = ("from grpo_lab.memory import PointSpec, run_point\n"
-            "r = run_point(PointSpec(model='tiny-qwen3', backend='grpo_lab', batch_size=2, steps=1, device='cpu'))\n"
+            "r = run_point(PointSpec(model='tiny-qwen3', loss_backend='grpo_lab', batch_size=2, steps=1, device='cpu'))\n"
             "assert r['status'] == 'ok', r\n")
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_TELEMETRY"}
     env |= {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf")}

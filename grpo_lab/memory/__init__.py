@@ -2,7 +2,7 @@
 FSDP2 + LoRA max-batch search behind notebook 02. See docs/memory.md.
 
     from grpo_lab.memory import PointSpec, run_point
-    run_point(PointSpec(model="Qwen3-0.6B", backend="grpo_lab", dtype="bf16", batch_size=16,
+    run_point(PointSpec(model="Qwen3-0.6B", loss_backend="grpo_lab", dtype="bf16", batch_size=16,
                         prompt_len=256, completion_len=512))          # {'status': 'ok', 'peak_bytes': ..., ...}
 """
 

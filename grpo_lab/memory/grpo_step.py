@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from grpo_lab.lab import environment
+from grpo_lab.models import build_model, load_model_config
 
+from .fsdp import apply_lora, init_process_group, keep_trainer_from_rewrapping, shard_fsdp2
 from .meter import BudgetExceeded, device_info, prepare_probe_device
 from .spec import PointSpec
 
@@ -112,11 +114,10 @@ def num_generations_for(batch_size: int, world_size: int) -> tuple[int, int]:
 
 
 def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbacks=()):
-    """The GRPO trainer for `spec`: `grpo_lab.loss.GRPOLabTrainer` with `loss_backend=spec.backend`."""
-    from grpo_lab.loss import GRPOLabConfig, GRPOLabTrainer
-    from grpo_lab.models import build_model, load_model_config
+    """The GRPO trainer for `spec`: `grpo_lab.loss.GRPOLabTrainer` with `loss_backend=spec.loss_backend`."""
+    from grpo_lab.loss import GRPOLabConfig, GRPOLabTrainer  # TRL: imported with the first trainer, in the probe
 
-    config_cls, trainer_cls, backend_kw = GRPOLabConfig, GRPOLabTrainer, {"loss_backend": spec.backend}
+    config_cls, trainer_cls, backend_kw = GRPOLabConfig, GRPOLabTrainer, {"loss_backend": spec.loss_backend}
 
     if spec.pretrained:  # real weights (memory is the same as random init of the same config)
         from transformers import AutoConfig
@@ -172,15 +173,11 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
     else:
         model = build_model(spec.model, dtype=TORCH_DTYPES[spec.dtype], seed=spec.seed, device=str(device))
     if spec.lora_r > 0:
-        from .fsdp import apply_lora
-
         model = apply_lora(model, spec.lora_r)
     if spec.fsdp:
-        from .fsdp import init_process_group, shard_fsdp2
-
         init_process_group(device)
         # Liger's loss runs the backbone and reads the head weight outside the root forward: keep those replicated
-        model = shard_fsdp2(model, device, replicate_root=spec.backend == "liger",
+        model = shard_fsdp2(model, device, replicate_root=spec.loss_backend == "liger",
                             flag=not spec.extra.get("without_transformers_flag", False))
     rollout = None
     if spec.generation == "synthetic":
@@ -190,8 +187,6 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
                           processing_class=tokenizer, rollout_func=rollout,
                           callbacks=list(callbacks))
     if spec.fsdp:
-        from .fsdp import keep_trainer_from_rewrapping
-
         keep_trainer_from_rewrapping(trainer, model)
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 

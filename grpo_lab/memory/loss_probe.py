@@ -12,28 +12,15 @@ import time
 
 import torch
 
+from grpo_lab.loss.heads import logprob_head
+from grpo_lab.models import load_model_config
+
 from .grpo_step import TORCH_DTYPES
 from .meter import BudgetExceeded, device_info, prepare_probe_device
 from .spec import PointSpec
 
 
-def _logprob_fn(backend: str):
-    try:
-        from grpo_lab.loss.heads import logprob_head
-    except ImportError:
-        logprob_head = None
-    if logprob_head is not None:
-        return logprob_head(backend)
-    if backend != "trl":
-        raise ValueError(f"loss backend {backend!r} needs grpo_lab.loss.heads.logprob_head (not installed).")
-    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-
-    return ChunkedLogProbFunction.apply
-
-
 def run_loss_probe(spec: PointSpec) -> dict:
-    from grpo_lab.models import load_model_config
-
     device, meter = prepare_probe_device(spec.device, spec.budget_bytes)
     if spec.pretrained:
         from transformers import AutoConfig
@@ -51,7 +38,7 @@ def run_loss_probe(spec: PointSpec) -> dict:
     advantages = torch.randn(B, device=device, generator=gen)
     mask = torch.ones(B, T, device=device, dtype=torch.long)
 
-    if spec.backend == "liger":
+    if spec.loss_backend == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
         liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo", compiled=False)
@@ -61,7 +48,7 @@ def run_loss_probe(spec: PointSpec) -> dict:
             loss = out[0] if isinstance(out, tuple) else out
             loss.backward()
     else:
-        fn = _logprob_fn(spec.backend)
+        fn = logprob_head(spec.loss_backend)
         # the vocabulary tile TRL's trainer passes to every backend (trl/trainer/utils.py), unless overridden
         try:
             from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as trl_chunk

@@ -31,12 +31,12 @@ import numpy as np
 import pandas as pd
 
 from ..lab.records import run_record
+from ..loss.backends import DISPLAY_ORDER, LOGPROB_BACKENDS, in_display_order, resolve_backend
 from .probe import ProbeError, run_point
-from .results import GiB, make_row, ratio_table, target_csv, text_column, write_csv
+from .results import COLUMNS, GiB, make_row, ratio_table, target_csv, text_column, write_csv
 from .spec import (
     EXPANDABLE_SEGMENTS,
     PointSpec,
-    check_backend,
     check_model,
     check_positive_int,
     normalize_dtype,
@@ -51,15 +51,14 @@ PRESETS = {
     # CPU: FSDP2 over a 1-process gloo group (the 2-process run is in the tests), LoRA r=8, small-qwen3 (vocab
     # 8192, so the logits matter); a budget 0.03 GiB above what one sequence needs, so the limit is reached at a few
     # sequences whatever fixed RSS the Python environment adds (measured: 0.11 GiB in one venv, 0.15 in another)
-    "quick": dict(models=["small-qwen3"], backends=["naive", "trl", "grpo_lab"], dtype="fp32",
+    "quick": dict(models=["small-qwen3"], backends=in_display_order(LOGPROB_BACKENDS), dtype="fp32",
                   prompt_len=8, completion_len=24, world_size=1, lora_r=8, budget_above_one_gib=0.03, start=4, upper=32,
                   rel_tol=0.25, steps=1, device="cpu"),
     # One H200 (world size 1), bf16 LoRA r=16, 256 prompt + 512 completion tokens, the whole GPU as budget, probes
     # under expandable_segments (the allocator setting the memory planner's max batch is validated for; 7-19 % more
     # batch for the fused heads than the default allocator, results/fsdp_max_batch/H200_RUN.md)
-    "full": dict(models=["Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B", "Qwen3-8B"], backends=["naive", "trl", "grpo_lab",
-                 "liger"], dtype="bf16", prompt_len=256, completion_len=512, world_size=1, lora_r=16,
-                 budget_fraction=None, start=8, upper=1024, rel_tol=0.03, steps=1, device="cuda",
+    "full": dict(models=["Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B", "Qwen3-8B"], backends=list(DISPLAY_ORDER),
+                 dtype="bf16", prompt_len=256, completion_len=512, world_size=1, lora_r=16, budget_fraction=None, start=8, upper=1024, rel_tol=0.03, steps=1, device="cuda",
                  expandable_segments=True),
 }
 
@@ -241,7 +240,7 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
     fragmentation at the limit, 8-17 % of an H200 for the fused heads, nearly vanishes, and the memory planner's
     max batch is validated for that setting."""
     models = [check_model(m) for m in parse_str_list(models, "models")]
-    backends = [check_backend(b) for b in parse_str_list(backends, "backends")]
+    backends = [resolve_backend(b) for b in parse_str_list(backends, "backends")]
     dtype = normalize_dtype(dtype)
     for name, v in (("prompt length", prompt_len), ("completion length", completion_len), ("world size", world_size),
                     ("start", start), ("upper", upper), ("steps", steps)):
@@ -269,7 +268,7 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
     elif budget_above_one_gib is not None:
         if float(budget_above_one_gib) <= 0:
             raise ValueError(f"budget_above_one_gib must be positive, got {budget_above_one_gib}")
-        one = PointSpec(model=models[0], backend=backends[0], dtype=dtype, batch_size=1, prompt_len=prompt_len,
+        one = PointSpec(model=models[0], loss_backend=backends[0], dtype=dtype, batch_size=1, prompt_len=prompt_len,
                         completion_len=completion_len, lora_r=int(lora_r), fsdp=True, world_size=world_size,
                         steps=steps, device=device)
         r = run_point(one)
@@ -283,7 +282,7 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
     out = []
     for model in models:
         for backend in backends:
-            base = PointSpec(model=model, backend=backend, dtype=dtype, batch_size=start, prompt_len=prompt_len,
+            base = PointSpec(model=model, loss_backend=backend, dtype=dtype, batch_size=start, prompt_len=prompt_len,
                              completion_len=completion_len, lora_r=int(lora_r), fsdp=True, world_size=world_size,
                              budget_bytes=budget, steps=steps, device=device, extra=dict(extra))
             out.append(Search(base, start, upper, float(rel_tol)))
@@ -317,7 +316,7 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
         previous = pd.read_csv(out_csv) if Path(out_csv).is_file() else None
         if _probes_path(out_csv).is_file():
             previous_probes = pd.read_csv(_probes_path(out_csv))
-        done = {(s.base.model, s.base.backend) for s in searches}
+        done = {(s.base.model, s.base.loss_backend) for s in searches}
         if previous is not None:
             previous = previous[[(m, b) not in done for m, b in zip(previous["model"], previous["backend"])]]
         if previous_probes is not None:
@@ -353,8 +352,6 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
             if on_probe is not None:
                 on_probe(spec, r["status"])
             if out_csv is not None:
-                from .results import COLUMNS
-
                 frame = pd.DataFrame(probe_rows, columns=[*COLUMNS, "cuda_alloc_conf", "seeded_from"])
                 write_csv(merged(frame, previous_probes), _probes_path(out_csv))
             return r["status"] == "ok", r
@@ -384,7 +381,7 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
         except ProbeError as e:
             if not keep_going:
                 raise
-            print(f"error in {s.base.model} {s.base.backend} (continuing): {e}", file=sys.stderr, flush=True)
+            print(f"error in {s.base.model} {s.base.loss_backend} (continuing): {e}", file=sys.stderr, flush=True)
             res, status, message = SearchResult(0, None, False), "error", str(e)[-300:].replace("\n", " ")
         at_max = res.results.get(res.max_batch, {})
         gpu = next((r["gpu_name"] for r in reversed(probe_rows) if r.get("_device_total")), None)
@@ -392,7 +389,7 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
         if peak is not None and at_max.get("memory_kind") == "cpu_rss":
             peak -= at_max.get("base_bytes", 0)
         rows.append({
-            "figure": FIGURE, "model": s.base.model, "backend": s.base.backend, "dtype": s.base.dtype,
+            "figure": FIGURE, "model": s.base.model, "backend": s.base.loss_backend, "dtype": s.base.dtype,
             "lora_r": s.base.lora_r, "world_size": s.base.world_size, "prompt_len": s.base.prompt_len,
             "completion_len": s.base.completion_len, "steps": s.base.steps,
             "budget_gib": (budget or 0) / GiB, "max_batch": res.max_batch,
@@ -417,7 +414,7 @@ def _same_search(probes: pd.DataFrame, s: Search, budget_rtol: float = 1e-3) -> 
     CSVs written before the `steps` column existed held one-step probes)."""
     b = s.base
     same = np.ones(len(probes), dtype=bool)
-    for col, v in (("model", b.model), ("backend", b.backend), ("dtype", b.dtype), ("prompt_len", b.prompt_len),
+    for col, v in (("model", b.model), ("backend", b.loss_backend), ("dtype", b.dtype), ("prompt_len", b.prompt_len),
                    ("completion_len", b.completion_len), ("lora_r", b.lora_r), ("world_size", b.world_size)):
         same &= (probes[col] == v).to_numpy()
     steps = probes["steps"].fillna(1) if "steps" in probes else pd.Series(1, index=probes.index)
@@ -448,8 +445,6 @@ def _with_seeds(previous: pd.DataFrame | None, seeds: str | Path | pd.DataFrame,
     """`previous` (a probes CSV's rows, or None) plus the rows of `seeds` that probe one of `searches` under its
     exact setting and are not in `previous` already, in the probes CSV's columns; `seeded_from` names their file
     (so a validation does not count a measurement twice)."""
-    from .results import COLUMNS
-
     seeds_path = None if isinstance(seeds, pd.DataFrame) else Path(seeds)
     seeds = seeds if seeds_path is None else pd.read_csv(seeds_path)
     match = np.zeros(len(seeds), dtype=bool)
@@ -532,7 +527,7 @@ def main(argv=None) -> int:
         import matplotlib
 
         matplotlib.use("Agg", force=False)
-        from .plots import plot_max_batch
+        from .plots import plot_max_batch  # matplotlib: only when a figure is drawn (a GPU box may lack it)
 
         plot_max_batch(pd.read_csv(csv)).savefig(csv.with_suffix(".png"), dpi=110)
         print(f"wrote {csv.with_suffix('.png')}")
@@ -563,7 +558,7 @@ def main(argv=None) -> int:
     print(f"{len(searches)} searches → {csv}", flush=True)
 
     def on_probe(spec, status):
-        print(f"  {spec.model} {spec.backend} B={spec.batch_size}: {status}", flush=True)
+        print(f"  {spec.model} {spec.loss_backend} B={spec.batch_size}: {status}", flush=True)
 
     def on_search(df, i, n):
         r = df.iloc[-1]
@@ -583,7 +578,7 @@ def main(argv=None) -> int:
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
 
-        from .plots import plot_max_batch
+        from .plots import plot_max_batch  # matplotlib: only when a figure is drawn
 
         fig = plot_max_batch(df)
         fig.savefig(out / f"{name}.png", dpi=110)

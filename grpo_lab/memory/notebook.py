@@ -7,8 +7,11 @@ from pathlib import Path
 import pandas as pd
 
 from grpo_lab.lab import environment
+from grpo_lab.loss.backends import BASELINE_BACKEND, REFERENCE_BACKENDS
 
+from .max_batch import PRESETS, build_searches, run_searches
 from .results import load_reference, ratio_table, rows_to_frame, savings_table, write_csv
+from .sweep import build_specs, run_sweep, save_figures
 
 
 # the public source of both figures' claims
@@ -46,10 +49,9 @@ def run_memory_vs_batch(params: dict, out_dir: str | Path, name: str, board=None
     """Run the sweep for `params` (build_specs keywords), updating `board` live; save CSV + PNGs.
 
     Returns (frame, csv_path, [png paths])."""
-    from .plots import plot_memory_vs_batch
-    from .sweep import build_specs, run_sweep, save_figures
-
     plt = _mpl()
+    from .plots import plot_memory_vs_batch  # matplotlib: after _mpl() has chosen its backend
+
     specs = build_specs(**params)
     out_dir = Path(out_dir)
     csv = out_dir / f"{name}.csv"
@@ -80,7 +82,7 @@ def run_memory_vs_batch(params: dict, out_dir: str | Path, name: str, board=None
 
 def savings_tables(df: pd.DataFrame, mode: str = "step") -> dict[str, pd.DataFrame]:
     d = df[df["mode"] == mode]
-    return {ref: savings_table(d, ref) for ref in ("naive", "trl")}
+    return {ref: savings_table(d, ref) for ref in REFERENCE_BACKENDS}
 
 
 def closing_note_memory(df: pd.DataFrame | None) -> str:
@@ -88,7 +90,7 @@ def closing_note_memory(df: pd.DataFrame | None) -> str:
     blog post (`LIGER_GRPO_POST`)."""
     if df is None or df.empty:
         return "_No committed H200 results yet: run `python -m grpo_lab.memory.sweep --full` on a GPU._"
-    t = savings_table(df[df["mode"] == "step"], "naive")
+    t = savings_table(df[df["mode"] == "step"], BASELINE_BACKEND)
     lines = [f"**{df['gpu_name'].iloc[0]}, {df['model'].iloc[0]}, torch {df['torch'].iloc[0]}, "
              f"trl {df['trl'].iloc[0]} ({df['date'].iloc[0]})** — peak saving vs `naive` on a full GRPO step "
              f"({LIGER_GRPO_POST}: *up to 40 %* lower at large batch):", ""]
@@ -102,7 +104,7 @@ def closing_note_memory(df: pd.DataFrame | None) -> str:
         lines.append(f"| {dtype} | {b} | " + " | ".join("" if pd.isna(v) else f"{v:.0f} %" for v in r) + " |")
     oom = df[(df["mode"] == "step") & (df["status"] == "oom")]
     for dtype in sorted(set(df["dtype"])):
-        first = oom[(oom["backend"] == "naive") & (oom["dtype"] == dtype)]["batch_size"]
+        first = oom[(oom["backend"] == BASELINE_BACKEND) & (oom["dtype"] == dtype)]["batch_size"]
         if len(first):
             fits = df[(df["mode"] == "step") & (df["dtype"] == dtype) & (df["status"] == "ok") &
                       (df["batch_size"] >= first.min())]
@@ -149,18 +151,15 @@ def allocator_comparison() -> pd.DataFrame:
 
 def _preset_order(column: pd.Series) -> pd.Series:
     """Rows in the full preset's order (models by size, then naive, trl, grpo_lab, liger); others after them."""
-    from .max_batch import PRESETS
-
     order = list(PRESETS["full"]["models"]) + list(PRESETS["full"]["backends"])
     return column.map(lambda v: order.index(v) if v in order else len(order))
 
 
 def run_max_batch(params: dict, out_dir: str | Path, name: str, board=None):
     """Max-batch search for every model × backend in `params`, live; saves CSV + PNG. Returns (frame, csv, png)."""
-    from .max_batch import build_searches, run_searches
-    from .plots import plot_max_batch
-
     plt = _mpl()
+    from .plots import plot_max_batch  # matplotlib: after _mpl() has chosen its backend
+
     searches = build_searches(**params)
     out_dir = Path(out_dir)
     csv = out_dir / f"{name}.csv"
@@ -171,7 +170,7 @@ def run_max_batch(params: dict, out_dir: str | Path, name: str, board=None):
 
     def on_probe(spec, outcome):
         if board is not None:
-            board.status(f"{spec.model} {spec.backend}: B={spec.batch_size} → {outcome}")
+            board.status(f"{spec.model} {spec.loss_backend}: B={spec.batch_size} → {outcome}")
 
     def on_search(frame, i, n):
         if board is not None:

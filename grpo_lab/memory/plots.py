@@ -5,20 +5,14 @@ from __future__ import annotations
 import pandas as pd
 from matplotlib.ticker import NullFormatter
 
+from grpo_lab.loss.backends import BACKEND_COLORS, BACKEND_MARKERS, REFERENCE_BACKENDS, in_display_order
+
 from .results import bound_kind
 
-BACKEND_STYLE = {
-    "naive": dict(color="#d62728", marker="o"),
-    "trl": dict(color="#1f77b4", marker="s"),
-    "grpo_lab": dict(color="#2ca02c", marker="^"),
-    "liger": dict(color="#9467bd", marker="D"),
-}
-BACKEND_ORDER = ["naive", "trl", "grpo_lab", "liger"]
 
-
-def _ordered(backends) -> list[str]:
-    backends = list(dict.fromkeys(backends))
-    return [b for b in BACKEND_ORDER if b in backends] + [b for b in backends if b not in BACKEND_ORDER]
+def _style(backend: str) -> dict:
+    """The backend's colour and marker (`grpo_lab.loss.backends`); none for a name that is not a backend."""
+    return {k: v for k, v in (("color", BACKEND_COLORS.get(backend)), ("marker", BACKEND_MARKERS.get(backend))) if v}
 
 
 def _title_suffix(df: pd.DataFrame) -> str:
@@ -42,9 +36,9 @@ def plot_memory_vs_batch(df: pd.DataFrame, mode: str = "step", fig=None, dtypes=
     for ax, dtype in zip(axes, dtypes):
         part = d[d["dtype"] == dtype]
         ymax = part["peak_gib"].max() if part["peak_gib"].notna().any() else 1.0
-        for backend in _ordered(part["backend"]):
+        for backend in in_display_order(part["backend"]):
             b = part[part["backend"] == backend].sort_values("batch_size")
-            style = BACKEND_STYLE.get(backend, {})
+            style = _style(backend)
             ok = b[b["status"] == "ok"]
             ax.plot(ok["batch_size"], ok["peak_gib"], label=backend, lw=2, ms=5, **style)
             oom = b[b["status"] == "oom"]
@@ -84,7 +78,7 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
     if df.empty:
         return fig
     models = list(dict.fromkeys(df["model"]))
-    backends = _ordered(df["backend"])
+    backends = in_display_order(df["backend"])
     title_row = df.iloc[0]
     if "status" in df:  # "incomplete": a search cut short with a bracket; drawn as its lower bound, hatched
         drawn = df["status"].isin(["ok", "incomplete"])
@@ -103,7 +97,7 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
             vals.append(int(v.iloc[0]) if len(v) and pd.notna(v.iloc[0]) else 0)
             bounds.append(bound_kind(sel.iloc[0]) if len(sel) else "")
         pos = x + (i - (len(backends) - 1) / 2) * width
-        color = BACKEND_STYLE.get(backend, {}).get("color")
+        color = BACKEND_COLORS.get(backend)
         bars = ax.bar(pos, vals, width, label=backend, color=color)
         for bar, kind in zip(bars, bounds):
             if kind == "incomplete":
@@ -120,7 +114,7 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
                 continue
             labels = [f"≥{v}" if kind == "capped" else f"{v}–{int(sel['first_oom'].iloc[0]) - 1}"
                       if kind == "incomplete" else str(v)]
-            for ref in ("naive", "trl"):
+            for ref in REFERENCE_BACKENDS:
                 rr = df[(df["model"] == m) & (df["backend"] == ref)]
                 if backend == ref or not len(rr) or not pd.notna(rr["max_batch"].iloc[0]) or rr["max_batch"].iloc[0] <= 0:
                     continue

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from grpo_lab.loss.backends import BASELINE_BACKEND, REFERENCE_BACKENDS
 
 GiB = 1024**3
 
@@ -40,7 +41,7 @@ def make_row(figure: str, spec, result: dict, env: dict) -> dict:
     else:
         peak, gen = (raw, result.get("peak_generation_bytes")) if ok else (None, None)
     row = {
-        "figure": figure, "model": spec.model, "backend": spec.backend, "dtype": spec.dtype, "mode": spec.mode,
+        "figure": figure, "model": spec.model, "backend": spec.loss_backend, "dtype": spec.dtype, "mode": spec.mode,
         "generation": spec.generation if spec.mode == "step" else "none", "batch_size": spec.batch_size,
         "prompt_len": spec.prompt_len if spec.mode == "step" else 0, "completion_len": spec.completion_len,
         "lora_r": spec.lora_r, "fsdp": spec.fsdp, "world_size": spec.world_size, "steps": spec.steps,
@@ -108,7 +109,7 @@ def load_reference(folder: str, name: str) -> pd.DataFrame | None:
     return None if p is None else pd.read_csv(p)
 
 
-def savings_table(df: pd.DataFrame, against: str = "naive") -> pd.DataFrame:
+def savings_table(df: pd.DataFrame, against: str = BASELINE_BACKEND) -> pd.DataFrame:
     """% peak saving of each backend vs `against`, per dtype and batch size (training-step points that ran)."""
     ok = df[(df["status"] == "ok")]
     if ok.empty:
@@ -151,7 +152,7 @@ def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(index=pd.Index(models, name="model"))
     for b in backends:
         out[b] = [label(cell[(m, b)]) if (m, b) in cell else "" for m in models]
-    for ref in ("naive", "trl"):
+    for ref in REFERENCE_BACKENDS:
         if ref not in backends:
             continue
         for b in backends:

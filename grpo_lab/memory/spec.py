@@ -4,26 +4,20 @@ fresh-process probes. Bad input fails here with a plain `ValueError`, before any
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Self
 
-BACKENDS = ("trl", "grpo_lab", "naive", "liger")
+from grpo_lab.loss.backends import DEFAULT_LOSS_BACKEND, LOGPROB_BACKENDS, in_display_order, resolve_backend
+from grpo_lab.models import known_model_names, load_model_config
+
 DTYPES = ("fp32", "bf16")
 MODES = ("step", "loss")  # a real TRL GRPO training step, or the log-prob/loss stage alone
 GENERATIONS = ("synthetic", "model")  # fixed-length random completions via TRL's rollout_func, or model.generate
 
 _DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
-
-
-def known_backends() -> tuple[str, ...]:
-    """The loss backends: `grpo_lab.loss.backends.LOSS_BACKENDS` once the TRL glue is installed, else the planned four."""
-    try:
-        from grpo_lab.loss.backends import LOSS_BACKENDS  # type: ignore[attr-defined]
-
-        return tuple(LOSS_BACKENDS)
-    except ImportError:
-        return BACKENDS
 
 
 def normalize_dtype(dtype: str) -> str:
@@ -34,8 +28,6 @@ def normalize_dtype(dtype: str) -> str:
 
 
 def check_model(name: str) -> str:
-    from grpo_lab.models import known_model_names, load_model_config
-
     if not isinstance(name, str) or not name:
         raise ValueError(f"model must be a name, got {name!r}: use one of {', '.join(known_model_names())}.")
     try:
@@ -45,20 +37,11 @@ def check_model(name: str) -> str:
     return name
 
 
-def check_backend(name: str) -> str:
-    backends = known_backends()
-    if name not in backends:
-        raise ValueError(f"Unknown loss backend {name!r}: use one of {', '.join(backends)}.")
-    return name
-
-
 def require_liger_if_named(backends) -> None:
     """Refuse up front, not at the first liger point, when `backends` names liger but liger-kernel is missing."""
-    import importlib.util
-
     if "liger" in backends and importlib.util.find_spec("liger_kernel") is None:
-        raise ValueError("backend 'liger' needs liger-kernel (pip install 'grpo-lab[liger]'), or pass "
-                         "--backends naive,trl,grpo_lab")
+        raise ValueError("loss backend 'liger' needs liger-kernel (pip install 'grpo-lab[liger]'), or pass "
+                         f"--backends {','.join(in_display_order(LOGPROB_BACKENDS))}")
 
 
 def check_positive_int(value, what: str) -> int:
@@ -121,7 +104,7 @@ class StepSetting:
     device: the sequences (prompt + completion) in one training micro-step. The defaults are the CPU harness's."""
 
     model: str = "tiny-qwen3"
-    backend: str = "trl"
+    loss_backend: str = DEFAULT_LOSS_BACKEND
     dtype: str = "fp32"
     batch_size: int = 2
     prompt_len: int = 16
@@ -129,7 +112,7 @@ class StepSetting:
 
     def __post_init__(self):
         self._check_model()
-        check_backend(self.backend)
+        resolve_backend(self.loss_backend)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         self._check_positive("batch_size", "prompt_len", "completion_len")
 
@@ -196,8 +179,6 @@ class PointSpec(StepSetting):
     def _check_model(self) -> None:
         if not self.pretrained:
             return super()._check_model()
-        import os
-
         if not (os.path.isdir(self.model) or self.model.count("/") == 1):
             raise ValueError(f"pretrained=True needs a hub id (org/name) or a local folder, got {self.model!r}.")
 

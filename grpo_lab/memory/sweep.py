@@ -20,11 +20,11 @@ from pathlib import Path
 import pandas as pd
 
 from ..lab.records import run_record
+from ..loss.backends import DISPLAY_ORDER, LOGPROB_BACKENDS, in_display_order, resolve_backend
 from .probe import ProbeError, run_point
-from .results import make_row, rows_to_frame, target_csv, write_csv
+from .results import make_row, rows_to_frame, savings_table, target_csv, write_csv
 from .spec import (
     PointSpec,
-    check_backend,
     check_model,
     normalize_dtype,
     parse_int_list,
@@ -36,11 +36,11 @@ FIGURE = "memory_vs_batch"
 
 PRESETS = {
     # CPU quick mode: a small Qwen3-shaped model whose vocabulary is large enough for the logits to show
-    "quick": dict(model="small-qwen3", backends=["naive", "trl", "grpo_lab"], dtypes=["fp32", "bf16"],
+    "quick": dict(model="small-qwen3", backends=in_display_order(LOGPROB_BACKENDS), dtypes=["fp32", "bf16"],
                   batch_sizes=[2, 4, 8], prompt_len=32, completion_len=64, modes=["step", "loss"],
                   loss_batch_sizes=[2, 4, 8]),
     # One H200: Qwen3-0.6B, 256 prompt + 512 completion tokens; past naive's OOM for the fused backends
-    "full": dict(model="Qwen3-0.6B", backends=["naive", "trl", "grpo_lab", "liger"], dtypes=["bf16", "fp32"],
+    "full": dict(model="Qwen3-0.6B", backends=list(DISPLAY_ORDER), dtypes=["bf16", "fp32"],
                  batch_sizes=[4, 8, 16, 32, 48, 64, 96], prompt_len=256, completion_len=512,
                  modes=["loss", "step"], loss_batch_sizes=[4, 16, 64]),  # the cheap loss-alone points first
 }
@@ -53,7 +53,7 @@ def build_specs(model="tiny-qwen3", backends=("trl",), dtypes=("fp32",), batch_s
     `pretrained=True` loads real weights with `from_pretrained(model)` (a hub id online, or a local folder)."""
     if not pretrained:
         check_model(model)
-    backends = [check_backend(b) for b in parse_str_list(backends, "backends")]
+    backends = [resolve_backend(b) for b in parse_str_list(backends, "backends")]
     dtypes = [normalize_dtype(d) for d in parse_str_list(dtypes, "dtypes")]
     batch_sizes = parse_int_list(batch_sizes, "batch sizes")
     loss_batch_sizes = parse_int_list(loss_batch_sizes, "loss batch sizes") if loss_batch_sizes else batch_sizes
@@ -61,7 +61,7 @@ def build_specs(model="tiny-qwen3", backends=("trl",), dtypes=("fp32",), batch_s
     specs = []
     for mode, dtype, backend in itertools.product(modes, dtypes, backends):
         for b in (batch_sizes if mode == "step" else loss_batch_sizes):
-            specs.append(PointSpec(model=model, backend=backend, dtype=dtype, batch_size=b, prompt_len=prompt_len,
+            specs.append(PointSpec(model=model, loss_backend=backend, dtype=dtype, batch_size=b, prompt_len=prompt_len,
                                    completion_len=completion_len, mode=mode, steps=steps, lora_r=lora_r,
                                    device=device, generation=generation, budget_bytes=budget_bytes,
                                    pretrained=pretrained))
@@ -69,7 +69,7 @@ def build_specs(model="tiny-qwen3", backends=("trl",), dtypes=("fp32",), batch_s
 
 
 def _series_key(s: PointSpec):
-    return (s.model, s.backend, s.dtype, s.mode, s.prompt_len, s.completion_len, s.lora_r)
+    return (s.model, s.loss_backend, s.dtype, s.mode, s.prompt_len, s.completion_len, s.lora_r)
 
 
 def run_sweep(specs: list[PointSpec], out_csv: str | Path | None = None,
@@ -92,7 +92,7 @@ def run_sweep(specs: list[PointSpec], out_csv: str | Path | None = None,
         previous = pd.read_csv(out_csv)
         if resume:
             specs, oom_at = _unmeasured(specs, previous)
-        new = {(s.model, s.mode, s.dtype, s.backend, s.batch_size) for s in specs}
+        new = {(s.model, s.mode, s.dtype, s.loss_backend, s.batch_size) for s in specs}
         keys = zip(previous["model"], previous["mode"], previous["dtype"], previous["backend"], previous["batch_size"])
         previous = previous[[k not in new for k in keys]]
     t0 = time.perf_counter()
@@ -137,7 +137,7 @@ def _unmeasured(specs: list[PointSpec], previous: pd.DataFrame) -> tuple[list[Po
     left, oom_at = [], {}
     for s in specs:
         prompt_len = s.prompt_len if s.mode == "step" else 0  # how make_row records a loss-alone point
-        recorded = status.get((s.model, s.mode, s.dtype, s.backend, s.batch_size, prompt_len, s.completion_len))
+        recorded = status.get((s.model, s.mode, s.dtype, s.loss_backend, s.batch_size, prompt_len, s.completion_len))
         if recorded is None:
             left.append(s)
         elif "oom" in recorded:
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     g.add_argument("--full", action="store_true", help="the H200 preset: Qwen3-0.6B, 256+512 tokens, 4 backends")
     p.add_argument("--out", default="results/memory_vs_batch", help="output folder (CSV + PNG)")
     p.add_argument("--model")
-    p.add_argument("--backends", help="comma-separated, e.g. naive,trl,grpo_lab,liger")
+    p.add_argument("--backends", help=f"comma-separated loss backends: {','.join(DISPLAY_ORDER)}")
     p.add_argument("--dtypes", help="comma-separated: fp32,bf16")
     p.add_argument("--batch-sizes", help="comma-separated positive ints")
     p.add_argument("--loss-batch-sizes")
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
         preset["loss_batch_sizes"] = a.batch_sizes
     try:
         specs = build_specs(device=a.device, pretrained=a.pretrained, **preset)
-        require_liger_if_named({s.backend for s in specs})
+        require_liger_if_named({s.loss_backend for s in specs})
         name = a.name or (FIGURE if a.full else f"{FIGURE}_quick")
         csv = target_csv(a.out, name, keep=a.append or a.resume, overwrite=a.overwrite)
     except ValueError as e:
@@ -214,10 +214,8 @@ def main(argv=None) -> int:
         save_figures(df, out, name)
     except ImportError as e:  # a GPU box without matplotlib: the CSV is the result, plot it elsewhere
         print(f"note: no PNG ({e}); the CSV is written", file=sys.stderr)
-    from .results import savings_table
-
     with pd.option_context("display.width", 160, "display.max_columns", 20):
-        print(savings_table(df, "naive").to_string())
+        print(savings_table(df).to_string())
     print(f"wrote {csv} and {out / (name + '.png')}")
     return 1 if (df["status"] == "error").any() else 0
 
@@ -228,7 +226,7 @@ def save_figures(df: pd.DataFrame, out: Path, name: str) -> list[Path]:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    from .plots import plot_memory_vs_batch
+    from .plots import plot_memory_vs_batch  # matplotlib: only when a figure is drawn (a GPU box may lack it)
 
     paths = []
     for mode, suffix in (("step", ""), ("loss", "_loss_only")):

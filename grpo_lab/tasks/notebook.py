@@ -7,8 +7,10 @@ from importlib import resources
 from pathlib import Path
 
 from grpo_lab.lab.live_board import LiveBoard, Series
+from grpo_lab.lab.outputs import output_dir
+from grpo_lab.loss.backends import LOSS_BACKENDS
 from grpo_lab.tasks.board import BoardCallback
-from grpo_lab.tasks.reward_curves import BACKENDS, BOARD_SERIES, EmbeddedConfig, read_summary, run_reward_curves
+from grpo_lab.tasks.reward_curves import BOARD_SERIES, EmbeddedConfig, read_summary, run_reward_curves
 
 QUICK = dict(steps=60, prompts_per_step=16, n_candidates=1200, n_heldout=150, eval_k=8, cpu_threads=1)
 
@@ -90,8 +92,6 @@ def controls(cfg: EmbeddedConfig, out_dir: str | Path | None = None):
     import ipywidgets as w
     from IPython.display import Image, display
 
-    from grpo_lab.lab.outputs import output_dir
-
     style = {"description_width": "80px"}   # room for "LoRA rank", "backends" (ipywidgets cuts long labels)
     steps = w.IntSlider(value=cfg.steps, min=min(10, cfg.steps), max=max(1000, cfg.steps), step=1,
                         description="steps", style=style)
@@ -101,7 +101,7 @@ def controls(cfg: EmbeddedConfig, out_dir: str | Path | None = None):
                       style=style)
     g = w.IntSlider(value=cfg.num_generations, min=2, max=max(16, cfg.num_generations), description="G",
                     style=style)
-    be = w.SelectMultiple(options=list(BACKENDS), value=tuple(cfg.backends), description="backends", style=style)
+    be = w.SelectMultiple(options=list(LOSS_BACKENDS), value=tuple(cfg.backends), description="backends", style=style)
     button = w.Button(description="Run", button_style="primary")
     out = w.Output()
 

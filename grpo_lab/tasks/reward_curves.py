@@ -27,16 +27,16 @@ from pathlib import Path
 import torch
 from transformers.trainer_callback import PrinterCallback
 
-from grpo_lab.models.hf_compat import checkpointing_args, upstream_deprecations_silenced
 from grpo_lab.lab.live_board import LiveBoard, Series
 from grpo_lab.lab.records import run_record
+from grpo_lab.loss.backends import BACKEND_COLORS, LOSS_BACKENDS, resolve_backend
+from grpo_lab.models.hf_compat import checkpointing_args, upstream_deprecations_silenced
 from grpo_lab.tasks.board import BoardCallback
 from grpo_lab.tasks.rewards import math_reward
 from grpo_lab.tasks.sanity import sanity_filter
 from grpo_lab.tasks.sft import pass_rates, sft_warm_start
 from grpo_lab.tasks.tiny import TinyModelConfig, addition_problems, build_char_tokenizer, build_tiny_model
 
-BACKENDS = ("trl", "grpo_lab", "naive", "liger")
 METRICS = {  # CSV metric name -> TRL log key
     "reward": "reward", "reward_std": "reward_std", "loss": "loss", "kl": "kl", "entropy": "entropy",
     "clip_ratio": "clip_ratio/region_mean", "frac_reward_zero_std": "frac_reward_zero_std",
@@ -74,7 +74,9 @@ class EmbeddedConfig:
     temperature: float = 1.0
     max_completion_length: int = 8
     max_context: int = 32
-    backends: tuple[str, ...] = ("trl", "grpo_lab", "naive", "liger")   # liger skipped when not installed
+    # loss_backend values, each run once from the same seed; the first is the parity reference; liger is skipped
+    # when liger-kernel is not installed
+    backends: tuple[str, ...] = LOSS_BACKENDS
     eval_k: int = 8
     cpu_threads: int | None = None   # torch CPU threads for the run (1 avoids OpenMP oversubscription on a shared box)
 
@@ -87,11 +89,10 @@ class EmbeddedConfig:
         if self.prompts_per_step < 1 or self.steps < 1:
             raise ValueError("prompts_per_step and steps must be >= 1.")
         if not self.backends:
-            raise ValueError(f"No loss backend to run; choose from {BACKENDS} ('liger' is dropped when "
-                             "liger-kernel is not installed).")
-        unknown = [b for b in self.backends if b not in BACKENDS]
-        if unknown:
-            raise ValueError(f"Unknown loss backend(s) {unknown}; choose from {BACKENDS}.")
+            raise ValueError(f"No loss backend to run; choose from {', '.join(LOSS_BACKENDS)} ('liger' is dropped "
+                             "when liger-kernel is not installed).")
+        for name in self.backends:
+            resolve_backend(name)
         if len(set(self.backends)) != len(self.backends):
             raise ValueError(f"Each backend once (got {list(self.backends)}): the curves are keyed by backend name.")
         if self.eval_k < 1:
@@ -118,7 +119,7 @@ GPU_VARIANT = dict(  # the bigger variant for one H200 (~5 min): the warm start 
     # The model keeps the CPU architecture: a 2x wider one (--hidden 256) was still on the SFT plateau (sampled pass
     # rate < 0.1) after 1,200 steps in a CPU check, where the default width leaves it at ~525 steps.
     warm_start=None, sft_max_steps=4000, n_candidates=4000, n_heldout=500, steps=300, prompts_per_step=64,
-    backends=("trl", "grpo_lab", "naive", "liger"), device="cuda",
+    backends=LOSS_BACKENDS, device="cuda",
 )
 
 
@@ -202,12 +203,12 @@ def available_backends(backends) -> tuple[str, ...]:
     return tuple(out)
 
 
-def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, backend: str, output_dir: str, callbacks=()):
+def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, loss_backend: str, output_dir: str, callbacks=()):
     """Step 3: a TRL GRPO trainer (LoRA rank cfg.lora_r on all linear layers) on the kept problems."""
     import datasets
     from peft import LoraConfig
 
-    from grpo_lab.loss import GRPOLabConfig as Config, GRPOLabTrainer as Trainer
+    from grpo_lab.loss import GRPOLabConfig as Config, GRPOLabTrainer as Trainer  # TRL: only when a run trains
 
     model = build_tiny_model(prep.tokenizer, cfg.model, seed=cfg.seed)
     model.load_state_dict(prep.base_state)
@@ -220,7 +221,7 @@ def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, backend: str, ou
         max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, beta=cfg.beta,
         logging_steps=1, save_strategy="no", report_to="none", seed=cfg.seed, data_seed=cfg.seed,
         use_cpu=cfg.device == "cpu", bf16=False, dataloader_num_workers=0,
-        disable_tqdm=True, loss_backend=backend, **checkpointing_args(False),
+        disable_tqdm=True, loss_backend=loss_backend, **checkpointing_args(False),
     )
     peft = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules="all-linear", lora_dropout=0.0,
                       task_type="CAUSAL_LM")
@@ -249,13 +250,13 @@ class _Recorder(BoardCallback):
             self._board.update(state.global_step, **{k: v for k, v in rec.items() if k != "step"})
 
 
-def run_grpo(cfg: EmbeddedConfig, prep: Prepared, backend: str, board: LiveBoard | None = None,
+def run_grpo(cfg: EmbeddedConfig, prep: Prepared, loss_backend: str, board: LiveBoard | None = None,
              heldout_start: float | None = None, log=print) -> dict:
     """One GRPO run; returns per-step records and the held-out pass rate before/after."""
     rec = _Recorder(board)
     # PEFT (wrapping the model) and TRL (around generation) read the deprecated `is_gradient_checkpointing`
     with tempfile.TemporaryDirectory(prefix="grpo_lab_rc_") as tmp, upstream_deprecations_silenced():
-        trainer = build_embedded_trainer(cfg, prep, backend, tmp, callbacks=[rec])
+        trainer = build_embedded_trainer(cfg, prep, loss_backend, tmp, callbacks=[rec])
         t0 = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - t0
@@ -263,11 +264,11 @@ def run_grpo(cfg: EmbeddedConfig, prep: Prepared, backend: str, board: LiveBoard
         held_end = _mean(pass_rates(model, prep.tokenizer, prep.heldout_rows, k=cfg.eval_k, seed=cfg.seed + 7))
     rewards = [r["reward"] for r in rec.rows if r["reward"] is not None]
     w = max(1, min(20, len(rewards) // 5))
-    out = {"backend": backend, "rows": rec.rows, "seconds": seconds, "heldout_start": heldout_start,
+    out = {"backend": loss_backend, "rows": rec.rows, "seconds": seconds, "heldout_start": heldout_start,
            "heldout_end": held_end, "reward_start": _mean(rewards[:w]), "reward_end": _mean(rewards[-w:]),
            "window": w}
     held = f"{heldout_start:.3f}" if heldout_start is not None else "?"
-    log(f"[{backend}] {len(rec.rows)} steps in {seconds:.0f}s: reward {out['reward_start']:.3f} -> "
+    log(f"[{loss_backend}] {len(rec.rows)} steps in {seconds:.0f}s: reward {out['reward_start']:.3f} -> "
         f"{out['reward_end']:.3f} (first/last {w} steps); held-out {held} -> {held_end:.3f}")
     return out
 
@@ -430,7 +431,8 @@ def plot_curves(df, title: str = "", rolling: int = 10, dpi: int = 90) -> bytes:
             s = g[g.metric == m].sort_values("step")
             if s.empty:
                 continue
-            line, = ax.plot(s.step, s.value, lw=0.7, alpha=0.5 if m == "reward" else 0.9, label=b)
+            line, = ax.plot(s.step, s.value, lw=0.7, alpha=0.5 if m == "reward" else 0.9, label=b,
+                            color=BACKEND_COLORS.get(b))
             if m == "reward":
                 ax.plot(s.step, s.value.rolling(rolling, min_periods=1).mean(), lw=2, color=line.get_color())
     for ax, m in zip(axes, ("reward (thin: per step, thick: rolling mean)", "loss", "entropy"), strict=True):
@@ -454,7 +456,8 @@ def main(argv=None):
     p.add_argument("--replot", default=None, help="only render <csv>'s PNG next to it (no training)")
     p.add_argument("--device", default=None)
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--backends", default=None, help="comma list of trl,grpo_lab,naive,liger")
+    p.add_argument("--backends", default=None, help=f"comma list of {','.join(LOSS_BACKENDS)} (the first is the "
+                   "parity reference)")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--rank", type=int, default=None)
     p.add_argument("--G", type=int, default=None)

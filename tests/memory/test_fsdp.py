@@ -17,7 +17,7 @@ def test_two_process_fsdp2_lora_step_matches_single_process(model, backend, extr
         pytest.importorskip("liger_kernel")
     # num_iterations=2: step 2 reuses step 1's completions with the updated policy, so its loss is not zero (an
     # on-policy GRPO loss with group-centred advantages vanishes) and the LoRA A gradients are non-zero (B moved)
-    base = dict(model=model, backend=backend, prompt_len=8, completion_len=8, lora_r=4, device="cpu", steps=2,
+    base = dict(model=model, loss_backend=backend, prompt_len=8, completion_len=8, lora_r=4, device="cpu", steps=2,
                 num_iterations=2, dtype="fp32")
     two = run_point(PointSpec(batch_size=2, fsdp=True, world_size=2, extra=extra, **base), capture_grads=True)
     one = run_point(PointSpec(batch_size=4, **base), capture_grads=True)

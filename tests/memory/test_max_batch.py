@@ -119,7 +119,7 @@ def test_cli_bad_input(capsys):
     assert max_batch.main(["--models", "Qwen3-99B"]) == 2
     assert "Unknown model 'Qwen3-99B'" in capsys.readouterr().err
     assert max_batch.main(["--backends", "trl,fastest"]) == 2
-    assert "Unknown loss backend 'fastest'" in capsys.readouterr().err
+    assert "Unknown loss_backend 'fastest'" in capsys.readouterr().err
     assert max_batch.main(["--start", "0"]) == 2
     assert "positive integer" in capsys.readouterr().err
     with pytest.raises(ValueError, match="budget"):
@@ -270,7 +270,7 @@ def _linear_fake_probe(calls, per_gib=0.25, interrupt_at=None):
     def fake_run_point(spec):
         if spec.batch_size == interrupt_at:
             raise KeyboardInterrupt
-        calls.append((spec.backend, spec.batch_size, spec.budget_bytes))
+        calls.append((spec.loss_backend, spec.batch_size, spec.budget_bytes))
         peak = (1 + per_gib * spec.batch_size) * GiB
         ok = peak <= spec.budget_bytes
         return {"status": "ok" if ok else "oom", "peak_bytes": peak if ok else None, "base_bytes": 0,

@@ -10,14 +10,14 @@ from grpo_lab.memory.planner.shapes import shape_for
 
 @pytest.mark.parametrize("bad, message", [
     (dict(model="Qwen3-9B"), "Unknown model"),
-    (dict(backend="fused"), "Unknown loss backend"),
+    (dict(loss_backend="fused"), "Unknown loss_backend"),
     (dict(dtype="fp8"), "Unknown dtype"),
     (dict(batch_size=0), "batch size"),
     (dict(lora_r=-1), "lora_r"),
     (dict(lora_targets=("q_proj", "lm_head")), "lora_targets"),
     (dict(world_size=2, fsdp=False), "FSDP2"),
     (dict(device="tpu"), "device"),
-    (dict(backend="liger", lora_r=0, world_size=2), "liger"),
+    (dict(loss_backend="liger", lora_r=0, world_size=2), "liger"),
 ])
 def test_bad_settings_are_refused_with_a_message(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -53,8 +53,8 @@ def test_fsdp_shards_parameters_but_not_activations():
 
 
 def test_liger_keeps_the_root_replicated_instead_of_gathering_it():
-    trl = plan(PlannerConfig(model="Qwen3-8B", backend="trl", batch_size=8, world_size=2))
-    liger = plan(PlannerConfig(model="Qwen3-8B", backend="liger", batch_size=8, world_size=2))
+    trl = plan(PlannerConfig(model="Qwen3-8B", loss_backend="trl", batch_size=8, world_size=2))
+    liger = plan(PlannerConfig(model="Qwen3-8B", loss_backend="liger", batch_size=8, world_size=2))
     root = shape_for("Qwen3-8B").root_params * 2
     assert "fsdp_root_gathered" not in liger.phases["layer_backward_top"]
     assert liger.phases["layer_backward_top"]["params"] - trl.phases["layer_backward_top"]["params"] == \
@@ -77,14 +77,14 @@ def test_checkpointing_off_keeps_every_layers_activations():
 
 
 def test_naive_peaks_in_the_head_and_fused_heads_in_the_backbone():
-    assert plan(PlannerConfig(model="Qwen3-0.6B", backend="naive", batch_size=32)).peak_phase == "head_forward"
+    assert plan(PlannerConfig(model="Qwen3-0.6B", loss_backend="naive", batch_size=32)).peak_phase == "head_forward"
     for backend in ("trl", "grpo_lab", "liger"):
-        assert plan(PlannerConfig(model="Qwen3-0.6B", backend=backend, batch_size=32)).peak_phase == \
+        assert plan(PlannerConfig(model="Qwen3-0.6B", loss_backend=backend, batch_size=32)).peak_phase == \
             "layer_backward_top"
 
 
 def test_max_batch_is_the_largest_batch_whose_peak_fits():
-    cfg = PlannerConfig(model="Qwen3-4B", backend="grpo_lab", lora_r=16)
+    cfg = PlannerConfig(model="Qwen3-4B", loss_backend="grpo_lab", lora_r=16)
     m = max_batch(cfg, 80)
     assert m.batch > 0 and not m.capped
     assert plan(cfg.replace(batch_size=m.batch)).peak_bytes <= m.usable_bytes
@@ -104,7 +104,7 @@ def test_more_gpus_fit_a_larger_batch_per_gpu():
 
 def test_plan_cli_prints_predicted_peak_and_max_batch(capsys):
     rc = cli(["plan", "--model", "Qwen3-8B", "--gpus", "4", "--gib", "80", "--dtype", "bf16", "--lora-r", "16",
-              "--backend", "grpo_lab", "--prompt", "256", "--completion", "512", "--world-sizes", "1-4"])
+              "--loss-backend", "grpo_lab", "--prompt", "256", "--completion", "512", "--world-sizes", "1-4"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "max batch per GPU:" in out and "predicted, 4 GPUs: not measured here" in out
@@ -241,12 +241,12 @@ def test_default_allocator_band_holds_every_uncapped_fused_search():
     rows = [r for r in max_batch_rows(load_reference("fsdp_max_batch", "fsdp_max_batch.csv"))
             if r["backend"] != "naive" and not r["capped"]]
     assert len(rows) == 9 and all(r["within_band"] for r in rows)
-    cfg = PlannerConfig(model="Qwen3-4B", backend="grpo_lab", lora_r=16, prompt_len=256, completion_len=512,
+    cfg = PlannerConfig(model="Qwen3-4B", loss_backend="grpo_lab", lora_r=16, prompt_len=256, completion_len=512,
                         fsdp=True, device="cuda")
     lo, hi = max_batch_band(cfg, 140.4)
     assert lo < max_batch(cfg, 140.4).batch < hi
     assert max_batch_band(cfg.replace(expandable_segments=True), 140.4) is None
-    assert max_batch_band(cfg.replace(backend="naive"), 140.4) is None
+    assert max_batch_band(cfg.replace(loss_backend="naive"), 140.4) is None
 
 
 def test_plan_cli_prints_the_default_allocator_band(capsys):

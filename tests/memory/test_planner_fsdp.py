@@ -10,7 +10,7 @@ from grpo_lab.memory.spec import PointSpec
 
 
 def test_two_rank_fsdp_peak_rss_is_predicted():
-    spec = PointSpec(model="small-qwen3", backend="trl", dtype="fp32", batch_size=4, prompt_len=16,
+    spec = PointSpec(model="small-qwen3", loss_backend="trl", dtype="fp32", batch_size=4, prompt_len=16,
                      completion_len=112, lora_r=8, fsdp=True, world_size=2, steps=1, device="cpu")
     row = run_checks([CheckPoint(spec, "W=2")]).iloc[0]
     assert row["status"] == "ok"

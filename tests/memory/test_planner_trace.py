@@ -21,7 +21,7 @@ CASES = [
 @pytest.mark.parametrize("model, backend, dtype, batch, lora_r, prompt, completion, ckpt", CASES,
                          ids=lambda v: str(v))
 def test_planner_predicts_the_traced_step_peak(model, backend, dtype, batch, lora_r, prompt, completion, ckpt):
-    kw = dict(model=model, backend=backend, dtype=dtype, batch_size=batch, lora_r=lora_r, prompt_len=prompt,
+    kw = dict(model=model, loss_backend=backend, dtype=dtype, batch_size=batch, lora_r=lora_r, prompt_len=prompt,
               completion_len=completion)
     measured = traced_step_peak(PointSpec(**kw, steps=2, device="cpu"), gradient_checkpointing=ckpt)
     predicted = plan(PlannerConfig(**kw, device="cpu", gradient_checkpointing=ckpt))

@@ -38,9 +38,9 @@ def test_panel_controls_change_the_prediction(panel):
     panel.controls["gpus"].value = 8
     eight = panel.summary.value
     assert eight != one and "multi-GPU, not measured here" in eight
-    panel.controls["backend"].value = "naive"
+    panel.controls["loss_backend"].value = "naive"
     assert panel.summary.value != eight
-    panel.controls["backend"].value = "grpo_lab"
+    panel.controls["loss_backend"].value = "grpo_lab"
     panel.controls["gpus"].value = 1
     panel.controls["expandable_segments"].value = True  # 2 % headroom instead of the default allocator's 12 %
     expandable = int(panel.summary.value.split("max batch per GPU: ")[1].split("<")[0].split()[0])
@@ -49,7 +49,7 @@ def test_panel_controls_change_the_prediction(panel):
 
 def test_panel_shows_a_refused_setting_as_a_message(panel):
     panel.controls["lora_r"].value = 0
-    panel.controls["backend"].value = "liger"   # liger under FSDP2 needs a frozen (LoRA) head
+    panel.controls["loss_backend"].value = "liger"   # liger under FSDP2 needs a frozen (LoRA) head
     assert "color:#b00" in panel.summary.value and "liger" in panel.summary.value
     panel.controls["lora_r"].value = 8
     assert "max batch per GPU" in panel.summary.value
@@ -131,7 +131,7 @@ def test_committed_searches_of_both_allocators_are_overlaid_each_on_its_own_sett
 
     both = with_committed_searches(None)
     assert len(both) == 32
-    cfg = PlannerConfig(model="Qwen3-4B", backend="grpo_lab", lora_r=16, prompt_len=256, completion_len=512)
+    cfg = PlannerConfig(model="Qwen3-4B", loss_backend="grpo_lab", lora_r=16, prompt_len=256, completion_len=512)
     plain = measured_points(both, cfg, 140.4).set_index("backend")["max_batch"]
     expandable = measured_points(both, cfg.replace(expandable_segments=True), 140.4).set_index("backend")["max_batch"]
     assert plain["grpo_lab"] == 397 and expandable["grpo_lab"] == 474

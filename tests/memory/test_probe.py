@@ -9,7 +9,7 @@ TINY = dict(model="tiny-qwen3", prompt_len=8, completion_len=8, device="cpu")
 
 
 def test_grpo_step_point_runs_in_a_fresh_process():
-    r = run_point(PointSpec(batch_size=2, backend="trl", **TINY))
+    r = run_point(PointSpec(batch_size=2, loss_backend="trl", **TINY))
     assert r["status"] == "ok", r["message"]
     assert r["memory_kind"] == "cpu_rss"
     assert r["steps_done"] == 2
@@ -19,7 +19,7 @@ def test_grpo_step_point_runs_in_a_fresh_process():
 
 def test_loss_point_and_backends():
     for backend in ("trl", "naive"):
-        r = run_point(PointSpec(batch_size=4, backend=backend, mode="loss", **TINY))
+        r = run_point(PointSpec(batch_size=4, loss_backend=backend, mode="loss", **TINY))
         assert r["status"] == "ok", r["message"]
         assert r["peak_bytes"] > 0
 
@@ -59,6 +59,6 @@ def test_generation_by_the_model_is_measured_separately():
 def test_a_single_sequence_batch_trains(fsdp):
     """B=1 needs a group of 2 spread over 2 optimizer steps; under FSDP2 it must not take the no-sync path that
     transformers only supports for models it sharded itself (a search that lands on B=1 used to crash there)."""
-    r = run_point(PointSpec(batch_size=1, backend="grpo_lab", lora_r=4 if fsdp else 0, fsdp=fsdp, **TINY))
+    r = run_point(PointSpec(batch_size=1, loss_backend="grpo_lab", lora_r=4 if fsdp else 0, fsdp=fsdp, **TINY))
     assert r["status"] == "ok", r["message"]
     assert r["steps_done"] == 2

@@ -9,8 +9,8 @@ from grpo_lab.memory.sweep import build_specs
 def test_unknown_model_and_backend():
     with pytest.raises(ValueError, match="Unknown model 'Qwen9-99B'"):
         PointSpec(model="Qwen9-99B")
-    with pytest.raises(ValueError, match="Unknown loss backend 'fast'"):
-        PointSpec(backend="fast")
+    with pytest.raises(ValueError, match="Unknown loss_backend 'fast'"):
+        PointSpec(loss_backend="fast")
     with pytest.raises(ValueError, match="Unknown dtype"):
         PointSpec(dtype="fp8")
 

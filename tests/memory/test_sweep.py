@@ -105,9 +105,9 @@ def test_resume_measures_only_what_a_cut_sweep_left(tmp_path, monkeypatch, fake_
     calls = []
 
     def fake_run_point(spec):
-        calls.append((spec.backend, spec.batch_size))
+        calls.append((spec.loss_backend, spec.batch_size))
         fake_clock.advance(10.0)
-        if spec.backend == "naive" and spec.batch_size >= 8:
+        if spec.loss_backend == "naive" and spec.batch_size >= 8:
             return {"status": "oom", "message": "CUDA out of memory", "wall_s": 10.0}
         return {"status": "ok", "peak_bytes": spec.batch_size * 2**30, "base_bytes": 0,
                 "memory_kind": "cuda_allocated", "wall_s": 10.0}

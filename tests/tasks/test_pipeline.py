@@ -61,7 +61,7 @@ def test_shipped_warm_start_and_sanity_construction():
 @pytest.mark.parametrize("change, match", [
     (dict(lora_r=0), "lora_r must be >= 1"),
     (dict(num_generations=1), r"num_generations \(G\) must be >= 2"),
-    (dict(backends=("fast",)), "Unknown loss backend"),
+    (dict(backends=("fast",)), "Unknown loss_backend"),
     (dict(max_completion_length=40), "no room for a prompt"),
     (dict(backends=()), "No loss backend to run"),
     (dict(backends=("trl", "trl")), "Each backend once"),
@@ -136,7 +136,7 @@ def test_a_run_cut_short_keeps_the_backends_it_finished(tmp_path, monkeypatch):
 
 
 def test_cli_bad_settings_are_one_line_errors(tmp_path):
-    for args, msg in ((["--backends", "trl, fast"], "Unknown loss backend(s) ['fast']"),
+    for args, msg in ((["--backends", "trl, fast"], "Unknown loss_backend 'fast'"),
                       (["--rank", "0"], "lora_r must be"), (["--backends", " , "], "No loss backend to run")):
         r = subprocess.run([sys.executable, "-m", "grpo_lab.tasks.reward_curves", "--variant", "tiny", "--device",
                             "cpu", "--out", str(tmp_path), *args], capture_output=True, text=True, timeout=300)

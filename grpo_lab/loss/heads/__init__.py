@@ -10,22 +10,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from ..backends import resolve_backend
+from ..backends import LOGPROB_BACKENDS, resolve_backend
 
 __all__ = ["logprob_head"]
-
-# backend name -> (module of this package, function)
-_HEADS = {
-    "grpo_lab": ("grpo_lab", "grpo_lab_logprobs"),
-    "naive": ("naive", "naive_logprobs"),
-    "trl": ("trl", "trl_logprobs"),
-}
 
 
 def logprob_head(name: str) -> Callable:
     """The log-prob function of backend `name`, with TRL's `ChunkedLogProbFunction.apply` signature. An unknown name
     and `liger` (which has no log-prob head) raise `backends.resolve_backend`'s `ValueError`."""
-    if not isinstance(name, str) or name not in _HEADS:
+    if not isinstance(name, str) or name not in LOGPROB_BACKENDS:
         resolve_backend(name, logprob_head=True)  # raises: the one place that words a bad name's error
-    module, function = _HEADS[name]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), function)
+    # each head is the module of this package named after its backend, its function `<name>_logprobs`
+    return getattr(importlib.import_module(f"{__name__}.{name}"), f"{name}_logprobs")

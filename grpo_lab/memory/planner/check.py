@@ -25,7 +25,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from grpo_lab.loss.backends import FUSED_BACKENDS, REFERENCE_BACKENDS
+
 from ...lab.records import run_record
+from ..max_batch import _gpu_total_bytes
 from ..probe import ProbeError, run_point
 from ..results import make_row, target_csv, write_csv
 from ..spec import EXPANDABLE_SEGMENTS, PointSpec, parse_int_list, parse_str_list
@@ -45,16 +48,16 @@ class CheckPoint:
 def planner_config(spec: PointSpec, **overrides) -> PlannerConfig:
     """The planner's view of a harness point."""
     device = "cpu" if spec.device == "cpu" else "cuda"
-    return PlannerConfig(model=spec.model, backend=spec.backend, dtype=spec.dtype, batch_size=spec.batch_size,
+    return PlannerConfig(model=spec.model, loss_backend=spec.loss_backend, dtype=spec.dtype, batch_size=spec.batch_size,
                          prompt_len=spec.prompt_len, completion_len=spec.completion_len, lora_r=spec.lora_r,
                          world_size=spec.world_size, fsdp=spec.fsdp, device=device,
                          optimizer_state=spec.steps > 1, **overrides)
 
 
-def cpu_fsdp_points(models=("Qwen3-0.6B",), backends=("trl", "naive"), world_sizes=(1, 2, 4), batch_size=2,
+def cpu_fsdp_points(models=("Qwen3-0.6B",), backends=REFERENCE_BACKENDS, world_sizes=(1, 2, 4), batch_size=2,
                     prompt_len=32, completion_len=96, lora_r=8, dtype="fp32") -> list[CheckPoint]:
     """FSDP2 + LoRA over gloo at each world size (the batch is per rank)."""
-    return [CheckPoint(PointSpec(model=m, backend=b, dtype=dtype, batch_size=batch_size, prompt_len=prompt_len,
+    return [CheckPoint(PointSpec(model=m, loss_backend=b, dtype=dtype, batch_size=batch_size, prompt_len=prompt_len,
                                  completion_len=completion_len, lora_r=lora_r, fsdp=True, world_size=w, steps=1,
                                  device="cpu"), f"cpu W={w}")
             for m in models for b in backends for w in world_sizes]
@@ -62,10 +65,10 @@ def cpu_fsdp_points(models=("Qwen3-0.6B",), backends=("trl", "naive"), world_siz
 
 def heldout_h200_points(budget_gib: float) -> list[CheckPoint]:
     """The held-out H200 configurations (see the module docstring); `budget_gib` is the GPU's memory."""
-    base = dict(model="Qwen2.5-Math-1.5B", backend="grpo_lab", dtype="bf16", prompt_len=512, completion_len=1024,
+    base = dict(model="Qwen2.5-Math-1.5B", loss_backend="grpo_lab", dtype="bf16", prompt_len=512, completion_len=1024,
                 lora_r=64, fsdp=True, world_size=1, steps=1, device="cuda")
     points = [CheckPoint(PointSpec(batch_size=8, **base), "peak B=8")]
-    full_ft = CheckPoint(PointSpec(model="Qwen3-4B", backend="trl", dtype="bf16", batch_size=16, prompt_len=256,
+    full_ft = CheckPoint(PointSpec(model="Qwen3-4B", loss_backend="trl", dtype="bf16", batch_size=16, prompt_len=256,
                                    completion_len=512, lora_r=0, steps=2, device="cuda"), "full fine-tuning")
     points += probe_pair(base, budget_gib, expandable=False)
     points.append(full_ft)  # before the expandable-segments pair: the order in which a time limit cuts
@@ -87,12 +90,12 @@ def probe_pair(base: dict, budget_gib: float, expandable: bool) -> list[CheckPoi
 
 
 def nb02_expandable_points(budget_gib: float, models=("Qwen3-4B", "Qwen3-8B", "Qwen3-1.7B"),
-                           backends=("grpo_lab", "trl", "liger")) -> list[CheckPoint]:
+                           backends=FUSED_BACKENDS) -> list[CheckPoint]:
     """Notebook 02's H200 setting, probed 3 % below / above the planner's max batch with `expandable_segments`
     (the default allocator's fragmentation put 6 of its 12 fused searches more than one step off). Ordered so
     that a time limit cuts the models that already matched under the default allocator (1.7B) last."""
     return [point for model in models for backend in backends
-            for point in probe_pair(dict(model=model, backend=backend, dtype="bf16", prompt_len=256,
+            for point in probe_pair(dict(model=model, loss_backend=backend, dtype="bf16", prompt_len=256,
                                          completion_len=512, lora_r=16, fsdp=True, world_size=1, steps=1,
                                          device="cuda"), budget_gib, expandable=True)]
 
@@ -135,7 +138,7 @@ def repredict(df: pd.DataFrame) -> pd.DataFrame:
     measurements untouched): after a change of the planner, the committed CSVs show what it predicts now."""
     df = df.copy()
     for i, r in df.iterrows():
-        spec = PointSpec(model=r["model"], backend=r["backend"], dtype=r["dtype"], batch_size=int(r["batch_size"]),
+        spec = PointSpec(model=r["model"], loss_backend=r["backend"], dtype=r["dtype"], batch_size=int(r["batch_size"]),
                          prompt_len=int(r["prompt_len"]), completion_len=int(r["completion_len"]),
                          lora_r=int(r["lora_r"]), fsdp=bool(r["fsdp"]), world_size=int(r["world_size"]),
                          steps=int(r["steps"]), device="cpu" if r["memory_kind"] == "cpu_rss" else "cuda")
@@ -187,13 +190,11 @@ def main(argv=None) -> int:
         return 2
     try:
         if a.preset == "cpu_fsdp":
-            points = cpu_fsdp_points(backends=parse_str_list(a.backends or "trl,naive", "backends"),
+            points = cpu_fsdp_points(backends=parse_str_list(a.backends or ",".join(REFERENCE_BACKENDS), "backends"),
                                      world_sizes=parse_int_list(a.world_sizes, "world sizes"))
         else:
             budget = a.budget_gib
             if budget is None:
-                from ..max_batch import _gpu_total_bytes
-
                 total = _gpu_total_bytes()
                 if total is None:
                     raise ValueError(f"{a.preset} needs a CUDA GPU (or --budget-gib to only list its points)")

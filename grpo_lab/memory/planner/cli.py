@@ -1,6 +1,6 @@
 """`grpo-lab plan`: the predicted peak memory and max batch of a GRPO setting, before renting the GPUs.
 
-    grpo-lab plan --model Qwen3-8B --gpus 4 --gib 80 --dtype bf16 --lora-r 16 --backend grpo_lab \\
+    grpo-lab plan --model Qwen3-8B --gpus 4 --gib 80 --dtype bf16 --lora-r 16 --loss-backend grpo_lab \\
                   --prompt 256 --completion 512 [--batch 64] [--no-checkpointing] [--world-sizes 1-8]
 
 Prints the largest per-GPU batch that fits, the peak at `--batch` (default: at that max batch) with its terms, and
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from grpo_lab.loss.backends import BACKEND_HELP, DEFAULT_LOSS_BACKEND
 
 from .predict import GiB, PlannerConfig, max_batch, max_batch_band, plan, usable_budget
 from ..spec import parse_int_list
@@ -40,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gib", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
     ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")
     ap.add_argument("--lora-r", type=int, default=16, help="LoRA rank on all linear layers; 0 = full fine-tuning")
-    ap.add_argument("--backend", default="grpo_lab", help="naive, trl, grpo_lab or liger")
+    ap.add_argument("--loss-backend", "--backend", dest="loss_backend", default=DEFAULT_LOSS_BACKEND,
+                    help=f"{BACKEND_HELP} (--backend: the older name)")
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per sequence")
     ap.add_argument("--completion", type=int, default=512, help="completion tokens per sequence")
     ap.add_argument("--batch", type=int, default=None, help="sequences per GPU to show the peak of "
@@ -65,7 +68,8 @@ def main(argv=None) -> int:
             raise ValueError(f"--headroom must be in [0, 1), got {a.headroom}")
         if a.expandable_segments and a.headroom is not None:
             raise ValueError("give --headroom or --expandable-segments, not both")
-        base = PlannerConfig(model=a.model, backend=a.backend, dtype=a.dtype, lora_r=a.lora_r, world_size=a.gpus,
+        base = PlannerConfig(model=a.model, loss_backend=a.loss_backend, dtype=a.dtype, lora_r=a.lora_r,
+                             world_size=a.gpus,
                              fsdp=True if (a.gpus > 1 or a.fsdp_single) else False, prompt_len=a.prompt,
                              completion_len=a.completion, gradient_checkpointing=not a.no_checkpointing,
                              batch_size=a.batch or 1, expandable_segments=a.expandable_segments)
@@ -74,7 +78,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     gpus = f"{a.gpus} GPU{'s' if a.gpus > 1 else ''} × {a.gib:g} GiB" + (" (FSDP2)" if base.fsdp else "")
-    print(f"{a.model}, {a.backend}, {base.dtype}, "
+    print(f"{a.model}, {a.loss_backend}, {base.dtype}, "
           f"{'LoRA r=' + str(a.lora_r) if a.lora_r else 'full fine-tuning'}, {a.prompt}+{a.completion} tokens, "
           f"{gpus}, activation checkpointing {'off' if a.no_checkpointing else 'on'}")
     best = max_batch(base, a.gib, headroom=a.headroom)

@@ -17,8 +17,8 @@ ATTENTIONS = ("auto", "flash", "math", "cpu_flash")
 
 
 @dataclass(frozen=True)
-class PlannerConfig(StepSetting.with_defaults(model="Qwen3-0.6B", backend="grpo_lab", dtype="bf16", batch_size=8,
-                                              prompt_len=256, completion_len=512)):
+class PlannerConfig(StepSetting.with_defaults(model="Qwen3-0.6B", dtype="bf16", batch_size=8, prompt_len=256,
+                                              completion_len=512)):
     r"""
     One GRPO training setting whose per-device peak memory the planner predicts: the six coordinates of
     `grpo_lab.memory.spec.StepSetting` (checked there), with a one-GPU default setting, and how the step runs.
@@ -31,9 +31,9 @@ class PlannerConfig(StepSetting.with_defaults(model="Qwen3-0.6B", backend="grpo_
         model (`str`, defaults to `"Qwen3-0.6B"`):
             A config shipped in `data/configs` (`Qwen3-0.6B` … `Qwen3-14B`, `Qwen2.5-Math-1.5B`), a tiny preset, or a
             `transformers` config object passed as `model_config`.
-        backend (`str`, defaults to `"grpo_lab"`):
-            The loss backend: `"naive"` (full `[N, V]` logits), `"trl"` (TRL's fused head), `"grpo_lab"` (this
-            project's kernel) or `"liger"` (Liger's fused linear GRPO loss).
+        loss_backend (`str`, defaults to `grpo_lab.loss.backends.DEFAULT_LOSS_BACKEND`, `"grpo_lab"`):
+            The loss backend (`grpo_lab.loss.backends.LOSS_BACKENDS`): `"naive"` (full `[N, V]` logits), `"trl"`
+            (TRL's fused head), `"grpo_lab"` (this project's kernel) or `"liger"` (Liger's fused linear GRPO loss).
         dtype (`str`, defaults to `"bf16"`):
             `"bf16"` or `"fp32"`: the model, its LoRA adapters and AdamW's state are all in this dtype.
         batch_size (`int`, defaults to `8`):
@@ -96,7 +96,7 @@ class PlannerConfig(StepSetting.with_defaults(model="Qwen3-0.6B", backend="grpo_
         if self.world_size > 1 and not self.fsdp:
             raise ValueError("world_size > 1 is planned with FSDP2 (fsdp=True); data-parallel replicas without "
                              "sharding use the world-size-1 figure.")
-        if self.backend == "liger" and self.lora_r == 0 and self.fsdp:
+        if self.loss_backend == "liger" and self.lora_r == 0 and self.fsdp:
             raise ValueError("backend 'liger' under FSDP2 keeps the root parameters replicated, which the harness "
                              "does only for a frozen (LoRA) head: use lora_r > 0 or another backend.")
 

@@ -86,20 +86,20 @@ def _widened(rows: int, tokens: int, vocab_tile: int, vocab: int) -> int:
     return min(width, vocab)
 
 
-def head_forward(backend: str, shape: ModelShape, rows: int, b: int, device: str, trainable: bool,
+def head_forward(loss_backend: str, shape: ModelShape, rows: int, b: int, device: str, trainable: bool,
                  batch: int, completion_len: int) -> dict[str, float]:
     """Bytes the head allocates in its forward, at its peak (beyond its input rows)."""
     v, h = shape.vocab, shape.hidden
-    if backend == "naive":
+    if loss_backend == "naive":
         # logits (compute dtype), the fp32 logits the softmax sees, log p, p = exp(log p), p · log p (entropy)
         return {"naive.logits_and_softmax": (b + 4 * FP32) * v * rows}
-    if backend == "trl":
+    if loss_backend == "trl":
         n = min(rows, TRL_TOKEN_CHUNK)
         out = {**_trl_tile_buffer(n, v, b, device), "trl.row_stats": 7 * FP32 * rows}
         if device == "cpu":
             out["trl.cpu_tile_temporaries"] = TRL_CPU_FWD_TILES * FP32 * n * min(v, TRL_VOCAB_CHUNK)
         return out
-    if backend == "grpo_lab":
+    if loss_backend == "grpo_lab":
         if device == "cpu":
             tiles, n, vt = _chunked_tiles(rows, v, CHUNKED_FWD_TILES)
             out = {"grpo_lab.cpu_tiles": tiles * FP32 * n * vt, "grpo_lab.row_stats": 7 * FP32 * rows}
@@ -118,7 +118,7 @@ def head_forward(backend: str, shape: ModelShape, rows: int, b: int, device: str
         return {"grpo_lab.partial_stats": 6 * FP32 * math.ceil(v_tile / KERNEL_FROZEN_BN[b]) * t_tile,
                 "grpo_lab.row_stats": 8 * FP32 * rows, "grpo_lab.frozen_P_tile": t_tile * v_tile * b,
                 "grpo_lab.frozen_A": FP32 * h * rows}
-    if backend == "liger":
+    if loss_backend == "liger":
         # The whole loss runs in Liger's forward, one sequence per chunk: its log-prob forward, then its backward
         # (`torch.autograd.grad`: four fp32 [rows, 4096] tiles, dX in fp32 and, for a 16-bit weight, the vocabulary
         # chunk of the weight in fp32). Each chunk's dX joins a list that is concatenated at the end.
@@ -131,20 +131,20 @@ def head_forward(backend: str, shape: ModelShape, rows: int, b: int, device: str
         if trainable:
             out["liger.grad_weight"] = b * v * h
         return out
-    raise ValueError(f"unknown backend {backend!r}")
+    raise ValueError(f"unknown loss_backend {loss_backend!r}")
 
 
-def head_backward(backend: str, shape: ModelShape, rows: int, b: int, device: str, trainable: bool,
+def head_backward(loss_backend: str, shape: ModelShape, rows: int, b: int, device: str, trainable: bool,
                   entropy_grad: bool = False) -> dict[str, float]:
     """Bytes the head holds in its backward, at its peak (its saved tensors included, its input rows not)."""
     v, h = shape.vocab, shape.hidden
-    if backend == "naive":
+    if loss_backend == "naive":
         # saved log p and p; the gather's zero-filled gradient and log_softmax's input gradient (the entropy
         # branch's two more when it gets a gradient, as in the loss-alone probe)
         # (a trainable head's dW comes last, from the 16-bit logits gradient, once these are freed)
         return {"naive.saved_logp_p": 2 * FP32 * v * rows,
                 "naive.grad_logits": (3 if entropy_grad else 2) * FP32 * v * rows}
-    if backend == "trl":
+    if loss_backend == "trl":
         n = min(rows, TRL_TOKEN_CHUNK)
         out = {**_trl_tile_buffer(n, v, b, device), "trl.grad_hidden_fp32": FP32 * h * rows}
         if b < FP32:
@@ -156,7 +156,7 @@ def head_backward(backend: str, shape: ModelShape, rows: int, b: int, device: st
         if device == "cpu":
             out["trl.cpu_tile_temporaries"] = TRL_CPU_BWD_TILES * FP32 * n * min(v, TRL_VOCAB_CHUNK)
         return out
-    if backend == "grpo_lab":
+    if loss_backend == "grpo_lab":
         if device == "cpu":
             if not trainable:  # elementwise dX from A (saved), written in fp32 then cast
                 return {"grpo_lab.frozen_A": FP32 * h * rows, "grpo_lab.grad_hidden_fp32": FP32 * h * rows,
@@ -179,14 +179,14 @@ def head_backward(backend: str, shape: ModelShape, rows: int, b: int, device: st
         if trainable and b < FP32 and rows > t_tile:
             out["grpo_lab.dw_chunk_fp32"] = FP32 * v_tile * h
         return out
-    if backend == "liger":
+    if loss_backend == "liger":
         return {"liger.saved_grad_input": b * h * rows, "liger.grad_input_scaled": b * h * rows}
-    raise ValueError(f"unknown backend {backend!r}")
+    raise ValueError(f"unknown loss_backend {loss_backend!r}")
 
 
-def head_saves_rows(backend: str, trainable: bool) -> bool:
+def head_saves_rows(loss_backend: str, trainable: bool) -> bool:
     """Whether the head's autograd node keeps its input rows until its backward (the fused functions save them;
     the naive matmul needs them only for a weight gradient; Liger keeps its own dX instead)."""
-    if backend == "liger":
+    if loss_backend == "liger":
         return False
-    return backend != "naive" or trainable
+    return loss_backend != "naive" or trainable

@@ -1,7 +1,7 @@
 """Predict the peak memory of one GRPO training step, and the largest batch that fits, without running it.
 
     from grpo_lab.memory.planner import PlannerConfig, plan, max_batch
-    p = plan(PlannerConfig(model="Qwen3-8B", backend="grpo_lab", lora_r=16, world_size=4, batch_size=64))
+    p = plan(PlannerConfig(model="Qwen3-8B", loss_backend="grpo_lab", lora_r=16, world_size=4, batch_size=64))
     p.peak_gib, p.peak_phase, p.breakdown()           # per device
     max_batch(PlannerConfig(model="Qwen3-8B", world_size=4), budget_gib=80).batch
 
@@ -109,7 +109,7 @@ class MemoryPlan:
 
     def summary(self) -> str:
         c = self.config
-        lines = [f"{c.model} {c.backend} {c.dtype} B={c.batch_size} ({c.prompt_len}+{c.completion_len} tokens) "
+        lines = [f"{c.model} {c.loss_backend} {c.dtype} B={c.batch_size} ({c.prompt_len}+{c.completion_len} tokens) "
                  f"LoRA r={c.lora_r} world size {c.world_size}{' FSDP2' if c.fsdp else ''}: "
                  f"peak {self.peak_gib:.2f} GiB per device in {self.peak_phase}"]
         lines += [f"  {k:<34} {v:8.3f} GiB" for k, v in self.breakdown().items()]
@@ -130,11 +130,11 @@ def plan(config: PlannerConfig) -> MemoryPlan:
     batch, seq = c.batch_size, c.prompt_len + c.completion_len
     n_tok = batch * seq
     rows = head_rows(batch, c.prompt_len, c.completion_len, c.device)
-    if c.backend == "liger":
+    if c.loss_backend == "liger":
         rows = batch * c.completion_len  # Liger reads the completion positions of the hidden states itself
     lora_layer = sh.lora_layer_params(c.lora_r, c.lora_targets)
     layer_params = sh.layer_params + lora_layer
-    replicate_root = fsdp and c.backend == "liger"  # `shard_fsdp2(replicate_root=True)`: root kept whole
+    replicate_root = fsdp and c.loss_backend == "liger"  # `shard_fsdp2(replicate_root=True)`: root kept whole
 
     # --- what every phase holds: parameters, AdamW state, workspaces ---------------------------------------------
     root_local = sh.root_params if (replicate_root or not fsdp) else _sharded(sh.root_params, w, fsdp)
@@ -180,14 +180,14 @@ def plan(config: PlannerConfig) -> MemoryPlan:
 
     # --- the LM head ------------------------------------------------------------------------------------------
     loss = {"loss_terms": LOSS_BYTES_PER_COMPLETION_TOKEN * batch * c.completion_len}
-    head_in = {} if c.backend == "liger" else {"head_rows": b * sh.hidden * rows + 16 * rows}
+    head_in = {} if c.loss_backend == "liger" else {"head_rows": b * sh.hidden * rows + 16 * rows}
     phases: dict[str, dict[str, float]] = {}
     phases["head_forward"] = {**static, **step, **below_head, **final_norm, **loss,
                               "last_hidden_state": b * sh.hidden * n_tok, **head_in,
-                              **head_forward(c.backend, sh, rows, b, c.device, full, batch, c.completion_len)}
-    head_keep = head_in if head_saves_rows(c.backend, full) else {}
+                              **head_forward(c.loss_backend, sh, rows, b, c.device, full, batch, c.completion_len)}
+    head_keep = head_in if head_saves_rows(c.loss_backend, full) else {}
     phases["head_backward"] = {**static, **step, **below_head, **final_norm, **loss, **head_keep,
-                               **head_backward(c.backend, sh, rows, b, c.device, full)}
+                               **head_backward(c.loss_backend, sh, rows, b, c.device, full)}
 
     # --- decoder layers' backward: the top one (most activations), the bottom one (most gradients) -------------
     top = {**static, **step, **gathered_layer, **layers_alive(sh.layers - 1)}
@@ -247,8 +247,8 @@ def plan_loss_only(config: PlannerConfig, trainable: bool = True, entropy_grad: 
             inputs["cuda_workspace"] = CUDA_WORKSPACE_BYTES
     hidden_grad = {"hidden_grad": b * sh.hidden * rows}
     weight_grad = {"weight_grad": b * sh.vocab * sh.hidden} if trainable else {}
-    fwd = head_forward(c.backend, sh, rows, b, c.device, trainable, c.batch_size, c.completion_len)
-    if c.backend == "liger":  # the whole fwd + bwd runs in Liger's forward; its backward scales the kept dX / dW
+    fwd = head_forward(c.loss_backend, sh, rows, b, c.device, trainable, c.batch_size, c.completion_len)
+    if c.loss_backend == "liger":  # the whole fwd + bwd runs in Liger's forward; its backward scales the kept dX / dW
         kept = {"liger.saved_grad_input": b * sh.hidden * rows}
         if trainable:
             kept["liger.saved_grad_weight"] = b * sh.vocab * sh.hidden
@@ -256,9 +256,9 @@ def plan_loss_only(config: PlannerConfig, trainable: bool = True, entropy_grad: 
     else:
         # the fused heads' input gradient is the tensor their backward returns (counted in `bwd`); naive's comes
         # from the matmul's backward
-        bwd = head_backward(c.backend, sh, rows, b, c.device, trainable, entropy_grad=entropy_grad)
+        bwd = head_backward(c.loss_backend, sh, rows, b, c.device, trainable, entropy_grad=entropy_grad)
         phases = {"loss_forward": {**inputs, **fwd, "loss_terms": 16 * rows},
-                  "loss_backward": {**inputs, **(hidden_grad if c.backend == "naive" else {}), **bwd}}
+                  "loss_backward": {**inputs, **(hidden_grad if c.loss_backend == "naive" else {}), **bwd}}
     return _with_rss_overhead(MemoryPlan(config=c, shape=sh, phases=phases)) if with_inputs else \
         MemoryPlan(config=c, shape=sh, phases=phases)
 
@@ -281,7 +281,7 @@ def usable_budget(config: PlannerConfig, budget_bytes: float, headroom: float | 
     if headroom is None and config.expandable_segments:
         headroom = EXPANDABLE_SEGMENTS_HEADROOM
     if headroom is None:
-        headroom = ALLOCATOR_HEADROOM["naive" if config.backend == "naive" else "fused"]
+        headroom = ALLOCATOR_HEADROOM["naive" if config.loss_backend == "naive" else "fused"]
     return budget_bytes * (1.0 - headroom)
 
 
@@ -315,7 +315,7 @@ def max_batch_band(config: PlannerConfig, budget_gib: float, upper: int = 1 << 1
     """(low, high): where the max batch of a fused head can fall under the default CUDA caching allocator, whose
     fragmentation at the limit varies by model (`DEFAULT_ALLOCATOR_BAND`); None where one answer holds (CPU, the
     naive head, or `expandable_segments`)."""
-    if config.device == "cpu" or config.backend == "naive" or config.expandable_segments:
+    if config.device == "cpu" or config.loss_backend == "naive" or config.expandable_segments:
         return None
     worst, best = DEFAULT_ALLOCATOR_BAND
     return (max_batch(config, budget_gib, upper, headroom=worst).batch,

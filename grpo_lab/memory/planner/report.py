@@ -15,7 +15,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from grpo_lab.loss.backends import BACKEND_COLORS, BASELINE_BACKEND, DISPLAY_ORDER
+
 from .predict import PlannerConfig, max_batch
+from .validate import markdown_table
+from ..results import load_reference
 
 # The Hugging Face blog post "Liger GRPO meets TRL" (huggingface.co/blog/liger-grpo, 2025-05): "a multi-GPU GRPO
 # training plot using FSDP and PEFT ... the maximum training batch size possible with and without the Liger Loss
@@ -34,13 +38,13 @@ ARTICLE = {
 }
 
 
-def world_size_table(base: PlannerConfig, budget_gib: float, backends=("naive", "trl", "grpo_lab", "liger"),
+def world_size_table(base: PlannerConfig, budget_gib: float, backends=DISPLAY_ORDER,
                      world_sizes=range(1, 9), upper: int = 1 << 14) -> pd.DataFrame:
     """Predicted max batch and its peak per backend and world size (FSDP2), for a per-device budget."""
     rows = []
     for backend in backends:
         for w in world_sizes:
-            cfg = base.replace(backend=backend, world_size=w, fsdp=True if (w > 1 or base.fsdp) else base.fsdp)
+            cfg = base.replace(loss_backend=backend, world_size=w, fsdp=True if (w > 1 or base.fsdp) else base.fsdp)
             m = max_batch(cfg, budget_gib, upper=upper)
             rows.append({"model": base.model, "backend": backend, "world_size": w, "budget_gib": budget_gib,
                          "max_batch": m.batch, "peak_gib": m.peak_bytes / 2**30, "capped": m.capped,
@@ -60,8 +64,8 @@ def article_setting(models=None) -> pd.DataFrame:
                 base = PlannerConfig(model=model, dtype=a["dtype"], lora_r=a["lora_r"], world_size=a["world_size"],
                                      fsdp=True, prompt_len=a["prompt_len"], completion_len=completion,
                                      gradient_checkpointing=ckpt)
-                naive = max_batch(base.replace(backend="naive"), a["budget_gib"]).batch
-                fused = max_batch(base.replace(backend="liger"), a["budget_gib"]).batch
+                naive = max_batch(base.replace(loss_backend=BASELINE_BACKEND), a["budget_gib"]).batch
+                fused = max_batch(base.replace(loss_backend="liger"), a["budget_gib"]).batch
                 rows.append({"model": model, "gpus": f"{a['world_size']} × {a['budget_gib']:.0f} GiB",
                              "lora_r": a["lora_r"], "prompt_len": a["prompt_len"], "completion_len": completion,
                              "checkpointing": "on" if ckpt else "off", "naive_max_batch": naive,
@@ -75,13 +79,13 @@ def plot_world_sizes(table: pd.DataFrame, measured: pd.DataFrame | None = None, 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    colors = {"naive": "tab:red", "trl": "tab:blue", "grpo_lab": "tab:green", "liger": "tab:purple"}
     for backend, g in table.groupby("backend", sort=False):
-        ax.plot(g["world_size"], g["max_batch"], "-", color=colors.get(backend), label=f"{backend} (predicted)")
+        ax.plot(g["world_size"], g["max_batch"], "-", color=BACKEND_COLORS.get(backend),
+                label=f"{backend} (predicted)")
     if measured is not None and not measured.empty:
         for backend, g in measured.groupby("backend", sort=False):
-            ax.plot(g["world_size"], g["max_batch"], "o", ms=8, mfc="none", mew=2, color=colors.get(backend),
-                    label=f"{backend} (measured)")
+            ax.plot(g["world_size"], g["max_batch"], "o", ms=8, mfc="none", mew=2,
+                    color=BACKEND_COLORS.get(backend), label=f"{backend} (measured)")
     ax.set_xlabel("GPUs (FSDP2 world size)")
     ax.set_ylabel("max batch per GPU")
     ax.set_ylim(bottom=0)  # linear, plain-number ticks: a max batch of 0 (does not fit) stays on the axis
@@ -94,8 +98,6 @@ def plot_world_sizes(table: pd.DataFrame, measured: pd.DataFrame | None = None, 
 
 
 def article_markdown(table: pd.DataFrame) -> str:
-    from .validate import markdown_table
-
     a = ARTICLE
     return "\n".join([
         "# The FSDP + PEFT figure of \"Liger GRPO meets TRL\": the planner's prediction", "",
@@ -120,8 +122,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    from ..results import load_reference
-
     searches = load_reference("fsdp_max_batch", "fsdp_max_batch.csv")
     tables = []
     for model in ARTICLE["models"]:  # notebook 02's setting on the H200 (140 GiB), world sizes 1..8

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from grpo_lab.loss.backends import BASELINE_BACKEND, LOSS_BACKENDS
+
 from .predict import GiB, PlannerConfig, max_batch, max_batch_band, plan, plan_loss_only
 from ..results import load_reference, text_column
 from ..spec import EXPANDABLE_SEGMENTS
@@ -39,7 +41,7 @@ LOSS_GRID_RUNS = ("loss_grid.csv", "loss_grid_run6.csv", "loss_grid_run7.csv")
 
 
 def _config(row, **kw) -> PlannerConfig:
-    return PlannerConfig(model=row["model"], backend=row["backend"], dtype=row["dtype"],
+    return PlannerConfig(model=row["model"], loss_backend=row["backend"], dtype=row["dtype"],
                          batch_size=int(row.get("batch_size", 1)), prompt_len=max(1, int(row.get("prompt_len") or 1)),
                          completion_len=int(row["completion_len"]), **kw)
 
@@ -58,7 +60,7 @@ def provenance(row) -> dict:
 
 
 def _row(source, cfg: PlannerConfig, mode, measured, predicted, phase, calibration="", note="", src=None) -> dict:
-    return {**(provenance(src) if src is not None else dict.fromkeys(PROVENANCE, "")),"source": source, "model": cfg.model, "backend": cfg.backend, "dtype": cfg.dtype, "mode": mode,
+    return {**(provenance(src) if src is not None else dict.fromkeys(PROVENANCE, "")),"source": source, "model": cfg.model, "backend": cfg.loss_backend, "dtype": cfg.dtype, "mode": mode,
             "batch_size": cfg.batch_size, "prompt_len": cfg.prompt_len, "completion_len": cfg.completion_len,
             "lora_r": cfg.lora_r, "world_size": cfg.world_size, "fsdp": cfg.fsdp, "device": cfg.device,
             "measured_gib": measured, "predicted_gib": predicted, "error_pct": 100 * (predicted / measured - 1),
@@ -99,14 +101,14 @@ def loss_kernel_rows(df: pd.DataFrame) -> list[dict]:
     run per point. The materialised head (`grpo_lab+mem`, opt-in) is not planned."""
     from transformers import AutoConfig
 
-    df = df[(df["status"] == "ok") & (df["part"] == "loss") & df["backend"].isin(["naive", "trl", "grpo_lab", "liger"])]
+    df = df[(df["status"] == "ok") & (df["part"] == "loss") & df["backend"].isin(LOSS_BACKENDS)]
     df = df.drop_duplicates(subset=["backend", "head", "dtype", "H", "tokens", "T"], keep="last")
     out = []
     for _, r in df.iterrows():
         head = AutoConfig.for_model("qwen3", hidden_size=int(r["H"]), intermediate_size=3 * int(r["H"]),
                                     num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
                                     vocab_size=int(r["V"]), tie_word_embeddings=False)
-        cfg = PlannerConfig(model=f"head H={int(r['H'])}", model_config=head, backend=r["backend"], dtype=r["dtype"],
+        cfg = PlannerConfig(model=f"head H={int(r['H'])}", model_config=head, loss_backend=r["backend"], dtype=r["dtype"],
                             batch_size=int(r["B"]), prompt_len=1, completion_len=int(r["T"]))
         p = plan_loss_only(cfg, trainable=r["head"] == "trainable", entropy_grad=False, with_inputs=False)
         old = "P~ descriptor store" not in str(r.get("setting", ""))  # the setting column names it since run 7
@@ -159,7 +161,7 @@ def max_batch_rows(searches: pd.DataFrame) -> list[dict]:
         in_band = None if band is None else bool(band[0] <= hi and measured <= band[1])
         source = f"{'CPU' if device == 'cpu' else 'H200'} notebook 02 (searches" + (
             ", expandable segments)" if cfg.expandable_segments else ")")
-        out.append({"source": source, "model": cfg.model, "backend": cfg.backend, "device": device,
+        out.append({"source": source, "model": cfg.model, "backend": cfg.loss_backend, "device": device,
                     "allocator": "expandable segments" if cfg.expandable_segments else "default",
                     "lora_r": cfg.lora_r, "world_size": cfg.world_size,
                     "budget_gib": float(r["budget_gib"]), "measured_max_batch": measured, "first_oom": first_oom,
@@ -280,7 +282,7 @@ def max_batch_summary(searches: pd.DataFrame) -> pd.DataFrame:
     predictions lie within one search step of the measured limit."""
     if searches.empty:
         return pd.DataFrame()
-    kind = searches["backend"].where(searches["backend"] == "naive", "fused")
+    kind = searches["backend"].where(searches["backend"] == BASELINE_BACKEND, "fused")
     g = searches.assign(head=kind, abs_err=searches["error_pct"].abs()).groupby(["source", "head"], sort=False)
     return pd.DataFrame({"searches": g.size(), "max_abs_error_pct": g["abs_err"].max(),
                          "median_abs_error_pct": g["abs_err"].median(),

@@ -14,15 +14,21 @@ import html
 
 import pandas as pd
 
+from grpo_lab.lab.live_board import fig_to_png
+from grpo_lab.lab.widgets import label_width_px
+from grpo_lab.loss.backends import BASELINE_BACKEND, DEFAULT_LOSS_BACKEND, DISPLAY_ORDER
+from grpo_lab.models import known_model_names
+
 from .predict import GiB, PlannerConfig, max_batch, plan, usable_budget
 from .report import plot_world_sizes, world_size_table
+from .validate import max_batch_rows
+from ..notebook import reference_max_batch
 from ..results import text_column
 from ..spec import EXPANDABLE_SEGMENTS
 
-BACKENDS = ("naive", "trl", "grpo_lab", "liger")
 H200_GIB = 140.4  # what torch reports for one H200 (notebook 02's committed budget)
 LABELS = {"model": "model", "gpus": "GPUs", "gib": "GiB per GPU", "dtype": "dtype", "lora_r": "LoRA r",
-          "backend": "backend", "prompt_len": "prompt len", "completion_len": "completion len",
+          "loss_backend": "backend", "prompt_len": "prompt len", "completion_len": "completion len",
           "checkpointing": "checkpointing", "expandable_segments": "expandable segments"}
 
 
@@ -59,8 +65,9 @@ def measured_points(searches: pd.DataFrame | None, config: PlannerConfig, budget
 
 def world_size_figure(config: PlannerConfig, budget_gib: float, searches: pd.DataFrame | None = None,
                       world_sizes=range(1, 9)):
-    """Predicted max batch over world size for naive and the chosen backend, measured searches overlaid."""
-    backends = ("naive", config.backend) if config.backend != "naive" else ("naive",)
+    """Predicted max batch over world size for the baseline (naive) and the chosen backend, measured searches
+    overlaid."""
+    backends = tuple(dict.fromkeys((BASELINE_BACKEND, config.loss_backend)))
     table = world_size_table(config, budget_gib, backends=backends, world_sizes=world_sizes, upper=1 << 14)
     measured = measured_points(searches, config, budget_gib)
     ckpt = "" if config.gradient_checkpointing else ", no checkpointing"
@@ -73,8 +80,6 @@ def with_committed_searches(searches: pd.DataFrame | None) -> pd.DataFrame | Non
     """`searches` (just measured in the notebook) together with the committed H200 searches of both allocator
     settings, so the plot overlays every measurement of a setting; a search repeated is kept once (the newer, from
     `searches`)."""
-    from ..notebook import reference_max_batch
-
     frames = [df for df in (reference_max_batch(False), reference_max_batch(True), searches)
               if df is not None and not df.empty]
     if not frames:
@@ -89,13 +94,11 @@ def with_committed_searches(searches: pd.DataFrame | None) -> pd.DataFrame | Non
 class PlannerPanel:
     """The interactive planner (see the module docstring). `searches`: notebook 02's searches to overlay."""
 
-    def __init__(self, model="Qwen3-8B", gpus=1, gib=H200_GIB, dtype="bf16", lora_r=16, backend="grpo_lab",
+    def __init__(self, model="Qwen3-8B", gpus=1, gib=H200_GIB, dtype="bf16", lora_r=16, loss_backend=DEFAULT_LOSS_BACKEND,
                  prompt_len=256, completion_len=512, checkpointing=True, expandable_segments=False,
                  searches: pd.DataFrame | None = None):
-        from grpo_lab.models import known_model_names
-
         self.searches = searches
-        self.values = dict(model=model, gpus=gpus, gib=gib, dtype=dtype, lora_r=lora_r, backend=backend,
+        self.values = dict(model=model, gpus=gpus, gib=gib, dtype=dtype, lora_r=lora_r, loss_backend=loss_backend,
                            prompt_len=prompt_len, completion_len=completion_len, checkpointing=checkpointing,
                            expandable_segments=expandable_segments)
         self.models = known_model_names()
@@ -112,7 +115,7 @@ class PlannerPanel:
     def config(self) -> tuple[PlannerConfig, float]:
         """The setting the panel shows, as (PlannerConfig, GiB per GPU); a bad value raises ValueError."""
         v = self.current()
-        cfg = PlannerConfig(model=v["model"], backend=v["backend"], dtype=v["dtype"], lora_r=int(v["lora_r"]),
+        cfg = PlannerConfig(model=v["model"], loss_backend=v["loss_backend"], dtype=v["dtype"], lora_r=int(v["lora_r"]),
                             world_size=int(v["gpus"]), fsdp=True, prompt_len=int(v["prompt_len"]),
                             completion_len=int(v["completion_len"]), gradient_checkpointing=bool(v["checkpointing"]),
                             expandable_segments=bool(v["expandable_segments"]))
@@ -139,8 +142,6 @@ class PlannerPanel:
         return self
 
     def _build(self):
-        from grpo_lab.lab.widgets import label_width_px
-
         w, v = self._w, self.values
         style = {"description_width": f"{label_width_px(LABELS.values())}px"}
         box = w.Layout(width="330px")
@@ -156,7 +157,7 @@ class PlannerPanel:
             "gib": w.BoundedFloatText(value=v["gib"], min=0.1, max=4096, description=LABELS["gib"], style=style,
                                       layout=box),
             "dtype": choice("dtype", ("bf16", "fp32")), "lora_r": number("lora_r", 0, 1024),
-            "backend": choice("backend", BACKENDS), "prompt_len": number("prompt_len", 1, 131072),
+            "loss_backend": choice("loss_backend", DISPLAY_ORDER), "prompt_len": number("prompt_len", 1, 131072),
             "completion_len": number("completion_len", 1, 131072),
             "checkpointing": w.Checkbox(value=v["checkpointing"], description=LABELS["checkpointing"], style=style,
                                         layout=box),
@@ -191,8 +192,6 @@ def _png(fig):
     import matplotlib.pyplot as plt
     from IPython.display import Image
 
-    from grpo_lab.lab.live_board import fig_to_png
-
     try:
         return Image(data=fig_to_png(fig, dpi=90))
     finally:
@@ -213,8 +212,6 @@ def _widgets():
 def searches_against_planner(searches: pd.DataFrame | None) -> pd.DataFrame:
     """Each finished search of `searches` (committed or just measured, any device or world size) against the
     planner's max batch for it: the planner's own error wherever it has been measured."""
-    from .validate import max_batch_rows
-
     if searches is None or searches.empty:
         return pd.DataFrame()
     rows = pd.DataFrame(max_batch_rows(searches))
