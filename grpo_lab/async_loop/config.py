@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from ..loss.backends import BACKEND_HELP, DEFAULT_LOSS_BACKEND, resolve_backend
-from .loop_settings import LoopSettings, inflight_tasks  # noqa: F401 - inflight_tasks: its old import path
+from .loop_settings import LoopSettings, check_setting, inflight_tasks  # noqa: F401 - inflight_tasks: its old import path
 from .tree_attention import CHOICES as TREE_ATTENTION_CHOICES
 
 
@@ -78,8 +78,7 @@ class AsyncGRPOLabConfig(AsyncGRPOConfig):
                              f"got {self.tree_attention!r}")
         if self.rollout_failure_timeout_s <= 0 or self.control_timeout_s <= 0:
             raise ValueError("rollout_failure_timeout_s and control_timeout_s must be > 0")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        check_setting(LoopSettings, "max_staleness", self.max_staleness)
         if self.bf16 is None and not self.fp16:
             import torch
 

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..serving.adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
+from .loop_settings import LoopSettings, SettingError, check_setting
 
 
 @dataclass
@@ -273,8 +274,13 @@ def main(argv=None) -> int:
         print(f"error: {error} (run the loop with grpo-lab async-loop, which records loop_metrics.jsonl)",
               file=sys.stderr)
         return 2
-    if a.window < 2 or (a.max_staleness is not None and a.max_staleness < 0):
-        print("error: --window >= 2 and --max-staleness >= 0 are required", file=sys.stderr)
+    try:
+        if a.window < 2:
+            raise SettingError("window", f"must be >= 2, got {a.window}")
+        if a.max_staleness is not None:
+            check_setting(LoopSettings, "max_staleness", a.max_staleness)
+    except SettingError as error:
+        print(f"error: {error.flag}: {error.message}", file=sys.stderr)
         return 2
     record, record_path = find_run_record(a.path)
     overrides = {"max_staleness": a.max_staleness, "max_inflight_tasks": a.max_inflight_tasks,

@@ -91,6 +91,15 @@ def setting(default=None, *, help: str, group: str | None = None, check=None, **
     return field(default=default, metadata=metadata)
 
 
+def check_setting(settings_type, name: str, value) -> None:
+    """`value` against the rule of `settings_type`'s field `name` (SettingError), for code that holds the value
+    elsewhere (a trainer config, another command's flag)."""
+    check = settings_type.__dataclass_fields__[name].metadata.get("check")
+    problem = check.problem(value) if check is not None else None
+    if problem:
+        raise SettingError(name, problem)
+
+
 def check_fields(settings) -> None:
     """Each field of a settings dataclass against its type and rule (SettingError naming the first one at fault):
     a value from a config file or from Python reaches here without the command line's checks."""
