@@ -129,3 +129,21 @@ def test_two_networks_never_share_names_or_subnets():
     finally:
         first.destroy()
         second.destroy()
+
+
+def test_where_namespaces_cannot_be_made_the_reason_is_given(monkeypatch):
+    monkeypatch.setattr(netns.shutil, "which", lambda name: None)
+    assert "no `ip` command" in netns._probe()
+    monkeypatch.setattr(netns.shutil, "which", lambda name: "/usr/sbin/ip")
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert "need root" in netns._probe()
+
+
+def test_without_namespaces_the_tier_skips_or_fails_where_required(monkeypatch):
+    monkeypatch.setattr(netns, "_reason", ["network namespaces need root"])
+    monkeypatch.delenv(netns.REQUIRE_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="the Ray tier needs network namespaces: .*need root"):
+        netns.require_or_skip("the Ray tier")
+    monkeypatch.setenv(netns.REQUIRE_ENV, "1")  # CI
+    with pytest.raises(pytest.fail.Exception, match="GRPO_LAB_REQUIRE_NETNS=1 requires them"):
+        netns.require_or_skip("the Ray tier")
