@@ -54,12 +54,8 @@ class LiveKnobs:
     def __reduce__(self):
         if get_spawning_popen() is None:
             # TRL pickles the worker's arguments once to check they can be pickled: a copy of the values will do
-            return (_detached, (self.inflight, self.queue_bound, self.max_inflight, self.max_queue))
+            return (LiveKnobs, (self.inflight, self.queue_bound, self.max_inflight, self.max_queue))
         return (_attached, (self._inflight, self._queue, self.max_inflight, self.max_queue))
-
-
-def _detached(inflight: int, queue_bound: int, max_inflight: int, max_queue: int) -> LiveKnobs:
-    return LiveKnobs(inflight, queue_bound, max_inflight, max_queue)
 
 
 def _attached(inflight_value, queue_value, max_inflight: int, max_queue: int) -> LiveKnobs:
