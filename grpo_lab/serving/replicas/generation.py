@@ -21,6 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from ...models.hf_compat import cache_keyword
+from ..adapters.cache import AdapterCache
+from ..adapters.storage import MANIFEST, local_copy_matches
 from ..routing.prefix_hash import block_hashes
 from .prefix_kv_cache import PrefixKVCache
 from .config import CPUReplicaConfig
@@ -116,8 +118,6 @@ class Engine:
         """An adapter published on an object store (an fsspec URL): copied to this replica's cache and checked against
         its manifest; the load then reads the verified local copy. Not complete yet (no manifest) reads as vLLM's
         "No adapter found", which the router retries like a lagging mount."""
-        from ..adapters.cache import AdapterCache
-
         if self._adapter_cache is None:
             self._adapter_cache = AdapterCache(self.config.adapter_cache_dir)
         try:
@@ -139,19 +139,16 @@ class Engine:
     def _check_manifest(self, path: str) -> None:
         """A directory published by grpo_lab carries a manifest: refuse files that do not match it (a partial or
         corrupted copy would otherwise be served as the policy)."""
-        manifest = os.path.join(path, "grpo_lab_manifest.json")
+        manifest = os.path.join(path, MANIFEST)
         if not os.path.isfile(manifest):
             return
-        import hashlib
-
         try:
-            files = json.load(open(manifest)).get("files", {})
-            for fname, sha in files.items():
-                with open(os.path.join(path, fname), "rb") as f:
-                    if hashlib.sha256(f.read()).hexdigest() != sha:
-                        raise RequestError(400, f"{path}/{fname} does not match its manifest")
+            with open(manifest) as f:
+                files = json.load(f).get("files", {})
         except (OSError, ValueError) as error:
             raise RequestError(400, f"unreadable adapter manifest in {path}: {error}") from None
+        if not local_copy_matches(path, files):
+            raise RequestError(400, f"{path} does not match its manifest")
 
     def load_adapter(self, name: str, path: str) -> None:
         if name in self.adapters or name in self.config.served_model_names:
