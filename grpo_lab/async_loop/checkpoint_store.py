@@ -13,6 +13,10 @@ On a fresh machine, `pull_last_checkpoint(url, output_dir)` downloads the newest
 `--resume` / `train(resume_from_checkpoint=True)` goes on from it as from a local one. The adapter names stay unique
 across the move because the adapter history lives on the store too (`serving.adapters.storage`).
 
+Each published checkpoint also carries the run's log as of its step (`run_dir.RUN_LOG_DIR`: the metrics log and
+`run.json`), and a pull into a machine that lacks that history restores it (`run_dir.restore_run_log`): the doctor,
+the results and the trackers' history go on from the whole run, not from the steps after the resume.
+
 A re-save of a step already published (a run resumed from an earlier checkpoint trains that step again) first
 removes the old copy's manifest, so a kill in between leaves an incomplete folder, never a mix of two saves.
 """
@@ -34,6 +38,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..serving.adapters.storage import download_tree, is_local, tree_files, upload_tree
 from .checkpoints import ROLLOUT_STATE, TRAINER_STATE, checkpoint_step, is_checkpoint_name, last_complete_checkpoint
 from .checkpoints import checkpoint_problem as local_problem
+from .run_dir import restore_run_log, snapshot_run_log
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,7 @@ class Pulled:
     checkpoint: str | None
     downloaded: bool = False
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    restored: list[str] = field(default_factory=list)  # the run's log files brought back (`run_dir.restore_run_log`)
 
     def describe_skipped(self) -> str:
         return "; ".join(f"{name}: {why}" for name, why in self.skipped)
@@ -132,7 +138,8 @@ class CheckpointStore:
 
     def pull_last(self, output_dir: str | Path, warn: Callable[[str], object] | None = None) -> Pulled:
         """Make the newest complete checkpoint on the store a local `output_dir/checkpoint-N` (unless `output_dir`
-        already holds a complete one as new); `warn` hears which published ones were skipped and why."""
+        already holds a complete one as new), with the run's log it carries where `output_dir` lacks that history;
+        `warn` hears which published ones were skipped and why."""
         output_dir = Path(output_dir)
         local = last_complete_checkpoint(output_dir).checkpoint
         local_step = checkpoint_step(local) if local else -1
@@ -151,6 +158,7 @@ class CheckpointStore:
                     problem = f"download failed ({type(error).__name__}: {error})"
                 else:
                     pulled.checkpoint, pulled.downloaded = str(output_dir / name), True
+                    pulled.restored = restore_run_log(pulled.checkpoint, output_dir)
                     break
             skipped.append((name, problem))
         if skipped and warn is not None:
@@ -178,8 +186,8 @@ class CheckpointPublishError(RuntimeError):
 
 
 class PublishCheckpoints(TrainerCallback):
-    """Publishes each checkpoint transformers has just saved to `store` (main process only), then prunes the store
-    to `save_total_limit`. A store that still refuses after `attempts` tries (`retry_s` apart, doubling) stops the
+    """Publishes each checkpoint transformers has just saved to `store` (main process only), with the run's log as
+    of that step inside it (`run_dir.snapshot_run_log`), then prunes the store to `save_total_limit`. A store that still refuses after `attempts` tries (`retry_s` apart, doubling) stops the
     run with `CheckpointPublishError` naming the store: a run that "succeeds" with its checkpoints missing from the
     store would leave nothing to resume from on another machine."""
 
@@ -195,6 +203,7 @@ class PublishCheckpoints(TrainerCallback):
         t0 = time.perf_counter()
         for attempt in range(1, self.attempts + 1):
             try:
+                snapshot_run_log(args.output_dir, folder, state.global_step)
                 self.store.publish(folder)
                 if args.save_total_limit:
                     self.store.prune(args.save_total_limit)

@@ -336,11 +336,15 @@ class AsyncLoop:
         return DoctorConfig.for_replicas(self.loop.replica_kind)
 
     def verdict(self):
-        """The doctor's verdict on this run so far, judged by its own settings (`run.json`)."""
+        """The doctor's verdict on this run so far, judged by its own settings (`run.json`) and its whole metrics log
+        (after a resume: the steps before it too, also when they came back with a checkpoint from the store)."""
         from .doctor import diagnose_run
+        from .recorder import METRICS_FILE, read_metrics
         from .run_dir import read_run_record
 
-        return diagnose_run(self.recorder.rows, read_run_record(self.args.output_dir) or {})
+        log_file = Path(self.args.output_dir) / METRICS_FILE
+        rows = read_metrics(log_file) if log_file.is_file() else self.recorder.rows
+        return diagnose_run(rows, read_run_record(self.args.output_dir) or {})
 
     def stop(self) -> None:
         worker = getattr(self.trainer, "rollout_worker", None) if self.trainer is not None else None

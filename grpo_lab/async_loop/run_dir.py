@@ -8,6 +8,10 @@ checkpoint, so every step appears once.
 
 `run.json` records the settings the run was started with (replica kind, staleness, requests in flight, the replicas'
 KV block size, prompt lengths, ...): `grpo-lab doctor` judges a run by its own settings, not by its flags' defaults.
+
+The run's log (the metrics log and `run.json`) also travels inside each checkpoint (`RUN_LOG_DIR`, cut to the
+checkpoint's step): a resume on another machine from `--checkpoint-storage` brings the history back with the weights,
+so the doctor and the results judge the whole run, not only the steps after the resume.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from .recorder import METRICS_FILE
 RUN_RECORD = "run.json"
 # What a run of the async loop writes into its output directory (and `--overwrite` may therefore remove).
 RUN_ENTRIES = (RUN_RECORD, METRICS_FILE, "logs", ".vllm_lora", "runs")
+RUN_LOG_DIR = "grpo_lab_run"  # inside a checkpoint: the run's log as of that step (RUN_LOG_FILES)
+RUN_LOG_FILES = (METRICS_FILE, RUN_RECORD)
 
 
 class RunDirError(ValueError):
@@ -125,3 +131,51 @@ def read_run_record(run: str | os.PathLike) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def last_logged_step(path: str | os.PathLike) -> int:
+    """The highest step of a metrics log (-1: none, or no file)."""
+    steps = [-1]
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return -1
+    for line in lines:
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            steps.append(step)
+    return max(steps)
+
+
+def snapshot_run_log(output_dir: str | os.PathLike, checkpoint: str | os.PathLike, step: int) -> list[str]:
+    """Copy the run's log (`RUN_LOG_FILES` of `output_dir`) into `<checkpoint>/RUN_LOG_DIR`, the metrics cut to
+    `step`; returns the names copied. Called when a checkpoint is published, so the store holds the history too."""
+    dest = Path(checkpoint) / RUN_LOG_DIR
+    copied = []
+    for name in RUN_LOG_FILES:
+        source = Path(output_dir) / name
+        if source.is_file():
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, dest / name)
+            copied.append(name)
+    truncate_metrics(dest, step)
+    return copied
+
+
+def restore_run_log(checkpoint: str | os.PathLike, output_dir: str | os.PathLike) -> list[str]:
+    """Bring a checkpoint's copy of the run's log back into `output_dir` where it knows more: the metrics log when
+    `output_dir` has none or one that stops before the checkpoint's (a fresh machine), `run.json` when there is none.
+    Returns the names restored (the resume then cuts the metrics to the checkpoint's step as always)."""
+    source, folder = Path(checkpoint) / RUN_LOG_DIR, Path(output_dir)
+    restored = []
+    metrics = source / METRICS_FILE
+    if metrics.is_file() and last_logged_step(metrics) > last_logged_step(folder / METRICS_FILE):
+        _write_atomically(folder / METRICS_FILE, metrics.read_text())
+        restored.append(METRICS_FILE)
+    if (source / RUN_RECORD).is_file() and read_run_record(folder) is None:
+        _write_atomically(folder / RUN_RECORD, (source / RUN_RECORD).read_text())
+        restored.append(RUN_RECORD)
+    return restored

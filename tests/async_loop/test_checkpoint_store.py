@@ -119,7 +119,7 @@ def test_checkpoints_on_s3_resume_on_a_fresh_machine(s3_cluster, s3_url, tmp_pat
         second.train(resume_from_checkpoint=True)
     assert second.trainer.state.global_step == 3
     steps = [r["step"] for r in read_metrics(fresh / METRICS_FILE) if "train_runtime" not in r]
-    assert steps == [3]  # went on from the pulled checkpoint
+    assert steps == [1, 2, 3]  # went on from the pulled checkpoint, with machine A's history (issue 43 #9)
     history = AdapterStore(adapters).history()
     new = [p for p in history.values() if p.run_id == second.trainer.adapter_store.run_id]
     assert new and min(version_of(p.name, "trl-policy") for p in new) == killed_max + 1  # numbering went on
