@@ -33,6 +33,8 @@ class AdapterLifecycle:
     def __init__(self, pool: ReplicaPool, client: UpstreamClient, config: RouterConfig, metrics: Registry):
         self.pool, self.client, self.config, self.metrics = pool, client, config, metrics
         self.drainer = Drainer(pool)
+        self._load_limits = dict(deadline_s=config.load_retry_deadline_s, interval_s=config.load_retry_interval_s,
+                                 timeout_s=config.control_timeout_s)  # how each replica's load is retried
 
     async def load(self, body: dict) -> web.Response:
         """`POST /v1/load_lora_adapter` with the JSON `body`: all or nothing across the replicas in service, after
@@ -69,10 +71,8 @@ class AdapterLifecycle:
                 targets = pool.in_service()
             if not targets:
                 return error_response(503, "no replica in service to load the adapter on", "ServiceUnavailable")
-            ok, outcomes = await load_everywhere(
-                self.client, targets, name, path, deadline_s=self.config.load_retry_deadline_s,
-                interval_s=self.config.load_retry_interval_s, timeout_s=self.config.control_timeout_s,
-                on_stale=pool.mark_down)  # re-admission unloads what a failed rollback left there
+            ok, outcomes = await load_everywhere(  # on_stale: re-admission unloads what a failed rollback left
+                self.client, targets, name, path, on_stale=pool.mark_down, **self._load_limits)
             self._count_load(outcomes, ok)
             if not ok:
                 return self._load_failed(name, path, outcomes)
@@ -96,9 +96,7 @@ class AdapterLifecycle:
         """Replicas admitted while the load ran (they synced the live set, which did not have it yet) load it now;
         one that cannot leaves routing and gets it at re-admission."""
         for replica in [r for r in self.pool.in_service() if name not in r.adapters]:
-            outcome = await load_one(self.client, replica, name, path, deadline_s=self.config.load_retry_deadline_s,
-                                     interval_s=self.config.load_retry_interval_s,
-                                     timeout_s=self.config.control_timeout_s)
+            outcome = await load_one(self.client, replica, name, path, **self._load_limits)
             if outcome.ok:
                 replica.adapters[name] = path
             else:

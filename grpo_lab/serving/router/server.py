@@ -325,20 +325,18 @@ class Router:
 
         if len(prompts) == 1:  # one prompt (or a batch of one): forwarded as sent
             reply, answer = await forward(prompts[0], raw, t_start)
-            if shown is not None and shown != model:
-                return self._renamed(reply, answer, model, shown)
-            return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
-        bodies = [json.dumps({**body, "prompt": p}).encode() for p in prompts]
-        results = await asyncio.gather(*(forward(p, b, time.perf_counter()) for p, b in zip(prompts, bodies)))
-        failed = next((reply for reply, answer in results if answer is None), None)
-        if failed is not None:  # vLLM fails the whole batch when one prompt fails
-            if shown is not None and shown != model:
-                return self._renamed(failed, None, model, shown)
-            return web.Response(body=failed.body, status=failed.status, content_type=failed.content_type)
-        merged = merge_batch([answer for _, answer in results])
-        if shown is not None and "model" in merged:
-            merged["model"] = shown
-        return web.json_response(merged)
+        else:
+            bodies = [json.dumps({**body, "prompt": p}).encode() for p in prompts]
+            results = await asyncio.gather(*(forward(p, b, time.perf_counter()) for p, b in zip(prompts, bodies)))
+            reply, answer = next(((r, a) for r, a in results if a is None), (None, None))
+            if reply is None:  # else vLLM fails the whole batch when one prompt fails: answered as that prompt's
+                merged = merge_batch([a for _, a in results])
+                if shown is not None and "model" in merged:
+                    merged["model"] = shown
+                return web.json_response(merged)
+        if shown is not None and shown != model:
+            return self._renamed(reply, answer, model, shown)
+        return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
 
     @staticmethod
     def _renamed(reply: Reply, answer: dict | None, upstream: str, shown: str) -> web.Response:

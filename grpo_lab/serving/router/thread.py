@@ -38,9 +38,6 @@ class RouterHandle(AppThread):
     def app(self) -> web.Application:
         return self.router.app()
 
-    def start(self, timeout: float = 30.0) -> "RouterHandle":
-        return super().start(timeout)
-
     def wait_ready(self, replicas: int | None = None, timeout: float = 60.0) -> None:
         """Block until `replicas` (default: every member) replicas are in service."""
         deadline = time.monotonic() + timeout
@@ -58,7 +55,7 @@ class RouterHandle(AppThread):
         """Run `fn()` (sync) on the router's loop, e.g. to inspect state consistently."""
         async def wrapped():
             return fn()
-        return asyncio.run_coroutine_threadsafe(wrapped(), self._loop).result(timeout)
+        return self._run_on_loop(wrapped(), timeout)
 
     def _run_on_loop(self, coroutine, timeout: float):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
@@ -73,6 +70,17 @@ class RouterHandle(AppThread):
         replica that died), then they are re-sent elsewhere. None when `url` is not a member."""
         drain_s = self.config.remove_drain_timeout_s if drain_s is None else drain_s
         return self._run_on_loop(self.router.membership.remove(url, drain_s), drain_s + 30)
+
+    def replica_died(self, url: str, why: str) -> bool:
+        """A launcher saw the replica's server exit: out of routing now (its completions in flight are re-sent), not
+        after health checks time out; the health watch re-admits it, with the live adapters, once it serves again.
+        False when `url` is not a member."""
+        def down() -> bool:
+            replica = self.router.pool.member(url)
+            if replica is not None:
+                self.router.pool.mark_down(replica, why)
+            return replica is not None
+        return self.call(down)
 
     def replicas(self) -> list[dict]:
         """The current members with their states."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Self
 
 from aiohttp import web
 
@@ -67,7 +68,7 @@ class AppThread:
         finally:
             self._loop.close()
 
-    def start(self, timeout: float = 30.0):
+    def start(self, timeout: float = 30.0) -> Self:
         """Serve it; returns self. TimeoutError if it is not listening within `timeout`, RuntimeError if it failed."""
         self._thread.start()
         if not self._ready.wait(timeout):
