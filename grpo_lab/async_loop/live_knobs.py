@@ -17,6 +17,23 @@ import queue
 from multiprocessing.context import get_spawning_popen
 
 
+class _SharedKnob:
+    """A knob of `LiveKnobs`: its value lives in shared memory (`_<name>`), and a new one is clamped to 1..`bound`
+    (the name of the instance's upper bound)."""
+
+    def __init__(self, bound: str):
+        self.bound = bound
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.shared = f"_{name}"
+
+    def __get__(self, knobs, owner=None):
+        return self if knobs is None else int(getattr(knobs, self.shared).value)
+
+    def __set__(self, knobs, value: int) -> None:
+        getattr(knobs, self.shared).value = int(min(max(value, 1), getattr(knobs, self.bound)))
+
+
 class LiveKnobs:
     """Requests in flight and the rollout queue's bound, shared between the trainer and its rollout worker's child.
 
@@ -26,41 +43,28 @@ class LiveKnobs:
         max_inflight, max_queue: the upper bounds (what TRL's slots and queue are sized for).
     """
 
+    inflight = _SharedKnob("max_inflight")
+    queue_bound = _SharedKnob("max_queue")
+
     def __init__(self, inflight: int, queue_bound: int, max_inflight: int, max_queue: int):
         if not 1 <= inflight <= max_inflight or not 1 <= queue_bound <= max_queue:
             raise ValueError(f"live knobs out of their bounds: in flight {inflight} of 1..{max_inflight}, queue "
                              f"{queue_bound} of 1..{max_queue}")
         ctx = mp.get_context("spawn")
         self._inflight = ctx.RawValue("i", inflight)
-        self._queue = ctx.RawValue("i", queue_bound)
+        self._queue_bound = ctx.RawValue("i", queue_bound)
         self.max_inflight, self.max_queue = max_inflight, max_queue
-
-    @property
-    def inflight(self) -> int:
-        return int(self._inflight.value)
-
-    @inflight.setter
-    def inflight(self, value: int) -> None:
-        self._inflight.value = int(min(max(value, 1), self.max_inflight))
-
-    @property
-    def queue_bound(self) -> int:
-        return int(self._queue.value)
-
-    @queue_bound.setter
-    def queue_bound(self, value: int) -> None:
-        self._queue.value = int(min(max(value, 1), self.max_queue))
 
     def __reduce__(self):
         if get_spawning_popen() is None:
             # TRL pickles the worker's arguments once to check they can be pickled: a copy of the values will do
             return (LiveKnobs, (self.inflight, self.queue_bound, self.max_inflight, self.max_queue))
-        return (_attached, (self._inflight, self._queue, self.max_inflight, self.max_queue))
+        return (_attached, (self._inflight, self._queue_bound, self.max_inflight, self.max_queue))
 
 
 def _attached(inflight_value, queue_value, max_inflight: int, max_queue: int) -> LiveKnobs:
     knobs = object.__new__(LiveKnobs)
-    knobs._inflight, knobs._queue = inflight_value, queue_value
+    knobs._inflight, knobs._queue_bound = inflight_value, queue_value
     knobs.max_inflight, knobs.max_queue = max_inflight, max_queue
     return knobs
 
