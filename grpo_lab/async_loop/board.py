@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 
 from ..lab.live_board import LiveBoard, Series
 from .doctor import DoctorConfig, Verdict, diagnose, replica_notes
-from .recorder import router_snapshot
+from .recorder import router_figures, router_snapshot
 
 SERIES = (
     Series("step_s", "step time (s)"), Series("fwd_bwd_s", "forward+backward (s)"),
@@ -40,15 +40,8 @@ def board_values(row: dict, previous_router: dict | None) -> dict:
     samples, step_s = row.get("batch/samples_per_step"), row.get("perf/step_s")
     if samples and step_s:
         values["completions_per_s"] = samples / step_s
-    router = row.get("router")
-    if isinstance(router, dict):
-        now, before = router.get("routing", {}), (previous_router or {}).get("routing", {})
-        delta = {k: now.get(k, 0) - before.get(k, 0) for k in now}
-        if sum(delta.values()) > 0:
-            values["affinity"] = delta.get("affinity", 0) / sum(delta.values())
-        loads = list((router.get("in_flight") or {}).values())
-        if loads and sum(loads) > 0:
-            values["load_imbalance"] = max(loads) / (sum(loads) / len(loads))
+    router = router_figures(row.get("router") if isinstance(row.get("router"), dict) else None, previous_router)
+    values["affinity"], values["load_imbalance"] = router.get("affinity_share"), router.get("load_imbalance")
     return values
 
 

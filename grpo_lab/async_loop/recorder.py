@@ -36,6 +36,25 @@ def router_snapshot(url: str | None, timeout: float = 2.0) -> dict | None:
             "replica_states": {r["url"]: r.get("state") for r in body.get("replicas", [])}}
 
 
+def router_figures(snapshot: dict | None, before: dict | None) -> dict:
+    """What `snapshot` says since the snapshot `before`: the routing decisions (`<decision>_total`), the share that
+    found their prefix cached (`affinity_share`, when there were decisions), the requests in flight at the replicas
+    (`in_flight`) and their max/mean (`load_imbalance`, when any are in flight)."""
+    if not snapshot:
+        return {}
+    routing, past = snapshot.get("routing") or {}, (before or {}).get("routing") or {}
+    delta = {k: v - past.get(k, 0) for k, v in routing.items()}
+    figures = {f"{k}_total": float(v) for k, v in delta.items()}
+    if sum(delta.values()) > 0:
+        figures["affinity_share"] = delta.get("affinity", 0) / sum(delta.values())
+    loads = list((snapshot.get("in_flight") or {}).values())
+    if loads:
+        figures["in_flight"] = float(sum(loads))
+        if sum(loads) > 0:
+            figures["load_imbalance"] = max(loads) / (sum(loads) / len(loads))
+    return figures
+
+
 class LoopRecorder(TrainerCallback):
     """Appends `{"step", "time", **logs, "router": {...}}` to `<output_dir>/loop_metrics.jsonl` at every log."""
 

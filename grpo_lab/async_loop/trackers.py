@@ -22,7 +22,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .recorder import METRICS_FILE, read_metrics, router_snapshot
+from .recorder import METRICS_FILE, read_metrics, router_figures, router_snapshot
 
 TRACKERS = ("trackio", "tensorboard", "wandb")
 SUMMARY = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
@@ -34,7 +34,7 @@ class RouterFigures(TrainerCallback):
 
     def __init__(self, router_url: str | None):
         self.router_url = router_url
-        self._before: dict = {}
+        self._before: dict | None = None  # the last snapshot
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs or "train_runtime" in logs:
@@ -42,19 +42,8 @@ class RouterFigures(TrainerCallback):
         logs.update(self.figures(router_snapshot(self.router_url)))
 
     def figures(self, snapshot: dict | None) -> dict:
-        if not snapshot:
-            return {}
-        routing = snapshot.get("routing") or {}
-        delta = {k: v - self._before.get(k, 0) for k, v in routing.items()}
-        self._before = dict(routing)
-        values = {f"router/{k}_total": float(v) for k, v in delta.items()}
-        if sum(delta.values()) > 0:
-            values["router/affinity_share"] = delta.get("affinity", 0) / sum(delta.values())
-        loads = list((snapshot.get("in_flight") or {}).values())
-        if loads:
-            values["router/in_flight"] = float(sum(loads))
-            if sum(loads) > 0:
-                values["router/load_imbalance"] = max(loads) / (sum(loads) / len(loads))
+        values = {f"router/{k}": v for k, v in router_figures(snapshot, self._before).items()}
+        self._before = snapshot or self._before
         return values
 
 
