@@ -26,6 +26,7 @@ import hmac
 import json
 import logging
 import time
+from dataclasses import fields
 
 import aiohttp
 from aiohttp import web
@@ -418,9 +419,10 @@ class Router:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grpo_lab.serving.router.server", description=__doc__.split("\n")[0])
     p.add_argument("--replica", action="append", required=True, help="upstream base URL (repeat per replica)")
-    p.add_argument("--host", default="127.0.0.1", help="listen address (loopback by default)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key-env", default="VLLM_API_KEY", help="env var holding the upstream bearer token")
+    c = {f.name: f.default for f in fields(RouterConfig)}  # the defaults live on RouterConfig
+    p.add_argument("--host", default=c["host"], help="listen address (loopback by default)")
+    p.add_argument("--port", type=int, default=c["port"])
+    p.add_argument("--api-key-env", default=c["api_key_env"], help="env var holding the upstream bearer token")
     p.add_argument("--api-key-file", default=None, help="file holding the upstream bearer token")
     p.add_argument("--client-api-key-env", default=None,
                    help="env var holding the key clients must send (Authorization: Bearer) on every endpoint")
@@ -433,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="env var holding the key that may add and remove replicas (POST/DELETE /router/replicas); "
                         "without one, membership changes work on loopback only")
     p.add_argument("--admin-api-key-file", default=None, help="file holding that admin key")
-    p.add_argument("--remove-drain-timeout", type=float, default=30.0,
+    p.add_argument("--remove-drain-timeout", type=float, default=c["remove_drain_timeout_s"],
                    help="seconds a removed replica's completions may finish before they are re-sent elsewhere")
     d = PerTryConfig()
     p.add_argument("--no-hedge", action="store_true", help="never re-send a stuck completion to another replica")
@@ -445,15 +447,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest per-try deadline (s); also the deadline until enough latencies are known")
     p.add_argument("--routing-policy", default=DEFAULT_POLICY,
                    help=f"how completions are spread over the replicas: one of {', '.join(POLICIES)}")
-    p.add_argument("--block-size", type=int, default=16, help="used until the replicas report theirs")
-    p.add_argument("--spill-threshold", type=int, default=8)
-    p.add_argument("--max-blocks", type=int, default=1_000_000)
-    p.add_argument("--health-interval", type=float, default=1.0)
-    p.add_argument("--load-retry-deadline", type=float, default=30.0)
-    p.add_argument("--upstream-timeout", type=float, default=600.0)
-    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    p.add_argument("--body-read-timeout", type=float, default=60.0)
-    p.add_argument("--unload-drain-timeout", type=float, default=120.0,
+    r = RoutingConfig()
+    p.add_argument("--block-size", type=int, default=r.block_size, help="used until the replicas report theirs")
+    p.add_argument("--spill-threshold", type=int, default=r.spill_threshold)
+    p.add_argument("--max-blocks", type=int, default=r.max_blocks)
+    p.add_argument("--health-interval", type=float, default=c["health_interval_s"])
+    p.add_argument("--load-retry-deadline", type=float, default=c["load_retry_deadline_s"])
+    p.add_argument("--upstream-timeout", type=float, default=c["upstream_timeout_s"])
+    p.add_argument("--max-body-bytes", type=int, default=c["max_body_bytes"])
+    p.add_argument("--body-read-timeout", type=float, default=c["body_read_timeout_s"])
+    p.add_argument("--unload-drain-timeout", type=float, default=c["unload_drain_timeout_s"],
                    help="seconds an unloaded adapter may keep serving its in-flight completions on a replica")
     t = TenancyConfig()
     p.add_argument("--tenancy", action="store_true",
@@ -465,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --tenancy: completions running per replica; beyond, they queue fairly per run")
     p.add_argument("--no-base-model", action="store_true",
                    help="with --tenancy: runs may complete with their own adapters only, not the base model")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default=c["log_level"])
     return p
 
 
