@@ -5,7 +5,7 @@ without the bucket mounted, this sidecar takes the server's place on the network
 unchanged, except three:
 
 - `POST /v1/load_lora_adapter` whose `lora_path` is an object-store URL: the version is first copied to the node's
-  disk and checked against its manifest (`adapter_cache.AdapterCache`), then the load goes on with the local path.
+  disk and checked against its manifest (`cache.AdapterCache`), then the load goes on with the local path.
   A version without a manifest yet is answered as vLLM answers a missing path (404 "No adapter found"), which the
   router retries; a copy that does not match its manifest is a 400 and nothing is loaded.
 - `POST /v1/unload_lora_adapter`: once vLLM unloaded it, the local copy is removed.
@@ -16,7 +16,7 @@ A local path or `file://` URL (a mounted bucket, a shared file system) is forwar
 
     python -m grpo_lab.serving.adapters.sidecar --upstream http://127.0.0.1:8001 --port 9001 --cache-dir /local/lora
     # in Python: handle = start_sidecar("http://127.0.0.1:8001"); handle.url; handle.stop()
-    # as a managed child process: replica_processes.SidecarProcess(upstream_url, ...)
+    # as a managed child process: replicas.processes.SidecarProcess(upstream_url, ...)
 
 The router then lists the sidecar's URL as the replica. Responses are passed on whole (not streamed): TRL's rollouts
 are non-streaming completions. When `VLLM_API_KEY` (or `--api-key-env`) is set, a load that would download is
@@ -37,6 +37,7 @@ import aiohttp
 from aiohttp import web
 
 from grpo_lab.lab import environment
+
 from .cache import AdapterCache, is_remote
 from ..wire.app_thread import AppThread
 from ..wire.vllm_routes import error_response

@@ -9,7 +9,7 @@ notebook 04 take the number from here, so the margin cannot drift between them a
   versions can be named by requests in flight at once; each sync loads the next version before it unloads the
   oldest, so the server briefly holds one more. Preflight refuses a server below it.
 - `max_loras_for`: what replicas are started with, one slot more. Behind the router an unloaded adapter keeps its
-  slot until the rollouts still using it have finished (`adapter_drain`), and TRL loads the next version meanwhile
+  slot until the rollouts still using it have finished (`drain`), and TRL loads the next version meanwhile
   (under a pause, which freezes the draining rollouts until its resume), so a replica holds one adapter more than
   TRL counts.
 """

@@ -15,8 +15,8 @@ The trainer writes every policy version as a PEFT adapter directory; every repli
 
 `replica_path(name)` is the path handed to `/v1/load_lora_adapter`: the local path for local roots, the mount point
 given as `replica_root` for a mounted bucket, else the URL itself. A replica without a mount copies the version to
-its own disk first (`fetch_adapter`, `adapter_cache.AdapterCache`): the CPU replica does it itself, a vLLM server
-through `adapter_sidecar`.
+its own disk first (`fetch_adapter`, `cache.AdapterCache`): the CPU replica does it itself, a vLLM server
+through `sidecar`.
 
 The "files first, manifest last" rule is written once (`upload_tree`, `download_tree`) because checkpoints published
 to an object store (`async_loop.checkpoint_store`) follow it too.

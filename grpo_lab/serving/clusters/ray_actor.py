@@ -4,7 +4,7 @@ and dies with it.
 Ray places and restarts *actors*, not arbitrary processes, so each replica (grpo_lab's CPU replica, vLLM on a CPU,
 `vllm serve` on a GPU) runs under an actor that owns it:
 
-- the server is started through `replica_processes` (the same process manager, watchdog and readiness check as a
+- the server is started through `replicas.processes` (the same process manager, watchdog and readiness check as a
   local replica), so it dies with the actor: its watchdog kills the server's process group when the actor's end of
   its stdin pipe closes, however the actor ended (`ray.kill`, its owner's death, a node failure, SIGKILL). Ray
   itself kills a dead worker's *direct* children (`kill_child_processes_on_worker_exit`), which is the watchdog, by

@@ -30,7 +30,7 @@ class CPUReplicaConfig:
             until this many seconds after the first load request for it, like a lagging shared mount.
         torch_threads: intra-op threads for torch (keep 1 when several replicas share a small CPU).
         adapter_cache_dir: where adapters published on an object store (`lora_path` an `s3://`, `gs://`, `hf://`
-            URL) are copied before loading (`adapter_cache.AdapterCache`); None: a temporary folder of the replica.
+            URL) are copied before loading (`adapters.cache.AdapterCache`); None: a temporary folder of the replica.
     """
 
     model: str = "tiny-qwen3"

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from grpo_lab.lab import environment
+
 from .generation import Engine, RequestError, SamplingParams
 from ..wire.metrics import Registry
 from .config import CPUReplicaConfig
@@ -210,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _clean_up_on_sigterm(engine: Engine) -> None:
-    """SIGTERM (how `replica_processes` stops a replica) still ends the process at once, by that signal, but first
+    """SIGTERM (how `processes` stops a replica) still ends the process at once, by that signal, but first
     removes the adapter copies it made from object stores: exit handlers do not run on a death by signal."""
     def handler(signum, frame):
         engine.remove_adapter_copies()

@@ -2,7 +2,7 @@
 
 TRL 1.16's AsyncGRPOTrainer syncs a PEFT policy as LoRA adapters only when the server was started with
 `--enable-lora`, a `--max-lora-rank` at least the adapter's rank (rounded up to a rank vLLM accepts) and enough
-adapter slots (`--max-loras`, from `adapter_slots`); runtime loading needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`,
+adapter slots (`--max-loras`, from `adapters.slots`); runtime loading needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`,
 and `/pause` and `/server_info` need `VLLM_SERVER_DEV_MODE=1`. `--logprobs-mode processed_logprobs` makes the
 returned logprobs match the temperature-scaled ones TRL's importance-sampling correction assumes. The first rollouts
 name `trl-policy-v0` before any sync, so that name is served as an alias of the base model.
@@ -13,7 +13,7 @@ the `vllm` console script, chunked prefill off (seeded requests crash the CPU en
 is a multiple of 32, an explicit KV-cache size in bytes (`VLLM_CPU_KVCACHE_SPACE` unset), one pinned core per
 replica (`VLLM_CPU_OMP_THREADS_BIND`), and no outbound traffic (usage stats off, Hub offline).
 
-The spec is kept apart from what runs it: `replica_processes` starts specs as child processes, `vllm_launcher`
+The spec is kept apart from what runs it: `processes` starts specs as child processes, `vllm_launcher`
 prints them as shell lines; both import this module and neither imports the other.
 """
 
@@ -50,7 +50,7 @@ class VLLMReplicaSpec:
     Args:
         model: hub id or local path of the base model.
         lora_rank: the adapter's LoRA rank r.
-        max_staleness: the trainer's `max_staleness`; sets `--max-loras` (`adapter_slots.max_loras_for`).
+        max_staleness: the trainer's `max_staleness`; sets `--max-loras` (`adapters.slots.max_loras_for`).
         max_loras: `--max-loras` when it is not one run's (a pool shared by runs: the sum of their shares); None is
             `max_loras_for(max_staleness)`.
         port, host: where the replica listens (keep it on loopback behind the router).

@@ -4,9 +4,9 @@ TRL loads each new policy version once (`POST /v1/load_lora_adapter`) and names 
 the version that fell out of the staleness window. Behind the router both calls reach several replicas, and the
 router must answer each as one vLLM server would. A load is checked as vLLM checks it (its status codes and error
 bodies), waits for an unload of the same name still draining, waits (bounded) for a slot a draining adapter holds,
-and is then all-or-nothing across the replicas in service (`adapter_fanout`); replicas admitted while it ran load it
+and is then all-or-nothing across the replicas in service (`adapters.fanout`); replicas admitted while it ran load it
 afterwards, and a failure names the replicas whose rollback failed. An unload takes the name out of routing at once
-and leaves each replica's unload to the drain (`adapter_drain`). The set of live adapters is the pool's
+and leaves each replica's unload to the drain (`adapters.drain`). The set of live adapters is the pool's
 (`ReplicaPool.live_adapters`), which re-admission reloads on a returning replica.
 """
 
@@ -66,8 +66,9 @@ class AdapterLifecycle:
                 return error_response(503, f"adapter '{name}' is still being unloaded (draining) after "
                                       f"{wait_s:.0f}s", "ServiceUnavailable")
             targets = pool.in_service()
-            if targets:
-                await self.drainer.wait_for_slots(targets, self.config.unload_drain_timeout_s)
+            if targets:  # a slot a drain holds: wait (bounded, not while paused), then end that drain
+                full = await self.drainer.wait_for_slots(targets, self.config.unload_drain_timeout_s)
+                await self.drainer.make_room(full)
                 targets = pool.in_service()
             if not targets:
                 return error_response(503, "no replica in service to load the adapter on", "ServiceUnavailable")
@@ -79,6 +80,7 @@ class AdapterLifecycle:
             async with pool.control():
                 await self._load_on_late_replicas(name, path)
                 pool.live_adapters[name] = path
+                pool.save_state()
             log.info("adapter %s loaded on %d replica(s)", name, len(targets))
             return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -130,7 +132,7 @@ class AdapterLifecycle:
 
     async def unload(self, body: dict) -> web.Response:
         """`POST /v1/unload_lora_adapter`, answered at once: new completions naming the adapter get 404 from now on;
-        each replica unloads it once its completions using it have finished (`adapter_drain`)."""
+        each replica unloads it once its completions using it have finished (`adapters.drain`)."""
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
             return error_response(400, "'lora_name' needs to be provided to unload a LoRA adapter.",
@@ -141,6 +143,7 @@ class AdapterLifecycle:
                 return error_response(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
             async with pool.control():
                 pool.live_adapters.pop(name)
+                pool.save_state()
                 self.drainer.start(name, [r for r in pool.replicas if r.serving and name in r.adapters])
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 

@@ -1,7 +1,7 @@
 """A router's admin calls from another process: membership over `POST`/`DELETE /router/replicas` (`admin_api`),
 runs sharing its replicas over `/router/runs` (`tenant_api`).
 
-It has the methods of `router_thread.RouterHandle` that a launcher uses (`add_replica`, `remove_replica`,
+It has the methods of `thread.RouterHandle` that a launcher uses (`add_replica`, `remove_replica`,
 `replicas`, `register_run`, `remove_run`, `runs`), so `ray_replicas` and a joining training run drive a router in
 this process or one elsewhere alike. The admin key is read from an environment variable or a file, never passed as
 an argument, and sent only in the Authorization header.
@@ -15,6 +15,7 @@ import urllib.parse
 import urllib.request
 
 from grpo_lab.lab import environment
+
 from ..adapters.slots import DEFAULT_MAX_STALENESS
 
 

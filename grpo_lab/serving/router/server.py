@@ -15,7 +15,7 @@ handlers what its caller sees). NCCL weight transfer cannot be fanned out, so th
 PEFT model, for which TRL syncs adapters only.
 
 Run it with `python -m grpo_lab.serving.router.server --replica http://127.0.0.1:8001 --replica ...`, or in-process
-(notebooks, tests) with `router_thread.start_router(RouterConfig(...))`.
+(notebooks, tests) with `router.thread.start_router(RouterConfig(...))`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ each other's live versions and fill each other's adapter slots. This module is t
   including after a resume (the resumed trainer reconciles what *its* namespace holds).
 - **a credential per run**: a bearer token, generated here, returned once at registration and kept only as a
   SHA-256 digest (it cannot be read back, logged or echoed from this record).
-- **a share of every replica's `max_loras`**: a run of `max_staleness` S needs `adapter_slots.max_loras_for(S)`
+- **a share of every replica's `max_loras`**: a run of `max_staleness` S needs `adapters.slots.max_loras_for(S)`
   slots for itself; registration that does not fit what is left is refused, so one run's load can never need,
   let alone evict, a slot another run's live adapter holds.
 - **a lease**: every request of the run renews it; a run silent for `lease_s` (killed with kill -9: no goodbye)
