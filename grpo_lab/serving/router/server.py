@@ -240,14 +240,12 @@ class Router:
 
     def refresh_gauges(self) -> None:
         """Set the gauges that describe the pool now (in flight, draining, block records, live adapters)."""
-        policy, pool = self.pool.policy, self.pool
+        policy, pool, usage = self.pool.policy, self.pool, self.adapters.drainer.usage
         for r in pool.replicas:
             self.metrics.set("grpo_router_in_flight", "Completions in flight per replica", policy.in_flight[r.index],
                              replica=r.url)
             self.metrics.set("grpo_router_draining_adapters", "Unloaded adapters still draining on the replica",
                              len(r.draining), replica=r.url)
-        usage = self.adapters.drainer.usage
-        for r in pool.replicas:
             self.metrics.set("grpo_router_draining_in_flight", "Completions still using adapters draining there",
                              sum(usage.in_flight(r.index, name) for name in r.draining), replica=r.url)
         self.metrics.set("grpo_router_prefix_blocks", "Block records held by the routing policy", policy.num_blocks)
