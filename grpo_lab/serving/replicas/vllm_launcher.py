@@ -40,8 +40,8 @@ def main(argv=None) -> None:
     args, extra = p.parse_known_args(argv)
     kwargs = dict(lora_rank=args.lora_rank, max_staleness=args.max_staleness, python=args.python,
                   extra_args=tuple(extra))
-    if args.max_model_len is not None or args.device == "cuda":
-        kwargs["max_model_len"] = args.max_model_len or 4096
+    if args.max_model_len is not None:  # else VLLMReplicaSpec's default (a CPU replica: the model's own)
+        kwargs["max_model_len"] = args.max_model_len
     try:
         if args.device == "cpu" and args.python is None:
             kwargs["python"] = vllm_cpu_python()
