@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..lab import environment
 from ..serving.clusters.launcher import Cluster, ClusterSpec, GivenReplicas, LocalProcesses, RayActors
+from ..serving.clusters.ray_placement import TRAINER_NODE_RESOURCE
 from ..serving.replicas.vllm_spec import round_lora_rank
 from .checkpoints import checkpoint_step, resume_checkpoint
 from .loop_settings import LoopSettings, PoolSettings, SettingError
@@ -44,7 +45,8 @@ SETTINGS_NAMES = {"replicas": "replicas", "replica_kind": "replica_kind", "route
                   "replica_urls": "replica_url", "router_port": "port", "launcher": "launcher",
                   "ray_address": "ray_address", "model": "model", "replica_threads": "replica_threads",
                   "pool_run_name": "pool_run", "pool_weight": "run_weight",
-                  "pool_admin_key_file": "pool_admin_key_file", "autotune": "autotune"}
+                  "pool_admin_key_file": "pool_admin_key_file", "autotune": "autotune",
+                  "ray_strategy": "replica_spread", "replicas_on_trainer_node": "replicas_on_trainer_node"}
 
 
 @dataclass
@@ -64,6 +66,8 @@ class LoopConfig:
         ray_resources: Ray resources each replica actor asks for (e.g. `{"inference": 1}` to keep replicas on the
             nodes that offer it).
         ray_strategy: how replica actors are spread: `"SPREAD"` (default) or `"STRICT_SPREAD"` (one per node).
+        replicas_on_trainer_node: let Ray replicas use the node that declares the trainer's marker resource
+            (`serving.clusters.ray_placement.TRAINER_NODE_RESOURCE`); by default that node stays the trainer's.
         replica_host: what Ray replica servers listen on; None is each node's IP (what a cluster needs),
             "127.0.0.1" keeps a one-machine cluster on loopback.
         model: the model directory the replicas serve and the trainer trains; None = the embedded chat model.
@@ -91,7 +95,8 @@ class LoopConfig:
     launcher: str = LoopSettings.launcher
     ray_address: str | None = LoopSettings.ray_address
     ray_resources: dict = field(default_factory=dict)
-    ray_strategy: str = "SPREAD"
+    ray_strategy: str = LoopSettings.replica_spread
+    replicas_on_trainer_node: bool = LoopSettings.replicas_on_trainer_node
     replica_host: str | None = None
     model: str | None = LoopSettings.model
     max_model_len: int = PoolSettings.max_model_len  # the embedded model's cap, as a pool's replicas
@@ -125,6 +130,7 @@ class LoopConfig:
         `settings.pool_name` (a resume takes its old place back)."""
         values = {name: getattr(settings, setting) for name, setting in SETTINGS_NAMES.items()}
         values.update(replica_urls=list(settings.replica_url), pool_rejoin=settings.resume,
+                      ray_resources=settings.replica_resource_amounts,
                       pool_run_name=settings.pool_name if joins_pool else None)
         return cls(**values)
 
@@ -280,7 +286,8 @@ class AsyncLoop:
             placement = GivenReplicas(loop.replica_urls)
         elif loop.launcher == "ray":
             placement = RayActors(address=loop.ray_address, resources=loop.ray_resources, strategy=loop.ray_strategy,
-                                  host=loop.replica_host)
+                                  host=loop.replica_host,
+                                  avoid_resource=None if loop.replicas_on_trainer_node else TRAINER_NODE_RESOURCE)
         else:
             placement = LocalProcesses()
         self.cluster = Cluster(spec, placement)

@@ -17,6 +17,7 @@ import requests
 from ray_checks import group_members, live_placement_groups, wait_no_live_actors, wait_torn_down
 
 from grpo_lab.serving.clusters.ray_actor import ServerSpec
+from grpo_lab.serving.clusters.ray_placement import PlacementError
 from grpo_lab.serving.clusters.ray_replicas import RayReplicas
 from grpo_lab.serving.router.config import RouterConfig
 from grpo_lab.serving.router.thread import start_router
@@ -60,7 +61,7 @@ def test_an_exception_leaves_nothing(ray_cluster):
 def test_a_placement_that_cannot_be_met_is_a_clear_error_and_leaves_nothing(ray_cluster):
     impossible = RayReplicas(2, ServerSpec("fake"), resources={"replica_node": 1}, strategy="STRICT_SPREAD",
                              ready_timeout_s=3)  # two replicas, one node with the resource
-    with pytest.raises(TimeoutError, match="STRICT_SPREAD needs one node per replica"):
+    with pytest.raises(PlacementError, match=r"\(STRICT_SPREAD\): 2 nodes must offer that, and 1 does"):  # at once
         impossible.start()
     assert live_placement_groups(ray) == []
 

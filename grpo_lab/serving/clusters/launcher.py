@@ -165,12 +165,16 @@ class RayActors(Placement):
         host: what the servers listen on; None is each node's IP (what a cluster needs), "127.0.0.1" keeps a
             one-machine cluster on loopback.
         num_cpus, max_restarts: reserved per replica; how often Ray may restart one.
+        avoid_resource: no replica on a node that declares this resource (the async loop gives
+            `ray_placement.TRAINER_NODE_RESOURCE`: the trainer's node stays free); None places anywhere.
     """
 
     def __init__(self, address: str | None = None, resources: dict | None = None, strategy: str = "SPREAD",
-                 host: str | None = None, num_cpus: float = 1.0, max_restarts: int = 3):
+                 host: str | None = None, num_cpus: float = 1.0, max_restarts: int = 3,
+                 avoid_resource: str | None = None):
         self.address, self.resources, self.strategy = address, dict(resources or {}), strategy
         self.host, self.num_cpus, self.max_restarts = host, num_cpus, max_restarts
+        self.avoid_resource = avoid_resource
         self.replicas: RayReplicas | None = None
 
     @property
@@ -182,7 +186,8 @@ class RayActors(Placement):
         server = ServerSpec(spec.kind, env=dict(spec.env), host=self.host, ready_timeout_s=timeout, **what)
         self.replicas = RayReplicas(spec.replicas, server, address=self.address, num_cpus=self.num_cpus,
                                     resources=self.resources, strategy=self.strategy,
-                                    max_restarts=self.max_restarts, ready_timeout_s=timeout)
+                                    max_restarts=self.max_restarts, ready_timeout_s=timeout,
+                                    avoid_resource=self.avoid_resource)
         if spec.kind == "vllm":  # a GPU per replica when the cluster has them (the trainer's machine may have none)
             gpus = self.replicas.connect().cluster_resources().get("GPU", 0) if spec.device == "auto" else 0
             server.device = "cuda" if spec.device == "cuda" or gpus >= 1 else "cpu"

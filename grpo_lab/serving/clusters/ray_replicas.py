@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 
 from .ray_actor import ReplicaServer, ServerSpec
+from .ray_placement import placement_options
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +83,14 @@ class RayReplicas:
         poll_s: how often `watch` asks the actors where they are.
         unavailable_s: an actor that has not answered for this long is removed from the router until it is back.
         ready_timeout_s: how long the placement and the first start of every replica may take.
+        avoid_resource: no replica on a node that declares this resource (e.g. `ray_placement.TRAINER_NODE_RESOURCE`,
+            the trainer's node); a placement no node could ever hold fails at once (`ray_placement`).
     """
 
     def __init__(self, n: int, spec: ServerSpec, address: str | None = None, num_cpus: float = 1.0,
                  num_gpus: float = 0.0, resources: dict | None = None, strategy: str = "SPREAD",
                  max_restarts: int = 3, poll_s: float = 0.5, unavailable_s: float = 2.0,
-                 ready_timeout_s: float = 600.0):
+                 ready_timeout_s: float = 600.0, avoid_resource: str | None = None):
         if n < 1:
             raise ValueError("n must be >= 1")
         if strategy not in STRATEGIES:
@@ -95,6 +98,7 @@ class RayReplicas:
         self.n, self.spec, self.address = n, spec, address
         self.num_cpus, self.num_gpus, self.resources = num_cpus, num_gpus, dict(resources or {})
         self.strategy, self.max_restarts = strategy, max_restarts
+        self.avoid_resource = avoid_resource
         self.poll_s, self.unavailable_s, self.ready_timeout_s = poll_s, unavailable_s, ready_timeout_s
         self.slots: list[_Slot] = []
         self.placement_group = None
@@ -128,7 +132,8 @@ class RayReplicas:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         try:
-            self.placement_group = placement_group([self._bundle()] * self.n, strategy=self.strategy,
+            where = placement_options(ray, self._bundle(), self.n, self.strategy, self.avoid_resource)
+            self.placement_group = placement_group([self._bundle()] * self.n, strategy=self.strategy, **where,
                                                    name=f"grpo-lab-replicas-{id(self):x}")
             try:
                 ray.get(self.placement_group.ready(), timeout=self.ready_timeout_s)
