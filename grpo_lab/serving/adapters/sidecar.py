@@ -39,7 +39,7 @@ from aiohttp import web
 from grpo_lab.lab import environment
 
 from .cache import AdapterCache, is_remote
-from ..wire.app_thread import AppThread
+from ..wire.app_thread import AppThread, serve_app
 from ..wire.vllm_routes import error_response
 
 log = logging.getLogger(__name__)
@@ -198,11 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(sidecar: AdapterSidecar, host: str, port: int) -> None:
-    runner = web.AppRunner(sidecar.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    print(f"READY {site._server.sockets[0].getsockname()[1]}", flush=True)
+    runner, port = await serve_app(sidecar.app(), host, port)
+    print(f"READY {port}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -29,6 +29,7 @@ from aiohttp import web
 from grpo_lab.lab import environment
 
 from .generation import Engine, RequestError, SamplingParams
+from ..wire.app_thread import serve_app
 from ..wire.metrics import Registry
 from .config import CPUReplicaConfig
 from ..wire.vllm_routes import add_vllm_routes, error_response
@@ -227,11 +228,7 @@ def _exit_on_stdin_eof() -> None:
 
 
 async def _serve(replica: CPUReplica) -> None:
-    runner = web.AppRunner(replica.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, replica.config.host, replica.config.port)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    _, port = await serve_app(replica.app(), replica.config.host, replica.config.port)
     print(f"READY {port}", flush=True)
     await asyncio.Event().wait()
 

@@ -20,6 +20,8 @@ from aiohttp import web
 
 from grpo_lab.lab import environment
 
+from ..wire.app_thread import serve_app
+
 ANSWER = {"object": "text_completion", "model": "fake",
           "choices": [{"index": 0, "text": "", "token_ids": [1, 2, 3],
                        "logprobs": {"token_logprobs": [-1.0, -1.0, -1.0]}, "finish_reason": "length"}]}
@@ -63,14 +65,8 @@ async def _ok(text: str, content_type: str = "text/plain"):
 
 
 async def _serve(host: str, ports: list[int], delay_s: float, jitter: float) -> None:
-    bound = []
-    for port in ports:
-        runner = web.AppRunner(make_app(delay_s, jitter), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound.append(site._server.sockets[0].getsockname()[1])
-    print("READY " + " ".join(map(str, bound)), flush=True)
+    served = [await serve_app(make_app(delay_s, jitter), host, port) for port in ports]
+    print("READY " + " ".join(str(port) for _, port in served), flush=True)
     await asyncio.Event().wait()
 
 

@@ -13,6 +13,20 @@ from typing import Self
 from aiohttp import web
 
 
+async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `app` on `host`:`port` (0: a free one); the runner (for its cleanup) and the port taken. A failed start
+    cleans up what it set up."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
 class AppThread:
     """Serves `app()` on `host`:`port` (port 0: a free one, `.port` once started). Subclasses give `app()` and
     `what` (named in errors)."""
@@ -37,11 +51,7 @@ class AppThread:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
-            self._runner = web.AppRunner(self.app(), access_log=None)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, self.host, self.port)
-            self._loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]
+            self._runner, self.port = self._loop.run_until_complete(serve_app(self.app(), self.host, self.port))
         except BaseException as error:  # surfaced to the caller of start(), once everything is released
             self._error = error
             try:
