@@ -8,6 +8,8 @@ pool (`pool`) sends its token with every call.
 
 from __future__ import annotations
 
+import time
+
 import requests
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
@@ -24,15 +26,33 @@ class BoundedVLLMClient(VLLMClient):
         self.control_timeout_s = control_timeout_s
 
     def _call(self, method: str, path: str, *, ok=(200,), **kwargs) -> requests.Response:
+        """One control call; a connection error or a 503 (the router restarting on its port, then admitting its
+        replicas) is retried with back-off within `control_timeout_s`. A call cut off mid-way may have taken
+        effect: each caller below says why doing it again is safe (a 503 comes before anything was done)."""
         url = f"{self.server_url}{path}"
-        try:
-            response = requests.request(method, url, timeout=self.control_timeout_s, headers=run_headers(), **kwargs)
-        except requests.Timeout as error:
-            raise ControlCallError(f"{method} {url} did not answer within {self.control_timeout_s:.0f}s "
-                                   "(control_timeout_s)") from error
-        except requests.ConnectionError as error:
-            raise ControlCallError(f"{method} {url} failed: cannot connect ({error.__class__.__name__}); is the "
-                                   "router (or vLLM server) running?") from error
+        give_up, pause = time.monotonic() + self.control_timeout_s, 0.2
+        self.retried = False
+        while True:
+            try:
+                response = requests.request(method, url, timeout=self.control_timeout_s, headers=run_headers(),
+                                            **kwargs)
+                if response.status_code != 503 or time.monotonic() + pause > give_up:
+                    break
+                self.retried = True
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
+                continue
+            except requests.Timeout as error:
+                raise ControlCallError(f"{method} {url} did not answer within {self.control_timeout_s:.0f}s "
+                                       "(control_timeout_s)") from error
+            except requests.ConnectionError as error:
+                if time.monotonic() + pause > give_up:
+                    raise ControlCallError(f"{method} {url} failed: cannot connect ({error.__class__.__name__}) "
+                                           f"for {self.control_timeout_s:.0f}s; is the router (or vLLM server) "
+                                           "running?") from error
+                self.retried = True
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
         if response.status_code not in ok:
             raise ControlCallError(f"{method} {url} answered {response.status_code}: {response.text[:500]}")
         return response
@@ -47,8 +67,14 @@ class BoundedVLLMClient(VLLMClient):
         return self._call("GET", "/server_info", params={"config_format": "json"}).json()["vllm_config"]
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, timeout: int | None = None) -> None:
-        self._call("POST", "/v1/load_lora_adapter",
-                   json={"lora_name": lora_name, "lora_path": lora_path, "load_inplace": False})
+        """A load retried after a lost connection may find the name loaded by the first try: loaded from this very
+        path, that is the load done (a new router restored it from its state file)."""
+        try:
+            self._call("POST", "/v1/load_lora_adapter",
+                       json={"lora_name": lora_name, "lora_path": lora_path, "load_inplace": False})
+        except ControlCallError:
+            if not self.retried or self.loaded_adapters().get(lora_name, "").rstrip("/") != lora_path.rstrip("/"):
+                raise
 
     def unload_lora_adapter(self, lora_name: str, timeout: int | None = None) -> None:
         """A name the server does not hold (404) is not an error, as in TRL."""

@@ -11,9 +11,10 @@ replicas started elsewhere (`replica_urls`: only the router is started), or a ro
 nothing is started), possibly a pool shared with other runs (`pool_run_name`: the run joins it as a tenant, `pool`).
 The fields that are also `grpo-lab async-loop` flags take their defaults and rules from `LoopSettings`
 (`LoopConfig.from_settings` builds one from the command's settings).
-Replicas are child processes in their own process groups that exit when this process dies (even by SIGKILL); the
-router runs on a thread of this process; the trainer's rollout worker is TRL's spawned child, which also exits with
-this process. A normal exit, an exception, Ctrl-C and SIGTERM all stop every one of them.
+Replicas are child processes in their own process groups that exit when this process dies (even by SIGKILL), and
+are restarted when they die alone (`LocalProcesses`, or Ray); the router is a supervised child process too,
+restarted on the same port when it dies (`serving.router.process`); the trainer's rollout worker is TRL's spawned
+child, which also exits with this process. A normal exit, an exception, Ctrl-C and SIGTERM all stop every one of them.
 
 An output directory holds one run (`run_dir`): `train()` refuses one that holds another run unless it resumes it,
 cuts the metrics log back to the checkpoint it resumes from, and records the run's settings in `run.json`.
@@ -290,7 +291,9 @@ class AsyncLoop:
                                   avoid_resource=None if loop.replicas_on_trainer_node else TRAINER_NODE_RESOURCE)
         else:
             placement = LocalProcesses()
-        self.cluster = Cluster(spec, placement)
+        # the router as a supervised child process, restarted on its port when it dies (docs/serving.md, "When
+        # the router dies"); its state file and log beside the replicas' logs
+        self.cluster = Cluster(spec, placement, router_dir=self.replica_log_dir)
         return self.cluster.start(timeout=loop.ready_timeout_s).url
 
     @property

@@ -69,6 +69,7 @@ class Drainer:
         self.usage = AdapterUsage()
         self._done: dict[str, asyncio.Event] = {}  # adapter name -> set when no replica drains it any more
         self._tasks: set[asyncio.Task] = set()
+        self._since: dict[tuple[int, str], float] = {}  # (replica number, adapter) -> when its drain began
 
     def draining(self) -> dict[str, dict[str, int]]:
         """{adapter: {replica url: completions still in flight}} for the adapters being drained."""
@@ -84,6 +85,7 @@ class Drainer:
         done.clear()
         for replica in replicas:
             replica.draining.add(name)
+            self._since[(replica.index, name)] = now()
             task = asyncio.get_running_loop().create_task(self._drain(replica, name))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -114,6 +116,34 @@ class Drainer:
             await set_within(self.pool.slot_freed, left)
         return [r for r in replicas if r.max_loras is not None and r.slots_used() >= r.max_loras]
 
+    async def make_room(self, replicas: list[Replica]) -> list[str]:
+        """End drains early where a load would otherwise overfill a replica: on each of `replicas` still at its
+        `max_loras` (`wait_for_slots` returned it), unload its longest-draining adapter now, cutting the completions
+        that still use it. A drain can outlast a sync when the replicas are paused (its completions are frozen) or
+        when a replica died and the survivors queue its re-sent completions behind their own; the version it
+        drains is then more than `max_staleness` behind the one being loaded, so what those completions would
+        bring is dropped as too stale anyway, while the overfilled replica would refuse the load (the CPU replica)
+        or evict a live adapter (vLLM). Returns "replica: adapter" for each drain ended."""
+        ended = []
+        for replica in replicas:
+            while replica.max_loras is not None and replica.slots_used() >= replica.max_loras and replica.draining:
+                name = min(replica.draining, key=lambda n: self._since.get((replica.index, n), 0.0))
+                replica.draining.discard(name)  # its drain task sees it gone and stops
+                outcome = await unload_one(self.pool.client, replica, name, self.pool.config.control_timeout_s)
+                self.pool.metrics.inc("grpo_router_drains_cut_total", "Drains ended early to free a slot a load "
+                                      "needed", replica=replica.url)
+                log.warning("adapter %s unloaded from %s before its %d completion(s) finished: a load needs the slot",
+                            name, replica.url, self.usage.in_flight(replica.index, name))
+                ended.append(f"{replica.url}: {name}")
+                if not outcome.ok:  # it may still hold it: out of routing, re-admission unloads it
+                    self.pool.mark_down(replica, f"unload of draining adapter {name} failed: {outcome.status} "
+                                                 f"{outcome.message}")
+                    break
+            self.pool.notify_slot_freed()
+        for entry in ended:
+            self._maybe_done(entry.rsplit(": ", 1)[1])
+        return ended
+
     async def _drain(self, replica: Replica, name: str) -> None:
         pool, config = self.pool, self.pool.config
         began = now()
@@ -134,6 +164,7 @@ class Drainer:
                                  now() - began, (0.01, 0.1, 1, 5, 30, 120, 600))
         finally:
             replica.draining.discard(name)
+            self._since.pop((replica.index, name), None)
             pool.notify_slot_freed()
             self._maybe_done(name)
 

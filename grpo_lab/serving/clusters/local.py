@@ -18,15 +18,19 @@ class LocalCluster(Cluster):
         replicas, model, max_staleness, replica_args, env, router, log_dir, adapter_slots: as in
             `launcher.ClusterSpec`.
         max_lora_rank: the replicas' `--max-lora-rank` (`ClusterSpec.lora_rank`).
+        max_restarts: how often a replica that dies is restarted (`LocalProcesses`); 0 by default: notebooks and
+            tests kill and restart these replicas by hand.
     """
 
     def __init__(self, replicas: int = 2, model: str = "tiny-qwen3", max_staleness: int = DEFAULT_MAX_STALENESS,
                  max_lora_rank: int = 16, replica_args: list[str] | None = None, env: dict | None = None,
-                 router: dict | None = None, log_dir: str | None = None, adapter_slots: int | None = None):
+                 router: dict | None = None, log_dir: str | None = None, adapter_slots: int | None = None,
+                 max_restarts: int = 0):
         super().__init__(ClusterSpec(replicas=replicas, kind="cpu", model=model, max_staleness=max_staleness,
                                      adapter_slots=adapter_slots, lora_rank=max_lora_rank,
                                      replica_args=list(replica_args or []), env=dict(env or {}),
-                                     router=dict(router or {}), log_dir=log_dir), LocalProcesses())
+                                     router=dict(router or {}), log_dir=log_dir),
+                         LocalProcesses(max_restarts=max_restarts))
 
     @property
     def args(self) -> list[str]:

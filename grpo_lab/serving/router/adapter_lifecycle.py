@@ -66,8 +66,9 @@ class AdapterLifecycle:
                 return error_response(503, f"adapter '{name}' is still being unloaded (draining) after "
                                       f"{wait_s:.0f}s", "ServiceUnavailable")
             targets = pool.in_service()
-            if targets:
-                await self.drainer.wait_for_slots(targets, self.config.unload_drain_timeout_s)
+            if targets:  # a slot a drain holds: wait (bounded, not while paused), then end that drain
+                full = await self.drainer.wait_for_slots(targets, self.config.unload_drain_timeout_s)
+                await self.drainer.make_room(full)
                 targets = pool.in_service()
             if not targets:
                 return error_response(503, "no replica in service to load the adapter on", "ServiceUnavailable")
@@ -79,6 +80,7 @@ class AdapterLifecycle:
             async with pool.control():
                 await self._load_on_late_replicas(name, path)
                 pool.live_adapters[name] = path
+                pool.save_state()
             log.info("adapter %s loaded on %d replica(s)", name, len(targets))
             return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -141,6 +143,7 @@ class AdapterLifecycle:
                 return error_response(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
             async with pool.control():
                 pool.live_adapters.pop(name)
+                pool.save_state()
                 self.drainer.start(name, [r for r in pool.replicas if r.serving and name in r.adapters])
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 

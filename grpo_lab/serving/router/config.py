@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from grpo_lab.lab import environment
+
 from ..routing.per_try import PerTryConfig
 from ..routing.policy import RoutingConfig
 from ..routing.registry import DEFAULT_POLICY, check_policy_name
@@ -68,6 +69,9 @@ class RouterConfig:
             `POST /router/runs` (admin key) and gets its own token, adapter namespace, share of adapter slots and fair
             share of completions. It needs an admin key and replaces the single client key. None: one client.
         log_level: logging level name for the `python -m` entry point.
+        state_file: where the router keeps the live adapters and its pause state (`state_file.RouterStateFile`),
+            so that a router restarted after a crash takes them back instead of guessing them from the replicas.
+            None: nothing kept (a router that is never restarted).
     """
 
     replicas: list[str] = field(default_factory=list)
@@ -98,6 +102,7 @@ class RouterConfig:
     remove_drain_timeout_s: float = 30.0
     tenancy: TenancyConfig | None = None
     log_level: str = "INFO"
+    state_file: str | None = None
 
     def __post_init__(self):
         if not self.replicas:

@@ -29,6 +29,7 @@ from ..routing.policy import RoutingPolicy
 from ..routing.registry import make_policy
 from ..wire.metrics import Registry
 from .config import RouterConfig
+from .state_file import RouterStateFile
 from ..wire.upstream import (DOWN, IN_SERVICE, INCONSISTENT, REMOVED, STARTING, STATES, TRANSPORT_ERRORS, Replica,
                        UpstreamClient, now)
 
@@ -64,6 +65,14 @@ class ReplicaPool:
             self.join(url)
         self.live_adapters: dict[str, str] = {}  # loaded on every in-service replica
         self._paused = False
+        # a router restarted after a crash takes the live set and pause state it wrote (`state_file`), not the first
+        # replica's adapters (a drained one would be adopted as live and hold a slot for good)
+        self.state_file = RouterStateFile(config.state_file) if config.state_file else None
+        saved = self.state_file.load() if self.state_file is not None else None
+        self.restored = saved is not None
+        if saved is not None:
+            self.live_adapters.update(saved["live_adapters"])
+            self._paused = saved["paused"]
         self.resumed_at = 0.0  # monotonic time of the last resume: per-try deadlines do not count a pause
         self.reference_info: dict | None = None
         self.control_lock = asyncio.Lock()  # admissions, load commits, unload bookkeeping and pause/resume
@@ -80,6 +89,12 @@ class ReplicaPool:
         if self._paused and not value:
             self.resumed_at = now()
         self._paused = value
+        self.save_state()
+
+    def save_state(self) -> None:
+        """Write the live adapters and the pause state for a restarted router (`state_file`), if it has a file."""
+        if self.state_file is not None:
+            self.state_file.save(self.live_adapters, self._paused)
 
     def by_index(self, index: int) -> Replica:
         return self._slots[index]
@@ -236,7 +251,8 @@ class ReplicaPool:
             if first:
                 self.reference_info = info
                 self._adopt_block_size(info)
-            ok = await self._sync_adapters(replica, present, adopt=first and not self.live_adapters)
+            ok = await self._sync_adapters(replica, present, adopt=first and not self.live_adapters
+                                           and not self.restored)
             if ok and self.paused:
                 ok = await self._pause(replica)
             if not ok or replica.state == REMOVED:
@@ -277,6 +293,7 @@ class ReplicaPool:
         """Make the replica hold exactly the live adapters. The first replica seen donates its set instead."""
         if adopt:
             self.live_adapters.update(present)
+            self.save_state()
         timeout = self.config.control_timeout_s
         # a name being loaded right now is left alone: that load either commits it or rolls it back here
         for name in [n for n in present if n not in self.live_adapters and n not in replica.transitioning]:

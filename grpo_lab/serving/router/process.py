@@ -1,0 +1,211 @@
+"""The router as a supervised child process: restarted on the same port when it dies, rebuilt from the replicas and
+its state file, while its clients retry.
+
+    router = SupervisedRouter(RouterConfig(replicas=urls, port=0), state_dir="runs/r1/logs",
+                              members=lambda: placement.urls).start()
+    router.wait_ready(); ... router.url ...; router.add_replica(url) ...; router.stop()
+
+Why a process of its own and not a thread of the trainer: a router on a thread shares the trainer's fate (a crash
+of either is a crash of both, and `kill -9` of the router alone cannot even be done), and its event loop competes
+with the trainer's Python for the GIL. As a child it can die alone (a crash, the OOM killer), and this supervisor,
+a thread of the parent that polls the child every `poll_s`, starts a new one **on the same port** (TRL's trainer and
+rollout worker hold the URL; `SO_REUSEADDR` lets it bind at once) with the replicas the launcher has now
+(`members()`: Ray may have moved one meanwhile) and the same state file (`state_file`: the live adapters and the
+pause state, which the replicas alone cannot tell). The new router admits each replica as a restarted one: its
+`/v1/models` is compared with the live set, stale adapters are unloaded and missing ones loaded, so nothing a slot
+holds is lost or leaked. Requests in flight when the router died are lost with its connections: the rollout worker
+and the control client retry connection errors within their deadlines (`rollout_failure_timeout_s`,
+`control_timeout_s`). The child runs under the replicas' watchdog (`replicas.processes`), so it exits with the parent
+even on `kill -9`; `stop()` ends the supervision first, then the child.
+
+It has the calls a launcher makes on an in-process `RouterHandle` (`url`, `wait_ready`, `add_replica`,
+`remove_replica`, `replica_died`, `replicas`, `stop`), over the router's admin endpoints (`admin_client`).
+`events` lists (time, "died" | "restarted", url) and `recoveries_s` each restart's time from the death being seen
+to the new router answering.
+
+`python -m grpo_lab.serving.router.process CONFIG` is the child: it serves the pickled `RouterConfig` in `CONFIG` (a
+file the supervisor writes, mode 0600) and prints `READY <port>` once it listens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import requests
+from aiohttp import web
+
+from ..replicas.processes import AnnouncingProcess, free_port
+from .admin_client import RouterAdminClient
+from .config import RouterConfig
+from .server import Router, bind_listener
+
+log = logging.getLogger(__name__)
+
+STATE_FILE, CONFIG_FILE, LOG_FILE = "router-state.json", "router.config", "router.log"
+BIND_RETRY_S = 10.0  # a router restarted on its port waits this long for the dead one's socket to go
+
+
+class RouterChild(AnnouncingProcess):
+    """`python -m grpo_lab.serving.router.process CONFIG` under the watchdog, ready when it prints `READY <port>`."""
+
+    name = "router"
+
+    def __init__(self, config_path: Path, log_path: Path, ready_timeout: float):
+        self.config_path = config_path
+        super().__init__(None, ready_timeout, log_path)
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-u", "-m", "grpo_lab.serving.router.process", str(self.config_path)]
+
+    @property
+    def router_pid(self) -> int | None:
+        """The router's own process (the watchdog's child), what a crash or `kill -9` would hit."""
+        import psutil  # only to find the watchdog's child
+
+        try:
+            children = psutil.Process(self.pid).children()
+        except psutil.Error:
+            return None
+        return children[0].pid if children else None
+
+
+class SupervisedRouter:
+    """A router child process, restarted on the same port whenever it dies (at most `max_restarts` times).
+
+    Args:
+        config: the router's settings; `port` 0 picks a free port once, kept across restarts.
+        state_dir: where its state file, its pickled config and its log go.
+        members: the replica URLs a restarted router starts with (default: `config.replicas`).
+        ready_timeout_s: how long one start may take.
+    """
+
+    def __init__(self, config: RouterConfig, state_dir: str | os.PathLike,
+                 members: Callable[[], list[str]] | None = None, ready_timeout_s: float = 60.0,
+                 max_restarts: int = 20, poll_s: float = 0.1):
+        self.state_dir = Path(state_dir)
+        port = config.port or free_port(config.host)
+        self.config = replace(config, port=port, state_file=config.state_file or str(self.state_dir / STATE_FILE))
+        self.members = members or (lambda: list(config.replicas))
+        self.ready_timeout_s, self.max_restarts, self.poll_s = ready_timeout_s, max_restarts, poll_s
+        self.process: RouterChild | None = None
+        self.events: list[tuple[float, str, str]] = []
+        self.recoveries_s: list[float] = []
+        self.admin = RouterAdminClient(self.url, key_env=config.admin_api_key_env, key_file=config.admin_api_key_file)
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    # -- the child ------------------------------------------------------------------------------------------------
+    def _spawn(self, replicas: list[str]) -> RouterChild:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        path = self.state_dir / CONFIG_FILE
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(replace(self.config, replicas=replicas), f)
+        return RouterChild(path, self.state_dir / LOG_FILE, self.ready_timeout_s).wait_ready()
+
+    def start(self, timeout: float | None = None) -> SupervisedRouter:
+        Path(self.config.state_file).unlink(missing_ok=True)  # a new router: nothing of an earlier one's state
+        self.process = self._spawn(list(self.config.replicas))
+        self._watcher = threading.Thread(target=self._supervise, name="router-supervisor", daemon=True)
+        self._watcher.start()
+        return self
+
+    def _supervise(self) -> None:
+        restarts = 0
+        while not self._stop.wait(self.poll_s):
+            if self.process.alive():
+                continue
+            seen = time.monotonic()
+            self.events.append((time.time(), "died", self.url))
+            if restarts >= self.max_restarts:
+                log.error("router at %s died again: not restarted (max_restarts=%d)", self.url, self.max_restarts)
+                return
+            restarts += 1
+            log.warning("router at %s exited with %s: restarting it on the same port", self.url,
+                        self.process.proc.returncode)
+            try:
+                fresh = self._spawn(self.members())
+            except Exception as error:  # noqa: BLE001 - tried again at the next poll
+                log.error("restarting the router failed: %s", str(error).splitlines()[0])
+                continue
+            if self._stop.is_set():
+                fresh.stop()
+                return
+            self.process = fresh
+            self.recoveries_s.append(time.monotonic() - seen)
+            self.events.append((time.time(), "restarted", self.url))
+            log.warning("router back at %s after %.1f s", self.url, self.recoveries_s[-1])
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=self.ready_timeout_s + 10)
+        if self.process is not None:
+            self.process.stop()
+
+    # -- what a launcher calls --------------------------------------------------------------------------------
+    def state(self) -> dict:
+        return requests.get(self.url + "/router/state", timeout=10).json()
+
+    def wait_ready(self, replicas: int | None = None, timeout: float = 60.0) -> None:
+        """Block until `replicas` (default: every member) replicas are in service."""
+        deadline = time.monotonic() + timeout
+        states: list = []
+        while time.monotonic() < deadline:
+            try:
+                states = self.admin.replicas()
+            except OSError:
+                states = []
+            want = len(states) if replicas is None else replicas
+            if states and sum(r["state"] == "in_service" for r in states) >= want:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"replica(s) not in service after {timeout}s: {states}")
+
+    def add_replica(self, url: str, wait_s: float = 0.0) -> dict:
+        return self.admin.add_replica(url, wait_s)
+
+    def remove_replica(self, url: str, drain_s: float | None = None) -> dict | None:
+        return self.admin.remove_replica(url, drain_s)
+
+    def replica_died(self, url: str, why: str) -> bool:
+        """Out of routing now, its completions re-sent; it rejoins (admitted once it serves with the live adapters)."""
+        if self.admin.remove_replica(url, 0.0) is None:
+            return False
+        self.admin.add_replica(url)
+        return True
+
+    def replicas(self) -> list[dict]:
+        return self.admin.replicas()
+
+
+def main(argv=None) -> None:
+    """The child: serve the pickled config, on its port even while a dead router's socket lingers."""
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0], "rb") as f:
+        config: RouterConfig = pickle.load(f)
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    router = Router(config)
+    deadline = time.monotonic() + BIND_RETRY_S
+    while (listener := bind_listener(config.host, config.port)) is None:
+        if time.monotonic() > deadline:
+            sys.exit(f"router: port {config.port} on {config.host} is still taken after {BIND_RETRY_S:.0f}s")
+        time.sleep(0.1)
+    print(f"READY {listener.getsockname()[1]}", flush=True)
+    web.run_app(router.app(), sock=listener, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()
