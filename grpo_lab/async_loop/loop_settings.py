@@ -9,13 +9,10 @@ setting (adapter slots, requests in flight, the run's name on a pool) is a prope
 
 from __future__ import annotations
 
-import math
-import os
-import types
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Literal
 
+from ..lab.settings import FileName, Range, SettingError, check_fields, check_setting, setting  # noqa: F401 - their old home
 from ..loss.backends import DEFAULT_LOSS_BACKEND, LOGPROB_BACKENDS
 from ..serving.adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
 from ..serving.clusters.ray_placement import TRAINER_NODE_RESOURCE, parse_resources
@@ -38,48 +35,6 @@ def inflight_tasks(max_inflight_tasks: int, max_staleness: int, samples_per_step
     return max(max_staleness, 1) * samples_per_step
 
 
-class SettingError(ValueError):
-    """A setting out of its rule. `str()` names the field; the command line names its flag (`flag`) instead."""
-
-    def __init__(self, name: str, message: str, flag: str | None = None):
-        super().__init__(f"{name}: {message}")
-        self.name, self.message = name, message
-        self.flag = flag or "--" + name.replace("_", "-")
-
-
-@dataclass(frozen=True)
-class Range:
-    """A number's rule: finite, >= `low` (> `low` when `open`), <= `high`, or one of `allow`."""
-
-    low: float | None = None
-    open: bool = False
-    high: float | None = None
-    allow: tuple = ()
-
-    def problem(self, value) -> str | None:
-        """What is wrong with `value` (one phrase), or None."""
-        if value in self.allow:
-            return None
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"must be a finite number, got {value}"
-        if self.low is not None and (value <= self.low if self.open else value < self.low):
-            extra = f" (or {', '.join(map(str, self.allow))})" if self.allow else ""
-            return f"must be {'>' if self.open else '>='} {self.low}{extra}, got {value}"
-        if self.high is not None and value > self.high:
-            return f"must be <= {self.high}, got {value}"
-        return None
-
-
-@dataclass(frozen=True)
-class FileName:
-    """A name that can be a file's name: not empty, no folder separator, not hidden."""
-
-    def problem(self, value) -> str | None:
-        if not value or os.sep in value or value.startswith("."):
-            return f"{value!r} is not a usable file name"
-        return None
-
-
 @dataclass(frozen=True)
 class ResourceAmounts:
     """Ray resources: `NAME=AMOUNT[,NAME=AMOUNT...]` on the command line, or a mapping in a config file."""
@@ -97,60 +52,6 @@ def resource_amounts(value) -> dict[str, float]:
     if isinstance(value, dict):
         value = ",".join(f"{name}={amount}" for name, amount in value.items())
     return parse_resources(value)
-
-
-def setting(default=None, *, help: str, group: str | None = None, check=None, **argparse_extra):  # noqa: A002
-    """A settings field: its default, its help, the help group of its flag and its rule (`Range`, `FileName`).
-    A list default is given as `list` (a fresh one per instance); `argparse_extra` goes to its flag (`metavar`)."""
-    metadata = {"help": help, **argparse_extra}
-    if group:
-        metadata["group"] = group
-    if check is not None:
-        metadata["check"] = check
-    if default is list:
-        return field(default_factory=list, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def check_setting(settings_type, name: str, value) -> None:
-    """`value` against the rule of `settings_type`'s field `name` (SettingError), for code that holds the value
-    elsewhere (a trainer config, another command's flag)."""
-    check = settings_type.__dataclass_fields__[name].metadata.get("check")
-    problem = check.problem(value) if check is not None else None
-    if problem:
-        raise SettingError(name, problem)
-
-
-def check_fields(settings) -> None:
-    """Each field of a settings dataclass against its type and rule (SettingError naming the first one at fault):
-    a value from a config file or from Python reaches here without the command line's checks."""
-    hints = typing.get_type_hints(type(settings))
-    for f in fields(settings):
-        value, kind = getattr(settings, f.name), hints[f.name]
-        if value is None and type(None) in typing.get_args(kind):
-            continue
-        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `X | None` holding an X
-            kind = next(k for k in typing.get_args(kind) if k is not type(None))
-        if typing.get_origin(kind) is list:
-            if isinstance(value, str):  # `report_to: trackio` in a config file
-                value = [value]
-                setattr(settings, f.name, value)
-            items = value
-        else:
-            items = [value]
-        choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else f.metadata.get("choices")
-        for item in items:
-            if choices and item not in choices:
-                raise SettingError(f.name, f"{item!r} is not one of {', '.join(map(str, choices))}")
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-            setattr(settings, f.name, value)
-        if kind in (int, float, bool) and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
-            raise SettingError(f.name, f"{value!r} is not {'an integer' if kind is int else 'a ' + kind.__name__}")
-        check = f.metadata.get("check")
-        problem = check.problem(value) if check is not None else None
-        if problem:
-            raise SettingError(f.name, problem)
 
 
 RUN, TRAINING, ASYNC, SERVING = "the run", "model and training", "asynchrony", "replicas and router"

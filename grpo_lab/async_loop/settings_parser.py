@@ -1,50 +1,22 @@
 """A command line generated from a settings dataclass (`loop_settings`): TRL's `TrlParser` with this kit's flags.
 
-Each field becomes one dashed flag (`max_steps` → `--max-steps`) in its help group: a bool that defaults to False a
-switch, one that defaults to True a `--no-...` switch, a list a repeatable flag, and a field's rule checked as the
-flag is read, so a bad value names its flag. `--config file.yaml` sets any field by name (flags given override it;
-TRL's `env:` section sets environment variables). Every mistake is one line and exit status 2 (argparse's own, or a
+Each field becomes one dashed flag in its help group, made as `grpo_lab.lab.settings_parser` makes them (switches,
+repeatable lists, choices, the field's rule checked as the flag is read, so a bad value names its flag).
+`--config file.yaml` sets any field by name (flags given override it; TRL's `env:` section sets environment
+variables). Every mistake is one line and exit status 2 (argparse's own, or a
 `UsageError` naming the flag), never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import types
-import typing
 
 import yaml
-from transformers import HfArgumentParser
 from trl.scripts.utils import TrlParser
 
+from ..lab.settings import SettingError
+from ..lab.settings_parser import DefaultsFormatter, add_setting_flag
 from .checks import UsageError
-from .loop_settings import SettingError
-
-
-class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Help with each flag's default, except where there is none to show (None, a switch, a repeatable flag)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.nargs == 0 or isinstance(action, argparse._AppendAction):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def checked_type(kind, check):
-    """An argparse type: `kind(text)`, refused in one phrase when it is not a `kind` or breaks `check`'s rule."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except (ValueError, TypeError):
-            noun = {int: "an integer", float: "a number"}.get(kind, "a valid value")
-            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        problem = check.problem(value) if check is not None else None
-        if problem:
-            raise argparse.ArgumentTypeError(problem)
-        return value
-    parse.__name__ = getattr(kind, "__name__", "value")
-    return parse
 
 
 class SettingsParser(TrlParser):
@@ -67,29 +39,12 @@ class SettingsParser(TrlParser):
 
     def _parse_dataclass_field(self, parser, field):
         """One field's flag. Called by `HfArgumentParser.__init__` for each field, in their order."""
-        metadata = dict(field.metadata)
-        check, group = metadata.pop("check", None), metadata.pop("group", None)
+        group = field.metadata.get("group")
         if group is not None:
             if group not in self._groups:
                 self._groups[group] = self.add_argument_group(group)
             parser = self._groups[group]
-        dashed = "--" + field.name.replace("_", "-")
-        if field.type is bool and field.default:
-            parser.add_argument("--no-" + dashed[2:], dest=field.name, action="store_false", default=True, **metadata)
-        elif field.type is bool:
-            parser.add_argument(dashed, action="store_true", default=False, **metadata)
-        elif typing.get_origin(field.type) is list:
-            parser.add_argument(dashed, action="append", type=typing.get_args(field.type)[0],
-                                default=field.default_factory(), **metadata)
-        else:
-            plain = copy.copy(field)
-            plain.metadata = types.MappingProxyType(metadata)
-            HfArgumentParser._parse_dataclass_field(parser, plain)
-            action = parser._option_string_actions[dashed if "_" in field.name else f"--{field.name}"]
-            if "_" in field.name:  # HfArgumentParser also adds `--max_steps`: the dashed flag is the only one
-                del parser._option_string_actions[f"--{field.name}"]
-                action.option_strings = [dashed]
-            action.type = checked_type(action.type, check)
+        add_setting_flag(parser, field, field.type)  # HfArgumentParser has resolved its type
 
     def parse_args_into_dataclasses(self, args=None, return_remaining_strings=False, **_ignored):
         """HfArgumentParser's, without its search for a `<script>.args` file next to the program."""

@@ -1,0 +1,159 @@
+"""A command line generated from a settings dataclass (`settings.setting` fields), with argparse alone: the router's
+and the replicas' processes start without importing transformers (`async_loop.settings_parser` adds TRL's
+`--config file.yaml` for the loop's commands).
+
+Each field becomes one dashed flag (`max_steps` → `--max-steps`, or its `flag`): a bool that defaults to False a
+switch, one that defaults to True a `--no-...` switch, a list a repeatable flag (or `nargs`), a `Literal` a choice,
+and the field's rule is checked as the flag is read, so a bad value names its flag. A nested dataclass field gives
+its own fields' flags (with its `prefix` and `flags`; an optional one is turned on by its `switch`). The parser's
+defaults are the dataclass's, read from it. Every mistake is one line and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import types
+import typing
+from typing import Literal
+
+OWN_KEYS = ("check", "group", "flag", "prefix", "flags", "switch")  # metadata read here, not given to argparse
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help with each flag's default, except where there is none to show (None, a switch, a repeatable flag)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.nargs == 0 or isinstance(action, argparse._AppendAction):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def checked_type(kind, check):
+    """An argparse type: `kind(text)`, refused in one phrase when it is not a `kind` or breaks `check`'s rule."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except (ValueError, TypeError):
+            noun = {int: "an integer", float: "a number"}.get(kind, "a valid value")
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        problem = check.problem(value) if check is not None else None
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
+
+
+def without_none(kind):
+    """`X` of `X | None`; any other type as it is."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return next(k for k in typing.get_args(kind) if k is not type(None))
+    return kind
+
+
+def default_of(field: dataclasses.Field):
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
+def documented_args(cls) -> dict[str, str]:
+    """Each field's entry in the `Args:` section of `cls`'s docstring (`host, port: ...` documents both)."""
+    docs, names = {}, []
+    section = (inspect.getdoc(cls) or "").partition("Args:\n")[2]
+    for line in section.splitlines():
+        entry = re.match(r"    ([\w, ]+): (.*)", line)
+        if entry:
+            names = [name.strip() for name in entry.group(1).split(",")]
+            docs.update({name: entry.group(2) for name in names})
+        elif line.startswith("        "):
+            docs.update({name: f"{docs[name]} {line.strip()}" for name in names})
+        elif line.strip():
+            break
+    return docs
+
+
+def add_setting_flag(parser, field: dataclasses.Field, kind, *, flag: str | None = None, dest: str | None = None,
+                     default=dataclasses.MISSING, help: str | None = None):  # noqa: A002
+    """The flag of one settings field (`kind` its resolved type) on `parser` (or an argument group)."""
+    options = {key: value for key, value in field.metadata.items() if key not in OWN_KEYS}
+    options.setdefault("help", help)
+    check, kind = field.metadata.get("check"), without_none(kind)
+    name = "--" + (flag or field.metadata.get("flag") or field.name.replace("_", "-"))
+    dest = dest or field.name
+    default = default_of(field) if default is dataclasses.MISSING else default
+    if kind is bool:
+        switch = ("--no-" + name[2:], "store_false") if default else (name, "store_true")
+        parser.add_argument(switch[0], dest=dest, action=switch[1], default=bool(default), **options)
+    elif typing.get_origin(kind) is list:
+        action = "store" if "nargs" in options else "append"
+        parser.add_argument(name, dest=dest, action=action, type=typing.get_args(kind)[0], default=default, **options)
+    elif typing.get_origin(kind) is Literal:
+        choices = typing.get_args(kind)
+        parser.add_argument(name, dest=dest, type=checked_type(type(choices[0]), check), choices=choices,
+                            default=default, **options)
+    else:
+        parser.add_argument(name, dest=dest, type=checked_type(kind, check), default=default, **options)
+
+
+class ConfigParser(argparse.ArgumentParser):
+    """The command line of one config dataclass, nested dataclasses flattened; `parse` gives the instance.
+
+    Args:
+        config_type: the dataclass (`RouterConfig`, `CPUReplicaConfig`).
+        prog, description: as for argparse. Flags that are not settings may be added with `add_argument`; `parse`
+            leaves them in the namespace it returns beside the config.
+    """
+
+    def __init__(self, config_type, prog: str, description: str):
+        super().__init__(prog=prog, description=description, formatter_class=DefaultsFormatter)
+        self.config_type = config_type
+        self.switches: dict[str, str] = {}  # an optional nested config's path → the dest of its switch
+        self._add_fields(config_type, path=(), defaults=None, prefix="", flags={})
+
+    def _add_fields(self, cls, path: tuple, defaults, prefix: str, flags: dict):
+        hints, docs = typing.get_type_hints(cls), documented_args(cls)
+        for field in dataclasses.fields(cls):
+            kind, dest = hints[field.name], ".".join((*path, field.name))
+            default = getattr(defaults, field.name) if defaults is not None else default_of(field)
+            nested = without_none(kind)
+            if dataclasses.is_dataclass(nested):
+                if "switch" in field.metadata:
+                    self.switches[dest] = dest + ".on"
+                    self.add_argument("--" + field.metadata["switch"], dest=dest + ".on", action="store_true",
+                                      help=field.metadata.get("help", docs.get(field.name)))
+                self._add_fields(nested, (*path, field.name), default, field.metadata.get("prefix", ""),
+                                 field.metadata.get("flags", {}))
+                continue
+            flag = flags.get(field.name) or field.metadata.get("flag") or prefix + field.name.replace("_", "-")
+            add_setting_flag(self, field, kind, flag=flag, dest=dest, default=default,
+                             help=field.metadata.get("help", docs.get(field.name)))
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def _build(self, cls, path: tuple, values: dict):
+        kwargs = {}
+        for field in dataclasses.fields(cls):
+            dest = ".".join((*path, field.name))
+            if dest in values:
+                kwargs[field.name] = values.pop(dest)
+            elif dest in self.switches and not values.pop(self.switches[dest]):
+                kwargs[field.name] = None
+                for key in [key for key in values if key.startswith(dest + ".")]:
+                    del values[key]
+            else:
+                nested = without_none(typing.get_type_hints(cls)[field.name])
+                kwargs[field.name] = self._build(nested, (*path, field.name), values)
+        return cls(**kwargs)
+
+    def parse(self, argv=None):
+        """`(config, rest)`: the config the flags give, and a namespace of the flags that are not settings. A
+        refused flag or a config its class refuses (ValueError) exits with status 2 and one line."""
+        values = vars(self.parse_args(argv))
+        try:
+            config = self._build(self.config_type, (), values)
+        except ValueError as error:
+            self.error(str(error))
+        return config, argparse.Namespace(**values)
