@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 from ..lab import environment
+from ..lab.install import install_hint
 
 
 class UsageError(ValueError):
@@ -109,7 +110,8 @@ def check_storage(flag: str, url: str, timeout: float = 10.0) -> None:
         known = ", ".join(sorted(p for p in fsspec.available_protocols() if len(p) > 1)[:12])
         raise UsageError(flag, f"unknown storage scheme {protocol}:// (fsspec knows {known}, ...)") from None
     except ImportError as error:
-        raise UsageError(flag, f"{protocol}:// needs a package that is not installed ({error})") from None
+        how = install_hint("s3") if protocol in ("s3", "s3a") else "install it"
+        raise UsageError(flag, f"{protocol}:// needs a package that is not installed ({error}): {how}") from None
     if protocol in LOCAL_SCHEMES:
         check_writable_folder(flag, rest)
         probe_local_folder(flag, rest)

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from ..lab import environment
+from ..lab.install import install_hint
 from .checks import (UsageError, check_model, check_pool, check_port, check_ray_address, check_server,
                      check_storage, check_vllm_python, check_writable_folder, cuda_available)
 from .loop_settings import LoopSettings
@@ -60,7 +61,7 @@ def validate(s: LoopSettings) -> Checked:
     """Every check that needs no process started (the settings' own rules ran when they were made); raises
     UsageError / RunDirError naming the flag."""
     if s.launcher == "ray" and importlib.util.find_spec("ray") is None:
-        raise UsageError("--launcher ray", "Ray is not installed: pip install 'grpo-lab[ray]'")
+        raise UsageError("--launcher ray", f"Ray is not installed: {install_hint('ray')}")
     if s.launcher == "ray":
         check_ray_address("--ray-address", s.ray_address)
     check_output_dir(s.output_dir, s.resume, s.overwrite)
@@ -98,8 +99,8 @@ def check_trackers(names: list[str]) -> None:
     """A tracker of `--report-to` whose package is missing is refused before anything starts."""
     for name in names:
         if importlib.util.find_spec(name) is None:
-            extra = "trackers" if name in ("trackio", "tensorboard") else name
-            raise UsageError("--report-to", f"{name} is not installed: pip install 'grpo-lab[{extra}]'")
+            how = install_hint("trackers") if name in ("trackio", "tensorboard") else f"pip install {name}"  # no extra
+            raise UsageError("--report-to", f"{name} is not installed: {how}")
 
 
 def check_resume(output_dir: str, checkpoint_storage: str | None = None) -> str | bool:

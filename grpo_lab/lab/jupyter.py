@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from .install import install_hint
 from .outputs import repo_root
 
 LOOPBACK = "127.0.0.1"
@@ -71,8 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--print-command", action="store_true", help="print the command and exit")
     a = ap.parse_args(argv)
     if importlib.util.find_spec("jupyterlab") is None:
-        print("error: JupyterLab is not installed here: pip install 'grpo-lab[notebooks]' (or run "
-              "scripts/lab.sh from a clone)", file=sys.stderr)
+        print(f"error: JupyterLab is not installed here: {install_hint('notebooks')} (or run scripts/lab.sh from "
+              "a clone)", file=sys.stderr)
         return 2
     cmd = lab_command(a.root, a.port, not a.no_browser, extra)
     if a.print_command:

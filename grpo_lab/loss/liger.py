@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..lab.install import install_hint
 from .config import GRPOLossConfig
 
 
@@ -16,7 +17,7 @@ def _liger_loss_class():
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
     except ImportError as err:  # pragma: no cover - depends on the optional extra
-        raise ImportError("loss_backend='liger' needs liger-kernel: pip install 'grpo-lab[liger]'.") from err
+        raise ImportError(f"loss_backend='liger' needs liger-kernel: {install_hint('liger')}") from err
     return LigerFusedLinearGRPOLoss
 
 

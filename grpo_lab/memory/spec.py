@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Self
 
+from grpo_lab.lab.install import install_hint
 from grpo_lab.loss.backends import DEFAULT_LOSS_BACKEND, LOGPROB_BACKENDS, in_display_order, resolve_backend
 from grpo_lab.models import known_model_names, load_model_config
 
@@ -40,7 +41,7 @@ def check_model(name: str) -> str:
 def require_liger_if_named(backends) -> None:
     """Refuse up front, not at the first liger point, when `backends` names liger but liger-kernel is missing."""
     if "liger" in backends and importlib.util.find_spec("liger_kernel") is None:
-        raise ValueError("loss backend 'liger' needs liger-kernel (pip install 'grpo-lab[liger]'), or pass "
+        raise ValueError(f"loss backend 'liger' needs liger-kernel ({install_hint('liger')}), or pass "
                          f"--backends {','.join(in_display_order(LOGPROB_BACKENDS))}")
 
 

