@@ -13,8 +13,12 @@ runs 5-10 measured; not run by default), `liger` (Liger-Kernel's `LigerFusedLine
 of the grid: it is 10-30x slower). The `+` variants run only where they change the path (a trainable head). Log-prob
 backends feed `grpo_lab.loss.grpo_loss`.
 
-Per point: `ms` (median CUDA-event time of one fwd+bwd after a warm-up), `loss_peak_gib` (peak allocated during it
-minus what was allocated before: hidden states + weight), `abs_peak_gib`, `reps`, `status` (`ok`, `oom`). The
+Per point: `ms` (median CUDA-event time of one fwd+bwd after a warm-up; `ms_min` / `ms_max` its spread over the
+reps), `loss_peak_gib` (peak allocated during it minus what was allocated before: hidden states + weight),
+`abs_peak_gib`, `reps`, `status` (`ok`, `oom`), and the distance to the machine: `floor_ms`, the cuBLAS GEMMs an exact
+head of that shape must do, measured in the same process on the same inputs (`gemm_floor`: 2 GEMMs for a frozen head,
+N×H·(V×H)ᵀ and its N×V·V×H, 3 for a trainable one, + the V×N·N×H weight gradient; `floor_gemms`, and each GEMM's
+own ms in `gemm_logits`, `gemm_dx`, `gemm_dw`) and `floor_ratio` = ms / floor_ms. The
 `paths` column says which kernel paths a grpo_lab row ran
 (`grpo_lab.loss.kernel.path_counts()` over its calls). The `accuracy` part measures, at N = 2048, the relative error of the log-probs, the entropy and the gradients against a
 float64 reference. Every row carries the GPU, torch / triton / trl / liger / transformers versions, the kernel
@@ -32,7 +36,6 @@ import contextlib
 import copy
 import csv
 import dataclasses
-import datetime
 import gc
 import json
 import math
@@ -69,16 +72,16 @@ MEM_GIB = 48.0  # what `grpo_lab+mem` allows the head to keep
 
 
 def versions() -> dict:
-    out = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
-    for name in ("triton", "trl", "liger_kernel", "transformers"):
-        key = "liger" if name == "liger_kernel" else name
-        try:
-            from importlib.metadata import version
+    """The columns every row carries: the card, the versions and the date (`grpo_lab.lab.records`, as every results
+    CSV), under the names the earlier runs' CSVs use."""
+    from grpo_lab.lab.records import run_record
 
-            out[key] = version("liger-kernel" if name == "liger_kernel" else name)
-        except Exception:
-            out[key] = "absent"
-    out["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    record = run_record("cuda" if torch.cuda.is_available() else "cpu")
+    out = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
+    for key, column in (("triton", "triton"), ("trl", "trl"), ("liger", "liger_kernel"),
+                        ("transformers", "transformers")):
+        out[key] = record.get(column) or "absent"
+    out["host"], out["date"] = record["host"], record["date"]
     return out
 
 
@@ -177,6 +180,52 @@ def timer(fn, reps: int, device) -> list[float]:
     return times
 
 
+FLOOR_ROWS = 8192  # rows per cuBLAS call of the floor: [8192, V] products, as wide as cuBLAS runs at full rate
+
+
+def gemm_floor(hidden, weight, reps: int, device) -> dict:
+    """The cuBLAS floor of a head of this shape and dtype, measured here: the GEMMs any exact head must do, with no
+    softmax work between them. Per token chunk of FLOOR_ROWS: Z = X·Wᵀ ([rows, V], the input dtype), X̄ = Z·W (fp32
+    out, as every head accumulates dX) and W̄ = Zᵀ·X ([V, H]). Returns the median ms of each GEMM over all chunks;
+    a frozen head's floor is the first two (`floor_ms(head)`), a trainable head's all three."""
+    x = hidden.detach().reshape(-1, hidden.shape[-1])
+    w = weight.detach()
+    rows = min(x.shape[0], FLOOR_ROWS)
+    z = torch.empty((rows, w.shape[0]), device=x.device, dtype=x.dtype)
+    dx = torch.empty((rows, w.shape[1]), device=x.device, dtype=torch.float32)
+    dw = torch.empty_like(w)
+    chunks = [(r0, min(r0 + rows, x.shape[0])) for r0 in range(0, x.shape[0], rows)]
+
+    def logits():
+        for r0, r1 in chunks:
+            torch.mm(x[r0:r1], w.t(), out=z[: r1 - r0])
+
+    def input_grad():
+        for r0, r1 in chunks:
+            if x.dtype == torch.float32:
+                torch.mm(z[: r1 - r0], w, out=dx[: r1 - r0])
+            else:
+                torch.mm(z[: r1 - r0], w, out_dtype=torch.float32, out=dx[: r1 - r0])
+
+    def weight_grad():
+        for r0, r1 in chunks:
+            torch.mm(z[: r1 - r0].t(), x[r0:r1], out=dw)
+
+    out = {}
+    with torch.no_grad():
+        for name, fn in (("gemm_logits", logits), ("gemm_dx", input_grad), ("gemm_dw", weight_grad)):
+            fn()  # warm-up (cuBLAS picks its kernel); Z holds real logits from here on, never zeros
+            out[name] = statistics.median(timer(fn, reps, device))
+    return out
+
+
+def floor_ms(floor: dict, head: str) -> tuple[float, int]:
+    """(ms, GEMMs) of a head's floor: 2 GEMMs for a frozen head (logits, dX), 3 for a trainable one (+ dW)."""
+    if head == "frozen":
+        return floor["gemm_logits"] + floor["gemm_dx"], 2
+    return floor["gemm_logits"] + floor["gemm_dx"] + floor["gemm_dw"], 3
+
+
 def _free(device):
     gc.collect()
     if device.type == "cuda":
@@ -214,14 +263,15 @@ def bench_point(backend, head, data, config, budget_s, device) -> dict:
     except torch.OutOfMemoryError:
         hidden.grad = weight.grad = None
         _free(device)
-        return {"ms": float("nan"), "loss_peak_gib": float("nan"), "abs_peak_gib": float("nan"), "reps": 0,
-                "status": "oom", "paths": ""}
+        return {"ms": float("nan"), "ms_min": float("nan"), "ms_max": float("nan"), "loss_peak_gib": float("nan"),
+                "abs_peak_gib": float("nan"), "reps": 0, "status": "oom", "paths": ""}
     hidden.grad = weight.grad = None
     paths = ""
     if counted:
         paths = " ".join(f"{k}:{v}" for k, v in dataclasses.asdict(path_counts()).items() if v)
-    return {"ms": statistics.median(times), "loss_peak_gib": (peak - base) / 2**30, "abs_peak_gib": peak / 2**30,
-            "reps": reps, "status": "ok", "paths": paths}
+    return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
+            "loss_peak_gib": (peak - base) / 2**30, "abs_peak_gib": peak / 2**30, "reps": reps, "status": "ok",
+            "paths": paths}
 
 
 def changes_path(backend: str, head: str) -> bool:
@@ -294,16 +344,22 @@ def run_grid(args, meta, device, setting):
             _free(device)
             data = make_inputs(DTYPES[dname], hdim, tokens, seq, device, seed=hdim + tokens)
             data_key = (dname, hdim, tokens, seq)
-        for backend in backends:
+            floor = gemm_floor(data[0], data[1], args.floor_reps, device)
+            _free(device)
+        for repeat, backend in [(i, b) for i in range(args.repeats) for b in backends]:
             if not changes_path(backend, head) or (backend == "liger" and not liger_point(dname, hdim, tokens)):
                 continue
             r = bench_point(backend, head, data, config, args.budget_s, device)
+            r["repeat"] = repeat
+            f_ms, f_gemms = floor_ms(floor, head)
+            r.update(floor_ms=f_ms, floor_gemms=f_gemms, floor_ratio=r["ms"] / f_ms, **floor)
             row = {"part": "loss", "backend": backend, "head": head, "dtype": dname, "H": hdim, "V": V,
                    "tokens": tokens, "T": seq, "B": tokens // seq,
                    **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()},
                    "setting": setting(backend), **meta}
             rows.append(row)
             print(f"{head:9s} {dname} H={hdim:5d} N={tokens:6d} {backend:13s} {r['ms']:10.2f} ms  "
+                  f"floor {f_ms:8.2f} ({f_gemms} GEMMs) x{r['floor_ratio']:.2f}  "
                   f"loss peak {r['loss_peak_gib']:.3f} GiB  {r['status']}  {r['paths']}", flush=True)
             write_csv(path, rows)
     return rows
@@ -644,6 +700,36 @@ def _kernel_knobs(setting: str) -> str:
     return re.sub(r"materialize [^;]*; ", "", setting)
 
 
+def floor_of(rows, key) -> tuple[float, str]:
+    """(ms, GEMMs) of the cuBLAS floor measured at `key` (by the run that measured it; NaN before floors were)."""
+    for r in rows:
+        if _key(r) == key and not math.isnan(_num(r.get("floor_ms"))):
+            return _num(r["floor_ms"]), r.get("floor_gemms", "")
+    return float("nan"), ""
+
+
+def floor_table(rows) -> list[str]:
+    """Every point with a measured floor: the floor and each backend's distance to it (ms / floor)."""
+    keys = sorted({_key(r) for r in rows if not math.isnan(_num(r.get("floor_ms")))},
+                  key=lambda k: (k[1], k[0], k[2], k[3]))
+    if not keys:
+        return []
+    backends = [b for b in REPORT_BACKENDS if any(r["backend"] == b for r in rows)]
+    lines = ["", "Distance to the machine: each backend's ms / the cuBLAS GEMM floor of the shape, measured in the same "
+             "run (frozen: 2 GEMMs, N×H·(V×H)ᵀ and N×V·V×H; trainable: 3, + V×N·N×H):", "",
+             "| case | floor ms (GEMMs) | " + " | ".join(backends) + " |", "|---" * (len(backends) + 2) + "|"]
+    for key in keys:
+        f_ms, gemms = floor_of(rows, key)
+        cells = []
+        for b in backends:
+            ms = backend_ms(rows, key, b)
+            cells.append("—" if math.isnan(ms) else f"{ms:.2f} ({ms / f_ms:.2f}×)")
+        head, dname, hdim, tokens, seq = key
+        lines.append(f"| {head}, {dname}, H={hdim}, {tokens // 1024}k tokens | {f_ms:.2f} ({gemms}) | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
 def report(in_dir, out_dir=None):
     """Markdown tables (the seven rows of issue 18, the whole grid as grpo_lab / min(naive, trl)) and the figure."""
     rows = latest_rows(in_dir)
@@ -666,6 +752,7 @@ def report(in_dir, out_dir=None):
         key = (head, dname, hdim, tokens, seq)
         case = f"{head}, {dname}, H={hdim}, " + (f"T={seq}, " if seq != T_COMPLETION else "") + f"B={tokens // seq}"
         lines.append(f"| {case} | " + " | ".join(cell(key, b) for b in REPORT_BACKENDS) + " |")
+    lines += floor_table(rows)
     lines += ["", "Whole grid: grpo_lab / min(naive, trl) time with the default memory policy (in brackets the flat "
               "path, the policy off, where it was measured and differs). ≤ 1.03 meets issue 33's bar.", ""]
     keys = sorted({_key(r) for r in rows if r["T"] == str(T_COMPLETION)}, key=lambda k: (k[1], k[0], k[2], k[3]))
@@ -743,7 +830,8 @@ def plot(rows, path):
             ax.grid(True, which="both", alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8)
-    fig.suptitle("GRPO loss head on one H200, V = 151,936 (benchmarks/loss_bench.py)")
+    gpus = ", ".join(sorted({r["gpu"] for r in rows}))
+    fig.suptitle(f"GRPO loss head on one {gpus}, V = 151,936 (benchmarks/loss_bench.py)")
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -763,6 +851,9 @@ def main(argv=None):
     p.add_argument("--accuracy-hidden", default="1024,4096", help="H of the accuracy part")
     p.add_argument("--accuracy-tokens", type=int, default=2048, help="N of the accuracy part")
     p.add_argument("--budget-s", type=float, default=0.3, help="timing budget per point (3-10 reps)")
+    p.add_argument("--floor-reps", type=int, default=5, help="timed repeats of each cuBLAS floor GEMM per shape")
+    p.add_argument("--repeats", type=int, default=1, help="measure each point this many times, the backends "
+                   "interleaved (the `repeat` column): the run-to-run spread of a cell")
     p.add_argument("--max-minutes", type=float, default=60.0, help="stop the grid (cleanly) after this long")
     p.add_argument("--points", default="", help="only these points: head:dtype:H:tokens[:T],... (e.g. a re-run)")
     p.add_argument("--profile", default="", help="torch.profiler kernel table of grpo_lab at these points, first")

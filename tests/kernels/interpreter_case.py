@@ -10,7 +10,8 @@ are recomputed against their exact max; `entropy_hint` forces what the frozen fo
 gives every seventh row logits hundreds of nats apart with the lowest one as its target, so that e^(z − ref)
 overflows fp32 there and those rows must be recomputed, statistics included (`softcap`: null turns the softcap off,
 which would bound the logits; `target_gap` picks the target that many nats below the max instead); `ref_stats` and
-`ref_stats_plain` set those fields of the kernel's tuning.
+`ref_stats_plain` set those fields of the kernel's tuning, `deferred` its `frozen_deferred_check` (the rows check
+read back by the backward).
 """
 
 import json
@@ -61,6 +62,7 @@ def main(variant: dict) -> dict:
     TUNING.ref_headroom = variant.get("headroom", TUNING.ref_headroom)
     TUNING.ref_stats = dict.fromkeys(TUNING.ref_stats, variant.get("ref_stats", True))
     TUNING.ref_stats_plain = dict.fromkeys(TUNING.ref_stats_plain, variant.get("ref_stats_plain", False))
+    TUNING.frozen_deferred_check = dict.fromkeys(TUNING.frozen_deferred_check, variant.get("deferred", False))
     programs, loads, stores, bulk, paths = [], [], [], [], []
     spy("_programs", programs)
     spy("_operands", loads)

@@ -252,7 +252,7 @@ def paths(monkeypatch):
     taken = []
     real = function.choose_path
     monkeypatch.setattr(function, "choose_path", lambda *a: taken.append(real(*a)) or taken[-1])
-    # these tests' heads are small: without this a frozen 16-bit head would take the small-N recompute path
+    # these tests' heads are small: should the small-head rule (`frozen_recompute_rows`) be on, keep them two-GEMM
     monkeypatch.setattr(TUNING, "frozen_recompute_below", dict.fromkeys(TUNING.frozen_recompute_below, 0))
     return taken
 
@@ -285,12 +285,15 @@ def test_frozen_bias_softcap_scale_temperature(paths, dtype):
     assert paths == ["frozen"]
 
 
+@pytest.mark.parametrize("deferred", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_frozen_rows_recomputed_against_their_max(monkeypatch, paths, dtype):
+def test_frozen_rows_recomputed_against_their_max(monkeypatch, paths, dtype, deferred):
     """Rows whose max is far above the target's logit (the reference e^(z − ref) is stored against) are recomputed
-    against their exact max: with a headroom of 0.5 that is most rows, and nothing changes."""
+    against their exact max: with a headroom of 0.5 that is most rows, and nothing changes, whether the forward
+    checks them itself or the backward does (`frozen_deferred_check`)."""
     from grpo_lab.loss.frozen import expect_entropy_grad
 
+    monkeypatch.setattr(TUNING, "frozen_deferred_check", dict.fromkeys(TUNING.frozen_deferred_check, deferred))
     monkeypatch.setattr(TUNING, "ref_headroom", 0.5)
     monkeypatch.setattr(TUNING, "frozen_tile", {"16": (1024, 2048), "32": (1024, 2048)})  # several token tiles
     data = make(2500, 200, 5003, dtype, peaked=True, masked=100, seed=11)

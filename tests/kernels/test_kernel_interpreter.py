@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("triton", reason="Triton is a dependency on Linux only")
 
 CASE = os.path.join(os.path.dirname(__file__), "interpreter_case.py")
+ROW_KERNELS = os.path.join(os.path.dirname(__file__), "interpreter_row_kernels.py")
 
 
 @pytest.mark.parametrize("tma,persistent,dz_tma", [
@@ -70,6 +71,16 @@ PATH_CASES = [
     # the same rows with the statistics taken against the block max (`ref_stats` off): only P~ needs the rescue
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "softcap": None,
       "extreme_rows": True, "ref_stats": False}, 7),
+    # the rows check deferred to the backward (`frozen_deferred_check`): the same launches, the rescue in the backward
+    ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "deferred": True}, 6),
+    # (an entropy gradient the forward did not prepare for: the recomputing backward, so nothing is left to repair)
+    ({"tma": False, "persistent": False, "dz_tma": False, "path": "frozen", "headroom": 0.5, "deferred": True}, 12),
+    ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "headroom": 0.5,
+      "deferred": True}, 12),
+    ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "softcap": None,
+      "extreme_rows": True, "deferred": True}, 7),
+    ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "softcap": None,
+      "extreme_rows": True, "target_gap": 50.0, "deferred": True}, 7),
 ]
 
 
@@ -77,7 +88,8 @@ PATH_CASES = [
                          ids=["frozen", "frozen-p-descriptors", "frozen-fallback-rescue", "materialized-rescue",
                               "frozen-overflow", "materialized-overflow", "frozen-sq-overflow",
                               "materialized-sq-overflow", "plain-overflow", "plain-sq-overflow",
-                              "frozen-overflow-block-max-stats"])
+                              "frozen-overflow-block-max-stats", "frozen-deferred", "frozen-deferred-fallback-rescue",
+                              "frozen-deferred-rescue", "frozen-deferred-overflow", "frozen-deferred-sq-overflow"])
 def test_frozen_and_materialized_paths_match_float64_in_the_interpreter(variant, launches):
     proc = subprocess.run([sys.executable, CASE, json.dumps(variant)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -134,16 +146,16 @@ def test_persistent_launch_needs_a_triton_with_flattened_ranges(monkeypatch):
 
 
 @pytest.mark.parametrize("rows,hidden,dtype,path", [
-    (2048, 1024, "bf16", "recompute"), (2048, 2048, "bf16", "recompute"), (3072, 1024, "bf16", "recompute"),
-    (3072, 1536, "bf16", "frozen"),  # rows × hidden at the bound
-    (4096, 1024, "bf16", "frozen"),  # rows at the bound
+    (100, 64, "bf16", "frozen"), (2048, 1024, "bf16", "frozen"), (2048, 2048, "bf16", "frozen"),
+    (3072, 1024, "bf16", "frozen"), (4096, 1024, "bf16", "frozen"),
     (2048, 4096, "bf16", "frozen"), (32768, 1024, "bf16", "frozen"),
     (2048, 1024, "fp32", "frozen"), (100, 64, "fp32", "frozen"),
     (2048, 1024, "fp16", "recompute"),  # e^60 does not fit in fp16: always the recompute path
 ])
 def test_a_frozen_head_takes_the_path_measured_fastest_for_its_shape(rows, hidden, dtype, path):
-    """Small 16-bit frozen heads are host-bound, so they recompute (fewer launches); larger ones and fp32 take the
-    two-GEMM path (the thresholds come from the H200 sweeps quoted in `KernelTuning`)."""
+    """A bf16 / fp32 frozen head takes the two-GEMM path at every size: with its rows check read back by the
+    backward (no host sync in the forward) it was faster than recomputing down to 2048 rows (H100 probe quoted in
+    `KernelTuning`); the small-head rule (`frozen_recompute_rows`) stays as a knob, off."""
     import torch
 
     from grpo_lab.loss.kernel.launch import choose_path
@@ -151,3 +163,19 @@ def test_a_frozen_head_takes_the_path_measured_fastest_for_its_shape(rows, hidde
     compute = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
     assert choose_path("frozen", compute, None, rows, 151936, torch.device("cpu"), hidden) == path
     assert choose_path("inference", compute, None, rows, 151936, torch.device("cpu"), hidden) == "stats"
+
+
+def test_the_frozen_row_kernels_match_their_torch_statement_in_the_interpreter():
+    """The fused end of the frozen forward (rows check + rebase, one pass), the reference-logit dot and the dX kernel
+    with its coefficients formed in the kernel, against the torch functions that state them."""
+    proc = subprocess.run([sys.executable, ROW_KERNELS], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert err["finish_bad_rows_1"] == [3, 5, 9] and err["finish_bad_rows_2"] == [3, 5, 9, 11], err
+    for depth in (1, 2):
+        assert err[f"finish_bad_agree_{depth}"], err
+        assert err[f"finish_count_{depth}"][0] == err[f"finish_count_{depth}"][1], err
+        assert err[f"finish_acc_{depth}"] < 1e-5, err
+    assert err["ref_logit_None"] < 1e-4 and err["ref_logit_5.0"] < 1e-5, err
+    for key in ("dx_1_None_True_False", "dx_2_5.0_True_True", "dx_2_None_False_True"):
+        assert err[key] < 1e-6, err

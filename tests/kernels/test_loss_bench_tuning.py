@@ -121,11 +121,22 @@ def test_smoke_run_on_cpu_writes_the_long_format_csv_and_the_report(bench, tmp_p
     assert len(rows) == 14 and {r["status"] for r in rows} == {"ok"}
     assert {(r["backend"], r["head"]) for r in rows if r["backend"] == "grpo_lab+flat"} == {("grpo_lab+flat",
                                                                                              "trainable")}
-    for key in ("gpu", "torch", "triton", "trl", "liger", "date", "ms", "loss_peak_gib", "tokens", "H", "V"):
+    for key in ("gpu", "torch", "triton", "trl", "liger", "date", "ms", "loss_peak_gib", "tokens", "H", "V",
+                "floor_ms", "floor_ratio", "ms_min", "ms_max"):
         assert all(r[key] != "" for r in rows), key
+    # the floor is the GEMMs of the shape: 2 for a frozen head, 3 for a trainable one, the same inputs' GEMMs
+    for r in rows:
+        gemms = [float(r[k]) for k in ("gemm_logits", "gemm_dx", "gemm_dw")]
+        assert all(g > 0 for g in gemms)
+        expect = sum(gemms[:2]) if r["head"] == "frozen" else sum(gemms)
+        assert r["floor_gemms"] == ("2" if r["head"] == "frozen" else "3")
+        assert abs(float(r["floor_ms"]) - expect) <= 1e-3 * expect + 1e-4
+        assert abs(float(r["floor_ratio"]) - float(r["ms"]) / float(r["floor_ms"])) <= 1e-3 * float(r["floor_ratio"]) + 1e-4
+        assert float(r["ms_min"]) <= float(r["ms"]) <= float(r["ms_max"])
     with open(tmp_path / "loss_accuracy.csv") as f:
         acc = list(csv.DictReader(f))
     assert acc and all(float(r["err_logprobs"]) < 1e-5 and float(r["err_dX"]) < 1e-4 for r in acc)
     text = bench.report(str(tmp_path))
     assert "| fp32 frozen: H \\ tokens | 1k |" in text and "Worst grpo_lab" in text
+    assert "| floor ms (GEMMs) |" in text and "| frozen, fp32, H=32, 1k tokens |" in text
     assert (tmp_path / "loss_grid.png").stat().st_size > 0 and (tmp_path / "loss_grid_tables.md").exists()

@@ -45,8 +45,8 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
         if n_valid > 0:
             if path == "frozen":
                 with_plogp = want["entropy"] and entropy_grad_expected()
-                stats, acc = frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want,
-                                            with_plogp)
+                stats, acc, pending = frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute,
+                                                     want, with_plogp)
             elif path == "materialized":
                 stats, full, shift = materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute,
                                                           want)
@@ -54,7 +54,8 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
                 stats = statistics_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
             log_z, logprobs, entropy, extras = outputs_from_stats(*stats, vocab, want)
             if path == "frozen":
-                ctx.extra = (acc, logprobs.clone(), stats[-1])  # the target logit (softcap factor of the target)
+                # the target logit (softcap factor of the target); the rows check the backward resolves, if any
+                ctx.extra = (acc, logprobs.clone(), stats[-1], pending)
             elif path == "materialized":
                 ctx.extra = (full, logprobs.clone(), shift)
         else:
@@ -93,8 +94,10 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
         grads = None
         if ctx.path == "frozen":
             note_entropy_grad(ge is not None)
-            acc, logprobs, tlogit = ctx.extra
+            acc, logprobs, tlogit, pending = ctx.extra
             if ge is None or acc.shape[0] == 2:  # else: an entropy gradient the forward did not prepare for
+                if pending is not None:  # the forward's rows check; the valid rows' inputs only if rows need redoing
+                    pending.resolve(acc, lambda: hidden.contiguous() if rows is None else hidden.index_select(0, rows))
                 grads = (frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy if has_entropy else None,
                                          tlogit, softcap, logit_scale, inv_t, compute, rows), None, None)
         elif ctx.path == "materialized" and n_valid > 0 and (g is not None or ge is not None):

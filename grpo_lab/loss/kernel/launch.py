@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..frozen import frozen_coefficients
 from .policy import SPARE_BYTES, free_device_bytes, materialize_decision, record_path
-from .triton_kernels import bwd_kernel, dz_from_p_kernel, frozen_dx_kernel, fwd_kernel, merge_kernel, mm_kernel
+from .triton_kernels import (bwd_kernel, dz_from_p_kernel, frozen_dx_kernel, frozen_finish_kernel, fwd_kernel,
+                             merge_kernel, mm_kernel, ref_logit_kernel)
 from .tuning import TUNING
 
 TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -138,7 +138,8 @@ class _FrozenSink:
 
     p_mode = 1
 
-    def __init__(self, m_rows, weight, compute, ref, with_plogp, bn):
+    def __init__(self, m_rows, weight, compute, ref, with_plogp, bn, ref_stats=True):
+        self.ref_stats = ref_stats  # statistics against ref (when `ref_stats` allows), or against each block's max
         tokens, vocab_tile = TUNING.frozen_tile[dtype_key(compute)]
         self.t_tile = min(m_rows, tokens)
         self.v_tile = _widened_vocab_tile(weight.shape[0], tokens, vocab_tile, self.t_tile, bn)
@@ -218,7 +219,8 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
     target_logit = torch.zeros(m_rows, device=dev)
     flags = dict(HAS_ENTROPY=want["entropy"], HAS_SQ=want["log_sum_sq_probs"], HAS_MEAN=want["mean_logits"],
                  HAS_TOP1=want["is_top1"])
-    ref_stats = sink is not None and (sink.p_mode == 0 or TUNING.ref_stats[dtype_key(compute)])
+    ref_stats = sink is not None and (sink.p_mode == 0 or TUNING.ref_stats[dtype_key(compute)]
+                                      and getattr(sink, "ref_stats", True))
     for t0 in range(0, m_rows, t_tile):
         t1 = min(m_rows, t0 + t_tile)
         rows = t1 - t0
@@ -254,36 +256,80 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
 
 
 def _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale):
-    """Each row's target logit, cheaply (a row-wise dot in the compute dtype): the reference e^(z − ref) is taken
-    against. Any value ≤ the row's max does (no overflow unless the max is `ref_headroom` above it, and such rows are
-    recomputed against their exact max); the target's own logit is close to the max for sampled tokens."""
+    """Each row's target logit, cheaply (one row-wise dot per row, `ref_logit_kernel`): the reference e^(z − ref) is
+    taken against. Any value ≤ the row's max does (no overflow unless the max is `ref_headroom` above it, and such
+    rows are recomputed against their exact max); the target's own logit is close to the max for sampled tokens."""
     out = torch.empty(h.shape[0], device=h.device)
-    for r0 in range(0, h.shape[0], 8192):
-        r1 = min(r0 + 8192, h.shape[0])
-        w_rows = weight.index_select(0, y[r0:r1]).to(compute)
-        z = torch.bmm(h[r0:r1].to(compute).unsqueeze(1), w_rows.unsqueeze(2)).view(-1).float()
-        if bias is not None:
-            z = z + bias.index_select(0, y[r0:r1]).to(compute).float()
-        z = z * logit_scale
-        if softcap is not None:
-            z = softcap * torch.tanh(z / softcap)
-        out[r0:r1] = z * inv_t
+    br, bh = 16, 256
+    ref_logit_kernel[(triton.cdiv(h.shape[0], br),)](
+        h, weight, bias if bias is not None else h, y, out, h.shape[0], h.shape[1], h.stride(0), weight.stride(0),
+        float(logit_scale), float(softcap or 1.0), float(inv_t), HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap is not None, COMPUTE=TL_DTYPE[compute], BR=br, BH=bh, num_warps=4)
     return out
 
 
 def frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, with_plogp):
-    """Statistics + A (+ B) of the frozen head, relative to log Z (see `frozen.frozen_input_grad`)."""
+    """Statistics + A (+ B) of the frozen head, relative to log Z (see `frozen.frozen_input_grad`), and the pending
+    check of its rows (`PendingRescue`; None when the check already ran here).
+
+    With `frozen_deferred_check` the forward never waits for the GPU: its statistics are taken against each block's
+    max (exact whatever the ref), so only A and B of an overflowing row can be wrong, and which rows those are is
+    read back asynchronously and repaired by the backward (`PendingRescue.resolve`). Otherwise the rows are checked
+    here, one host sync, with the statistics against ref (`ref_stats`)."""
     bn = _config("frozen", compute)[1]
+    deferred = TUNING.frozen_deferred_check[dtype_key(compute)]
     ref = _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale)
-    sink = _FrozenSink(h.shape[0], weight, compute, ref, with_plogp, bn)
+    sink = _FrozenSink(h.shape[0], weight, compute, ref, with_plogp, bn, ref_stats=not deferred)
     stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink)
-    run_m, run_s = stats[0], stats[1]
-    rows = _rows_to_recompute(run_m, run_s, ref, sink.acc, compute, _ref_limit(compute, want))
-    if rows.numel():
+    acc = sink.acc
+    bad = torch.empty(h.shape[0], device=h.device, dtype=torch.int8)
+    count = torch.zeros(1, device=h.device, dtype=torch.int32)
+    br, bh = 16, 256
+    frozen_finish_kernel[(triton.cdiv(h.shape[0], br),)](
+        acc, stats[0], stats[1], ref, bad, count, h.shape[0], h.shape[1], acc.stride(0),
+        float(_ref_limit(compute, want, against_ref=False if deferred else None)),
+        float(TUNING.plogp_excess[dtype_key(compute)]), HAS_B=acc.shape[0] == 2, BR=br, BH=bh, num_warps=4)
+    pending = PendingRescue(bad, count, (weight, bias, y, inv_t, softcap, logit_scale, compute, want, with_plogp, bn,
+                                         stats, ref))
+    if deferred:
+        return stats, acc, pending
+    pending.resolve(acc, lambda: h)  # here: with the statistics against ref, a flagged row's statistics are redone
+    return stats, acc, None
+
+
+class PendingRescue:
+    """The frozen forward's overflow check, read back without stalling the host.
+
+    The forward queues the count of rows to recompute into pinned host memory and records an event behind it; the
+    backward waits for that event only (by then the GPU is usually far past it, so the host does not drain the queue
+    of the loss's work as a sync in the forward would) and, in the rare case of a nonzero count, recomputes those rows
+    of A (and B) against their exact max, as the forward would have. It keeps no copy of the hidden states: the
+    backward hands them over (`valid_hidden`) only when there are rows to redo."""
+
+    def __init__(self, bad, count, inputs):
+        self.bad, self.inputs = bad, inputs
+        self.event = None
+        self.count = count
+        if count.is_cuda:
+            self.count = torch.empty(1, dtype=count.dtype, pin_memory=True)
+            self.count.copy_(count, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def resolve(self, acc, valid_hidden) -> int:
+        """Repairs the rows of `acc` (rebased A, B) the check flagged; returns how many there were. `valid_hidden()`
+        gives the hidden states of the valid rows, as the forward saw them."""
+        if self.event is not None:
+            self.event.synchronize()
+        if int(self.count) == 0:
+            return 0
+        weight, bias, y, inv_t, softcap, logit_scale, compute, want, with_plogp, bn, stats, ref = self.inputs
+        h = valid_hidden()
+        rows = self.bad.nonzero().squeeze(-1)
         redo = _redo_rows(rows, stats, ref, lambda r: _FrozenSink(rows.numel(), weight, compute, r, with_plogp, bn),
                           h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
-        sink.acc.index_copy_(1, rows, redo.acc)
-    return stats, _rebase_to_log_z(sink.acc, run_m, run_s, ref)
+        acc.index_copy_(1, rows, _rebase_to_log_z(redo.acc, stats[0][rows], stats[1][rows], ref[rows]))
+        return rows.numel()
 
 
 def statistics_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want):
@@ -328,14 +374,20 @@ def _ref_limit(compute: torch.dtype, want: dict, against_ref: bool | None = None
 
 
 def _rows_to_recompute(run_m, run_s, ref, acc, compute, limit=None):
-    """Rows whose P~ was stored too far below their max (overflow risk: `limit`, `ref_headroom` by default; with B,
-    its rounding: `plogp_excess`, where p_max = 1 / run_s) or whose accumulators are not finite. One host sync."""
+    """Indices of `_bad_rows`. One host sync. (`_bad_rows` and `_rebase_to_log_z` state in torch what
+    `frozen_finish_kernel` does in one pass; the CPU tests check the rule on them and the kernel against them.)"""
+    return _bad_rows(run_m, run_s, ref, acc, compute, limit).nonzero().squeeze(-1)
+
+
+def _bad_rows(run_m, run_s, ref, acc, compute, limit=None):
+    """Mask of the rows whose P~ was stored too far below their max (overflow risk: `limit`, `ref_headroom` by
+    default; with B, its rounding: `plogp_excess`, where p_max = 1 / run_s) or whose accumulators are not finite."""
     limit = TUNING.ref_headroom if limit is None else limit
     gap = run_m - ref
     bad = _far_below_max(run_m, ref, limit) | ~torch.isfinite(acc.sum(-1)).all(0)  # an inf / nan row sums to one
     if acc.shape[0] == 2:
         bad |= gap / run_s > TUNING.plogp_excess[dtype_key(compute)]
-    return bad.nonzero().squeeze(-1)
+    return bad
 
 
 def _rebase_to_log_z(acc, run_m, run_s, ref):
@@ -421,18 +473,17 @@ def frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy, tlogit, so
     """dX of the frozen path: elementwise from A, B and the statistics (`frozen.frozen_input_grad`)."""
     if logprobs.numel() == 0:
         return torch.zeros_like(hidden)
-    c_target = torch.ones_like(logprobs)
-    if softcap is not None:
-        t_y = tlogit / (softcap * inv_t)
-        c_target = 1 - t_y * t_y
     n, k = logprobs.shape[0], hidden.shape[1]
     out = torch.empty((n, k), device=hidden.device, dtype=hidden.dtype)
-    coef_y, coef_a, coef_b = frozen_coefficients(g, ge, logprobs, entropy, c_target, inv_t * logit_scale)
+    omp = -torch.expm1(logprobs)  # 1 − p_y, exact as p_y → 1
+    has_ge = ge is not None and entropy is not None
     br, bh = 32, 128
     frozen_dx_kernel[(triton.cdiv(n, br), triton.cdiv(k, bh))](
-        acc, weight, y, coef_y.contiguous(), coef_a.contiguous(), coef_b.contiguous(), out, n, k, acc.stride(0),
-        weight.stride(0), out.stride(0), HAS_B=acc.shape[0] == 2, COMPUTE=TL_DTYPE[compute], BR=br, BH=bh,
-        num_warps=4)
+        acc, weight, y, g if g is not None else omp, ge if has_ge else omp, logprobs, omp,
+        entropy if has_ge else omp, tlogit, out, n, k, acc.stride(0), weight.stride(0), out.stride(0),
+        float(inv_t * logit_scale), 1.0 / (float(softcap) * inv_t) if softcap is not None else 1.0,
+        HAS_G=g is not None, HAS_GE=has_ge, HAS_B=acc.shape[0] == 2, HAS_SOFTCAP=softcap is not None,
+        COMPUTE=TL_DTYPE[compute], BR=br, BH=bh, num_warps=4)
     return _scatter_rows(out, hidden, rows)
 
 

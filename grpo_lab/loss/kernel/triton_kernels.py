@@ -262,24 +262,105 @@ def dz_from_p_kernel(p_ptr, tgt_ptr, shift_ptr, lp_ptr, ent_ptr, g_ptr, ge_ptr, 
 
 
 @triton.jit
-def frozen_dx_kernel(acc_ptr, w_ptr, y_ptr, cy_ptr, ca_ptr, cb_ptr, out_ptr, M, K, acc_plane, stride_w, stride_out,
-                     HAS_B: tl.constexpr, COMPUTE: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
-    """The frozen head's input gradient in one pass: out = coef_y·W_y + coef_a·A (+ coef_b·B), per row (the math:
-    `grpo_lab.loss.frozen.frozen_input_grad`); W_y gathered by target and read as the projection saw it."""
+def frozen_dx_kernel(acc_ptr, w_ptr, y_ptr, g_ptr, ge_ptr, lp_ptr, omp_ptr, ent_ptr, tlogit_ptr, out_ptr, M, K,
+                     acc_plane, stride_w, stride_out, scale, inv_cap,
+                     HAS_G: tl.constexpr, HAS_GE: tl.constexpr, HAS_B: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                     COMPUTE: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
+    """The frozen head's input gradient in one pass: out = coef_y·W_y + coef_a·A (+ coef_b·B), per row, with the
+    coefficients formed here from g, h (the entropy's upstream gradient), the log-prob, 1 − p_y (`omp`, from expm1),
+    the entropy and the target's softcap factor (the math: `grpo_lab.loss.frozen.frozen_coefficients` and
+    `frozen_input_grad`); W_y gathered by target and read as the projection saw it."""
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     r_ok = offs_r < M
     ok = r_ok[:, None] & (offs_h < K)[None, :]
     rows = offs_r.to(tl.int64)[:, None]
+    coef_y = tl.zeros((BR,), dtype=tl.float32)
+    coef_a = tl.zeros((BR,), dtype=tl.float32)
+    if HAS_G:
+        g = tl.load(g_ptr + offs_r, mask=r_ok, other=0.0)
+        coef_y += tl.load(omp_ptr + offs_r, mask=r_ok, other=0.0) * g
+        coef_a -= g
+    if HAS_GE:
+        h = tl.load(ge_ptr + offs_r, mask=r_ok, other=0.0)
+        lp = tl.load(lp_ptr + offs_r, mask=r_ok, other=0.0)
+        ent = tl.load(ent_ptr + offs_r, mask=r_ok, other=0.0)
+        coef_y -= h * tl.exp(lp) * (lp + ent)
+        coef_a -= h * ent
+    if HAS_SOFTCAP:
+        t_y = tl.load(tlogit_ptr + offs_r, mask=r_ok, other=0.0) * inv_cap
+        coef_y *= 1.0 - t_y * t_y
     y = tl.load(y_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)
     w_y = tl.load(w_ptr + y[:, None] * stride_w + offs_h[None, :], mask=ok, other=0.0).to(COMPUTE).to(tl.float32)
     a = tl.load(acc_ptr + rows * K + offs_h[None, :], mask=ok, other=0.0)
-    out = tl.load(cy_ptr + offs_r, mask=r_ok, other=0.0)[:, None] * w_y
-    out += tl.load(ca_ptr + offs_r, mask=r_ok, other=0.0)[:, None] * a
+    out = (coef_y * scale)[:, None] * w_y + (coef_a * scale)[:, None] * a
     if HAS_B:
-        b = tl.load(acc_ptr + acc_plane + rows * K + offs_h[None, :], mask=ok, other=0.0)
-        out += tl.load(cb_ptr + offs_r, mask=r_ok, other=0.0)[:, None] * b
+        if HAS_GE:
+            b = tl.load(acc_ptr + acc_plane + rows * K + offs_h[None, :], mask=ok, other=0.0)
+            out -= (h * scale)[:, None] * b
     tl.store(out_ptr + rows * stride_out + offs_h[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def frozen_finish_kernel(acc_ptr, m_ptr, s_ptr, ref_ptr, bad_ptr, count_ptr, M, K, acc_plane, limit, excess,
+                         HAS_B: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
+    """The end of the frozen forward, one pass over A (and B): rebases them from ref to log Z in place
+    (A ← f·A, B ← f·(B − (log Z − ref)·A), f = e^(ref − log Z)), flags the rows to recompute against their max
+    (the max over `limit` above ref, a non-finite accumulator, or with B, p_max·(max − ref) over `excess`) in `bad`
+    and adds their count to `count`: the check and the rebase of `launch` in one launch instead of some fifteen."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_ok = offs_r < M
+    run_m = tl.load(m_ptr + offs_r, mask=r_ok, other=0.0)
+    run_s = tl.load(s_ptr + offs_r, mask=r_ok, other=1.0)
+    gap = run_m - tl.load(ref_ptr + offs_r, mask=r_ok, other=0.0)
+    log_sum = gap + tl.log(run_s)
+    f = tl.exp(-log_sum)
+    rows = offs_r.to(tl.int64)[:, None]
+    nonfinite = tl.zeros((BR,), dtype=tl.int32)
+    for h0 in range(0, K, BH):
+        offs_h = h0 + tl.arange(0, BH)
+        ok = r_ok[:, None] & (offs_h < K)[None, :]
+        at = acc_ptr + rows * K + offs_h[None, :]
+        a = tl.load(at, mask=ok, other=0.0)
+        bad_el = (a != a) | (tl.abs(a) == float("inf"))
+        if HAS_B:
+            b = tl.load(at + acc_plane, mask=ok, other=0.0)
+            bad_el = bad_el | (b != b) | (tl.abs(b) == float("inf"))
+            tl.store(at + acc_plane, f[:, None] * (b - log_sum[:, None] * a), mask=ok)
+        tl.store(at, f[:, None] * a, mask=ok)
+        nonfinite += tl.sum(bad_el.to(tl.int32), axis=1)
+    bad = (nonfinite > 0) | (tl.where(gap <= limit, 0, 1) > 0)  # a NaN gap is never <= limit
+    if HAS_B:
+        bad = bad | (gap / run_s > excess)
+    bad = bad & r_ok
+    tl.store(bad_ptr + offs_r, bad.to(tl.int8), mask=r_ok)
+    tl.atomic_add(count_ptr, tl.sum(bad.to(tl.int32), axis=0))
+
+
+@triton.jit
+def ref_logit_kernel(h_ptr, w_ptr, b_ptr, y_ptr, out_ptr, M, K, stride_h, stride_w, logit_scale, softcap, inv_t,
+                     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE: tl.constexpr, BR: tl.constexpr,
+                     BH: tl.constexpr):
+    """Each row's target logit (a row-wise dot in fp32 of operands rounded as the projection sees them, then bias,
+    scale, softcap and temperature as `_tile_logits`): the per-row reference the frozen and materialised forwards
+    store e^(z − ref) against, in one launch."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_ok = offs_r < M
+    rows = offs_r.to(tl.int64)[:, None]
+    y = tl.load(y_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)
+    z = tl.zeros((BR,), dtype=tl.float32)
+    for h0 in range(0, K, BH):
+        offs_h = h0 + tl.arange(0, BH)
+        ok = r_ok[:, None] & (offs_h < K)[None, :]
+        x = tl.load(h_ptr + rows * stride_h + offs_h[None, :], mask=ok, other=0.0).to(COMPUTE).to(tl.float32)
+        w = tl.load(w_ptr + y[:, None] * stride_w + offs_h[None, :], mask=ok, other=0.0).to(COMPUTE).to(tl.float32)
+        z += tl.sum(x * w, axis=1)
+    if HAS_BIAS:
+        z += tl.load(b_ptr + y, mask=r_ok, other=0.0).to(COMPUTE).to(tl.float32)
+    z = z * logit_scale
+    if HAS_SOFTCAP:
+        z = softcap * (2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0)
+    tl.store(out_ptr + offs_r, z * inv_t, mask=r_ok)
 
 
 @triton.jit

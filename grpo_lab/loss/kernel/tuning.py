@@ -88,13 +88,25 @@ class KernelTuning:
             A frozen head (only the hidden states need a gradient) takes the two-GEMM path (the forward accumulates
             Σ p·W, the backward is elementwise) rather than the trainable head's recomputing backward.
         frozen_recompute_rows, frozen_recompute_below (`dict`; `GRPO_LAB_FROZEN_RECOMPUTE_BELOW` sets 16-bit's):
-            A frozen head with fewer than `frozen_recompute_rows` valid rows and rows × hidden below
-            `frozen_recompute_below` takes the recompute path (dX only): at so few rows the step is bound by host
-            work, and the two-GEMM path's extra launches and reductions cost more than its saved GEMM. H200, bf16,
+            A frozen head with fewer than `frozen_recompute_rows` valid rows (0 by default: the rule is off) and rows ×
+            hidden below `frozen_recompute_below` takes the recompute path (dX only). It was on (4096 rows for 16-bit)
+            while the two-GEMM forward synced with the host: with the rows check deferred (above) and its rebase
+            fused, the two-GEMM path is faster at every size measured (H100, h100_issue45/small_head_run2.csv: 2048 ×
+            1024 / 1536 / 2048 5.06 / 6.66 / 7.59 ms against 5.52 / 7.56 / 8.64 for the rule with the sync, the old
+            default; 4096 × 1536 10.17 vs 10.84). Before that, H200, bf16,
             head fwd+bwd (tune_run4.csv, tune_run5.csv): recompute 3.8 / 5.2 / 6.4 / 5.6 ms against 4.6 / 5.7 / 7.3
             / 5.9 at 2048 rows × H 1024 / 1536 / 2048 and 3072 × 1024; two-GEMM ahead from 3072 × 1536 (7.2 vs 7.6)
             and at 2048 × 4096 (9.8 vs 12.4); in the whole loss at 4096 × 1024 two-GEMM 7.7 ms, recompute 8.5 (TRL
             8.0-8.2; loss_grid.csv). Its dZ tile keeps the frozen P~ tile's budget (same memory).
+        frozen_deferred_check (`dict`, per dtype, defaults on for 16-bit):
+            The frozen forward's check of overflowing rows without a host sync: its statistics are taken against each
+            block's max (exact whatever the ref), the count of rows to recompute is copied to pinned host memory
+            behind an event, and the backward waits for that event alone and repairs those rows' A and B (rare). Off:
+            the forward checks them itself, one host sync, after which the GPU idles while the host queues the loss.
+            H100, bf16 loss fwd+bwd, median of 5 interleaved rounds (results/loss_kernel/h100_issue45/
+            small_head_run2.csv): 2048 rows × H 1024 / 1536 / 2048 5.06 / 6.66 / 7.59 ms against 5.54 / 7.72 / 8.33
+            with the sync (TRL 5.35 / 7.30 / 8.53); 4096 × 1024 8.06 vs 8.63; 8192 × 1024 13.39 vs 13.58. fp32 (not
+            measured) keeps the sync.
         frozen_tile (`dict`):
             The frozen path's P~ buffer, (tokens, vocabulary): 128 MiB bf16 / 256 MiB fp32, widened in the vocabulary
             when there are fewer rows. (16384 × 8192 bf16 held the loss peak at 0.59 GiB at B = 64, H = 1024, over
@@ -159,8 +171,9 @@ class KernelTuning:
     dz_tma: dict = field(default_factory=lambda: dict.fromkeys(DTYPE_KEYS, False))
     p_tma: dict = field(default_factory=lambda: {"16": True, "32": False})
     frozen_two_gemm: bool = True
-    frozen_recompute_rows: dict = field(default_factory=lambda: {"16": 4096, "32": 0})
+    frozen_recompute_rows: dict = field(default_factory=lambda: {"16": 0, "32": 0})
     frozen_recompute_below: dict = field(default_factory=lambda: {"16": 9 * 2**19, "32": 0})
+    frozen_deferred_check: dict = field(default_factory=lambda: {"16": True, "32": False})
     frozen_tile: dict = field(default_factory=lambda: {"16": (8192, 8192), "32": (8192, 8192)})
     ref_headroom: float = 60.0
     sq_ref_headroom: float = 30.0
