@@ -226,10 +226,29 @@ def check_pool(url: str, key_file: str | None, run_name: str, max_staleness: int
     replica free). Returns the pool's `/router/runs` answer, or None when there is no key (a plain router or vLLM
     server, checked by `check_server`) or only the environment's and `url` shares nothing. `name_flag` is the flag
     `run_name` came from (`--pool-run`, or `--run-name` by default)."""
+    from ..serving.adapters.slots import max_loras_for
+
+    pool = read_pool(url, key_file, timeout)
+    if pool is None:
+        return None
+    runs = check_pool_name(pool, url, run_name, resume, name_flag)
+    if not 0 < weight <= 100:
+        raise UsageError("--run-weight", f"must be in (0, 100], got {weight:g}")
+    slots, need = pool.get("adapter_slots"), max_loras_for(max_staleness)
+    if isinstance(slots, int):
+        free = slots - int(pool.get("slots_taken", 0)) + int(runs.get(run_name, {}).get("slots", 0))
+        if need > free:
+            raise UsageError("--max-staleness", f"the run needs {need} adapter slots per replica (max_staleness + 3) "
+                                                f"but the pool at {url} has {free} of its {slots} free: lower "
+                                                "--max-staleness, or wait for a run to end")
+    return pool
+
+
+def read_pool(url: str, key_file: str | None, timeout: float = 5.0) -> dict | None:
+    """The shared pool's `/router/runs` answer, asked with its admin key; None without a key, or with only the
+    environment's and a router that shares nothing (see `check_pool`)."""
     import requests
 
-    from ..serving.adapters.slots import max_loras_for
-    from ..serving.tenancy.runs import check_run_name
     from .pool import bearer, has_admin_key, read_admin_key
 
     if not has_admin_key(key_file):
@@ -258,27 +277,30 @@ def check_pool(url: str, key_file: str | None, run_name: str, max_staleness: int
                                                       "or leave the flag out")
         return None  # a key in the environment, a router that shares nothing: used as one client
     try:
+        pool = answer.json()
+        pool["runs"] = list(pool["runs"])
+    except (ValueError, KeyError, TypeError):
+        raise UsageError("--router-url", f"{url} answered /router/runs without a list of runs") from None
+    return pool
+
+
+def check_pool_name(pool: dict, url: str, run_name: str, resume: bool, name_flag: str = "--run-name") -> dict:
+    """`run_name` is a usable name on the pool (`read_pool`'s answer) and free there unless the run resumes; returns
+    the pool's runs by name."""
+    from ..serving.tenancy.runs import check_run_name
+
+    try:
         check_run_name(run_name)
     except ValueError as error:
         raise UsageError(name_flag, str(error)) from None
     try:
-        pool = answer.json()
         runs = {r["name"]: r for r in pool["runs"]}
-    except (ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         raise UsageError("--router-url", f"{url} answered /router/runs without a list of runs") from None
     if run_name in runs and not resume:
         raise UsageError(name_flag, f"run '{run_name}' is already on the pool at {url} (another process uses that "
                                        "name?): pick another name, or --resume it")
-    if not 0 < weight <= 100:
-        raise UsageError("--run-weight", f"must be in (0, 100], got {weight:g}")
-    slots, need = pool.get("adapter_slots"), max_loras_for(max_staleness)
-    if isinstance(slots, int):
-        free = slots - int(pool.get("slots_taken", 0)) + int(runs.get(run_name, {}).get("slots", 0))
-        if need > free:
-            raise UsageError("--max-staleness", f"the run needs {need} adapter slots per replica (max_staleness + 3) "
-                                                f"but the pool at {url} has {free} of its {slots} free: lower "
-                                                "--max-staleness, or wait for a run to end")
-    return pool
+    return runs
 
 
 def check_ray_address(flag: str, address: str | None, timeout: float = 3.0) -> None:

@@ -17,6 +17,7 @@ doctor's verdict. A failure after the start is one line too (exit status 1; the 
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import logging
 import os
@@ -27,17 +28,21 @@ from dataclasses import dataclass
 
 from ..lab import environment
 from ..lab.install import install_hint
-from .checks import (UsageError, check_model, check_pool, check_port, check_ray_address, check_server,
-                     check_storage, check_vllm_python, check_writable_folder, cuda_available)
-from .loop_settings import LoopSettings
-from .run_dir import RunDirError, check_output_dir
-from .settings_parser import SettingsParser
+from .checks import (UsageError, check_model, check_pool, check_pool_name, check_port, check_ray_address,
+                     check_server, check_storage, check_vllm_python, check_writable_folder, cuda_available, read_pool)
+from .pool import DEFAULT_RUN_NAME
+
+# The settings, their parser and the run folder's rules import torch, transformers and TRL (~20 s on a busy 2-core
+# machine): they are imported in the functions below, after `ask_the_pool_first` had its quick answer.
 
 PROG = "grpo-lab async-loop"
 
 
-def build_parser() -> SettingsParser:
+def build_parser():
     """The command line, generated from `LoopSettings` (each field one flag, its default and rule there)."""
+    from .loop_settings import LoopSettings
+    from .settings_parser import SettingsParser
+
     return SettingsParser(LoopSettings, PROG, description=(
         "Run TRL's AsyncGRPOTrainer with a LoRA adapter against inference replicas behind the grpo_lab router. "
         "Without --model it trains the embedded chat model on 2-digit addition, offline, on a CPU."))
@@ -60,6 +65,9 @@ class Checked:
 def validate(s: LoopSettings) -> Checked:
     """Every check that needs no process started (the settings' own rules ran when they were made); raises
     UsageError / RunDirError naming the flag."""
+    from .loop_settings import LoopSettings
+    from .run_dir import check_output_dir
+
     if s.launcher == "ray" and importlib.util.find_spec("ray") is None:
         raise UsageError("--launcher ray", f"Ray is not installed: {install_hint('ray')}")
     if s.launcher == "ray":
@@ -124,6 +132,37 @@ def check_resume(output_dir: str, checkpoint_storage: str | None = None) -> str 
     return point.checkpoint
 
 
+class _PoolFlags(argparse.ArgumentParser):
+    """The pool flags alone, read before the slow imports; anything odd is left to the full parser."""
+
+    def error(self, message: str):
+        raise ValueError(message)
+
+
+def ask_the_pool_first(argv: list[str]) -> None:
+    """Refuse a run name already on a shared pool (or a pool that does not answer or refuses the key) before the
+    settings' slow imports: the refusal used to come ~20 s after the command started, all of it importing torch,
+    transformers and TRL for the parser. Only the pool flags are read here; with `--config` (which may set them) or
+    `--help` nothing is asked, and `validate` asks again with every setting known."""
+    if any(a in ("-h", "--help") or a.split("=", 1)[0] == "--config" for a in argv):
+        return
+    parser = _PoolFlags(add_help=False, allow_abbrev=False)
+    for flag in ("--router-url", "--pool-admin-key-file", "--run-name", "--pool-run"):
+        parser.add_argument(flag)
+    parser.add_argument("--resume", action="store_true")
+    try:
+        flags, _ = parser.parse_known_args(argv)
+    except ValueError:
+        return
+    if not flags.router_url:
+        return
+    pool = read_pool(flags.router_url, flags.pool_admin_key_file)
+    if pool is not None:
+        name, flag = ((flags.pool_run, "--pool-run") if flags.pool_run is not None
+                      else (flags.run_name or DEFAULT_RUN_NAME, "--run-name"))
+        check_pool_name(pool, flags.router_url, name, flags.resume, flag)
+
+
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -132,6 +171,13 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["async-loop"]:
         argv = argv[1:]
+    try:
+        ask_the_pool_first(argv)
+    except UsageError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    from .run_dir import RunDirError  # heavy (transformers): after the pool's quick answer
+
     try:
         s = parse_settings(argv)
         found = validate(s)

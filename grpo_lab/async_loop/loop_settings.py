@@ -17,6 +17,7 @@ from ..loss.backends import DEFAULT_LOSS_BACKEND, LOGPROB_BACKENDS
 from ..serving.adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
 from ..serving.clusters.ray_placement import TRAINER_NODE_RESOURCE, parse_resources
 from ..serving.clusters.ray_replicas import STRATEGIES as RAY_STRATEGIES
+from .pool import DEFAULT_RUN_NAME
 from .tree_attention import CHOICES as TREE_ATTENTION_CHOICES
 
 TRACKERS = ("none", "trackio", "tensorboard", "wandb")  # `--report-to`: transformers' integrations a run may log to
@@ -75,7 +76,7 @@ class LoopSettings:
         "optimizer steps (global, counting the steps before a resume)"))
     save_steps: int = setting(10, group=RUN, check=Range(1), help="checkpoint every this many steps")
     seed: int = setting(0, group=RUN, check=Range(0), help="the run's seed")
-    run_name: str = setting("loop", group=RUN, check=FileName(), help=(
+    run_name: str = setting(DEFAULT_RUN_NAME, group=RUN, check=FileName(), help=(
         "the run's name: its results files (<run-name>.csv with --results-dir) and its run in the trackers "
         "(--report-to); also its name on a shared pool unless --pool-run gives another"))
     results_dir: str | None = setting(None, group=RUN, help="also write <run-name>.csv and its doctor verdict here")

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 RUN_TOKEN_ENV = environment.RUN_TOKEN
 ADMIN_KEY_ENV = environment.POOL_ADMIN_KEY
 ADMIN_KEY_FILE_ENV = environment.POOL_ADMIN_KEY_FILE
+DEFAULT_RUN_NAME = "loop"  # `--run-name` when none is given: the run's results, trackers and pool name
 
 
 def admin_key_file(flag_value: str | None = None) -> str | None:
