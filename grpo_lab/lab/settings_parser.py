@@ -26,7 +26,7 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Help with each flag's default, except where there is none to show (None, a switch, a repeatable flag)."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.nargs == 0 or isinstance(action, argparse._AppendAction):
+        if action.default in (None, []) or action.nargs == 0 or isinstance(action, argparse._AppendAction):
             return action.help
         return super()._get_help_string(action)
 
@@ -62,13 +62,13 @@ def documented_args(cls) -> dict[str, str]:
     """Each field's entry in the `Args:` section of `cls`'s docstring (`host, port: ...` documents both)."""
     docs, names = {}, []
     section = (inspect.getdoc(cls) or "").partition("Args:\n")[2]
-    for line in section.splitlines():
-        entry = re.match(r"    ([\w, ]+): (.*)", line)
-        if entry:
-            names = [name.strip() for name in entry.group(1).split(",")]
-            docs.update({name: entry.group(2) for name in names})
-        elif line.startswith("        "):
+    for line in section.replace("%", "%%").splitlines():  # argparse formats help with %
+        entry = re.match(r"    (\w+(?:, \w+)*): (.*)", line)
+        if line.startswith("        "):
             docs.update({name: f"{docs[name]} {line.strip()}" for name in names})
+        elif entry:
+            names = entry.group(1).split(", ")
+            docs.update({name: entry.group(2) for name in names})
         elif line.strip():
             break
     return docs
@@ -83,6 +83,10 @@ def add_setting_flag(parser, field: dataclasses.Field, kind, *, flag: str | None
     name = "--" + (flag or field.metadata.get("flag") or field.name.replace("_", "-"))
     dest = dest or field.name
     default = default_of(field) if default is dataclasses.MISSING else default
+    if kind is not bool and typing.get_origin(kind) is not Literal:
+        options.setdefault("metavar", name[2:].upper().replace("-", "_"))
+    if kind is bool and default and "help" not in field.metadata:
+        options["help"] = f"switch off: {options['help']}"  # the docstring says what the field turns on
     if kind is bool:
         switch = ("--no-" + name[2:], "store_false") if default else (name, "store_true")
         parser.add_argument(switch[0], dest=dest, action=switch[1], default=bool(default), **options)

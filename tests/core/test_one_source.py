@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
 
 from grpo_lab.async_loop import command, serve_pool
 from grpo_lab.async_loop.loop_settings import LoopSettings, PoolSettings
+from grpo_lab.lab.settings_parser import default_of, without_none
+from grpo_lab.serving.replicas import cpu_replica
+from grpo_lab.serving.replicas.config import CPUReplicaConfig
+from grpo_lab.serving.router import server as router_server
+from grpo_lab.serving.router.config import RouterConfig
 from grpo_lab.serving.adapters.slots import DEFAULT_MAX_STALENESS
 
 PACKAGE = Path(__file__).resolve().parents[2] / "grpo_lab"
@@ -133,6 +139,32 @@ def test_the_generated_parser_is_the_dataclass(parser, settings):
         assert flag in flags and flags[flag].help, f.name
         assert flags[flag].dest == f.name
     assert p.parse([]) == settings()
+
+
+def leaf_defaults(config_type, path=()):
+    """`{dest: default}` of each field of `config_type`, a nested dataclass's fields flattened (`per_try.cap_s`)."""
+    out = {}
+    for f in dataclasses.fields(config_type):
+        nested = without_none(typing.get_type_hints(config_type)[f.name])
+        if dataclasses.is_dataclass(nested):
+            out.update(leaf_defaults(nested, (*path, f.name)))
+        else:
+            out[".".join((*path, f.name))] = default_of(f)
+    return out
+
+
+@pytest.mark.parametrize("parser, config", [
+    (router_server.build_parser, RouterConfig(replicas=["http://127.0.0.1:9"])),
+    (cpu_replica.build_parser, CPUReplicaConfig())])
+def test_the_serving_command_lines_are_their_configs(parser, config):
+    """The router's and the CPU replica's flags are generated from their config dataclasses: each field (nested
+    ones flattened) has one flag whose default is the field's, and parsing only what is required gives the config
+    the dataclass itself gives."""
+    p = parser()
+    defaults = {action.dest: action.default for action in p._actions}
+    for dest, default in leaf_defaults(type(config)).items():
+        assert dest in defaults and defaults[dest] == default, dest
+    assert p.parse(["--replica", "http://127.0.0.1:9"] if isinstance(config, RouterConfig) else [])[0] == config
 
 
 def test_a_config_file_sets_settings_and_flags_override_it(tmp_path):

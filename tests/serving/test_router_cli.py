@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import requests
 
 from .conftest import trl_payload
@@ -127,3 +128,40 @@ def test_python_dash_m_grpo_lab_router_is_the_router_cli():
     out = subprocess.run([sys.executable, "-m", "grpo_lab.router", "--help"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "--replica" in out.stdout
+
+
+ROUTER_FLAGS = """--replica --host --port --api-key-env --api-key-file --client-api-key-env --client-api-key-file
+--adapter-root --insecure --admin-api-key-env --admin-api-key-file --remove-drain-timeout --no-hedge --per-try-quantile
+--per-try-factor --per-try-floor --per-try-cap --routing-policy --block-size --spill-threshold --max-blocks
+--health-interval --load-retry-deadline --upstream-timeout --max-body-bytes --body-read-timeout --unload-drain-timeout
+--tenancy --run-lease --max-in-flight-per-replica --no-base-model --log-level""".split()
+
+
+def test_generated_router_flags_keep_their_names_and_reach_the_nested_configs():
+    from grpo_lab.serving.router.server import build_parser
+
+    parser = build_parser()
+    assert set(ROUTER_FLAGS) <= set(parser._option_string_actions)
+    config, _ = parser.parse(["--replica", "http://127.0.0.1:9/", "--replica", "http://127.0.0.1:10", "--no-hedge",
+                              "--per-try-cap", "9", "--block-size", "32", "--health-interval", "0.5", "--tenancy",
+                              "--admin-api-key-env", "K", "--run-lease", "5", "--no-base-model"])
+    assert config.replicas == ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+    assert (config.per_try.enabled, config.per_try.cap_s, config.routing.block_size) == (False, 9.0, 32)
+    assert config.health_interval_s == 0.5
+    assert (config.tenancy.lease_s, config.tenancy.allow_base_model) == (5.0, False)
+    assert parser.parse(["--replica", "http://127.0.0.1:9"])[0].tenancy is None
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--health-interval", "0"], "--health-interval: must be > 0"),
+    (["--max-body-bytes", "ten"], "--max-body-bytes: 'ten' is not an integer"),
+    (["--per-try-floor", "400"], "floor_s <= cap_s"),
+    (["--tenancy"], "tenancy needs an admin key"),
+])
+def test_a_bad_router_flag_is_one_line_and_exit_2(argv, words, capsys):
+    from grpo_lab.serving.router.server import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse(["--replica", "http://127.0.0.1:9", *argv])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and words in err, err

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
+
+from grpo_lab.lab.settings import Range, check_fields, setting
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass
 class CPUReplicaConfig:
-    """What the CPU replica serves and how.
+    """What the CPU replica serves and how: `python -m grpo_lab.serving.replicas.cpu_replica`'s flags are generated from
+    these fields (`lab.settings_parser`; each entry below is its flag's help).
 
     Args:
         model: a `grpo_lab.models` name ("tiny-qwen3", a shipped exact config: random init) or a local directory
@@ -34,27 +38,22 @@ class CPUReplicaConfig:
     """
 
     model: str = "tiny-qwen3"
-    served_model_names: list[str] = field(default_factory=list)
+    served_model_names: list[str] = setting(list, flag="served-model-name", nargs="+")
     host: str = "127.0.0.1"
-    port: int = 0
-    max_model_len: int = 1024
-    max_loras: int = 6
-    max_lora_rank: int = 16
-    block_size: int = 16
-    prefix_cache_blocks: int = 4096
-    dtype: str = "float32"
+    port: int = setting(0, check=Range(0, high=65535))
+    max_model_len: int = setting(1024, check=Range(2))
+    max_loras: int = setting(6, check=Range(1))
+    max_lora_rank: int = setting(16, choices=VLLM_LORA_RANKS)
+    block_size: int = setting(16, check=Range(1))
+    prefix_cache_blocks: int = setting(4096, check=Range(0))
+    dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 0
     api_key_env: str = "VLLM_API_KEY"
-    storage_lag_s: float = 0.0
-    torch_threads: int = 1
+    storage_lag_s: float = setting(0.0, check=Range(0))
+    torch_threads: int = setting(1, check=Range(1))
     adapter_cache_dir: str | None = None
 
     def __post_init__(self):
         if not self.served_model_names:
             self.served_model_names = [self.model]
-        if self.max_lora_rank not in VLLM_LORA_RANKS:
-            raise ValueError(f"max_lora_rank must be one of vLLM's {VLLM_LORA_RANKS}, got {self.max_lora_rank}")
-        if self.max_loras < 1 or self.max_model_len < 2 or self.block_size < 1:
-            raise ValueError("max_loras >= 1, max_model_len >= 2 and block_size >= 1 are required")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        check_fields(self)

@@ -12,7 +12,6 @@ vLLM's prefix-cache counters. Use it for tests and notebooks; use `vllm serve` (
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import logging
@@ -27,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from grpo_lab.lab import environment
+from grpo_lab.lab.settings_parser import ConfigParser
 
 from .generation import Engine, RequestError, SamplingParams
 from ..wire.app_thread import serve_app
@@ -185,26 +185,10 @@ class CPUReplica:
         return web.json_response({"is_paused": not self.engine.running.is_set()})
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m grpo_lab.serving.replicas.cpu_replica", description=__doc__.split("\n")[0])
-    d = CPUReplicaConfig()
-    p.add_argument("--model", default=d.model)
-    p.add_argument("--served-model-name", nargs="+", default=None, dest="served_model_names")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument("--max-loras", type=int, default=d.max_loras)
-    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--prefix-cache-blocks", type=int, default=d.prefix_cache_blocks)
-    p.add_argument("--dtype", default=d.dtype)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--api-key-env", default=d.api_key_env)
-    p.add_argument("--storage-lag-s", type=float, default=d.storage_lag_s)
-    p.add_argument("--torch-threads", type=int, default=d.torch_threads)
-    p.add_argument("--adapter-cache-dir", default=d.adapter_cache_dir,
-                   help="where adapters given as object-store URLs are copied before loading (default: a temporary "
-                        "folder of this replica, removed at exit)")
+def build_parser() -> ConfigParser:
+    """The command line, generated from `CPUReplicaConfig`, and two flags of the process itself."""
+    p = ConfigParser(CPUReplicaConfig, prog="python -m grpo_lab.serving.replicas.cpu_replica",
+                     description=__doc__.split("\n")[0])
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="exit when stdin closes, so a crashed parent (test, notebook) leaves no replica behind")
@@ -234,11 +218,10 @@ async def _serve(replica: CPUReplica) -> None:
 
 
 def main(argv=None) -> None:
-    args = vars(build_parser().parse_args(argv))
-    logging.basicConfig(level=args.pop("log_level"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.pop("exit_with_parent"):
+    config, args = build_parser().parse(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.exit_with_parent:
         threading.Thread(target=_exit_on_stdin_eof, daemon=True).start()
-    config = CPUReplicaConfig(**{k: v for k, v in args.items() if v is not None})
     replica = CPUReplica(config)
     _clean_up_on_sigterm(replica.engine)
     try:

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from grpo_lab.lab import environment
+from grpo_lab.lab.settings import Range, check_fields, setting
 
 from ..routing.per_try import PerTryConfig
 from ..routing.policy import RoutingConfig
-from ..routing.registry import DEFAULT_POLICY, check_policy_name
+from ..routing.registry import DEFAULT_POLICY, POLICIES, check_policy_name
 from ..tenancy.runs import TenancyConfig
+
+POSITIVE = Range(0, open=True)
 
 
 @dataclass
 class RouterConfig:
-    """Where the router listens, which replicas it fronts, and how it treats them.
+    """Where the router listens, which replicas it fronts, and how it treats them. `python -m grpo_lab.router`'s
+    flags are generated from these fields (`lab.settings_parser`; each entry below is its flag's help).
 
     Args:
         replicas: base URLs of the upstream vLLM (or CPU) replicas, e.g. `["http://127.0.0.1:8001", ...]`.
@@ -74,33 +78,36 @@ class RouterConfig:
             None: nothing kept (a router that is never restarted).
     """
 
-    replicas: list[str] = field(default_factory=list)
+    replicas: list[str] = setting(list, flag="replica", required=True)
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = setting(8000, check=Range(0, high=65535))
     api_key_env: str = "VLLM_API_KEY"
     api_key_file: str | None = None
-    routing_policy: str = DEFAULT_POLICY
-    routing: RoutingConfig = field(default_factory=RoutingConfig)
-    health_interval_s: float = 1.0
-    health_timeout_s: float = 5.0
-    load_retry_deadline_s: float = 30.0
-    load_retry_interval_s: float = 0.05
-    upstream_timeout_s: float = 600.0
-    control_timeout_s: float = 1800.0
-    max_body_bytes: int = 8 * 1024 * 1024
-    body_read_timeout_s: float = 60.0
-    hash_off_loop_tokens: int = 4096
-    unload_drain_timeout_s: float = 120.0
-    max_reroutes: int = 2
+    routing_policy: str = setting(DEFAULT_POLICY, help=(
+        f"how completions are spread over the replicas: one of {', '.join(POLICIES)}"))
+    routing: RoutingConfig = setting(RoutingConfig)
+    health_interval_s: float = setting(1.0, flag="health-interval", check=POSITIVE)
+    health_timeout_s: float = setting(5.0, flag="health-timeout", check=POSITIVE)
+    load_retry_deadline_s: float = setting(30.0, flag="load-retry-deadline", check=POSITIVE)
+    load_retry_interval_s: float = setting(0.05, flag="load-retry-interval", check=POSITIVE)
+    upstream_timeout_s: float = setting(600.0, flag="upstream-timeout", check=POSITIVE)
+    control_timeout_s: float = setting(1800.0, flag="control-timeout", check=POSITIVE)
+    max_body_bytes: int = setting(8 * 1024 * 1024, check=Range(1024))
+    body_read_timeout_s: float = setting(60.0, flag="body-read-timeout", check=POSITIVE)
+    hash_off_loop_tokens: int = setting(4096, check=Range(0))
+    unload_drain_timeout_s: float = setting(120.0, flag="unload-drain-timeout", check=POSITIVE)
+    max_reroutes: int = setting(2, check=Range(0))
     client_api_key_env: str | None = None
     client_api_key_file: str | None = None
     insecure: bool = False
-    adapter_roots: list[str] = field(default_factory=list)
-    per_try: PerTryConfig = field(default_factory=PerTryConfig)
+    adapter_roots: list[str] = setting(list, flag="adapter-root")
+    per_try: PerTryConfig = setting(PerTryConfig, prefix="per-try-", flags={
+        "enabled": "hedge", "floor_s": "per-try-floor", "cap_s": "per-try-cap", "initial_s": "per-try-initial"})
     admin_api_key_env: str | None = None
     admin_api_key_file: str | None = None
-    remove_drain_timeout_s: float = 30.0
-    tenancy: TenancyConfig | None = None
+    remove_drain_timeout_s: float = setting(30.0, flag="remove-drain-timeout", check=Range(0))
+    tenancy: TenancyConfig | None = setting(None, switch="tenancy", flags={
+        "lease_s": "run-lease", "allow_base_model": "base-model"})
     log_level: str = "INFO"
     state_file: str | None = None
 
@@ -112,16 +119,7 @@ class RouterConfig:
             raise ValueError(f"duplicate replica URLs in {cleaned}")
         self.replicas = cleaned
         check_policy_name(self.routing_policy)
-        if self.remove_drain_timeout_s < 0:
-            raise ValueError("remove_drain_timeout_s must be >= 0")
-        for name in ("health_interval_s", "health_timeout_s", "load_retry_deadline_s", "upstream_timeout_s",
-                     "control_timeout_s", "body_read_timeout_s", "unload_drain_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
-        if self.max_body_bytes < 1024:
-            raise ValueError("max_body_bytes must be >= 1024")
-        if self.hash_off_loop_tokens < 0:
-            raise ValueError("hash_off_loop_tokens must be >= 0")
+        check_fields(self)
         self.adapter_roots = [normalize_root(root) for root in self.adapter_roots]
         if self.tenancy is not None:
             if not self.admin_api_key_env and not self.admin_api_key_file:

@@ -20,16 +20,16 @@ Run it with `python -m grpo_lab.serving.router.server --replica http://127.0.0.1
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import json
 import logging
 import time
-from dataclasses import fields
 
 import aiohttp
 from aiohttp import web
+
+from grpo_lab.lab.settings_parser import ConfigParser
 
 from ..adapters.fanout import broadcast
 from .adapter_lifecycle import AdapterLifecycle
@@ -40,12 +40,8 @@ from ..tenancy.fair_queue import ClientGone
 from ..routing.forwarding import Forwarder, failure
 from .membership import Membership, describe
 from ..wire.metrics import Registry
-from ..routing.per_try import PerTryConfig
 from .replica_pool import ReplicaPool
 from .config import RouterConfig
-from ..routing.policy import RoutingConfig
-from ..routing.registry import DEFAULT_POLICY, POLICIES
-from ..tenancy.runs import TenancyConfig
 from ..tenancy.tenant_api import RunsAPI
 from ..tenancy.views import VIEW, PoolView
 from ..wire.upstream import TRANSPORT_ERRORS, Reply, UpstreamClient, error_body, now
@@ -414,86 +410,16 @@ class Router:
 
 
 # -- command line ----------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m grpo_lab.serving.router.server", description=__doc__.split("\n")[0])
-    p.add_argument("--replica", action="append", required=True, help="upstream base URL (repeat per replica)")
-    c = {f.name: f.default for f in fields(RouterConfig)}  # the defaults live on RouterConfig
-    p.add_argument("--host", default=c["host"], help="listen address (loopback by default)")
-    p.add_argument("--port", type=int, default=c["port"])
-    p.add_argument("--api-key-env", default=c["api_key_env"], help="env var holding the upstream bearer token")
-    p.add_argument("--api-key-file", default=None, help="file holding the upstream bearer token")
-    p.add_argument("--client-api-key-env", default=None,
-                   help="env var holding the key clients must send (Authorization: Bearer) on every endpoint")
-    p.add_argument("--client-api-key-file", default=None, help="file holding that client key")
-    p.add_argument("--adapter-root", action="append", default=[], dest="adapter_roots",
-                   help="storage root lora_path must lie under (repeat per root; required off loopback)")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback --host without client authentication or adapter roots")
-    p.add_argument("--admin-api-key-env", default=None,
-                   help="env var holding the key that may add and remove replicas (POST/DELETE /router/replicas); "
-                        "without one, membership changes work on loopback only")
-    p.add_argument("--admin-api-key-file", default=None, help="file holding that admin key")
-    p.add_argument("--remove-drain-timeout", type=float, default=c["remove_drain_timeout_s"],
-                   help="seconds a removed replica's completions may finish before they are re-sent elsewhere")
-    d = PerTryConfig()
-    p.add_argument("--no-hedge", action="store_true", help="never re-send a stuck completion to another replica")
-    p.add_argument("--per-try-quantile", type=float, default=d.quantile,
-                   help="quantile of recent completion latencies a per-try deadline starts from")
-    p.add_argument("--per-try-factor", type=float, default=d.factor, help="per-try deadline = quantile x this")
-    p.add_argument("--per-try-floor", type=float, default=d.floor_s, help="shortest per-try deadline (s)")
-    p.add_argument("--per-try-cap", type=float, default=d.cap_s,
-                   help="longest per-try deadline (s); also the deadline until enough latencies are known")
-    p.add_argument("--routing-policy", default=DEFAULT_POLICY,
-                   help=f"how completions are spread over the replicas: one of {', '.join(POLICIES)}")
-    r = RoutingConfig()
-    p.add_argument("--block-size", type=int, default=r.block_size, help="used until the replicas report theirs")
-    p.add_argument("--spill-threshold", type=int, default=r.spill_threshold)
-    p.add_argument("--max-blocks", type=int, default=r.max_blocks)
-    p.add_argument("--health-interval", type=float, default=c["health_interval_s"])
-    p.add_argument("--load-retry-deadline", type=float, default=c["load_retry_deadline_s"])
-    p.add_argument("--upstream-timeout", type=float, default=c["upstream_timeout_s"])
-    p.add_argument("--max-body-bytes", type=int, default=c["max_body_bytes"])
-    p.add_argument("--body-read-timeout", type=float, default=c["body_read_timeout_s"])
-    p.add_argument("--unload-drain-timeout", type=float, default=c["unload_drain_timeout_s"],
-                   help="seconds an unloaded adapter may keep serving its in-flight completions on a replica")
-    t = TenancyConfig()
-    p.add_argument("--tenancy", action="store_true",
-                   help="several training runs share the replicas: each registers with POST /router/runs (admin key "
-                        "required) and gets its own token, adapter namespace, adapter slots and fair share")
-    p.add_argument("--run-lease", type=float, default=t.lease_s,
-                   help="with --tenancy: seconds without a request after which a run's adapters are reclaimed")
-    p.add_argument("--max-in-flight-per-replica", type=int, default=t.max_in_flight_per_replica,
-                   help="with --tenancy: completions running per replica; beyond, they queue fairly per run")
-    p.add_argument("--no-base-model", action="store_true",
-                   help="with --tenancy: runs may complete with their own adapters only, not the base model")
-    p.add_argument("--log-level", default=c["log_level"])
-    return p
-
-
-def config_from_args(args) -> RouterConfig:
-    return RouterConfig(
-        replicas=args.replica, host=args.host, port=args.port, api_key_env=args.api_key_env,
-        api_key_file=args.api_key_file, client_api_key_env=args.client_api_key_env,
-        client_api_key_file=args.client_api_key_file, adapter_roots=args.adapter_roots, insecure=args.insecure,
-        routing_policy=args.routing_policy,
-        routing=RoutingConfig(block_size=args.block_size, spill_threshold=args.spill_threshold,
-                              max_blocks=args.max_blocks),
-        health_interval_s=args.health_interval, load_retry_deadline_s=args.load_retry_deadline,
-        upstream_timeout_s=args.upstream_timeout, max_body_bytes=args.max_body_bytes,
-        body_read_timeout_s=args.body_read_timeout, unload_drain_timeout_s=args.unload_drain_timeout,
-        admin_api_key_env=args.admin_api_key_env, admin_api_key_file=args.admin_api_key_file,
-        remove_drain_timeout_s=args.remove_drain_timeout,
-        tenancy=TenancyConfig(lease_s=args.run_lease, max_in_flight_per_replica=args.max_in_flight_per_replica,
-                              allow_base_model=not args.no_base_model) if args.tenancy else None,
-        per_try=PerTryConfig(enabled=not args.no_hedge, quantile=args.per_try_quantile, factor=args.per_try_factor,
-                             floor_s=args.per_try_floor, cap_s=args.per_try_cap),
-        log_level=args.log_level)
+def build_parser() -> ConfigParser:
+    """The command line, generated from `RouterConfig` (its defaults, rules and docstring)."""
+    return ConfigParser(RouterConfig, prog="python -m grpo_lab.serving.router.server",
+                        description=__doc__.split("\n")[0])
 
 
 def main(argv=None) -> None:
     parser = build_parser()
+    config, _ = parser.parse(argv)
     try:
-        config = config_from_args(parser.parse_args(argv))
         router = Router(config)  # reads the keys: a missing key file is a user error too
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
