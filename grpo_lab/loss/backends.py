@@ -15,8 +15,8 @@ code below takes the resolved name and never checks it again, so a training step
 from __future__ import annotations
 
 __all__ = ["BACKEND_COLORS", "BACKEND_HELP", "BACKEND_MARKERS", "BASELINE_BACKEND", "DEFAULT_LOSS_BACKEND",
-           "DISPLAY_ORDER", "FUSED_BACKENDS", "LOGPROB_BACKENDS", "LOSS_BACKENDS", "REFERENCE_BACKENDS", "in_display_order",
-           "resolve_backend"]
+           "DISPLAY_ORDER", "FUSED_BACKENDS", "LOGPROB_BACKENDS", "LOSS_BACKENDS", "REFERENCE_BACKENDS",
+           "in_display_order", "resolve_backend"]
 
 LOSS_BACKENDS = ("trl", "grpo_lab", "naive", "liger")
 LOGPROB_BACKENDS = ("trl", "grpo_lab", "naive")  # the backends with a log-prob head (all but liger)
@@ -28,7 +28,8 @@ BASELINE_BACKEND = "naive"
 REFERENCE_BACKENDS = (BASELINE_BACKEND, "trl")
 FUSED_BACKENDS = tuple(name for name in LOSS_BACKENDS if name != BASELINE_BACKEND)  # never hold [N, V] logits
 DISPLAY_ORDER = (BASELINE_BACKEND, *FUSED_BACKENDS)
-BACKEND_COLORS = {"naive": "#d62728", "trl": "#1f77b4", "grpo_lab": "#2ca02c", "liger": "#9467bd"}  # tab: red/blue/green/purple
+# matplotlib's tab:red, tab:blue, tab:green, tab:purple
+BACKEND_COLORS = {"naive": "#d62728", "trl": "#1f77b4", "grpo_lab": "#2ca02c", "liger": "#9467bd"}
 BACKEND_MARKERS = {"naive": "o", "trl": "s", "grpo_lab": "^", "liger": "D"}
 
 BACKEND_HELP = (

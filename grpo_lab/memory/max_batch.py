@@ -58,8 +58,8 @@ PRESETS = {
     # under expandable_segments (the allocator setting the memory planner's max batch is validated for; 7-19 % more
     # batch for the fused heads than the default allocator, results/fsdp_max_batch/H200_RUN.md)
     "full": dict(models=["Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B", "Qwen3-8B"], backends=list(DISPLAY_ORDER),
-                 dtype="bf16", prompt_len=256, completion_len=512, world_size=1, lora_r=16, budget_fraction=None, start=8, upper=1024, rel_tol=0.03, steps=1, device="cuda",
-                 expandable_segments=True),
+                 dtype="bf16", prompt_len=256, completion_len=512, world_size=1, lora_r=16, budget_fraction=None,
+                 start=8, upper=1024, rel_tol=0.03, steps=1, device="cuda", expandable_segments=True),
 }
 
 

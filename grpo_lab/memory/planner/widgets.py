@@ -94,9 +94,9 @@ def with_committed_searches(searches: pd.DataFrame | None) -> pd.DataFrame | Non
 class PlannerPanel:
     """The interactive planner (see the module docstring). `searches`: notebook 02's searches to overlay."""
 
-    def __init__(self, model="Qwen3-8B", gpus=1, gib=H200_GIB, dtype="bf16", lora_r=16, loss_backend=DEFAULT_LOSS_BACKEND,
-                 prompt_len=256, completion_len=512, checkpointing=True, expandable_segments=False,
-                 searches: pd.DataFrame | None = None):
+    def __init__(self, model="Qwen3-8B", gpus=1, gib=H200_GIB, dtype="bf16", lora_r=16,
+                 loss_backend=DEFAULT_LOSS_BACKEND, prompt_len=256, completion_len=512, checkpointing=True,
+                 expandable_segments=False, searches: pd.DataFrame | None = None):
         self.searches = searches
         self.values = dict(model=model, gpus=gpus, gib=gib, dtype=dtype, lora_r=lora_r, loss_backend=loss_backend,
                            prompt_len=prompt_len, completion_len=completion_len, checkpointing=checkpointing,
@@ -115,8 +115,9 @@ class PlannerPanel:
     def config(self) -> tuple[PlannerConfig, float]:
         """The setting the panel shows, as (PlannerConfig, GiB per GPU); a bad value raises ValueError."""
         v = self.current()
-        cfg = PlannerConfig(model=v["model"], loss_backend=v["loss_backend"], dtype=v["dtype"], lora_r=int(v["lora_r"]),
-                            world_size=int(v["gpus"]), fsdp=True, prompt_len=int(v["prompt_len"]),
+        cfg = PlannerConfig(model=v["model"], loss_backend=v["loss_backend"], dtype=v["dtype"],
+                            lora_r=int(v["lora_r"]), world_size=int(v["gpus"]), fsdp=True,
+                            prompt_len=int(v["prompt_len"]),
                             completion_len=int(v["completion_len"]), gradient_checkpointing=bool(v["checkpointing"]),
                             expandable_segments=bool(v["expandable_segments"]))
         if not float(v["gib"]) > 0:
