@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..adapters.slots import DEFAULT_MAX_STALENESS
 from .processes import vllm_cpu_python
 from .vllm_spec import VLLMReplicaSpec, replica_specs
 
@@ -24,13 +23,14 @@ def router_command(specs: list[VLLMReplicaSpec], port: int = 8000) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m grpo_lab.serving.replicas.vllm_launcher", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m grpo_lab.serving.replicas.vllm_launcher",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--python", default=None,
                    help="interpreter with vLLM (on a CPU: the vllm-cpu venv's, see scripts/vllm_cpu_env.sh)")
-    p.add_argument("--lora-rank", type=int, default=1)
-    p.add_argument("--max-staleness", type=int, default=DEFAULT_MAX_STALENESS)
+    p.add_argument("--lora-rank", type=int, default=VLLMReplicaSpec.lora_rank)  # the spec's defaults
+    p.add_argument("--max-staleness", type=int, default=VLLMReplicaSpec.max_staleness)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--base-port", type=int, default=8001)
     p.add_argument("--router-port", type=int, default=8000)
