@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import requests
 from aiohttp import web
 
@@ -68,8 +69,6 @@ class RouterChild(AnnouncingProcess):
     @property
     def router_pid(self) -> int | None:
         """The router's own process (the watchdog's child), what a crash or `kill -9` would hit."""
-        import psutil  # only to find the watchdog's child
-
         try:
             children = psutil.Process(self.pid).children()
         except psutil.Error:
