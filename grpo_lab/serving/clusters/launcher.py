@@ -27,6 +27,7 @@ from ..router.config import RouterConfig
 from ..router.process import SupervisedRouter
 from ..router.thread import RouterHandle, start_router
 from .ray_actor import ServerSpec
+from .ray_logs import LogMirror
 from .ray_replicas import RayReplicas
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ class ClusterSpec:
             "cuda" where there are GPUs (this machine's for local processes, the Ray cluster's for actors).
         env: extra environment for the replicas (e.g. `{"VLLM_API_KEY": token}`).
         router: `RouterConfig` fields for the router in front (`port` defaults to 0, a free port).
-        log_dir: where each local replica's output also goes (Ray keeps its actors' logs on their nodes).
+        log_dir: where each replica's output also goes (a Ray replica's is copied back from its node every 2 s,
+            `ray_logs.LogMirror`: `ray-replica-<i>.log`).
     """
 
     replicas: int = 2
@@ -241,12 +243,15 @@ class RayActors(Placement):
         self.host, self.num_cpus, self.max_restarts = host, num_cpus, max_restarts
         self.avoid_resource = avoid_resource
         self.replicas: RayReplicas | None = None
+        self.log_dir: str | None = None
+        self.mirror: LogMirror | None = None  # the replicas' output copied to `log_dir` while watched
 
     @property
     def urls(self) -> list[str]:
         return self.replicas.urls if self.replicas is not None else []
 
     def start(self, spec: ClusterSpec, timeout: float) -> list[str]:
+        self.log_dir = spec.log_dir
         what = {"cpu_args": spec.cpu_args()} if spec.kind == "cpu" else {"vllm": spec.vllm_fields()}
         server = ServerSpec(spec.kind, env=dict(spec.env), host=self.host, ready_timeout_s=timeout, **what)
         self.replicas = RayReplicas(spec.replicas, server, address=self.address, num_cpus=self.num_cpus,
@@ -261,8 +266,13 @@ class RayActors(Placement):
 
     def watch(self, router: RouterHandle) -> None:
         self.replicas.watch(router)
+        if self.log_dir:
+            self.mirror = LogMirror(self.replicas, self.log_dir).start()
 
     def unwatch(self) -> None:
+        if self.mirror is not None:  # a last copy while the replicas still serve
+            self.mirror.stop()
+            self.mirror = None
         if self.replicas is not None:
             self.replicas.unwatch()
 

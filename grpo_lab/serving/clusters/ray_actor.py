@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -109,9 +110,10 @@ class FakeReplicaProcess(AnnouncingProcess):
 
     name = "fake replica"
 
-    def __init__(self, host: str, env: dict | None = None, ready_timeout: float = 60.0):
+    def __init__(self, host: str, env: dict | None = None, ready_timeout: float = 60.0,
+                 log_path: str | os.PathLike | None = None):
         self.host = host
-        super().__init__(env, ready_timeout)
+        super().__init__(env, ready_timeout, log_path)
 
     def command(self) -> list[str]:
         return guarded([sys.executable, "-u", "-m", "grpo_lab.serving.replicas.fake_replica", "--host", self.host,
@@ -120,9 +122,12 @@ class FakeReplicaProcess(AnnouncingProcess):
 
 def start_server(spec: ServerSpec, host: str, index: int) -> tuple[ReplicaProcess, str]:
     """Start the server `spec` describes on `host`; returns (process, url) once it serves."""
-    if spec.kind != "vllm":
-        process = (GuardedCPUReplica(["--host", host, "--port", "0", *spec.cpu_args], spec.env, spec.ready_timeout_s)
-                   if spec.kind == "cpu" else FakeReplicaProcess(host, spec.env, spec.ready_timeout_s))
+    if spec.kind != "vllm":  # the output also goes to a file on the node (vLLM's does already): `read_log`
+        fd, log_path = tempfile.mkstemp(prefix=f"grpo-lab-replica-{index}-", suffix=".log")
+        os.close(fd)
+        process = (GuardedCPUReplica(["--host", host, "--port", "0", *spec.cpu_args], spec.env, spec.ready_timeout_s,
+                                     log_path)
+                   if spec.kind == "cpu" else FakeReplicaProcess(host, spec.env, spec.ready_timeout_s, log_path))
         return process.wait_ready(), f"http://{host}:{process.port}"
     fields = dict(spec.vllm)
     if spec.device == "cpu":
@@ -167,6 +172,16 @@ class ReplicaServer:
 
     def tail(self, lines: int = 30) -> str:
         return self.process.tail(lines)
+
+    def read_log(self, offset: int = 0, limit: int = 1 << 20) -> tuple[str, int, str]:
+        """(incarnation, next offset, text): up to `limit` bytes of the server's log file on this node from
+        `offset`, so a launcher can copy the log to the run's folder on another machine (`ray_logs`)."""
+        if self.process.log_path is None:
+            return self.incarnation, offset, ""
+        with open(self.process.log_path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read(limit)
+        return self.incarnation, offset + len(chunk), chunk.decode("utf-8", errors="replace")
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL); the actor is killed by its launcher afterwards."""
