@@ -199,7 +199,9 @@ def main(argv=None) -> int:
     except Exception as error:  # noqa: BLE001 - one line for the user; the traceback on request
         if environment.debug():
             raise
-        logs = os.path.join(os.path.abspath(s.output_dir), "logs")
+        from .run_dir import REPLICA_LOGS
+
+        logs = os.path.join(os.path.abspath(s.output_dir), REPLICA_LOGS)
         where = f" (replica logs: {logs})" if os.path.isdir(logs) else ""
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         print(f"{PROG}: error: {type(error).__name__}: {message}{where}; GRPO_LAB_DEBUG=1 shows the traceback",

@@ -236,6 +236,19 @@ def find_run_record(path: str, levels: int = 3) -> tuple[dict | None, str | None
     return None, None
 
 
+def replica_logs(record_path: str | None) -> list:
+    """The replicas' log files of the run whose `run.json` is `record_path` (`<run>/logs`: local replicas write
+    there, Ray replicas' output is copied there from their nodes), sorted; [] when there are none."""
+    from pathlib import Path
+
+    from .run_dir import REPLICA_LOGS
+
+    if record_path is None:
+        return []
+    folder = Path(record_path).parent / REPLICA_LOGS
+    return sorted(p for p in folder.glob("*.log") if p.is_file()) if folder.is_dir() else []
+
+
 def diagnose_run(rows: list[dict], record: dict | None, overrides: dict | None = None,
                  window: int = DoctorConfig.window) -> Verdict:
     """`diagnose` with the run's own settings (its `run.json`, then `overrides`), the replica and routing notes
@@ -294,6 +307,9 @@ def main(argv=None) -> int:
                                       ("replica_kind", "max_staleness", "max_inflight_tasks")))
     if record is None:
         print("  note: this run has no run.json (recorded by grpo-lab async-loop): defaults were assumed")
+    logs = replica_logs(record_path)
+    if logs:
+        print(f"replica logs: {logs[0].parent} ({', '.join(p.name for p in logs)})")
     print("evidence: " + json.dumps({k: round(v, 4) for k, v in verdict.evidence.items()}))
     for i, knob in enumerate(verdict.knobs, 1):
         print(f"  {i}. {knob}")

@@ -27,7 +27,8 @@ from .recorder import METRICS_FILE
 
 RUN_RECORD = "run.json"
 # What a run of the async loop writes into its output directory (and `--overwrite` may therefore remove).
-RUN_ENTRIES = (RUN_RECORD, METRICS_FILE, "logs", ".vllm_lora", "runs")
+REPLICA_LOGS = "logs"  # the replicas' output (Ray replicas' copied back from their nodes), the router's log
+RUN_ENTRIES = (RUN_RECORD, METRICS_FILE, REPLICA_LOGS, ".vllm_lora", "runs")
 RUN_LOG_DIR = "grpo_lab_run"  # inside a checkpoint: the run's log as of that step (RUN_LOG_FILES)
 RUN_LOG_FILES = (METRICS_FILE, RUN_RECORD)
 

@@ -102,3 +102,21 @@ def test_the_command_resumed_on_a_fresh_folder_has_the_whole_history(cluster, tm
     record = read_run_record(fresh)
     assert record["resumed_from"].endswith("checkpoint-3") and "started_at" in record  # machine A's record, added to
     assert "not enough steps logged yet" not in out, out
+
+
+def test_the_doctor_names_the_replicas_logs(tmp_path, capsys):
+    """Issue 43 #11: the doctor points at `<run>/logs`, where local replicas write and Ray replicas' output is
+    copied back (`ray-replica-<i>.log`)."""
+    from grpo_lab.async_loop.doctor import main
+    from grpo_lab.async_loop.run_dir import REPLICA_LOGS
+
+    run = tmp_path / "run"
+    _run_with_checkpoints(run, 3)
+    assert main([str(run)]) == 0
+    assert "replica logs:" not in capsys.readouterr().out  # none written: nothing named
+    (run / REPLICA_LOGS).mkdir()
+    for name in ("ray-replica-1.log", "ray-replica-0.log"):
+        (run / REPLICA_LOGS / name).write_text("READY 8001\n")
+    assert main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"replica logs: {run / REPLICA_LOGS} (ray-replica-0.log, ray-replica-1.log)" in out, out
