@@ -1,7 +1,10 @@
 """Supervision on Ray: `kill -9` of one replica's *server* process (what an OOM kill does; the actor is left to notice)
 in the middle of an async-loop run. The replica leaves routing at once, the survivor's adapter slots are not filled
 by what the dead replica left behind, Ray restarts the pair and the router re-admits it with the live adapters, and
-the run finishes (issue 43, defect 3: it ended ~3 s after the kill with "cannot hold more than max_loras")."""
+the run finishes (issue 43, defect 3: it ended ~3 s after the kill with "cannot hold more than max_loras"). How the
+survivor got overfilled (drains outlasting a sync while the loads come paused) depends on the machine's load, so the
+defect itself is reproduced deterministically by `tests/serving/test_survivor_slots.py`; this is the whole path on
+a real cluster, with the loop's router a supervised child process driven by Ray's watch over its admin API."""
 
 from __future__ import annotations
 
@@ -80,7 +83,7 @@ def test_a_replica_server_killed_mid_run_is_restarted_and_the_run_finishes(ray_c
             while routed().get(victim["url"]) == "in_service":
                 time.sleep(0.02)
             timings["out_of_routing_s"] = time.monotonic() - t0
-            timings["killed_at"] = t0
+            timings["killed_wall"] = time.time() - timings["out_of_routing_s"]
 
         loop.trainer.add_callback(_At(KILL_AT, kill_the_server))
         loop.train()
@@ -95,7 +98,7 @@ def test_a_replica_server_killed_mid_run_is_restarted_and_the_run_finishes(ray_c
             assert time.monotonic() < deadline, (launcher.events, routed())
             time.sleep(0.2)
         timings["back_s"] = next(t for t, what, u in launcher.events if what == "added" and u == back["url"]) \
-            - (time.time() - (time.monotonic() - timings["killed_at"]))
+            - timings["killed_wall"]
         seen.append(back)
         assert victim["url"] not in routed()
 
