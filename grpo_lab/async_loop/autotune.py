@@ -46,6 +46,8 @@ from dataclasses import asdict, dataclass, field
 
 from transformers import TrainerCallback
 
+from ..lab.settings import Range, check_fields, setting
+
 
 @dataclass
 class AutotuneConfig:
@@ -113,38 +115,33 @@ class AutotuneConfig:
             never). Staleness ceilings are never lifted.
     """
 
-    min_inflight: int = 0
-    max_inflight: int = 0
-    min_queue: int = 0
-    max_queue: int = 0
-    budget_steps: int = 0
-    warmup_steps: int = 2
-    window: int = 3
-    patience: int = 2
-    cooldown_steps: int = 1
+    min_inflight: int = setting(0, check=Range(0))
+    max_inflight: int = setting(0, check=Range(0))
+    min_queue: int = setting(0, check=Range(0))
+    max_queue: int = setting(0, check=Range(0))
+    budget_steps: int = setting(0, check=Range(0))
+    warmup_steps: int = setting(2, check=Range(0))
+    window: int = setting(3, check=Range(1))
+    patience: int = setting(2, check=Range(1))
+    cooldown_steps: int = setting(1, check=Range(0))
     rollout_wait_high: float = 0.2
     starving: float = 0.5
-    slow_start_max_factor: float = 4.0
+    slow_start_max_factor: float = setting(4.0, check=Range(2))
     waste_high: float = 0.02
     wasting: float = 0.2
     staleness_high: float = 0.75
     raise_below_staleness: float = 0.5
     backpressure_high: float = 0.1
-    up_factor: float = 2.0
-    down_factor: float = 0.5
-    probe_steps: int = 3
+    up_factor: float = setting(2.0, check=Range(1, open=True))
+    down_factor: float = setting(0.5, check=Range(0, open=True, high=1))
+    probe_steps: int = setting(3, check=Range(1))
     max_loss: float = 0.1
     reprobe_steps: int = 12
 
     def __post_init__(self):
-        if min(self.min_inflight, self.max_inflight, self.min_queue, self.max_queue, self.budget_steps) < 0:
-            raise ValueError("autotune bounds must be >= 0 (0: derived from the run)")
-        if (self.window < 1 or self.patience < 1 or self.cooldown_steps < 0 or self.warmup_steps < 0
-                or self.probe_steps < 1):
-            raise ValueError("autotune needs window >= 1, patience >= 1, probe_steps >= 1, cooldown_steps >= 0, "
-                             "warmup_steps >= 0")
-        if not (self.up_factor > 1 and 0 < self.down_factor < 1 and self.slow_start_max_factor >= 2):
-            raise ValueError("autotune needs up_factor > 1, 0 < down_factor < 1 and slow_start_max_factor >= 2")
+        check_fields(self)
+        if self.down_factor == 1:
+            raise ValueError("down_factor must be < 1 (a cut that keeps the knob is no cut)")
 
 
 @dataclass

@@ -58,6 +58,17 @@ class FileName:
         return None
 
 
+def without_none(kind):
+    """`X` of `X | None`; any other type as it is."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return next(k for k in typing.get_args(kind) if k is not type(None))
+    return kind
+
+
+def default_of(field: dataclasses.Field):
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
 def setting(default=None, *, help: str | None = None, group: str | None = None, check=None,  # noqa: A002
             **argparse_extra):
     """A settings field: its default, its help (default: its entry in the class docstring's Args), the help group
@@ -90,8 +101,7 @@ def check_fields(settings) -> None:
         value, kind = getattr(settings, f.name), hints[f.name]
         if value is None and type(None) in typing.get_args(kind):
             continue
-        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `X | None` holding an X
-            kind = next(k for k in typing.get_args(kind) if k is not type(None))
+        kind = without_none(kind)
         if typing.get_origin(kind) is list:
             if isinstance(value, str):  # `report_to: trackio` in a config file
                 value = [value]
@@ -108,7 +118,4 @@ def check_fields(settings) -> None:
             setattr(settings, f.name, value)
         if kind in (int, float, bool) and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
             raise SettingError(f.name, f"{value!r} is not {'an integer' if kind is int else 'a ' + kind.__name__}")
-        check = f.metadata.get("check")
-        problem = check.problem(value) if check is not None else None
-        if problem:
-            raise SettingError(f.name, problem)
+        check_setting(type(settings), f.name, value)

@@ -15,9 +15,10 @@ import argparse
 import dataclasses
 import inspect
 import re
-import types
 import typing
 from typing import Literal
+
+from .settings import default_of, without_none
 
 OWN_KEYS = ("check", "group", "flag", "prefix", "flags", "switch")  # metadata read here, not given to argparse
 
@@ -47,17 +48,6 @@ def checked_type(kind, check):
     return parse
 
 
-def without_none(kind):
-    """`X` of `X | None`; any other type as it is."""
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        return next(k for k in typing.get_args(kind) if k is not type(None))
-    return kind
-
-
-def default_of(field: dataclasses.Field):
-    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-
-
 def documented_args(cls) -> dict[str, str]:
     """Each field's entry in the `Args:` section of `cls`'s docstring (`host, port: ...` documents both)."""
     docs, names = {}, []
@@ -83,20 +73,19 @@ def add_setting_flag(parser, field: dataclasses.Field, kind, *, flag: str | None
     name = "--" + (flag or field.metadata.get("flag") or field.name.replace("_", "-"))
     dest = dest or field.name
     default = default_of(field) if default is dataclasses.MISSING else default
-    if kind is not bool and typing.get_origin(kind) is not Literal:
-        options.setdefault("metavar", name[2:].upper().replace("-", "_"))
-    if kind is bool and default and "help" not in field.metadata:
-        options["help"] = f"switch off: {options['help']}"  # the docstring says what the field turns on
     if kind is bool:
+        if default and "help" not in field.metadata:
+            options["help"] = f"switch off: {options['help']}"  # the docstring says what the field turns on
         switch = ("--no-" + name[2:], "store_false") if default else (name, "store_true")
-        parser.add_argument(switch[0], dest=dest, action=switch[1], default=bool(default), **options)
-    elif typing.get_origin(kind) is list:
+        return parser.add_argument(switch[0], dest=dest, action=switch[1], default=bool(default), **options)
+    if typing.get_origin(kind) is Literal:
+        options["choices"] = typing.get_args(kind)
+        kind = type(options["choices"][0])
+    else:
+        options.setdefault("metavar", name[2:].upper().replace("-", "_"))
+    if typing.get_origin(kind) is list:
         action = "store" if "nargs" in options else "append"
         parser.add_argument(name, dest=dest, action=action, type=typing.get_args(kind)[0], default=default, **options)
-    elif typing.get_origin(kind) is Literal:
-        choices = typing.get_args(kind)
-        parser.add_argument(name, dest=dest, type=checked_type(type(choices[0]), check), choices=choices,
-                            default=default, **options)
     else:
         parser.add_argument(name, dest=dest, type=checked_type(kind, check), default=default, **options)
 
@@ -113,7 +102,6 @@ class ConfigParser(argparse.ArgumentParser):
     def __init__(self, config_type, prog: str, description: str):
         super().__init__(prog=prog, description=description, formatter_class=DefaultsFormatter)
         self.config_type = config_type
-        self.switches: dict[str, str] = {}  # an optional nested config's path → the dest of its switch
         self._add_fields(config_type, path=(), defaults=None, prefix="", flags={})
 
     def _add_fields(self, cls, path: tuple, defaults, prefix: str, flags: dict):
@@ -123,8 +111,7 @@ class ConfigParser(argparse.ArgumentParser):
             default = getattr(defaults, field.name) if defaults is not None else default_of(field)
             nested = without_none(kind)
             if dataclasses.is_dataclass(nested):
-                if "switch" in field.metadata:
-                    self.switches[dest] = dest + ".on"
+                if "switch" in field.metadata:  # None unless its switch is given
                     self.add_argument("--" + field.metadata["switch"], dest=dest + ".on", action="store_true",
                                       help=field.metadata.get("help", docs.get(field.name)))
                 self._add_fields(nested, (*path, field.name), default, field.metadata.get("prefix", ""),
@@ -143,13 +130,9 @@ class ConfigParser(argparse.ArgumentParser):
             dest = ".".join((*path, field.name))
             if dest in values:
                 kwargs[field.name] = values.pop(dest)
-            elif dest in self.switches and not values.pop(self.switches[dest]):
-                kwargs[field.name] = None
-                for key in [key for key in values if key.startswith(dest + ".")]:
-                    del values[key]
-            else:
-                nested = without_none(typing.get_type_hints(cls)[field.name])
-                kwargs[field.name] = self._build(nested, (*path, field.name), values)
+                continue
+            nested = self._build(without_none(typing.get_type_hints(cls)[field.name]), (*path, field.name), values)
+            kwargs[field.name] = nested if values.pop(dest + ".on", True) else None
         return cls(**kwargs)
 
     def parse(self, argv=None):

@@ -18,7 +18,7 @@ import pytest
 
 from grpo_lab.async_loop import command, serve_pool
 from grpo_lab.async_loop.loop_settings import LoopSettings, PoolSettings
-from grpo_lab.lab.settings_parser import default_of, without_none
+from grpo_lab.lab.settings import default_of, without_none
 from grpo_lab.serving.replicas import cpu_replica
 from grpo_lab.serving.replicas.config import CPUReplicaConfig
 from grpo_lab.serving.router import server as router_server

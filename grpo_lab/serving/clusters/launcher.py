@@ -20,6 +20,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Literal
+
+from grpo_lab.lab.settings import Range, check_fields, setting
 
 from ..adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
 from ..replicas.processes import restart, start_cpu_replicas, start_vllm_replicas
@@ -61,8 +64,8 @@ class ClusterSpec:
             `ray_logs.LogMirror`: `ray-replica-<i>.log`).
     """
 
-    replicas: int = 2
-    kind: str = "cpu"
+    replicas: int = setting(2, check=Range(1))
+    kind: Literal[REPLICA_KINDS] = "cpu"
     model: str = "tiny-qwen3"
     max_staleness: int = DEFAULT_MAX_STALENESS
     adapter_slots: int | None = None
@@ -71,18 +74,13 @@ class ClusterSpec:
     replica_threads: int | None = None
     replica_args: list[str] = field(default_factory=list)
     vllm: dict = field(default_factory=dict)
-    device: str = "auto"
+    device: Literal[DEVICES] = "auto"
     env: dict = field(default_factory=dict)
     router: dict = field(default_factory=dict)
     log_dir: str | None = None
 
     def __post_init__(self):
-        if self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        if self.kind not in REPLICA_KINDS:
-            raise ValueError(f"kind must be one of {REPLICA_KINDS}, got {self.kind!r}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        check_fields(self)
 
     @property
     def slots(self) -> int:

@@ -26,6 +26,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from grpo_lab.lab.settings import Range, check_fields, setting
+
 
 @dataclass
 class PerTryConfig:
@@ -48,28 +50,20 @@ class PerTryConfig:
     """
 
     enabled: bool = True
-    quantile: float = 0.95
-    factor: float = 2.0
-    floor_s: float = 1.0
+    quantile: float = setting(0.95, check=Range(0, open=True, high=1))
+    factor: float = setting(2.0, check=Range(1))
+    floor_s: float = setting(1.0, check=Range(0, open=True))
     cap_s: float = 300.0
-    initial_s: float = 60.0
-    min_samples: int = 20
+    initial_s: float = setting(60.0, check=Range(0, open=True))
+    min_samples: int = setting(20, check=Range(1))
     window: int = 512
-    budget: float = 0.25
+    budget: float = setting(0.25, check=Range(0, open=True, high=1))
 
     def __post_init__(self):
-        if not 0 < self.quantile <= 1:
-            raise ValueError(f"per_try.quantile must be in (0, 1], got {self.quantile}")
-        if self.factor < 1:
-            raise ValueError(f"per_try.factor must be >= 1, got {self.factor}")
-        if not 0 < self.floor_s <= self.cap_s:
-            raise ValueError(f"per_try needs 0 < floor_s <= cap_s, got {self.floor_s} and {self.cap_s}")
-        if not self.initial_s > 0:
-            raise ValueError(f"per_try.initial_s must be > 0, got {self.initial_s}")
-        if self.min_samples < 1 or self.window < self.min_samples:
-            raise ValueError("per_try needs min_samples >= 1 and window >= min_samples")
-        if not 0 < self.budget <= 1:
-            raise ValueError(f"per_try.budget must be in (0, 1], got {self.budget}")
+        check_fields(self)
+        if self.floor_s > self.cap_s or self.window < self.min_samples:
+            raise ValueError(f"per_try needs floor_s <= cap_s and window >= min_samples, got {self.floor_s}, "
+                             f"{self.cap_s}, {self.window} and {self.min_samples}")
 
 
 def size_class(max_tokens) -> int:

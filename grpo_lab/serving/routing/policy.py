@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from grpo_lab.lab.settings import Range, check_fields, setting
+
 from .prefix_hash import DEFAULT_BLOCK_SIZE, block_hashes
 
 # Why a request went where it went. A policy without a prefix preference routes everything "unmatched".
@@ -34,17 +36,12 @@ class RoutingConfig:
         max_blocks: bound on the block records kept (LRU); about 145 bytes each (see `prefix_affinity`).
     """
 
-    block_size: int = DEFAULT_BLOCK_SIZE
-    spill_threshold: int = 8
-    max_blocks: int = 1_000_000
+    block_size: int = setting(DEFAULT_BLOCK_SIZE, check=Range(1))
+    spill_threshold: int = setting(8, check=Range(0))
+    max_blocks: int = setting(1_000_000, check=Range(1))
 
     def __post_init__(self):
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.spill_threshold < 0:
-            raise ValueError(f"spill_threshold must be >= 0, got {self.spill_threshold}")
-        if self.max_blocks < 1:
-            raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
+        check_fields(self)
 
 
 @dataclass

@@ -29,6 +29,9 @@ import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Literal
+
+from grpo_lab.lab.settings import Range, check_fields, setting
 
 from ..routing.policy import AFFINITY, SPILLED, UNMATCHED, Decision, RoutingConfig
 from ..routing.registry import DEFAULT_POLICY, make_policy
@@ -59,21 +62,16 @@ class SimConfig:
     max_in_flight: int = 128
     completions_per_sync: int = 128
     adapter_prefix: str = "trl-policy"
-    cache_blocks: int = 200_000
+    cache_blocks: int = setting(200_000, check=Range(0))
     cache_holds_running: bool = False
     prefill_s_per_token: float = 5e-5
     decode_s_per_token: float = 0.01
     batch_slowdown: float = 0.004
-    arrivals: str = "group"
-    versioning: str = "rollout"
+    arrivals: Literal["group", "rollout"] = "group"
+    versioning: Literal["group", "rollout"] = "rollout"
 
     def __post_init__(self):
-        if self.arrivals not in ("group", "rollout"):
-            raise ValueError(f"arrivals must be 'group' or 'rollout', got {self.arrivals!r}")
-        if self.versioning not in ("group", "rollout"):
-            raise ValueError(f"versioning must be 'group' or 'rollout', got {self.versioning!r}")
-        if self.cache_blocks < 0:
-            raise ValueError("cache_blocks must be >= 0")
+        check_fields(self)
 
 
 @dataclass

@@ -31,6 +31,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from grpo_lab.lab.settings import Range, check_fields, setting
+
 from ..adapters.slots import max_loras_for
 
 SEPARATOR = "--"  # between a run's name and its adapter's name upstream; run names never contain it
@@ -66,22 +68,15 @@ class TenancyConfig:
         max_weight: the largest fair-share weight a run may ask for.
     """
 
-    lease_s: float = 120.0
-    max_in_flight_per_replica: int = 64
+    lease_s: float = setting(120.0, check=Range(0, open=True))
+    max_in_flight_per_replica: int = setting(64, check=Range(1))
     allow_base_model: bool = True
-    max_runs: int = 32
-    adapter_slots: int | None = None
-    max_weight: float = 100.0
+    max_runs: int = setting(32, check=Range(1))
+    adapter_slots: int | None = setting(None, check=Range(1))
+    max_weight: float = setting(100.0, check=Range(1))
 
     def __post_init__(self):
-        if not self.lease_s > 0 or not math.isfinite(self.lease_s):
-            raise ValueError(f"lease_s must be a positive number of seconds, got {self.lease_s!r}")
-        if self.max_in_flight_per_replica < 1 or self.max_runs < 1:
-            raise ValueError("max_in_flight_per_replica and max_runs must be >= 1")
-        if self.adapter_slots is not None and self.adapter_slots < 1:
-            raise ValueError(f"adapter_slots must be >= 1 (or None: the replicas' max_loras), got {self.adapter_slots}")
-        if not self.max_weight >= 1:
-            raise ValueError(f"max_weight must be >= 1, got {self.max_weight!r}")
+        check_fields(self)
 
 
 def check_run_name(name) -> str:
