@@ -15,7 +15,7 @@ import yaml
 from trl.scripts.utils import TrlParser
 
 from ..lab.settings import SettingError
-from ..lab.settings_parser import DefaultsFormatter, add_setting_flag
+from ..lab.settings_parser import ConfigParser, DefaultsFormatter, add_setting_flag
 from .checks import UsageError
 
 
@@ -34,8 +34,7 @@ class SettingsParser(TrlParser):
         self.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=(
             "read settings from a YAML file (the flags' names with '_' as keys; flags given here override it)"))
 
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    error = ConfigParser.error  # one line and exit status 2, as every generated command line
 
     def _parse_dataclass_field(self, parser, field):
         """One field's flag. Called by `HfArgumentParser.__init__` for each field, in their order."""

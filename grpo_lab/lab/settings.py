@@ -71,12 +71,10 @@ def default_of(field: dataclasses.Field):
 
 def setting(default=None, *, help: str | None = None, group: str | None = None, check=None,  # noqa: A002
             **argparse_extra):
-    """A settings field: its default, its help (default: its entry in the class docstring's Args), the help group
-    of its flag and its rule (`Range`, `FileName`). A list or a dataclass default is given as the type (a fresh one
-    per instance). `argparse_extra` goes to its flag (`metavar`, `choices`, `nargs`, `required`), except what
-    `settings_parser` reads itself: `flag` (the flag's name when it is not the field's), and for a nested dataclass
-    `prefix` (put before its fields' flags), `flags` ({field: flag name}) and `switch` (the flag that turns an
-    optional one on)."""
+    """A settings field: its default (a list or dataclass as its type: a fresh one each), its help (default: its entry
+    in the class docstring's Args), its flag's help group and its rule (`Range`, `FileName`). `argparse_extra` goes
+    to its flag (`metavar`, `choices`, `nargs`), except `settings_parser`'s own keys: `flag` (the flag's name), and
+    for a nested dataclass `prefix`, `flags` ({field: flag name}) and `switch` (the flag that turns it on)."""
     metadata = {key: value for key, value in dict(help=help, group=group, check=check).items() if value is not None}
     metadata.update(argparse_extra)
     if default is list or (isinstance(default, type) and dataclasses.is_dataclass(default)):

@@ -1,12 +1,8 @@
-"""A command line generated from a settings dataclass (`settings.setting` fields), with argparse alone: the router's
-and the replicas' processes start without importing transformers (`async_loop.settings_parser` adds TRL's
-`--config file.yaml` for the loop's commands).
-
-Each field becomes one dashed flag (`max_steps` → `--max-steps`, or its `flag`): a bool that defaults to False a
-switch, one that defaults to True a `--no-...` switch, a list a repeatable flag (or `nargs`), a `Literal` a choice,
-and the field's rule is checked as the flag is read, so a bad value names its flag. A nested dataclass field gives
-its own fields' flags (with its `prefix` and `flags`; an optional one is turned on by its `switch`). The parser's
-defaults are the dataclass's, read from it. Every mistake is one line and exit status 2, never a traceback.
+"""A command line generated from a settings dataclass, with argparse alone (the router and the replicas start without
+importing transformers; `async_loop.settings_parser` adds TRL's `--config file.yaml`). Each field is one dashed flag
+(or its `flag`): a bool a switch (`--no-...` when it defaults to True), a list a repeatable flag, a `Literal` a
+choice, its rule checked as the flag is read; a nested dataclass gives its fields' flags (`prefix`, `flags`, and a
+`switch` for an optional one). Defaults are read from the class; every mistake is one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -91,13 +87,8 @@ def add_setting_flag(parser, field: dataclasses.Field, kind, *, flag: str | None
 
 
 class ConfigParser(argparse.ArgumentParser):
-    """The command line of one config dataclass, nested dataclasses flattened; `parse` gives the instance.
-
-    Args:
-        config_type: the dataclass (`RouterConfig`, `CPUReplicaConfig`).
-        prog, description: as for argparse. Flags that are not settings may be added with `add_argument`; `parse`
-            leaves them in the namespace it returns beside the config.
-    """
+    """The command line of one config dataclass (`RouterConfig`), nested dataclasses flattened; `parse` gives the
+    instance, and the flags added with `add_argument` that are not settings in a namespace beside it."""
 
     def __init__(self, config_type, prog: str, description: str):
         super().__init__(prog=prog, description=description, formatter_class=DefaultsFormatter)
