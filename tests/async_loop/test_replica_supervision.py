@@ -103,3 +103,40 @@ def test_a_local_replica_server_killed_mid_run_is_restarted_and_readmitted(tmp_p
     print(f"\n[replica supervision] kill -9 of a CPU replica's server at step {KILL_AT}: out of routing "
           f"{measured['out_s']:.2f} s, restarted and back in service {measured['back_s']:.1f} s after the kill; "
           f"{STEPS} steps done", flush=True)
+
+
+def test_the_thread_router_of_a_shared_pool_hears_of_a_dead_replica_at_once():
+    """The same supervision with the router on a thread (`LocalCluster` with restarts, the shared pool): the launcher
+    tells `RouterHandle.replica_died`, the replica comes back on its port and is in service again; with no restarts
+    left it stays out of routing."""
+    from grpo_lab.serving.clusters.local import LocalCluster
+    from grpo_lab.tasks.embedded_model import embedded_model_dir
+
+    cluster = LocalCluster(replicas=2, model=str(embedded_model_dir()), max_staleness=MAX_STALENESS, max_lora_rank=1,
+                           replica_args=["--max-model-len", "128", "--torch-threads", "1"],
+                           router={"health_interval_s": 5.0}, max_restarts=1).start()
+    try:
+        placement, router = cluster.placement, cluster.router
+        victim = placement.replicas[1]
+        state = lambda: {r["url"]: r["state"] for r in router.replicas()}[victim.url]
+        for round_ in range(2):  # restarted once, then given up
+            pid = server_pid(placement.replicas[1].pid)
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            while state() == "in_service":
+                time.sleep(0.01)
+            out_s = time.monotonic() - t0
+            assert out_s < OUT_OF_ROUTING_BOUND_S  # not the 5 s health interval + its 5 s timeout
+            if round_ == 0:
+                deadline = time.monotonic() + BACK_BOUND_S
+                while not (placement.replicas[1].pid != victim.pid and state() == "in_service"):
+                    assert time.monotonic() < deadline, placement.events
+                    time.sleep(0.05)
+                print(f"\n[replica supervision, thread router] out of routing {out_s:.2f} s, back in service "
+                      f"{time.monotonic() - t0:.1f} s after the kill", flush=True)
+        time.sleep(1.0)
+        assert [e[1] for e in placement.events] == ["died", "restarted", "died", "given up"]
+        assert state() != "in_service" and not placement.replicas[1].alive()
+    finally:
+        cluster.stop()
+    assert not any(r.alive() for r in cluster.replicas)
