@@ -158,25 +158,22 @@ def grpo_loss(
         per_token_loss = per_token_loss + config.beta * per_token_kl
 
     accumulation = gradient_accumulation_steps if training else 1.0
-    if config.loss_type in ("grpo", "sapo"):
-        policy_loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-        loss = policy_loss / accumulation
-    elif config.loss_type == "bnpo":
-        policy_loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-        loss = policy_loss / accumulation
-    elif config.loss_type == "dr_grpo":
-        policy_loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * config.max_completion_length)
-        loss = policy_loss / accumulation
-    elif config.loss_type in ("cispo", "dapo", "vespo"):
+    if config.loss_type in ("cispo", "dapo", "vespo"):  # normalised by the whole generation batch's tokens
         n_items = num_items_in_batch if isinstance(num_items_in_batch, torch.Tensor) else torch.tensor(
             float(num_items_in_batch))
         normalizer = n_items.to(per_token_loss.device).clamp(min=1.0) / num_processes
         if training:
             normalizer = normalizer * gradient_accumulation_steps / steps_per_generation
-        loss = (per_token_loss * mask).sum() / normalizer
-        policy_loss = loss
-    else:  # luspo
-        policy_loss = (per_token_loss * mask).sum(-1).mean()
+        loss = policy_loss = (per_token_loss * mask).sum() / normalizer
+    else:  # normalised within the micro-batch, then scaled for gradient accumulation
+        if config.loss_type in ("grpo", "sapo"):
+            policy_loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        elif config.loss_type == "bnpo":
+            policy_loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+        elif config.loss_type == "dr_grpo":
+            policy_loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * config.max_completion_length)
+        else:  # luspo
+            policy_loss = (per_token_loss * mask).sum(-1).mean()
         loss = policy_loss / accumulation
     policy_loss = policy_loss.detach()
 
