@@ -71,6 +71,17 @@ class RouterHandle(AppThread):
         drain_s = self.config.remove_drain_timeout_s if drain_s is None else drain_s
         return self._run_on_loop(self.router.membership.remove(url, drain_s), drain_s + 30)
 
+    def replica_died(self, url: str, why: str) -> bool:
+        """A launcher saw the replica's server exit: out of routing now (its completions in flight are re-sent), not
+        after health checks time out; the health watch re-admits it, with the live adapters, once it serves again.
+        False when `url` is not a member."""
+        def down() -> bool:
+            replica = self.router.pool.member(url)
+            if replica is not None:
+                self.router.pool.mark_down(replica, why)
+            return replica is not None
+        return self.call(down)
+
     def replicas(self) -> list[dict]:
         """The current members with their states."""
         return self.call(self.router.membership.members)
