@@ -36,4 +36,6 @@ def test_a_ray_replicas_output_is_copied_to_the_runs_log_folder_across_a_restart
         mirror.stop()
     text = path.read_text()
     assert text.count("READY") == 2, text
-    assert text.splitlines()[0].startswith(f"--- replica 0, incarnation {first['incarnation'][:8]} on node ")
+    headers = [line for line in text.splitlines() if line.startswith("--- replica 0, incarnation ")]
+    assert headers[0].startswith(f"--- replica 0, incarnation {first['incarnation'][:8]} on node ")
+    assert f"(its log there: {first['log']})" in headers[0] and first["log"] not in headers[1]  # each its own file

@@ -63,12 +63,12 @@ class LogMirror:
                     got, end, text = ray.get(slot.actor.read_log.remote(offset), timeout=self.timeout_s)
                     if got != incarnation and offset:  # restarted: its new server's log starts at 0
                         got, end, text = ray.get(slot.actor.read_log.remote(0), timeout=self.timeout_s)
+                    info = ray.get(slot.actor.info.remote(), timeout=self.timeout_s) if got != incarnation else {}
                 except Exception as error:  # noqa: BLE001 - dead, restarting or cut off: the next round tries again
                     log.debug("replica %d's log not copied: %s", slot.index, type(error).__name__)
                     continue
                 with open(self.path(slot.index), "a", errors="replace") as f:
                     if got != incarnation:
-                        info = slot.info or {}
                         f.write(f"--- replica {slot.index}, incarnation {got[:8]} on node {info.get('node_ip')} "
                                 f"(its log there: {info.get('log')}) ---\n")
                     f.write(text)
