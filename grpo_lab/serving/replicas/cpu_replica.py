@@ -147,28 +147,24 @@ class CPUReplica:
         })
 
     # -- control ------------------------------------------------------------------------------------------------
-    async def load_adapter(self, request):
+    async def _adapter_call(self, request, fields: tuple[str, ...], change, done: str) -> web.Response:
+        """Load or unload (`change(*fields)` on the control thread), answered as vLLM does."""
         try:
             body = await self._body(request)
-            name, path = body.get("lora_name"), body.get("lora_path")
-            if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-                raise RequestError(400, "'lora_name' and 'lora_path' must be non-empty strings")
-            await asyncio.get_running_loop().run_in_executor(self._control_pool, self.engine.load_adapter, name, path)
+            values = [body.get(f) for f in fields]
+            if not all(isinstance(v, str) and v for v in values):
+                raise RequestError(400, f"{' and '.join(repr(f) for f in fields)} must be non-empty string(s)")
+            await asyncio.get_running_loop().run_in_executor(self._control_pool, change, *values)
         except RequestError as error:
             return error_response(error.status, error.message, error.kind)
-        log.info("loaded adapter %s", name)
-        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+        log.info("adapter %s %s", values[0], done)
+        return web.Response(text=f"Success: LoRA adapter '{values[0]}' {done} successfully.")
+
+    async def load_adapter(self, request):
+        return await self._adapter_call(request, ("lora_name", "lora_path"), self.engine.load_adapter, "added")
 
     async def unload_adapter(self, request):
-        try:
-            body = await self._body(request)
-            name = body.get("lora_name")
-            if not isinstance(name, str) or not name:
-                raise RequestError(400, "'lora_name' must be a non-empty string")
-            await asyncio.get_running_loop().run_in_executor(self._control_pool, self.engine.unload_adapter, name)
-        except RequestError as error:
-            return error_response(error.status, error.message, error.kind)
-        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+        return await self._adapter_call(request, ("lora_name",), self.engine.unload_adapter, "removed")
 
     async def pause(self, request):
         mode = request.query.get("mode", "keep")
