@@ -2,7 +2,7 @@
 faults are injected one at a time and then overlapping; one row per scenario in `results/reliability/chaos.csv`.
 
     sudo .venv/bin/python benchmarks/chaos.py                       # every scenario (~15-20 min on 2 busy cores)
-    sudo .venv/bin/python benchmarks/chaos.py --scenarios replica_server_kill9,worker_partition --max-steps 10
+    sudo .venv/bin/python benchmarks/chaos.py --scenarios replica_server_kill9,worker_partition --max-steps 8
 
 **The hosts** are the Ray tier's (`tests/netns.py`, `tests/ray/two_nodes.py`, `tests/s3_fixtures.py`): a head and a
 worker node, each a network namespace with its own address on a bridge, and moto (S3, authentication on) as a third
@@ -28,7 +28,7 @@ history (the versions published, by which run):
   published (after a resume: by a version of the killed run);
 - `duplicate_steps`: steps logged more than once in the final metrics log;
 - `recovered_s`: from the end of the fault (the kill; the SIGCONT, heal or proxy removal) until the router has every
-  replica in service again and the trainer has logged a step since.
+  replica in service again for good (at every poll up to the run's last step) and the trainer has logged a new step.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
     "worker_latency_200ms": ("latency",),
     "s3_stopped_20s": ("s3_stop",),
     "overlap_server_kill9+s3_stopped": ("server_kill9", "s3_stop"),
-    "overlap_partition+hang_other+actor_kill": ("partition", "hang_other", "actor_kill_other"),
+    "overlap_partition+hang_other+s3_stopped": ("partition", "hang_other", "s3_stop"),
 }
 SHORT = ("replica_server_kill9", "worker_partition", "trainer_kill9_resume")
 
@@ -293,15 +293,19 @@ class Watch:
                     v for k, v in values.items() if k.split("{")[0] == "grpo_replica_unknown_model_total"))
 
     def recovered_at(self, since: float, replicas: int) -> float | None:
-        """When, after `since`, every replica was in service and a step had been logged since `since`."""
-        whole = next((t for t, n in self.in_service if t >= since and n >= replicas), None)
-        stepped = next((t for t, s in self.step_times if t > since and s > 0), None)
+        """When, after `since`, the pool was whole for good (every replica in service at every poll from then until
+        the last step) and a step had been logged since `since`; None if either never happened."""
+        if not self.step_times:
+            return None
+        end = self.step_times[-1][0]
+        window = [(t, n) for t, n in self.in_service if since <= t <= end]
+        degraded = [t for t, n in window if n < replicas]
+        whole = next((t for t, _ in window if not degraded or t > degraded[-1]), None)
+        # a new step, not the log cut back to a checkpoint by a resume
+        stepped = next((t for (t, s), (_, before) in zip(self.step_times[1:], self.step_times)
+                        if t > since and s > before), None)
         if whole is None or stepped is None:
             return None
-        if not any(n >= replicas for t, n in self.in_service if t >= max(whole, stepped)):
-            whole = next((t for t, n in self.in_service if t >= stepped and n >= replicas), None)
-            if whole is None:
-                return None
         return max(whole, stepped)
 
 
@@ -420,9 +424,19 @@ def latency(run: Run, duration: float = LATENCY_S) -> float:
     return time.monotonic()
 
 
-def _membership(run: Run, method: str, url: str) -> None:
+def _membership(run: Run, method: str, url: str, tries: int = 3) -> None:
     body = {"url": url, "wait_s": 120} if method == "POST" else {"url": url, "drain_s": 30}
-    answer = requests.request(method, run.h.router_url + "/router/replicas", json=body, timeout=180)
+    for attempt in range(tries):
+        try:
+            answer = requests.request(method, run.h.router_url + "/router/replicas", json=body, timeout=180)
+            break
+        except requests.ConnectionError as error:
+            run.notes.append(f"{method} /router/replicas try {attempt + 1}: {type(error).__name__} (netns inode "
+                             f"{os.stat('/proc/thread-self/ns/net').st_ino}, command alive "
+                             f"{run.proc.poll() is None})")
+            if attempt == tries - 1:
+                raise
+            time.sleep(1.0)
     if answer.status_code >= 300:
         run.notes.append(f"{method} /router/replicas {url}: {answer.status_code} {answer.text[:200]}")
 
@@ -459,7 +473,7 @@ def command(h: Hosts, name: str, out: Path, max_steps: int, save_steps: int) -> 
             "--num-generations", str(GENERATIONS), "--port", str(ROUTER_PORT)]
 
 
-def run_scenario(h: Hosts, name: str, max_steps: int = 14, inject_at: int = 4, save_steps: int = 4) -> dict:
+def run_scenario(h: Hosts, name: str, max_steps: int = 10, inject_at: int = 3, save_steps: int = 3) -> dict:
     faults = SCENARIOS[name]
     out = h.work / name / "run"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -610,10 +624,12 @@ def write_rows(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: " + ", ".join(SCENARIOS))
-    parser.add_argument("--max-steps", type=int, default=14)
-    parser.add_argument("--inject-at", type=int, default=4)
-    parser.add_argument("--save-steps", type=int, default=4)
+    parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--inject-at", type=int, default=3)
+    parser.add_argument("--save-steps", type=int, default=3)
     parser.add_argument("--csv", type=Path, default=CSV_PATH)
+    parser.add_argument("--work", type=Path, default=None, help="keep every run's folder and log here (default: a new "
+                        "temporary folder, kept)")
     args = parser.parse_args(argv)
     names = [n for n in args.scenarios.split(",") if n]
     unknown = [n for n in names if n not in SCENARIOS]
@@ -624,7 +640,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos.py needs network namespaces: {reason}", file=sys.stderr)
         return 2
     rows = []
-    with tempfile.TemporaryDirectory(prefix="grpo-chaos-") as work, hosts(Path(work)) as h:
+    work = args.work or Path(tempfile.mkdtemp(prefix="grpo-chaos-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"chaos run: runs and logs in {work}", flush=True)
+    with hosts(work) as h:
         for name in names:
             row = run_scenario(h, name, args.max_steps, args.inject_at, args.save_steps)
             rows.append(row)
