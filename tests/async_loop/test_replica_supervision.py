@@ -12,26 +12,17 @@ import time
 
 import psutil
 import requests
-from transformers import TrainerCallback
 
 from grpo_lab.async_loop.launch import AsyncLoop, LoopConfig, embedded_trainer_args
 from grpo_lab.async_loop.recorder import METRICS_FILE, read_metrics
 
 from loop_fixtures import MAX_STALENESS, replica_adapters, router_metric
+from step_actions import AtStep
 
 STEPS, KILL_AT = 12, 4
 OUT_OF_ROUTING_BOUND_S = 5.0  # the supervisor polls every 0.1 s; health checks would take up to 1 s + 5 s timeout
 BACK_BOUND_S = 120.0  # a CPU replica's start on 2 busy cores
 
-
-class _At(TrainerCallback):
-    def __init__(self, step: int, action):
-        self.step, self.action, self.done = step, action, False
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step and not self.done:
-            self.done = True
-            self.action()
 
 
 def server_pid(watchdog_pid: int) -> int:
@@ -75,7 +66,7 @@ def test_a_local_replica_server_killed_mid_run_is_restarted_and_readmitted(tmp_p
             os.kill(pid, signal.SIGKILL)
             watcher[0].start()
 
-        loop.trainer.add_callback(_At(KILL_AT, kill_the_server))
+        loop.trainer.add_callback(AtStep(KILL_AT, kill_the_server))
         loop.train()
         trainer = loop.trainer
         watcher[0].join(BACK_BOUND_S)

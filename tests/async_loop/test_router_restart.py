@@ -13,26 +13,17 @@ import threading
 import time
 
 import requests
-from transformers import TrainerCallback
 
 from grpo_lab.async_loop.launch import AsyncLoop, LoopConfig, embedded_trainer_args
 from grpo_lab.async_loop.recorder import METRICS_FILE, read_metrics
 from grpo_lab.serving.router.process import SupervisedRouter
 
 from loop_fixtures import MAX_STALENESS, replica_adapters, wait_gone
+from step_actions import AtStep
 
 STEPS, KILL_AT = 12, 4
 RECOVERY_BOUND_S = 60.0  # from the kill to the new router admitting both replicas; measured ~2-5 s on 2 busy cores
 
-
-class _At(TrainerCallback):
-    def __init__(self, step: int, action):
-        self.step, self.action, self.done = step, action, False
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step and not self.done:
-            self.done = True
-            self.action()
 
 
 def test_a_router_killed_mid_run_is_restarted_on_its_port_and_the_run_finishes(tmp_path, no_leftover_children):
@@ -67,7 +58,7 @@ def test_a_router_killed_mid_run_is_restarted_on_its_port_and_the_run_finishes(t
             watcher[0].start()
 
         watcher: list[threading.Thread] = []
-        loop.trainer.add_callback(_At(KILL_AT, kill_the_router))
+        loop.trainer.add_callback(AtStep(KILL_AT, kill_the_router))
         loop.train()
         trainer = loop.trainer
         watcher[0].join(RECOVERY_BOUND_S)

@@ -11,13 +11,13 @@ import psutil
 import pytest
 import requests
 from ray_checks import live_placement_groups, wait_no_live_actors, wait_torn_down
-from transformers import TrainerCallback
 
 from grpo_lab.async_loop.launch import AsyncLoop, LoopConfig, embedded_trainer_args
 from grpo_lab.async_loop.recorder import METRICS_FILE, read_metrics
 from grpo_lab.serving.wire.metrics import parse_text
 from grpo_lab.serving.clusters.launcher import RayActors
 from grpo_lab.tasks.embedded_model import embedded_model_dir
+from step_actions import AtStep
 
 ray = pytest.importorskip("ray", reason="the Ray tier needs Ray: pip install 'grpo-lab[ray]'")
 pytestmark = pytest.mark.ray
@@ -46,17 +46,6 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
         time.sleep(0.1)
     return False
 
-
-class _At(TrainerCallback):
-    """Run `action` once, at the end of optimizer step `step` (between two weight syncs)."""
-
-    def __init__(self, step: int, action):
-        self.step, self.action, self.done = step, action, False
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step and not self.done:
-            self.done = True
-            self.action()
 
 
 def test_async_loop_on_a_two_node_ray_cluster_survives_a_replica_restart(ray_cluster, tmp_path):
@@ -98,11 +87,11 @@ def test_async_loop_on_a_two_node_ray_cluster_survives_a_replica_restart(ray_clu
                 time.sleep(0.2)
             return info
 
-        kill = _At(KILL_AT, kill_one_replica)  # steps KILL_AT+1.. train on one replica while Ray restarts the other
+        kill = AtStep(KILL_AT, kill_one_replica)  # steps KILL_AT+1.. train on one replica while Ray restarts the other
         back: list = []
-        rejoined = _At(BACK_BY, lambda: back.append(back_in_service()))  # the last steps use both again
+        rejoined = AtStep(BACK_BY, lambda: back.append(back_in_service()))  # the last steps use both again
         worker_pid = []
-        for callback in (kill, rejoined, _At(1, lambda: worker_pid.append(loop.trainer.rollout_worker.pid))):
+        for callback in (kill, rejoined, AtStep(1, lambda: worker_pid.append(loop.trainer.rollout_worker.pid))):
             loop.trainer.add_callback(callback)
         t1 = time.monotonic()
         loop.train()

@@ -15,12 +15,12 @@ import time
 import pytest
 import requests
 from ray_checks import live_placement_groups, wait_no_live_actors, wait_torn_down
-from transformers import TrainerCallback
 
 from grpo_lab.async_loop.launch import AsyncLoop, LoopConfig, embedded_trainer_args
 from grpo_lab.async_loop.recorder import METRICS_FILE, read_metrics
 from grpo_lab.serving.wire.metrics import parse_text
 from grpo_lab.tasks.embedded_model import embedded_model_dir
+from step_actions import AtStep
 
 ray = pytest.importorskip("ray", reason="the Ray tier needs Ray: pip install 'grpo-lab[ray]'")
 pytestmark = pytest.mark.ray
@@ -49,15 +49,6 @@ def server_pid(watchdog_pid: int) -> int:
     return server.pid
 
 
-class _At(TrainerCallback):
-    def __init__(self, step: int, action):
-        self.step, self.action, self.done = step, action, False
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step and not self.done:
-            self.done = True
-            self.action()
-
 
 def test_a_replica_server_killed_mid_run_is_restarted_and_the_run_finishes(ray_cluster, tmp_path):
     args = embedded_trainer_args(str(tmp_path / "run"), max_steps=STEPS, max_staleness=MAX_STALENESS,
@@ -85,7 +76,7 @@ def test_a_replica_server_killed_mid_run_is_restarted_and_the_run_finishes(ray_c
             timings["out_of_routing_s"] = time.monotonic() - t0
             timings["killed_wall"] = time.time() - timings["out_of_routing_s"]
 
-        loop.trainer.add_callback(_At(KILL_AT, kill_the_server))
+        loop.trainer.add_callback(AtStep(KILL_AT, kill_the_server))
         loop.train()
         trainer = loop.trainer
         assert "out_of_routing_s" in timings
