@@ -5,7 +5,8 @@ drain of an unloaded version waits for them, so on a survivor drains outlast a w
 version while the replicas are paused, when no drain can progress. The survivor then held the live versions, two
 draining ones and had no slot for the new one: `400 cannot hold more than max_loras=7 adapters`, and the run ended
 (seen with `--launcher ray`, where the restart's CPU load slowed the survivor further). The router now ends the
-longest drain on a replica a load would overfill; what that drain waited for is more than `max_staleness` versions
+longest drain on a replica that refused the load for lack of slots, and loads again (a replica that takes the
+extra adapter, as vLLM does by evicting from its cache, keeps its drains); what that drain waited for is more than `max_staleness` versions
 behind the one being loaded, so it would be dropped as too stale anyway."""
 
 from __future__ import annotations

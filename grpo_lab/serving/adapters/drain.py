@@ -117,8 +117,8 @@ class Drainer:
         return [r for r in replicas if r.max_loras is not None and r.slots_used() >= r.max_loras]
 
     async def make_room(self, replicas: list[Replica]) -> list[str]:
-        """End drains early where a load would otherwise overfill a replica: on each of `replicas` still at its
-        `max_loras` (`wait_for_slots` returned it), unload its longest-draining adapter now, cutting the completions
+        """End drains early where a replica refused a load for lack of slots: on each of `replicas` still at its
+        `max_loras`, unload its longest-draining adapter now, cutting the completions
         that still use it. A drain can outlast a sync when the replicas are paused (its completions are frozen) or
         when a replica died and the survivors queue its re-sent completions behind their own; the version it
         drains is then more than `max_staleness` behind the one being loaded, so what those completions would

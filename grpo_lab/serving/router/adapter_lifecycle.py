@@ -66,14 +66,18 @@ class AdapterLifecycle:
                 return error_response(503, f"adapter '{name}' is still being unloaded (draining) after "
                                       f"{wait_s:.0f}s", "ServiceUnavailable")
             targets = pool.in_service()
-            if targets:  # a slot a drain holds: wait (bounded, not while paused), then end that drain
-                full = await self.drainer.wait_for_slots(targets, self.config.unload_drain_timeout_s)
-                await self.drainer.make_room(full)
+            if targets:  # a slot a drain holds: wait for it (bounded, not while paused)
+                await self.drainer.wait_for_slots(targets, self.config.unload_drain_timeout_s)
                 targets = pool.in_service()
             if not targets:
                 return error_response(503, "no replica in service to load the adapter on", "ServiceUnavailable")
-            ok, outcomes = await load_everywhere(  # on_stale: re-admission unloads what a failed rollback left
-                self.client, targets, name, path, on_stale=pool.mark_down, **self._load_limits)
+            ok, outcomes = await self._load_everywhere(targets, name, path)
+            full = [o.replica for o in outcomes if not o.ok and o.status == 400 and o.replica.draining]
+            if not ok and full and len(full) == sum(not o.ok for o in outcomes):
+                # every refusal came from a replica whose slots drains still hold (its completions frozen by the
+                # pause, or queued behind a dead replica's re-sent ones): end those drains there and load again
+                await self.drainer.make_room(full)
+                ok, outcomes = await self._load_everywhere(pool.in_service(), name, path)
             self._count_load(outcomes, ok)
             if not ok:
                 return self._load_failed(name, path, outcomes)
@@ -83,6 +87,11 @@ class AdapterLifecycle:
                 pool.save_state()
             log.info("adapter %s loaded on %d replica(s)", name, len(targets))
             return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _load_everywhere(self, targets, name: str, path: str) -> tuple[bool, list[Outcome]]:
+        """All or nothing on `targets`; re-admission unloads what a failed rollback left (`on_stale`)."""
+        return await load_everywhere(self.client, targets, name, path, on_stale=self.pool.mark_down,
+                                     **self._load_limits)
 
     def _count_load(self, outcomes: list[Outcome], ok: bool) -> None:
         for o in outcomes:
