@@ -6,8 +6,8 @@ version while the replicas are paused, when no drain can progress. The survivor 
 draining ones and had no slot for the new one: `400 cannot hold more than max_loras=7 adapters`, and the run ended
 (seen with `--launcher ray`, where the restart's CPU load slowed the survivor further). The router now ends the
 longest drain on a replica that refused the load for lack of slots, and loads again (a replica that takes the
-extra adapter, as vLLM does by evicting from its cache, keeps its drains); what that drain waited for is more than `max_staleness` versions
-behind the one being loaded, so it would be dropped as too stale anyway."""
+extra adapter, as vLLM does by evicting from its cache, keeps its drains); what that drain waited for is more than
+`max_staleness` versions behind the one being loaded, so it would be dropped as too stale anyway."""
 
 from __future__ import annotations
 
