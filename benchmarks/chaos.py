@@ -8,8 +8,8 @@ faults are injected one at a time and then overlapping; one row per scenario in 
 worker node, each a network namespace with its own address on a bridge, and moto (S3, authentication on) as a third
 host. The command runs on the head (this process's main thread enters the head's namespace, so the command and the
 router it starts live there), `--launcher ray --ray-address <head>:6379`, `--adapter-storage s3://<bucket>/<scenario>/
-adapters --checkpoint-storage s3://<bucket>/<scenario>/ck`, the embedded CPU model, 2 CPU replica actors (Ray's SPREAD
-placement puts one on each node), a fresh output folder per scenario. Needs root (namespaces) and the `ray`, `s3`
+adapters --checkpoint-storage s3://<bucket>/<scenario>/ck`, the embedded CPU model, 2 CPU replica actors (placed by
+Ray; both landed on the worker node in every run measured), a fresh output folder per scenario. Needs root (namespaces) and the `ray`, `s3`
 extras.
 
 **Faults** (`FAULTS`): each is injected when the run has logged `--inject-at` steps; a scenario with several injects
@@ -268,6 +268,8 @@ class Watch:
     def _poll(self) -> None:
         now = time.monotonic()
         rows = read_steps(self.out)
+        if not rows and self.step_times:  # the log being rewritten (a resume cuts it back): read it next time
+            return
         step = rows[-1]["step"] if rows else 0
         if not self.step_times or step != self.step_times[-1][1]:
             self.step_times.append((now, step))
@@ -295,15 +297,14 @@ class Watch:
     def recovered_at(self, since: float, replicas: int) -> float | None:
         """When, after `since`, the pool was whole for good (every replica in service at every poll from then until
         the last step) and a step had been logged since `since`; None if either never happened."""
-        if not self.step_times:
+        new_steps = [t for (t, s), (_, before) in zip(self.step_times[1:], self.step_times) if s > before]
+        if not new_steps:
             return None
-        end = self.step_times[-1][0]
+        end = new_steps[-1]  # the last step's first sighting: after it the command shuts its router down
         window = [(t, n) for t, n in self.in_service if since <= t <= end]
         degraded = [t for t, n in window if n < replicas]
         whole = next((t for t, _ in window if not degraded or t > degraded[-1]), None)
-        # a new step, not the log cut back to a checkpoint by a resume
-        stepped = next((t for (t, s), (_, before) in zip(self.step_times[1:], self.step_times)
-                        if t > since and s > before), None)
+        stepped = next((t for t in new_steps if t > since), None)  # a new step, not the log cut back by a resume
         if whole is None or stepped is None:
             return None
         return max(whole, stepped)
@@ -340,8 +341,8 @@ def _server(run: Run, which: int = 0) -> dict:
 
 
 def server_kill9(run: Run, which: int = 0) -> float:
-    """SIGKILL of a replica's server process (what an OOM kill does), the worker node's replica; Ray's actor is left
-    to notice."""
+    """SIGKILL of a replica's server process (what an OOM kill does), one on the worker node if any; Ray's actor is
+    left to notice."""
     os.kill(_server(run, which)["pid"], signal.SIGKILL)
     return time.monotonic()
 
@@ -407,7 +408,7 @@ def partition(run: Run, duration: float = PARTITION_S) -> float:
 
 
 def latency(run: Run, duration: float = LATENCY_S) -> float:
-    """200 ms each way between the router and the worker's replica for `duration`: the router's membership is changed
+    """200 ms each way between the router and a replica on the worker for `duration`: the router's membership is changed
     through its admin API (loopback) to reach that replica through `netns.DelayProxy` (on the head); then back. The
     kernel has no netem and the namespaces no iptables, so Ray's own traffic and the replica's S3 reads are not
     delayed."""
@@ -617,8 +618,8 @@ def write_rows(rows: list[dict], path: Path) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*COLUMNS, *record])
         writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, **record})
+        for row in rows:  # rows read back from an earlier run keep their own machine columns
+            writer.writerow({**record, **row})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -628,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inject-at", type=int, default=3)
     parser.add_argument("--save-steps", type=int, default=3)
     parser.add_argument("--csv", type=Path, default=CSV_PATH)
+    parser.add_argument("--append", action="store_true", help="add the rows to those already in --csv (a scenario "
+                        "measured again, e.g. with more steps, replaces its row)")
     parser.add_argument("--work", type=Path, default=None, help="keep every run's folder and log here (default: a new "
                         "temporary folder, kept)")
     args = parser.parse_args(argv)
@@ -639,6 +642,10 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"chaos.py needs network namespaces: {reason}", file=sys.stderr)
         return 2
+    earlier = []
+    if args.append and args.csv.exists():
+        with open(args.csv, newline="") as f:
+            earlier = [r for r in csv.DictReader(f) if r["scenario"] not in names]
     rows = []
     work = args.work or Path(tempfile.mkdtemp(prefix="grpo-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -648,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
             row = run_scenario(h, name, args.max_steps, args.inject_at, args.save_steps)
             rows.append(row)
             print(json.dumps(row), flush=True)
-            write_rows(rows, args.csv)  # after every scenario: a long run that dies keeps what it measured
+            write_rows(earlier + rows, args.csv)  # after every scenario: a run that dies keeps what it measured
     return 0
 
 
