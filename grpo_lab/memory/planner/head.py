@@ -30,8 +30,8 @@ KERNEL_FWD_BN = {2: 256, 4: 128}
 KERNEL_FROZEN_BN = {2: 128, 4: 128}
 KERNEL_FROZEN_TILE = (8192, 8192)
 # under this many rows and rows × hidden a frozen 16-bit head recomputes (dX only) in dZ tiles of the frozen tile's
-# budget
-KERNEL_FROZEN_RECOMPUTE_ROWS = {2: 4096}
+# budget (0 rows: the kernel's rule is off by default since the small frozen head stopped syncing with the host)
+KERNEL_FROZEN_RECOMPUTE_ROWS = {2: 0}
 KERNEL_FROZEN_RECOMPUTE_BELOW = {2: 9 * 2**19}
 KERNEL_DZ_TILE = {2: (16384, 8192), 4: (8192, 8192)}
 # Liger 0.8.5: one sequence per chunk; its selective log-prob streams [≤ 2048 rows, 4096 vocab] fp32 tiles
