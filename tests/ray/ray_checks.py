@@ -1,4 +1,5 @@
-"""What the Ray tests check after a teardown: no actor of ours alive, no server process left, no placement group."""
+"""What the Ray tests check: a router's or replica's metrics and adapters, and after a teardown no actor of ours
+alive, no server process left, no placement group."""
 
 from __future__ import annotations
 
@@ -6,6 +7,21 @@ import os
 import time
 
 import psutil
+import requests
+
+from grpo_lab.serving.wire.metrics import parse_text
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """The sum of Prometheus samples `name` with `labels` that `url/metrics` shows."""
+    values = parse_text(requests.get(url + "/metrics", timeout=10).text)
+    return sum(v for k, v in values.items()
+               if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()))
+
+
+def adapters_on(url: str) -> set[str]:
+    """The LoRA adapters `url` serves (`/v1/models` entries with a parent)."""
+    return {m["id"] for m in requests.get(url + "/v1/models", timeout=10).json()["data"] if m.get("parent")}
 
 
 def group_members(pgid: int) -> list[int]:

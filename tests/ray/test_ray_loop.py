@@ -10,11 +10,10 @@ import time
 import psutil
 import pytest
 import requests
-from ray_checks import live_placement_groups, wait_no_live_actors, wait_torn_down
+from ray_checks import adapters_on, live_placement_groups, metric, wait_no_live_actors, wait_torn_down
 
 from grpo_lab.async_loop.launch import AsyncLoop, LoopConfig, embedded_trainer_args
 from grpo_lab.async_loop.recorder import METRICS_FILE, read_metrics
-from grpo_lab.serving.wire.metrics import parse_text
 from grpo_lab.serving.clusters.launcher import RayActors
 from grpo_lab.tasks.embedded_model import embedded_model_dir
 from step_actions import AtStep
@@ -23,16 +22,6 @@ ray = pytest.importorskip("ray", reason="the Ray tier needs Ray: pip install 'gr
 pytestmark = pytest.mark.ray
 
 STEPS, KILL_AT, BACK_BY, MAX_STALENESS = 10, 2, 6, 4
-
-
-def metric(url: str, name: str, **labels) -> float:
-    values = parse_text(requests.get(url + "/metrics", timeout=10).text)
-    return sum(v for k, v in values.items()
-               if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()))
-
-
-def adapters_on(url: str) -> set[str]:
-    return {m["id"] for m in requests.get(url + "/v1/models", timeout=10).json()["data"] if m.get("parent")}
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:

@@ -14,11 +14,10 @@ import time
 
 import pytest
 import requests
-from ray_checks import live_placement_groups, wait_no_live_actors, wait_torn_down
+from ray_checks import adapters_on, live_placement_groups, metric, wait_no_live_actors, wait_torn_down
 
 from grpo_lab.async_loop.launch import AsyncLoop, LoopConfig, embedded_trainer_args
 from grpo_lab.async_loop.recorder import METRICS_FILE, read_metrics
-from grpo_lab.serving.wire.metrics import parse_text
 from grpo_lab.tasks.embedded_model import embedded_model_dir
 from step_actions import AtStep
 
@@ -27,16 +26,6 @@ pytestmark = pytest.mark.ray
 
 STEPS, KILL_AT, MAX_STALENESS = 16, 7, 4
 OUT_OF_ROUTING_S = 5.0  # a bound, far above the expected ~1 s, far below the health checks' 3 x 5 s timeouts
-
-
-def metric(url: str, name: str, **labels) -> float:
-    values = parse_text(requests.get(url + "/metrics", timeout=10).text)
-    return sum(v for k, v in values.items()
-               if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()))
-
-
-def adapters_on(url: str) -> set[str]:
-    return {m["id"] for m in requests.get(url + "/v1/models", timeout=10).json()["data"] if m.get("parent")}
 
 
 def server_pid(watchdog_pid: int) -> int:
