@@ -5,7 +5,7 @@
     grpo-lab async-loop --replica-url http://node1:8001 --replica-url http://node2:8001   # replicas started elsewhere
     grpo-lab async-loop --router-url http://pool:8000 --run-name sweep-a --pool-admin-key-file runs/pool/admin.key
                                                                                # one run of a shared pool (serve-pool)
-    grpo-lab async-loop --config sweep.yaml --seed 1                           # settings from a file, a flag on top
+    grpo-lab async-loop --config sweep.yaml --max-steps 40                    # settings from a file, a flag on top
 
 The flags are generated from `loop_settings.LoopSettings` (defaults, help and ranges live on its fields). Every
 setting that can be checked without starting a process is checked first (`checks`): a bad one is one line on
