@@ -94,6 +94,16 @@ def trl_payload(model: str, prompt: list[int], seed: int, max_tokens: int = 4) -
             "top_k": -1, "repetition_penalty": 1.0, "n": 1, "return_token_ids": True, "logprobs": 0, "seed": seed}
 
 
+def served_after_same_prompt(url: str, ports: list[int], token: str, times: int = 8) -> list[int]:
+    """Send one 64-token prompt `times` times through the router at `url` (each answered 200), then return how many
+    completions each fake replica (`fake_replica --ports`) served: what a routing policy did with identical prompts."""
+    for seed in range(times):
+        reply = requests.post(url + "/v1/completions", json=trl_payload("fake", list(range(64)), seed), timeout=10)
+        assert reply.status_code == 200
+    auth = {"Authorization": f"Bearer {token}"}
+    return [requests.get(f"http://127.0.0.1:{p}/served", headers=auth, timeout=5).json()["n"] for p in ports]
+
+
 async def post_like_trl(session, url: str, payload: dict, timeout: float = 60) -> dict:
     """What `AsyncRolloutWorker._post` does: POST json, raise on >= 400, parse the body."""
     import aiohttp

@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from .conftest import trl_payload
+from .conftest import served_after_same_prompt
 
 
 def free_port() -> int:
@@ -56,11 +56,7 @@ def test_router_cli_against_fake_replicas(token, tmp_path):
             raise AssertionError("router never became healthy:\n" + log_path.read_text())
         assert requests.get(url + "/server_info", params={"config_format": "json"},
                             timeout=5).json()["vllm_config"]["parallel_config"]["data_parallel_size"] == 1
-        for seed in range(8):
-            reply = requests.post(url + "/v1/completions", json=trl_payload("fake", list(range(64)), seed), timeout=10)
-            assert reply.status_code == 200
-        auth = {"Authorization": f"Bearer {token}"}
-        served = [requests.get(f"http://127.0.0.1:{p}/served", headers=auth, timeout=5).json()["n"] for p in ports]
+        served = served_after_same_prompt(url, ports, token)
         assert sorted(served) == [0, 8]
         state = requests.get(url + "/router/state", timeout=5).json()
         assert state["routing"] == {"affinity": 7, "spilled": 0, "unmatched": 1}

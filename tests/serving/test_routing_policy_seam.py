@@ -19,7 +19,7 @@ from grpo_lab.serving.sim.routing_sim import SimConfig, replay
 from grpo_lab.serving.sim.trace import TraceConfig, generate_trace
 from grpo_lab.serving.wire.metrics import Registry
 
-from .conftest import trl_payload, wait_for
+from .conftest import served_after_same_prompt, wait_for
 from .fake_vllm import FakeCluster, FakeVLLM
 from .test_router_cli import free_port, start_fake
 from .test_router_defects import complete, distinct_prompts, router_for, state
@@ -159,11 +159,7 @@ def test_routing_policy_flag_chooses_the_policy(token, tmp_path):
             return [r["state"] for r in replicas] == ["in_service"] * 2
 
         wait_for(both_in_service, 30, "the router and both fake replicas")
-        for seed in range(8):
-            reply = requests.post(url + "/v1/completions", json=trl_payload("fake", list(range(64)), seed), timeout=10)
-            assert reply.status_code == 200
-        auth = {"Authorization": f"Bearer {token}"}
-        served = [requests.get(f"http://127.0.0.1:{p}/served", headers=auth, timeout=5).json()["n"] for p in ports]
+        served = served_after_same_prompt(url, ports, token)
         assert served == [4, 4]
     finally:
         if router is not None:
