@@ -99,22 +99,21 @@ class Drainer:
         event = self._done.get(name)
         return event is None or not self.is_draining(name) or await set_within(event, timeout_s)
 
-    async def wait_for_slots(self, replicas: list[Replica], timeout_s: float) -> list[Replica]:
+    async def wait_for_slots(self, replicas: list[Replica], timeout_s: float) -> None:
         """Wait (at most `timeout_s`) until each replica that is at its `max_loras` because of adapters still
-        draining has a free slot. Returns the replicas still full when the wait ended (a replica full of live
-        adapters is not waited for: the load goes ahead and the replica answers for itself). Nor is a paused pool:
+        draining has a free slot (a replica full of live adapters is not waited for: the load goes ahead and the
+        replica answers for itself). Nor is a paused pool:
         its draining completions are frozen until the resume, which TRL sends only after this load (so the replica
         briefly holds one adapter more: vLLM takes it, evicting its least recently used one from its cache; give
         CPU replicas `--max-loras max_staleness + 3`)."""
         deadline = now() + timeout_s
         while not self.pool.paused:
-            full = [r for r in replicas if r.max_loras is not None and r.slots_used() >= r.max_loras]
-            waiting = [r for r in full if r.draining]
+            waiting = [r for r in replicas
+                       if r.draining and r.max_loras is not None and r.slots_used() >= r.max_loras]
             left = deadline - now()
             if not waiting or left <= 0:
-                return full
+                return
             await set_within(self.pool.slot_freed, left)
-        return [r for r in replicas if r.max_loras is not None and r.slots_used() >= r.max_loras]
 
     async def make_room(self, replicas: list[Replica]) -> list[str]:
         """End drains early where a replica refused a load for lack of slots: on each of `replicas` still at its
