@@ -69,6 +69,18 @@ def hedge_metrics(url: str) -> dict:
     return {k: v for k, v in values.items() if "hedge" in k}
 
 
+def complete_at_once(url: str, model: str, n: int) -> list:
+    """`n` completions of distinct prompts sent together (a thread each); their replies, in prompt order."""
+    replies = [None] * n
+    threads = [threading.Thread(target=lambda i=i, p=p: replies.__setitem__(
+        i, complete(url, p, model=model, seed=i, timeout=UPSTREAM_S + 5))) for i, p in enumerate(distinct_prompts(n))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(UPSTREAM_S + 10)
+    return replies
+
+
 def test_hung_replica_costs_one_per_try_deadline_not_the_upstream_deadline(token):
     healthy, hung = FakeVLLM(), FakeVLLM()
     healthy.completion_delay_s = hung.completion_delay_s = 0.02
@@ -81,14 +93,7 @@ def test_hung_replica_costs_one_per_try_deadline_not_the_upstream_deadline(token
         assert deadline == FLOOR_S  # fast completions: the floor
         hung.hang = {"/v1/completions"}  # still answers /health, /v1/models and loads
         t0 = time.monotonic()
-        replies = [None] * 6
-        threads = [threading.Thread(target=lambda i=i, p=p: replies.__setitem__(
-            i, complete(router.url, p, model="v1", seed=i, timeout=UPSTREAM_S + 5)))
-            for i, p in enumerate(distinct_prompts(6))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(UPSTREAM_S + 10)
+        replies = complete_at_once(router.url, "v1", 6)
         took = time.monotonic() - t0
         print(f"6 completions, some first sent to a hung replica: {took:.2f} s (per-try deadline {deadline} s, "
               f"upstream deadline {UPSTREAM_S} s)")
@@ -187,14 +192,7 @@ def test_a_replica_hung_from_the_start_costs_the_initial_deadline_at_start_up_an
             try:
                 handle.wait_ready(timeout=10)
                 assert state(handle.url)["hedging"]["per_try_deadline_s"] == {}  # nothing learnt yet
-                replies = [None] * 6
-                threads = [threading.Thread(target=lambda i=i, p=p: replies.__setitem__(
-                    i, complete(handle.url, p, model="fake", seed=i, timeout=UPSTREAM_S + 5)))
-                    for i, p in enumerate(distinct_prompts(6))]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join(UPSTREAM_S + 10)
+                replies = complete_at_once(handle.url, "fake", 6)
                 assert [r.status_code for r in replies] == [200] * 6, (life, [r.text for r in replies])
                 text = requests.get(handle.url + "/metrics", timeout=5).text
                 assert f'grpo_router_hedges_total{{replica="{hung}"}}' in text, life  # the hung one was hedged
