@@ -30,7 +30,7 @@ from ..lab import environment
 from ..lab.install import install_hint
 from .checks import (UsageError, check_model, check_pool, check_pool_name, check_port, check_ray_address,
                      check_server, check_storage, check_vllm_python, check_writable_folder, cuda_available, read_pool)
-from .pool import DEFAULT_RUN_NAME
+from .pool import pool_name
 
 # The settings, their parser and the run folder's rules import torch, transformers and TRL (~20 s on a busy 2-core
 # machine): they are imported in the functions below, after `ask_the_pool_first` had its quick answer.
@@ -158,8 +158,7 @@ def ask_the_pool_first(argv: list[str]) -> None:
         return
     pool = read_pool(flags.router_url, flags.pool_admin_key_file)
     if pool is not None:
-        name, flag = ((flags.pool_run, "--pool-run") if flags.pool_run is not None
-                      else (flags.run_name or DEFAULT_RUN_NAME, "--run-name"))
+        name, flag = pool_name(flags.run_name, flags.pool_run)
         check_pool_name(pool, flags.router_url, name, flags.resume, flag)
 
 

@@ -17,7 +17,7 @@ from ..loss.backends import DEFAULT_LOSS_BACKEND, LOGPROB_BACKENDS
 from ..serving.adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
 from ..serving.clusters.ray_placement import TRAINER_NODE_RESOURCE, parse_resources
 from ..serving.clusters.ray_replicas import STRATEGIES as RAY_STRATEGIES
-from .pool import DEFAULT_RUN_NAME
+from .pool import DEFAULT_RUN_NAME, pool_name
 from .tree_attention import CHOICES as TREE_ATTENTION_CHOICES
 
 TRACKERS = ("none", "trackio", "tensorboard", "wandb")  # `--report-to`: transformers' integrations a run may log to
@@ -188,13 +188,13 @@ class LoopSettings:
 
     @property
     def pool_name(self) -> str:
-        """The run's name on a shared pool: `--pool-run`, else `--run-name` (the one rule)."""
-        return self.pool_run if self.pool_run is not None else self.run_name
+        """The run's name on a shared pool: `--pool-run`, else `--run-name` (the one rule: `pool.pool_name`)."""
+        return pool_name(self.run_name, self.pool_run)[0]
 
     @property
     def pool_name_flag(self) -> str:
         """The flag `pool_name` came from, for a message about it."""
-        return "--pool-run" if self.pool_run is not None else "--run-name"
+        return pool_name(self.run_name, self.pool_run)[1]
 
     @property
     def trackers(self) -> list[str]:

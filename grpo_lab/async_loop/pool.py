@@ -30,6 +30,14 @@ ADMIN_KEY_FILE_ENV = environment.POOL_ADMIN_KEY_FILE
 DEFAULT_RUN_NAME = "loop"  # `--run-name` when none is given: the run's results, trackers and pool name
 
 
+def pool_name(run_name: str | None, pool_run: str | None) -> tuple[str, str]:
+    """The run's name on a shared pool and the flag it came from: `--pool-run`, else `--run-name` (the one rule,
+    read by `LoopSettings.pool_name` and by the command's early pool check before the settings are parsed)."""
+    if pool_run is not None:
+        return pool_run, "--pool-run"
+    return run_name or DEFAULT_RUN_NAME, "--run-name"
+
+
 def admin_key_file(flag_value: str | None = None) -> str | None:
     """The file the pool's admin key is read from: the flag's, else `$GRPO_LAB_POOL_ADMIN_KEY_FILE`'s."""
     return flag_value or environment.pool_admin_key_file()
