@@ -115,15 +115,15 @@ class Drainer:
                 return
             await set_within(self.pool.slot_freed, left)
 
-    async def make_room(self, replicas: list[Replica]) -> list[str]:
+    async def make_room(self, replicas: list[Replica]) -> None:
         """End drains early where a replica refused a load for lack of slots: on each of `replicas` still at its
         `max_loras`, unload its longest-draining adapter now, cutting the completions
         that still use it. A drain can outlast a sync when the replicas are paused (its completions are frozen) or
         when a replica died and the survivors queue its re-sent completions behind their own; the version it
         drains is then more than `max_staleness` behind the one being loaded, so what those completions would
         bring is dropped as too stale anyway, while the overfilled replica would refuse the load (the CPU replica)
-        or evict a live adapter (vLLM). Returns "replica: adapter" for each drain ended."""
-        ended = []
+        or evict a live adapter (vLLM)."""
+        ended: set[str] = set()  # the adapters whose drain was cut somewhere
         for replica in replicas:
             while replica.max_loras is not None and replica.slots_used() >= replica.max_loras and replica.draining:
                 name = min(replica.draining, key=lambda n: self._since.get((replica.index, n), 0.0))
@@ -133,15 +133,14 @@ class Drainer:
                                       "needed", replica=replica.url)
                 log.warning("adapter %s unloaded from %s before its %d completion(s) finished: a load needs the slot",
                             name, replica.url, self.usage.in_flight(replica.index, name))
-                ended.append(f"{replica.url}: {name}")
+                ended.add(name)
                 if not outcome.ok:  # it may still hold it: out of routing, re-admission unloads it
                     self.pool.mark_down(replica, f"unload of draining adapter {name} failed: {outcome.status} "
                                                  f"{outcome.message}")
                     break
             self.pool.notify_slot_freed()
-        for entry in ended:
-            self._maybe_done(entry.rsplit(": ", 1)[1])
-        return ended
+        for name in ended:
+            self._maybe_done(name)
 
     async def _drain(self, replica: Replica, name: str) -> None:
         pool, config = self.pool, self.pool.config
