@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..lab import environment
+from ..lab.settings import check_as
 from ..serving.clusters.launcher import Cluster, ClusterSpec, GivenReplicas, LocalProcesses, RayActors
 from ..serving.clusters.ray_placement import TRAINER_NODE_RESOURCE
 from ..serving.replicas.vllm_spec import round_lora_rank
 from .checkpoints import checkpoint_step, resume_checkpoint
-from .loop_settings import LoopSettings, PoolSettings, SettingError
+from .loop_settings import LoopSettings, PoolSettings
 from .run_dir import RunDirError, holds_a_run, truncate_metrics, write_run_record
 from .run_settings import run_settings
 
@@ -114,12 +115,7 @@ class LoopConfig:
     def __post_init__(self):
         """The shared fields' rules are `LoopSettings`' (checked there, named here); a pool run's name follows
         the pool's rule (`serving.tenancy.runs.check_run_name`)."""
-        ours = {setting: name for name, setting in SETTINGS_NAMES.items()}
-        try:
-            LoopSettings(**{setting: getattr(self, name) for name, setting in SETTINGS_NAMES.items()
-                            if setting != "autotune"})
-        except SettingError as error:
-            raise ValueError(f"{ours[error.name]}: {error.message}") from None
+        check_as(LoopSettings, self, SETTINGS_NAMES, skip=("autotune",))
         if self.pool_run_name is not None:
             from ..serving.tenancy.runs import check_run_name
 

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..lab import environment
+from ..lab.settings import check_as
 from ..serving.clusters.launcher import Cluster, ClusterSpec
 from ..serving.tenancy.runs import TenancyConfig
-from .loop_settings import PoolSettings, SettingError
+from .loop_settings import PoolSettings
 from .settings_parser import SettingsParser
 
 PROG = "grpo-lab serve-pool"
@@ -85,11 +86,7 @@ class PoolConfig:
 
     def __post_init__(self):
         """The fields' rules are `PoolSettings`' (checked there, named here)."""
-        ours = {setting: name for name, setting in SETTINGS_NAMES.items()}
-        try:
-            PoolSettings(**{setting: getattr(self, name) for name, setting in SETTINGS_NAMES.items()})
-        except SettingError as error:
-            raise ValueError(f"{ours[error.name]}: {error.message}") from None
+        check_as(PoolSettings, self, SETTINGS_NAMES)
         if self.max_in_flight_per_replica is None:
             self.max_in_flight_per_replica = 4 if self.replica_kind == "cpu" else 64
 

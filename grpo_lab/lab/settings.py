@@ -117,3 +117,14 @@ def check_fields(settings) -> None:
         if kind in (int, float, bool) and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
             raise SettingError(f.name, f"{value!r} is not {'an integer' if kind is int else 'a ' + kind.__name__}")
         check_setting(type(settings), f.name, value)
+
+
+def check_as(settings_type, holder, names: dict[str, str], skip: tuple = ()) -> None:
+    """The fields of `holder` (a Python-facing config) that are `settings_type`'s settings under other names
+    (`names`: the holder's field -> the setting's), checked by `settings_type`'s rules: a `settings_type` built from
+    them, and its SettingError raised as a ValueError naming the holder's field. `skip`: settings not checked."""
+    ours = {setting: name for name, setting in names.items()}
+    try:
+        settings_type(**{setting: getattr(holder, name) for name, setting in names.items() if setting not in skip})
+    except SettingError as error:
+        raise ValueError(f"{ours[error.name]}: {error.message}") from None
