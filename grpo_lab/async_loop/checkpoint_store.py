@@ -38,6 +38,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..serving.adapters.storage import download_tree, is_local, tree_files, upload_tree
 from .checkpoints import ROLLOUT_STATE, TRAINER_STATE, checkpoint_step, is_checkpoint_name, last_complete_checkpoint
 from .checkpoints import checkpoint_problem as local_problem
+from .checks import first_line
 from .run_dir import restore_run_log, snapshot_run_log
 
 log = logging.getLogger(__name__)
@@ -210,10 +211,10 @@ class PublishCheckpoints(TrainerCallback):
                 break
             except (OSError, ValueError) as error:
                 if attempt == self.attempts:
-                    reason = (str(error).strip().splitlines() or [""])[0]
                     raise CheckpointPublishError(
                         f"could not publish {folder.name} to the checkpoint store {self.store.url} after {attempt} "
-                        f"tries ({type(error).__name__}: {reason}); the local copy is in {folder}") from error
+                        f"tries ({type(error).__name__}: {first_line(error)}); the local copy is in {folder}"
+                    ) from error
                 log.warning("publishing %s to %s failed (%s: %s); trying again", folder.name, self.store.url,
                             type(error).__name__, error)
                 time.sleep(self.retry_s * 2 ** (attempt - 1))

@@ -176,6 +176,11 @@ def probe_local_folder(flag: str, path: str) -> None:
         raise UsageError(flag, f"{path} cannot be written ({folder}: {error.strerror or error})") from None
 
 
+def first_line(error: BaseException, default: str = "") -> str:
+    """The first line of `error`'s message (`default` when it has none): what a one-line error shows of it."""
+    return (str(error).strip().splitlines() or [default])[0]
+
+
 def describe_storage_error(error: BaseException) -> str:
     """One line for the usual ways an object store refuses: wrong credentials, a missing bucket, no endpoint."""
     text = f"{type(error).__name__}: {error}".splitlines()[0]

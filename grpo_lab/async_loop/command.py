@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from ..lab import environment
 from ..lab.install import install_hint
 from .checks import (UsageError, check_model, check_pool, check_pool_name, check_port, check_ray_address,
-                     check_server, check_storage, check_vllm_python, check_writable_folder, cuda_available, read_pool)
+                     check_server, check_storage, check_vllm_python, check_writable_folder, cuda_available,
+                     first_line, read_pool)
 from .pool import pool_name
 
 # The settings, their parser and the run folder's rules import torch, transformers and TRL (~20 s on a busy 2-core
@@ -202,7 +203,7 @@ def main(argv=None) -> int:
 
         logs = os.path.join(os.path.abspath(s.output_dir), REPLICA_LOGS)
         where = f" (replica logs: {logs})" if os.path.isdir(logs) else ""
-        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        message = first_line(error)
         print(f"{PROG}: error: {type(error).__name__}: {message}{where}; GRPO_LAB_DEBUG=1 shows the traceback",
               file=sys.stderr)
         return 1

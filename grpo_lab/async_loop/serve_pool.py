@@ -177,7 +177,7 @@ def build_parser() -> SettingsParser:
 
 
 def main(argv=None) -> int:
-    from .checks import UsageError, check_model, check_port, check_writable_folder
+    from .checks import UsageError, check_model, check_port, check_writable_folder, first_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -203,8 +203,7 @@ def main(argv=None) -> int:
     except Exception as error:  # noqa: BLE001 - one line for the user
         if environment.debug():
             raise
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        print(f"{PROG}: error: {type(error).__name__}: {first} (replica logs: "
+        print(f"{PROG}: error: {type(error).__name__}: {first_line(error)} (replica logs: "
               f"{os.path.abspath(os.path.join(a.state_dir, 'logs'))})", file=sys.stderr)
         return 1
     key = os.path.abspath(pool.admin_key_file)

@@ -16,7 +16,7 @@ from trl.scripts.utils import TrlParser
 
 from ..lab.settings import SettingError
 from ..lab.settings_parser import ConfigParser, DefaultsFormatter, add_setting_flag
-from .checks import UsageError
+from .checks import UsageError, first_line
 
 
 class SettingsParser(TrlParser):
@@ -63,7 +63,7 @@ class SettingsParser(TrlParser):
         except SettingError as error:
             raise UsageError(error.flag, error.message) from None
         except (OSError, yaml.YAMLError, ValueError) as error:
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            first = first_line(error, type(error).__name__)
             what = f"{after[0]} is not a YAML file of settings ({first})" if isinstance(error, yaml.YAMLError) \
                 else first
             raise UsageError("--config", what) from None
