@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers.trainer_callback import PrinterCallback
 
+from grpo_lab.lab.files import write_atomically
 from grpo_lab.lab.live_board import LiveBoard, Series
 from grpo_lab.lab.records import run_record
 from grpo_lab.loss.backends import BACKEND_COLORS, LOSS_BACKENDS, resolve_backend
@@ -383,21 +384,15 @@ def _summarise(cfg: EmbeddedConfig, prep: Prepared, runs: list[dict], held_start
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         # each file replaced whole (written aside, then renamed): a run killed mid-write leaves the last good one
-        _write_atomic(out / f"{tag}.csv", df.to_csv(index=False, float_format="%.7g").encode())
+        write_atomically(out / f"{tag}.csv", df.to_csv(index=False, float_format="%.7g").encode())
         if png is not None:
-            _write_atomic(out / f"{tag}.png", png)
+            write_atomically(out / f"{tag}.png", png)
         else:  # no matplotlib: drop a figure of an earlier run rather than leave it beside these curves
             (out / f"{tag}.png").unlink(missing_ok=True)
-        _write_atomic(out / f"{tag}.json", json.dumps(summary, indent=2, default=str).encode())
+        write_atomically(out / f"{tag}.json", json.dumps(summary, indent=2, default=str).encode())
         summary["files"] = [str(out / f"{tag}.{e}") for e in ("csv", "png", "json") if png is not None or e != "png"]
     summary["df"], summary["png"] = df, png
     return summary
-
-
-def _write_atomic(path: Path, data: bytes):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def read_summary(csv_or_json: str | os.PathLike) -> dict:

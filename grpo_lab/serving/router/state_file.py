@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from ...lab.files import write_atomically
 
 
 class RouterStateFile:
@@ -33,7 +34,5 @@ class RouterStateFile:
 
     def save(self, live_adapters: dict[str, str], paused: bool) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".router-state-", dir=self.path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"live_adapters": live_adapters, "paused": paused}, f)
-        os.replace(tmp, self.path)  # a crash mid-write leaves the previous state, never half of one
+        # a crash mid-write leaves the previous state, never half of one
+        write_atomically(self.path, json.dumps({"live_adapters": live_adapters, "paused": paused}))
