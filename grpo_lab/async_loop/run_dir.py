@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
+from ..lab.files import write_atomically
 from .checkpoints import is_checkpoint_name
 from .recorder import METRICS_FILE
 
@@ -80,13 +80,6 @@ def clear_previous_run(output_dir: str | os.PathLike) -> list[str]:
     return removed
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def truncate_metrics(output_dir: str | os.PathLike, last_step: int) -> int:
     """Keep the metrics log's rows up to `last_step` (the checkpoint a resume starts from); returns how many rows
     were dropped. Rows after the checkpoint belong to steps the resumed run trains again, and an end-of-training
@@ -107,7 +100,7 @@ def truncate_metrics(output_dir: str | os.PathLike, last_step: int) -> int:
         else:
             kept.append(line)
     if dropped:
-        _write_atomically(path, "".join(f"{line}\n" for line in kept))
+        write_atomically(path, "".join(f"{line}\n" for line in kept))
     return dropped
 
 
@@ -118,7 +111,7 @@ def write_run_record(output_dir: str | os.PathLike, settings: dict) -> Path:
     path = folder / RUN_RECORD
     record = read_run_record(folder) or {}
     record.update(settings)
-    _write_atomically(path, json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
+    write_atomically(path, json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
     return path
 
 
@@ -174,9 +167,9 @@ def restore_run_log(checkpoint: str | os.PathLike, output_dir: str | os.PathLike
     restored = []
     metrics = source / METRICS_FILE
     if metrics.is_file() and last_logged_step(metrics) > last_logged_step(folder / METRICS_FILE):
-        _write_atomically(folder / METRICS_FILE, metrics.read_text())
+        write_atomically(folder / METRICS_FILE, metrics.read_text())
         restored.append(METRICS_FILE)
     if (source / RUN_RECORD).is_file() and read_run_record(folder) is None:
-        _write_atomically(folder / RUN_RECORD, (source / RUN_RECORD).read_text())
+        write_atomically(folder / RUN_RECORD, (source / RUN_RECORD).read_text())
         restored.append(RUN_RECORD)
     return restored
