@@ -1,42 +1,13 @@
 """Autotune: the doctor turns the knob itself, between steps, without restarting anything.
 
 `Autotuner` reads each logged step (TRL's own metric names) and moves the rollout worker's two live knobs
-(`live_knobs.LiveKnobs`): the requests in flight and the rollout queue's bound. It rests on one piece of arithmetic
-and decides the rest on the signals the board and the doctor read.
-
-**The pipeline budget.** The trainer takes `samples_per_step` samples a step, so a sample admitted behind N others
-(in flight or queued) is trained about N / `samples_per_step` steps later, in every regime (Little's law: when
-rollouts are slow the steps slow down with them), plus the step or so before the worker sees a newly published
-version. TRL sizes the requests in flight by that rule, `max(max_staleness, 1) × samples_per_step`, and leaves the
-queue beside them unbounded (1024 by default), though queued samples age just the same. The controller counts both
-against the same budget, `max(max_staleness, 1)` steps of samples: a start above it is clamped before the first
-request (a decision at step 0), and the queue bound follows the in-flight count down and up so that
-`in flight + queue bound` stays within it.
-
-| the last steps show | regime | what it does |
-|---|---|---|
-| samples dropped as stale (or abandoned groups), or mean staleness near `max_staleness` | staleness-bound | fewer samples waiting where they wait: the queue bound down when the trainer does not wait for rollouts (or a full queue holds generation back), else fewer in flight |
-| the trainer waits for rollouts most of the step | starving | as many more in flight as would feed it (a slow start: no probe) |
-| the trainer waits for rollouts (`perf/rollout_wait_s` a large share of the step) and samples are fresh | rollout-bound | more in flight, as a probe: reverted if steps/s fell or samples got wasted |
-| generation held back (`rollout/backpressure_s`) and no rollout wait | train-bound | the queue bound down while samples age in it; restart-only knobs recommended |
-| none of these, with fewer requests in flight than a step trains on | balanced | more in flight, as a probe (a step needs more than one round of generation, and on shared cores the slow trickle of rollouts also slows the trainer) |
-| none of these | balanced | nothing |
-
-Every change is followed by a settling time: the samples admitted under the old value are still in the pipeline
-for about `in flight / samples_per_step` steps, so readings start after they are out (a cut judged on the waste of
-the requests it cut would cut again). A regime must hold for `patience` readings in a row (a starving or badly
-wasting loop acts at once). No oscillation: an in-flight count cut for staleness becomes a ceiling no later raise
-reaches, and so does a raise that did not pay (a probe reverted, for `reprobe_steps`); every reversal of a knob's
-direction halves that knob's step (each knob keeps its own: a queue cut does not slow the climb of the requests in
-flight). A probe is judged on `probe_steps` steps against the reading that called for it, because the steps/s
-of a few steps is noisy (on a shared 2-core machine one step takes 0.3-0.9 s at the same setting). The decisions are
-plain data (`Decision`) with their evidence, so a recorded trace of logged rows can be replayed through the controller
-(tests/async_loop).
-
-Knobs that need a restart (more replicas, packing `token_budget`, gradient checkpointing off) are only recommended
-(`Autotuner.recommendations`). `AutotuneCallback` wires the controller into the trainer: it runs first at each log,
-turns the knobs, prints one line per change, and adds `autotune/*` metrics to the logs, so every tracker and
-`loop_metrics.jsonl` gets them.
+(`live_knobs.LiveKnobs`): the requests in flight and the rollout queue's bound. Both are counted against one pipeline
+budget of `max(max_staleness, 1)` steps of samples (a sample admitted behind N others is trained about
+N / `samples_per_step` steps later). The regimes, the settling time after a change, the probes and the damping that
+keeps a knob from oscillating are described in docs/async_loop.md ("Autotune"). Decisions are plain data
+(`Decision`) with their evidence, so a recorded trace can be replayed through the controller (tests/async_loop).
+Knobs that need a restart are only recommended (`Autotuner.recommendations`); `AutotuneCallback` wires the
+controller into the trainer and adds `autotune/*` metrics to the logs.
 """
 
 from __future__ import annotations
@@ -51,68 +22,20 @@ from ..lab.settings import Range, check_fields, setting
 
 @dataclass
 class AutotuneConfig:
-    r"""
-    Configuration of [`Autotuner`]. Zero for a bound means "derived from the run" (see each field).
+    """Thresholds and bounds of [`Autotuner`]; a bound of 0 is derived from the run (`resolve_bounds`).
 
-    Args:
-        min_inflight (`int`, *optional*, defaults to `0`):
-            Fewest requests in flight. `0`: `num_generations` (one prompt group at a time).
-        max_inflight (`int`, *optional*, defaults to `0`):
-            Most requests in flight. `0`: the pipeline budget less the smallest queue bound (one step under TRL's
-            default): more only makes samples that go stale.
-        min_queue (`int`, *optional*, defaults to `0`):
-            Smallest bound of the rollout queue. `0`: one step of samples.
-        max_queue (`int`, *optional*, defaults to `0`):
-            Largest bound of the rollout queue. `0`: the run's `queue_maxsize`.
-        budget_steps (`int`, *optional*, defaults to `0`):
-            Steps of samples that requests in flight and the queue may hold together (see the module docstring).
-            `0`: `max(max_staleness, 1)`, the steps of samples TRL keeps in flight by default.
-        warmup_steps (`int`, *optional*, defaults to `2`):
-            Logged steps read before any decision (the first ones drain the samples made before training started).
-        window (`int`, *optional*, defaults to `3`):
-            Steps averaged into one reading (only settled steps count: see `cooldown_steps`).
-        patience (`int`, *optional*, defaults to `2`):
-            Readings in a row that must show the same regime before a change.
-        cooldown_steps (`int`, *optional*, defaults to `1`):
-            Fewest steps after a change with no reading; a change of the in-flight count waits longer, until the
-            samples admitted under the old count are out of the pipeline (`in flight / samples_per_step` steps, at
-            most `max_staleness + 1`).
-        rollout_wait_high (`float`, *optional*, defaults to `0.2`):
-            Share of the step the trainer waits for rollouts above which the loop is rollout-bound.
-        starving (`float`, *optional*, defaults to `0.5`):
-            Rollout-wait share at which a raise needs no patience and is kept without a probe. It multiplies the
-            count by what would feed the trainer, `1 / (1 - wait share)` (Little's law while the replicas have room:
-            the rollouts now deliver `1 - wait share` of what the trainer takes), at least 2 and at most
-            `slow_start_max_factor`.
-        slow_start_max_factor (`float`, *optional*, defaults to `4.0`):
-            Largest multiplication of a starving loop's requests in flight at one reading (the wait share of the
-            first steps is inflated by the pipeline filling up).
-        waste_high (`float`, *optional*, defaults to `0.02`):
-            Share of produced samples dropped as stale above which the loop is staleness-bound.
-        wasting (`float`, *optional*, defaults to `0.2`):
-            Waste share at which a cut needs no patience.
-        staleness_high (`float`, *optional*, defaults to `0.75`):
-            Mean staleness as a fraction of `max_staleness` above which the loop is staleness-bound.
-        raise_below_staleness (`float`, *optional*, defaults to `0.5`):
-            A rollout-bound loop gets more in flight only while its mean staleness is below this fraction of
-            `max_staleness` (older samples would go stale with more waiting beside them).
-        backpressure_high (`float`, *optional*, defaults to `0.1`):
-            Share of the step generation is held back by a full queue above which the trainer is the bottleneck.
-        up_factor (`float`, *optional*, defaults to `2.0`):
-            A raise of a rollout-bound (not starving) loop multiplies the requests in flight by this (at least +1)
-            until the first reversal; each reversal halves the part above 1 (2 -> 1.5 -> 1.25 ...).
-        down_factor (`float`, *optional*, defaults to `0.5`):
-            A cut multiplies the knob by this.
-        probe_steps (`int`, *optional*, defaults to `3`):
-            Settled steps a probe (a raise while rollout-bound) is judged on; a kept probe whose steps still show a
-            rollout-bound loop is followed by the next raise at once.
-        max_loss (`float`, *optional*, defaults to `0.1`):
-            A probe is reverted (and its value becomes a ceiling) when samples started to be wasted, or when the
-            step time grew by more than this fraction and by more than twice its standard error (the step-to-step
-            spread of the steps before and after the raise): a slowdown that noise explains is not a loss.
-        reprobe_steps (`int`, *optional*, defaults to `12`):
-            Steps after a reverted raise before a loop that is still rollout-bound may probe above it again (`0`:
-            never). Staleness ceilings are never lifted.
+    Bounds: `min_inflight` (0: `num_generations`), `max_inflight` (0: the budget less the smallest queue bound),
+    `min_queue` (0: one step of samples), `max_queue` (0: the run's `queue_maxsize`), `budget_steps` (0:
+    `max(max_staleness, 1)`, TRL's default in flight). Timing: `warmup_steps` logged steps before any decision,
+    `window` settled steps per reading, `patience` readings in a row per change, at least `cooldown_steps` after
+    one (an in-flight change waits until the samples admitted before it are out, at most `max_staleness + 1` steps).
+    Regimes, as shares of the step or of the samples: rollout-bound above `rollout_wait_high`, starving from
+    `starving` (raised at once by `1 / (1 - wait share)`, 2 to `slow_start_max_factor`), staleness-bound above
+    `waste_high` wasted or `staleness_high` of `max_staleness` (cut at once from `wasting`), train-bound above
+    `backpressure_high`; no raise once staleness reaches `raise_below_staleness`. Steps: a raise multiplies by
+    `up_factor`, a cut by `down_factor`, each reversal halving the part of the step above 1. Probes: judged on
+    `probe_steps` steps, reverted when samples got wasted or steps got more than `max_loss` slower beyond twice the
+    standard error; a reverted raise is a ceiling for `reprobe_steps` steps (0: for ever).
     """
 
     min_inflight: int = setting(0, check=Range(0))
@@ -265,15 +188,9 @@ def classify(reading: Reading, c: AutotuneConfig) -> str:
 
 
 class Autotuner:
-    """The controller (see the module docstring). `observe(step, row)` after each logged step returns the decisions
-    taken at it (usually none); `inflight` and `queue_bound` are the knobs' values now; `decisions` starts with the
-    step-0 clamps of a start beyond the pipeline budget.
-
-    Args:
-        config: thresholds and bounds (`AutotuneConfig`).
-        inflight, queue_bound: the starting values (the run's settings).
-        num_generations, samples_per_step, max_staleness: the run's shape.
-    """
+    """The controller: `observe(step, row)` after each logged step returns the decisions taken at it (usually none);
+    `inflight` and `queue_bound` are the knobs' values now, starting from the run's settings; `decisions` starts with
+    the step-0 clamps of a start beyond the pipeline budget."""
 
     def __init__(self, config: AutotuneConfig, inflight: int, queue_bound: int, num_generations: int,
                  samples_per_step: int, max_staleness: int):
@@ -496,13 +413,8 @@ class Autotuner:
 class AutotuneCallback(TrainerCallback):
     """Runs `Autotuner` at every log of the trainer, first among the callbacks (so the trackers and the metrics log
     see its `autotune/*` values), and applies its decisions to the worker's `LiveKnobs`. The step-0 clamps (made
-    before the worker started) are said when training begins and recorded with the first step.
-
-    Args:
-        tuner: the controller.
-        knobs: the rollout worker's live knobs.
-        say: where the one line per change goes (default: print, flushed).
-    """
+    before the worker started) are said when training begins and recorded with the first step. `say` takes the one
+    line per change (default: print, flushed)."""
 
     def __init__(self, tuner: Autotuner, knobs, say=None):
         self.tuner, self.knobs = tuner, knobs
