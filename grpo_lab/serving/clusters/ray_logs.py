@@ -1,12 +1,9 @@
 """Ray replicas' logs copied back to the run's folder, where the run says they are.
 
-A replica placed by Ray runs on another machine, and its output stays there (a file in that node's temporary
-directory, `ReplicaServer.read_log`). The async loop announces `<output_dir>/logs` as the place to look when a rollout
-fails, and its errors name it; so `LogMirror` asks every replica actor for what its server printed since the last
-time (every `interval_s`, and once more when it stops, before the actors are stopped) and appends it to
-`<log_dir>/ray-replica-<i>.log`, a header line marking each incarnation (a restart by Ray starts a new server with a
-new log). A replica that does not answer (restarting, its node cut off) is skipped until it does; what its last
-incarnation printed after the last copy is lost with its node, as it would be with the node's disk.
+A Ray replica's output stays on its node (`ReplicaServer.read_log`), but the async loop names `<output_dir>/logs` as
+the place to look, so `LogMirror` appends what each server printed since the last round to
+`<log_dir>/ray-replica-<i>.log` (a header line per incarnation). A replica that does not answer is skipped until it
+does; what a lost node printed after the last copy is lost with it.
 """
 
 from __future__ import annotations
@@ -22,14 +19,8 @@ LOG_NAME = "ray-replica-{index}.log"
 
 
 class LogMirror:
-    """Copies each replica's new output from its node to `log_dir` while running (`start()`, `stop()`).
-
-    Args:
-        replicas: the `ray_replicas.RayReplicas` whose actors to ask.
-        log_dir: the run's log folder (`ClusterSpec.log_dir`).
-        interval_s: how often to copy.
-        timeout_s: how long one actor may take to answer before it is skipped for this round.
-    """
+    """Copies each of `replicas`' (`RayReplicas`) new output to `log_dir` every `interval_s` while running; an actor
+    that takes over `timeout_s` is skipped for the round."""
 
     def __init__(self, replicas, log_dir: str | os.PathLike, interval_s: float = 2.0, timeout_s: float = 5.0):
         self.replicas, self.log_dir = replicas, Path(log_dir)

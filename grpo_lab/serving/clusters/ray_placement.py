@@ -1,18 +1,10 @@
 """Where Ray may put the replicas: the resources each asks for, the trainer's node kept free, and a placement no node
 can meet refused at once.
 
-Which node is the trainer's is what the cluster says: the nodes that declare `TRAINER_NODE_RESOURCE` (`ray start
---head --resources '{"trainer_node": 1}'`, as docs/clusters.md's head, SLURM and KubeRay recipes do). Not "the
-driver's node": with Ray Client (`ray://`) the driver runs on the head while the trainer may be elsewhere, and on a
-one-node cluster (a laptop, `--launcher ray` without an address) the driver's node is the only one there is. A node
-that declares the marker gets no replica (a placement-group label selector on `ray.io/node-id`: Ray's own way to say
-"not on these nodes"), so vLLM never takes the trainer's GPU, whatever the other resources say.
-
-A placement group whose bundles no node can hold stays pending forever (Ray waits for an autoscaler that may never
-come), so before the group is made, the bundle is compared with every live node's total resources: when no node
-(outside the trainer's) could ever hold one replica, or `STRICT_SPREAD` has fewer such nodes than replicas, the
-start fails at once with one line naming what was asked and what the nodes offer. A cluster that could hold them but
-is busy is bounded by the launcher's ready timeout.
+The trainer's node is the one that declares `TRAINER_NODE_RESOURCE` (not "the driver's node": with Ray Client the
+driver runs on the head); it gets no replica, through a bundle label selector on `ray.io/node-id`. A placement group
+no node could ever hold stays pending forever, so the bundle is checked against every live node first and refused
+with one line (docs/clusters.md).
 """
 
 from __future__ import annotations

@@ -10,24 +10,11 @@ router.
         replicas.watch(router)                      # restarts reach the router (remove + add)
         ...
 
-Each replica is a `ray_actor.ReplicaServer` actor holding one server process. **Placement**: one placement group
-with a bundle per replica (`{"CPU": num_cpus, "GPU": num_gpus, **resources}`) and the `SPREAD` strategy by default:
-Ray puts the bundles on as many different nodes as it can, and still starts when there are fewer nodes than
-replicas (a one-node cluster, CI). `STRICT_SPREAD` refuses to start unless every replica gets its own node (one
-large server per node); `PACK` fills nodes one by one. A custom resource (`resources={"inference": 1}`, declared on
-the inference nodes with `ray start --resources`) keeps replicas off nodes that lack it, e.g. the trainer's. The
-placement group reserves its bundles for the launcher's lifetime, so a restarted actor comes back in its own bundle
-(on the same node unless that node died, when Ray re-places the bundle).
-
-**Restarts**: actors are created with `max_restarts`; a replica whose actor or server dies is restarted by Ray
-(the actor's `__init__` starts a new server on a new port). `watch(router)` polls every actor's `info()` from a
-thread: an actor that stops answering is removed from the router at once (its completions are re-sent; the router's
-health checks would also have caught it), and a new incarnation is added, so the router admits it only after it
-holds every live adapter (`membership`).
-
-**Teardown** leaves no actor and no server: `stop()` (also on an exception or Ctrl-C through `with`) stops each
-server, kills each actor without restart and removes the placement group. If this process is killed (SIGKILL),
-Ray kills the actors it owns (they are not detached) and each server dies with its actor (`ray_actor`).
+Each replica is a `ray_actor.ReplicaServer` actor in its own bundle of one placement group (`SPREAD` by default: as
+many nodes as it can, still starting on fewer). Ray restarts a dead actor (`max_restarts`); `watch(router)` removes
+an actor that stops answering from the router at once and adds its new incarnation, admitted once it holds every
+live adapter. `stop()` leaves no actor, server or placement group; a SIGKILLed owner takes its actors along.
+Placement, restarts and teardown in detail: docs/clusters.md.
 """
 
 from __future__ import annotations
@@ -68,24 +55,10 @@ def _ray():
 
 
 class RayReplicas:
-    """`n` replica actors of `spec`, placed by a placement group; `start()`, `urls`, `watch(router)`, `stop()`.
-
-    Args:
-        n: how many replicas.
-        spec: what each serves (`ray_actor.ServerSpec`).
-        address: the Ray cluster (`"auto"`, `"ray://..."`, `"10.0.0.1:6379"`); None joins the cluster this process
-            is already connected to, or starts a local one. A cluster this object connected to is disconnected
-            from at `stop()`.
-        num_cpus, num_gpus: reserved per replica (a vLLM GPU replica: `num_gpus=1`).
-        resources: custom resources each replica needs (e.g. `{"inference": 1}`), to keep replicas on the nodes
-            that declare them.
-        strategy: the placement group's strategy (see the module docstring).
-        max_restarts: how often Ray may restart one replica's actor (-1: without limit).
-        poll_s: how often `watch` asks the actors where they are.
-        unavailable_s: an actor that has not answered for this long is removed from the router until it is back.
-        ready_timeout_s: how long the placement and the first start of every replica may take.
-        avoid_resource: no replica on a node that declares this resource (e.g. `ray_placement.TRAINER_NODE_RESOURCE`,
-            the trainer's node); a placement no node could ever hold fails at once (`ray_placement`).
+    """`n` replica actors of `spec` (`ray_actor.ServerSpec`), placed by a placement group; `start()`, `urls`,
+    `watch(router)`, `stop()`. `address` None joins the connected cluster or starts a local one (disconnected at
+    `stop()`); `max_restarts` -1: without limit; `watch` polls every `poll_s` and removes an actor silent for
+    `unavailable_s`; `avoid_resource`: no replica on a node declaring it (`ray_placement`).
     """
 
     def __init__(self, n: int, spec: ServerSpec, address: str | None = None, num_cpus: float = 1.0,
