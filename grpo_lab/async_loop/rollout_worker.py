@@ -11,7 +11,9 @@ prompt can straddle a weight sync. `LabRolloutWorker` keeps TRL's loop and chang
 - **group-consistent versions**: every rollout of a group names the version its first rollout used, and the samples
   are stamped with that version, so staleness is measured on the policy that really generated them;
 - a group whose version falls out of the staleness window (the trainer would drop its samples anyway, and the
-  adapter is being unloaded) is abandoned instead of retried: its remaining rollouts are not sent;
+  adapter is being unloaded) is abandoned instead of retried: its remaining rollouts are not sent, and a rollout of
+  it answered "no such adapter" (the server unloaded that version) ends the group the same way; only a version still
+  inside the window answered so counts as lost (`rollout/stale_adapter_total`);
 - failing requests are retried with back-off for at most `rollout_failure_timeout_s`, then the worker fails with a
   message naming the URL and the last error; a 4xx other than a stale adapter fails at once (retrying the same
   payload cannot fix it);
@@ -178,7 +180,8 @@ class LabRolloutLoop(_AsyncRolloutLoop):
             return await super()._generate_one(prompt, tool_dict=tool_dict, tools=tools, group_id=group_id)
         except StaleAdapter:
             self._abandoned.add(group_id)
-            self._counters["rollout/stale_adapter_total"] += 1
+            if not self._is_stale(version):  # the trainer could still have used it: a rollout lost
+                self._counters["rollout/stale_adapter_total"] += 1
             return [], [], [], 0, 0, None
 
     async def _score_group(self, group):

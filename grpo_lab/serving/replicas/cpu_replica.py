@@ -13,6 +13,7 @@ vLLM's prefix-cache counters. Use it for tests and notebooks; use `vllm serve` (
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import os
@@ -28,8 +29,9 @@ from aiohttp import web
 from grpo_lab.lab import environment
 from grpo_lab.lab.settings_parser import ConfigParser
 
-from .generation import Engine, RequestError, SamplingParams
+from .generation import CLIENT_CLOSED, Engine, RequestError, SamplingParams
 from ..wire.app_thread import serve_app
+from ..wire.client_watch import client_gone
 from ..wire.metrics import Registry
 from .config import CPUReplicaConfig
 from ..wire.vllm_routes import add_vllm_routes, error_response
@@ -46,7 +48,10 @@ class CPUReplica:
         self._generate_pool = ThreadPoolExecutor(1, thread_name_prefix="generate")
         self._control_pool = ThreadPoolExecutor(1, thread_name_prefix="control")
         self.started = int(time.time())
-        self.unknown_model_requests = 0  # completions naming a model this replica does not hold
+        self.unknown_model_requests = 0  # completions naming a model this replica did not hold when they came
+        self.unloaded_under_requests = 0  # completions whose model was unloaded while they waited or ran
+        self.abandoned_requests = 0  # completions stopped because their client had left
+        self.in_progress = 0  # completions accepted and not answered yet (waiting for the generation thread or running)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[self._auth])
@@ -106,8 +111,14 @@ class CPUReplica:
         reg.inc("vllm:request_success_total", "Finished completions", e.requests, model_name=name)
         reg.inc("vllm:generation_tokens_total", "Generated tokens", e.generated_tokens, model_name=name)
         reg.set("vllm:lora_adapters_loaded", "Adapters loaded", len(e.adapters), model_name=name)
-        reg.inc("grpo_replica_unknown_model_total", "Completions naming a model not held here",
+        reg.inc("grpo_replica_unknown_model_total", "Completions naming a model not held here when they came",
                 self.unknown_model_requests)
+        reg.inc("grpo_replica_unloaded_under_completion_total", "Completions whose model was unloaded before they "
+                "finished", self.unloaded_under_requests)
+        reg.inc("grpo_replica_abandoned_total", "Completions stopped because their client had left",
+                self.abandoned_requests)
+        reg.set("grpo_replica_completions_in_progress", "Completions accepted and not answered yet",
+                self.in_progress)
         reg.set("grpo_replica_prefix_cache_blocks", "Blocks held by the prefix cache", len(e.cache))
         return web.Response(text=reg.render(), content_type="text/plain")
 
@@ -126,12 +137,22 @@ class CPUReplica:
                 raise RequestError(400, "streaming is not supported by the CPU replica")
             params = SamplingParams.from_request(body)
             self.engine.check_model(model)
-            loop = asyncio.get_running_loop()
-            out = await loop.run_in_executor(self._generate_pool, self.engine.generate, model, prompt, params)
         except RequestError as error:
             if error.kind == "NotFoundError":
-                self.unknown_model_requests += 1
+                self.unknown_model_requests += 1  # sent here for a model this replica does not hold: misrouted
             return error_response(error.status, error.message, error.kind)
+        self.in_progress += 1
+        try:
+            out = await asyncio.get_running_loop().run_in_executor(self._generate_pool, functools.partial(
+                self.engine.generate, model, prompt, params, aborted=lambda: client_gone(request)))
+        except RequestError as error:
+            if error.kind == "NotFoundError":  # held on arrival, unloaded before or while it ran
+                self.unloaded_under_requests += 1
+            elif error.kind == CLIENT_CLOSED:
+                self.abandoned_requests += 1
+            return error_response(error.status, error.message, error.kind)
+        finally:
+            self.in_progress -= 1
         logprobs = {"token_logprobs": out["logprobs"], "tokens": [f"token_id:{t}" for t in out["token_ids"]],
                     "top_logprobs": out["top_logprobs"], "text_offset": [0] * len(out["token_ids"])}
         choice = {"index": 0, "text": "", "token_ids": out["token_ids"], "logprobs": logprobs,

@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,14 @@ class RequestError(Exception):
     def __init__(self, status: int, message: str, kind: str = "BadRequestError"):
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
+
+
+CLIENT_CLOSED = "ClientClosed"
+
+
+def _stop_if(aborted: Callable[[], bool]) -> None:
+    if aborted():  # nginx's 499: nobody reads the answer
+        raise RequestError(499, "the client closed the connection; the completion was cancelled", CLIENT_CLOSED)
 
 
 @dataclass
@@ -216,7 +225,10 @@ class Engine:
         return out.logits[0, -1].float()
 
     @torch.no_grad()
-    def generate(self, model_name: str, prompt: list[int], params: SamplingParams) -> dict:
+    def generate(self, model_name: str, prompt: list[int], params: SamplingParams,
+                 aborted: Callable[[], bool] = lambda: False) -> dict:
+        """One completion. `aborted()` is asked before prefill and between tokens: a request whose client has left
+        (a router that cut it, a killed trainer) stops there, as vLLM aborts it, instead of generating for nobody."""
         self.check_model(model_name)
         if not prompt:
             raise RequestError(400, "the prompt is empty")
@@ -229,7 +241,7 @@ class Engine:
         generator = torch.Generator().manual_seed(params.seed if params.seed is not None else
                                                   int.from_bytes(os.urandom(7), "little"))
         hashes = block_hashes(prompt, model_name, self.config.block_size)
-        return self._run(prompt, hashes, model_name, params, generator)
+        return self._run(prompt, hashes, model_name, params, generator, aborted)
 
     @contextlib.contextmanager
     def _using(self, model_name: str):
@@ -247,8 +259,9 @@ class Engine:
             else:
                 raise RequestError(404, f"The model `{model_name}` was unloaded during generation.", "NotFoundError")
 
-    def _run(self, prompt, hashes, namespace, params, generator) -> dict:
+    def _run(self, prompt, hashes, namespace, params, generator, aborted) -> dict:
         self.running.wait()  # requests that arrive while paused wait before prefill
+        _stop_if(aborted)
         self.requests += 1
         cache = DynamicCache(config=self.base.config)
         cached_blocks = self.cache.lookup(hashes)
@@ -275,6 +288,7 @@ class Engine:
                 break
             if step + 1 < params.max_tokens:
                 self.running.wait()  # /pause?mode=keep freezes here, between tokens, holding no lock
+                _stop_if(aborted)
                 with self._using(namespace):
                     logits = self._forward([token], cache)
         return {"token_ids": out_ids, "logprobs": out_lps, "top_logprobs": top if params.logprobs else None,
