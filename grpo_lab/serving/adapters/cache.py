@@ -1,14 +1,10 @@
 """Node-local copies of published adapter versions, for servers that load adapters by local path only.
 
-vLLM's `/v1/load_lora_adapter` takes a path on the server's own file system, so a replica on a node without the
-bucket mounted has to copy each version to its disk first. `AdapterCache` does that for one replica: the version's
-manifest is read from the store, the files are downloaded and checked against it (`storage.fetch_adapter`), and the
-copy is kept in `<cache>/<name>-<digest>` until the adapter is unloaded (`release`). Keyed by the content digest as
-well as the name, a copy is never mistaken for another store's version of the same name, and one already there and
-still matching is loaded again without a download (a replica restarted on the same cache, a retried load).
-
-The default cache is a temporary folder of this process, removed when it exits; one left by a process killed with
-SIGKILL is removed by the next cache made on that machine (the folder name carries the owner's pid).
+`AdapterCache` copies each version to `<cache>/<name>-<digest>`, verified against its manifest
+(`storage.fetch_adapter`), until the adapter is unloaded (`release`). Keyed by the digest too, a copy is never taken
+for another store's version of the same name, and a matching one is reused without a download. The default cache is
+a temporary folder of this process; one a SIGKILL left is removed by the next cache on that machine (its name
+carries the owner's pid).
 """
 
 from __future__ import annotations
@@ -62,12 +58,8 @@ def _folder_name(name: str) -> str:
 
 
 class AdapterCache:
-    """One replica's local copies of adapters published on an object store.
-
-    Args:
-        root: the cache folder (made if missing; kept, with what this cache did not make, on `close`). Default: a new
-            temporary folder owned by this process, removed on `close` and at exit.
-    """
+    """One replica's local copies of adapters published on an object store, under `root` (kept on `close`), or by
+    default a temporary folder of this process (removed on `close` and at exit)."""
 
     def __init__(self, root: str | os.PathLike | None = None):
         if root is None:
@@ -87,9 +79,7 @@ class AdapterCache:
 
     def materialize(self, name: str, url: str) -> Path:
         """The local folder holding the version published at `url`, downloaded and verified if not there yet.
-
-        FileNotFoundError while `url` has no manifest (not published yet: vLLM's "No adapter found", which the
-        router retries); ValueError when a file does not match it; OSError from the store (credentials, bucket)."""
+        FileNotFoundError while it has no manifest (the router retries); ValueError on a mismatch."""
         published = read_manifest(url)
         dest = self.root / f"{_folder_name(name)}-{published['digest'][:16]}"
         with self._lock:

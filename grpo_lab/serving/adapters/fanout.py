@@ -1,14 +1,10 @@
 """All-or-nothing LoRA adapter loads across replicas, and broadcast of the other control calls.
 
-TRL loads each new policy once (`POST /v1/load_lora_adapter`) and then names it in every rollout, so a load the
-router reports as done must be done on every replica in service, or on none. A replica that answers "No adapter
-found" usually just cannot see the new directory yet (shared storage lag) and is retried until a deadline. A
-replica that cannot be reached at all (it died mid-load) leaves routing instead, and the load stands on the others:
-it gets the adapter with the live set when it is re-admitted. Any other failure rolls the load back on the replicas
-that took it, and the caller gets the upstream's error. An
-already-loaded name counts as loaded when the replica reports the same path for it. The rollback runs whatever
-went wrong (an unexpected error on one replica, or the load being cancelled), and a replica whose rollback fails
-is reported, because it may still serve an adapter the router says nobody has.
+TRL loads each new policy once and then names it in every rollout, so a load the router reports as done must be done
+on every replica in service, or on none. "No adapter found" (shared storage lag) is retried until a deadline; a
+replica that cannot be reached leaves routing and the load stands on the others (it gets the adapter when
+re-admitted); any other failure, or a cancel, rolls the load back, and a replica whose rollback fails is reported:
+it may still serve an adapter the router says nobody has.
 """
 
 from __future__ import annotations
@@ -61,8 +57,7 @@ async def load_one(client: UpstreamClient, replica: Replica, name: str, path: st
         try:
             reply = await client.call(replica, "POST", "/v1/load_lora_adapter", json_body=body, timeout=timeout_s)
         except TRANSPORT_ERRORS as error:
-            return Outcome(replica, False, 502, f"{type(error).__name__}: {error}", retries=retries,
-                           transport_error=True)
+            return _unreachable(replica, error, retries)
         text = client.scrub(reply.text())
         if reply.status == 200:
             return Outcome(replica, True, 200, text, newly_loaded=True, retries=retries)
@@ -70,8 +65,7 @@ async def load_one(client: UpstreamClient, replica: Replica, name: str, path: st
             try:
                 loaded = await _path_loaded_as(client, replica, name, timeout_s)
             except TRANSPORT_ERRORS as error:
-                return Outcome(replica, False, 502, f"{type(error).__name__}: {error}", retries=retries,
-                               transport_error=True)
+                return _unreachable(replica, error, retries)
             if loaded is not None and loaded.rstrip("/") == path.rstrip("/"):
                 return Outcome(replica, True, 200, text, retries=retries)
             return Outcome(replica, False, 400, f"{text} (loaded there from {loaded!r}, not {path!r})",
@@ -99,12 +93,16 @@ async def unload_one(client: UpstreamClient, replica: Replica, name: str, timeou
             replica.adapters.pop(name, None)  # before the transition ends, so no adapter check sees it half done
         return Outcome(replica, ok, reply.status, client.scrub(reply.text()))
     except TRANSPORT_ERRORS as error:
-        return Outcome(replica, False, 502, f"{type(error).__name__}: {error}", transport_error=True)
+        return _unreachable(replica, error)
     finally:
         replica.end_transition(name)
 
 
 OnStale = Callable[[Replica, str], None]
+
+
+def _unreachable(replica: Replica, error: BaseException, retries: int = 0) -> Outcome:
+    return Outcome(replica, False, 502, f"{type(error).__name__}: {error}", retries=retries, transport_error=True)
 
 
 async def load_everywhere(client: UpstreamClient, replicas: list[Replica], name: str, path: str, *,
@@ -204,7 +202,7 @@ async def broadcast(client: UpstreamClient, replicas: list[Replica], method: str
         try:
             reply = await client.call(replica, method, path, params=params, json_body=json_body, timeout=timeout_s)
         except TRANSPORT_ERRORS as error:
-            return Outcome(replica, False, 502, f"{type(error).__name__}: {error}", transport_error=True)
+            return _unreachable(replica, error)
         return Outcome(replica, reply.status == 200, reply.status, client.scrub(reply.text()))
 
     return list(await asyncio.gather(*(one(r) for r in replicas)))

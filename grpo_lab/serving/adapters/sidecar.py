@@ -1,27 +1,19 @@
 """A small proxy in front of one vLLM server that lets it load adapters published on an object store.
 
-vLLM loads a LoRA adapter from a path on its own file system; it cannot read `s3://`, `gs://` or `hf://`. On a node
-without the bucket mounted, this sidecar takes the server's place on the network and forwards every request to it
-unchanged, except three:
+vLLM loads a LoRA adapter only from its own file system. On a node without the bucket mounted, this sidecar takes
+the server's place on the network and forwards every request unchanged, except three:
 
-- `POST /v1/load_lora_adapter` whose `lora_path` is an object-store URL: the version is first copied to the node's
-  disk and checked against its manifest (`cache.AdapterCache`), then the load goes on with the local path.
-  A version without a manifest yet is answered as vLLM answers a missing path (404 "No adapter found"), which the
-  router retries; a copy that does not match its manifest is a 400 and nothing is loaded.
-- `POST /v1/unload_lora_adapter`: once vLLM unloaded it, the local copy is removed.
-- `GET /v1/models`: an adapter loaded through here reports the URL it was loaded from as its `root`, not the local
-  copy, so the router's "already loaded from the same path?" check still compares like with like.
-
-A local path or `file://` URL (a mounted bucket, a shared file system) is forwarded untouched, as before.
+- `POST /v1/load_lora_adapter` with an object-store `lora_path`: the version is copied to the node's disk and checked
+  against its manifest (`cache.AdapterCache`) first; no manifest yet is vLLM's 404 "No adapter found" (the router
+  retries), a mismatch a 400;
+- `POST /v1/unload_lora_adapter`: once vLLM unloaded it, the local copy is removed;
+- `GET /v1/models`: such an adapter reports its URL as `root`, so the router's "same path?" check compares like with
+  like.
 
     python -m grpo_lab.serving.adapters.sidecar --upstream http://127.0.0.1:8001 --port 9001 --cache-dir /local/lora
-    # in Python: handle = start_sidecar("http://127.0.0.1:8001"); handle.url; handle.stop()
-    # as a managed child process: replicas.processes.SidecarProcess(upstream_url, ...)
 
-The router then lists the sidecar's URL as the replica. Responses are passed on whole (not streamed): TRL's rollouts
-are non-streaming completions. When `VLLM_API_KEY` (or `--api-key-env`) is set, a load that would download is
-refused without the same bearer token vLLM wants, so the sidecar never fetches for a caller vLLM would turn away;
-everything else is checked by vLLM itself.
+Responses are passed on whole (rollouts are non-streaming). With `VLLM_API_KEY` set, a load that would download is
+refused without vLLM's bearer token, so the sidecar never fetches for a caller vLLM would turn away.
 """
 
 from __future__ import annotations
@@ -54,13 +46,7 @@ def _forwardable(headers) -> dict:
 
 
 class AdapterSidecar:
-    """The proxy for one upstream vLLM server (see the module docstring).
-
-    Args:
-        upstream: the vLLM server's base URL.
-        cache_dir: where adapter copies go (default: a temporary folder of this process).
-        api_key_env: the environment variable holding the servers' bearer token (vLLM's `VLLM_API_KEY`).
-    """
+    """The proxy for the vLLM server at `upstream`; copies go to `cache_dir` (default: a temporary folder)."""
 
     def __init__(self, upstream: str, cache_dir: str | None = None, api_key_env: str = "VLLM_API_KEY"):
         self.upstream = upstream.rstrip("/")

@@ -1,17 +1,12 @@
 """How many LoRA adapter slots (`--max-loras`) a replica needs for a trainer's `max_staleness`: stated once.
 
-Every launcher (the vLLM launcher, `LocalCluster`, the async loop), the trainer's preflight, the doctor and
-notebook 04 take the number from here, so the margin cannot drift between them again.
+Every launcher, the trainer's preflight, the doctor and notebook 04 take the number from here.
 
-- `min_max_loras`: TRL 1.16's own rule, which AsyncGRPOTrainer checks against the server's `/server_info` before
-  it syncs adapters (`min_loras = args.max_staleness + 2` in trl/experimental/async_grpo/async_grpo_trainer.py).
-  A sample may be consumed up to `max_staleness` versions after the one that generated it, so `max_staleness + 1`
-  versions can be named by requests in flight at once; each sync loads the next version before it unloads the
-  oldest, so the server briefly holds one more. Preflight refuses a server below it.
-- `max_loras_for`: what replicas are started with, one slot more. Behind the router an unloaded adapter keeps its
-  slot until the rollouts still using it have finished (`drain`), and TRL loads the next version meanwhile
-  (under a pause, which freezes the draining rollouts until its resume), so a replica holds one adapter more than
-  TRL counts.
+- `min_max_loras`: TRL 1.16's own rule (`min_loras = args.max_staleness + 2` in async_grpo_trainer.py):
+  `max_staleness + 1` versions can be named by requests in flight, and each sync loads the next before it unloads
+  the oldest. Preflight refuses a server below it.
+- `max_loras_for`: one slot more, for the router's `drain` (an unloaded adapter keeps its slot until its rollouts
+  finish while TRL loads the next version).
 """
 
 from __future__ import annotations

@@ -1,34 +1,17 @@
 """Shared storage for adapter versions: publish atomically, never reuse a name, let replicas find what was published.
 
-The trainer writes every policy version as a PEFT adapter directory; every replica must then read that directory.
-`AdapterStore` puts them under one root — a local or mounted directory, or any fsspec URL (`s3://`, `gs://`,
-`memory://` in tests) — with three guarantees:
+`AdapterStore` puts every policy version the trainer writes under one root (a local or mounted directory, or any
+fsspec URL) with three guarantees (docs/serving.md, docs/async_loop.md):
 
-- **Atomic.** On a local or mounted file system the adapter is written beside its final name and renamed into
-  place. On an object store (no rename) the files go first and a manifest with each file's SHA-256 last; a version
-  counts as published only once its manifest is there and the files match it.
-- **Names are never reused.** Every published name is also recorded in `<root>/.history/` (never deleted), and
-  publishing a recorded name is refused: after a crash and resume, `trl-policy-v7` can never mean two different
-  weights, which is how a replica would otherwise keep serving the killed run's weights under a reused name.
-- **Content identity.** The manifest carries a digest of the whole adapter, the run id and the training step, so a
-  replica (or a test) can check that what it loaded is what the trainer published.
+- **Atomic**: renamed into place locally; on an object store the files first and a manifest with their SHA-256 last
+  (`upload_tree`, `download_tree`: checkpoints follow the same rule).
+- **Names are never reused**: every name is recorded in `<root>/.history/` first and a recorded name is refused, so
+  after a crash and resume `trl-policy-v7` can never mean two different weights.
+- **Content identity**: the manifest carries the adapter's digest, the run id and the step.
 
-`replica_path(name)` is the path handed to `/v1/load_lora_adapter`: the local path for local roots, the mount point
-given as `replica_root` for a mounted bucket, else the URL itself. A replica without a mount copies the version to
-its own disk first (`fetch_adapter`, `cache.AdapterCache`): the CPU replica does it itself, a vLLM server
-through `sidecar`.
-
-The "files first, manifest last" rule is written once (`upload_tree`, `download_tree`) because checkpoints published
-to an object store (`async_loop.checkpoint_store`) follow it too.
-
-Object-store credentials and endpoints come from where the store's own client looks: for `s3://`, the usual
-`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_DEFAULT_REGION` and, for an S3-compatible store (MinIO, Ceph,
-R2), `AWS_ENDPOINT_URL_S3` (botocore reads it, so s3fs does); any other option through fsspec's own
-`FSSPEC_S3_<OPTION>` / `FSSPEC_S3='{json}'` variables. Nothing here takes credentials as arguments, so none ends up
-in a command line, a log or a run record.
-
-It lives in `serving` because both sides use it: the trainer (`async_loop`) publishes through it, and the replicas
-read what it published.
+Credentials come from where the store's own client looks (for `s3://`, the `AWS_*` variables), never from
+arguments, so none ends up in a command line, a log or a run record. It lives in `serving` because both the trainer
+and the replicas use it.
 """
 
 from __future__ import annotations
@@ -137,10 +120,9 @@ def local_copy_matches(dest: str | os.PathLike, files: dict[str, str]) -> bool:
 
 
 def download_tree(url: str, dest: str | os.PathLike, manifest: dict, manifest_name: str = MANIFEST) -> Path:
-    """Copy the files `manifest` lists from `url` to `dest`, each checked against its SHA-256, and the manifest last.
-
-    The copy is made in a sibling folder and renamed into place, so `dest` is either absent or complete; a copy
-    already at `dest` that matches is kept (nothing downloaded). ValueError on a mismatch, nothing left behind."""
+    """Copy the files `manifest` lists from `url` to `dest`, each checked against its SHA-256, the manifest last, in a
+    sibling folder renamed into place: `dest` is absent or complete, and a matching copy is kept. ValueError on a
+    mismatch."""
     dest = Path(dest)
     if dest.is_dir() and (dest / manifest_name).is_file() and local_copy_matches(dest, manifest["files"]):
         return dest
@@ -168,13 +150,8 @@ def download_tree(url: str, dest: str | os.PathLike, manifest: dict, manifest_na
 
 
 class AdapterStore:
-    """Adapter versions under `root` (a path or fsspec URL).
-
-    Args:
-        root: where adapters are published; a local path, `file://...`, or any fsspec URL.
-        replica_root: what the replicas call `root` (the mount point of a bucket on their hosts); default: `root`.
-        run_id: recorded in every manifest (which trainer process published it).
-    """
+    """Adapter versions under `root` (a path or fsspec URL); `replica_root` is what the replicas call it (a bucket's
+    mount point on their hosts); `run_id` is recorded in every manifest."""
 
     def __init__(self, root: str | os.PathLike, replica_root: str | None = None, run_id: str | None = None):
         self.url = str(root)
@@ -297,10 +274,9 @@ class AdapterStore:
             self.fs.rm(path, recursive=True)
 
     def clean_staging(self) -> int:
-        """Remove half-written versions a crash left behind; returns how many. On a local root those are the
-        `.name.staging-*` folders; on an object store, the folders of recorded names without a manifest (a publish
-        killed between files). Call it only where no other process publishes (the trainer, before its first
-        publish): a version being written right now looks the same."""
+        """Remove half-written versions a crash left behind (local `.name.staging-*` folders; on an object store,
+        recorded names without a manifest); returns how many. Only where no other process publishes: a version being
+        written right now looks the same."""
         if self.local:
             stale = [p for p in self.fs.ls(self.root, detail=False)
                      if ".staging-" in posixpath.basename(p.rstrip("/"))]
@@ -327,11 +303,7 @@ def storage_reachable(url: str) -> None:
 
 
 def fetch_adapter(url: str, dest: str | os.PathLike, published: dict | None = None) -> Path:
-    """Copy a published adapter (an fsspec URL) to `dest`, checking every file against its manifest.
-
-    What a replica without the bucket mounted does before loading; `dest` ends up complete or absent, and a copy
-    already there that matches the manifest is used as it is. Raises FileNotFoundError while the version is not
-    complete (no manifest yet — the caller retries, like a lagging mount) and ValueError on a digest mismatch.
-    `published`: the manifest, when the caller has read it already (`read_manifest`)."""
+    """What a replica without the bucket mounted does before loading: `download_tree` of a published adapter.
+    FileNotFoundError while it has no manifest yet (the caller retries); `published`: its manifest, if read already."""
     manifest = published if published is not None else read_manifest(url)
     return download_tree(url, dest, manifest)
