@@ -20,10 +20,12 @@ them together. What each does is in its function's docstring and in docs/reliabi
 history (the versions published, by which run):
 
 - `steps_done`: distinct steps logged; `run_finished`: the command exited 0 with every step logged;
-- `rollouts_lost`: requested completions that never returned nor were retried successfully: requests answered "adapter
-  gone" and dropped (`rollout/stale_adapter_total`) plus samples a step trained short of its batch;
-- `misrouted`: completions sent to a replica that did not hold the adapter they named (the replicas'
-  `grpo_replica_unknown_model_total`, and the router's re-sends for a lost adapter);
+- `rollouts_lost`: requested completions that never returned nor were retried successfully: requests for a version
+  still inside the staleness window answered "adapter gone" and dropped (`rollout/stale_adapter_total`) plus samples
+  a step trained short of its batch; a retired version's group ends by design (`abandoned_groups`);
+- `misrouted`: completions sent to a replica that did not hold the adapter they named when they came (the replicas'
+  `grpo_replica_unknown_model_total`, and the router's re-sends for a lost adapter); beside it `cut_by_unload` (held
+  on arrival, unloaded before they finished) and `client_gone` (stopped unrun: the router had cut them);
 - `stale_served`: steps that trained on a sample older than `max_staleness` or made by a version the trainer never
   published (after a resume: by a version of the killed run);
 - `duplicate_steps`: steps logged more than once in the final metrics log;
@@ -65,11 +67,14 @@ from grpo_lab.serving.wire.metrics import parse_text  # noqa: E402
 CSV_PATH = ROOT / "results" / "reliability" / "chaos.csv"
 COLUMNS = ("scenario", "injected_at_step", "recovered_s", "steps_done", "rollouts_lost", "misrouted", "stale_served",
            "duplicate_steps", "run_finished", "faults", "fault_s", "max_steps", "hedges", "reroutes", "retries",
-           "abandoned_groups", "wall_s", "note")
+           "abandoned_groups", "cut_by_unload", "client_gone", "wall_s", "note")
 MAX_STALENESS = 4
 PROMPTS_PER_STEP, GENERATIONS = 2, 8
 ROUTER_PORT = 18000  # the head's namespace has its ports to itself
 POLL_S = 0.5
+REPLICA_COUNTERS = {"unknown_model": "grpo_replica_unknown_model_total",  # sent for an adapter not held: misrouted
+                    "cut_by_unload": "grpo_replica_unloaded_under_completion_total",  # held on arrival, unloaded after
+                    "client_gone": "grpo_replica_abandoned_total"}  # stopped unrun: the router had cut it
 RUN_TIMEOUT_S = 600.0
 SERVER_NEEDLE = "grpo_lab.serving.replicas.cpu_replica"
 ROUTER_NEEDLE = "grpo_lab.serving.router"
@@ -291,8 +296,9 @@ class Watch:
             url = self.aliases.get(r["url"], r["url"])
             with contextlib.suppress(requests.RequestException, ValueError):
                 values = parse_text(requests.get(url + "/metrics", timeout=2).text)
-                self.counters.observe(url, "unknown_model", sum(
-                    v for k, v in values.items() if k.split("{")[0] == "grpo_replica_unknown_model_total"))
+                for counter, metric_name in REPLICA_COUNTERS.items():
+                    self.counters.observe(url, counter, sum(
+                        v for k, v in values.items() if k.split("{")[0] == metric_name))
 
     def recovered_at(self, since: float, replicas: int) -> float | None:
         """When, after `since`, the pool was whole for good (every replica in service at every poll from then until
@@ -592,6 +598,7 @@ def measure(run: Run, faults, injected_at_step, recovered_at, fault_end) -> dict
         "reroutes": int(c["grpo_router_reroutes_total"]),
         "retries": int(sum(r.get("rollout/vllm_retry_total", 0) for r in rows)),
         "abandoned_groups": int(sum(r.get("rollout/abandoned_groups_total", 0) for r in rows)),
+        "cut_by_unload": int(c["cut_by_unload"]), "client_gone": int(c["client_gone"]),
         "note": "; ".join(run.notes),
     }
 

@@ -405,11 +405,18 @@ class DelayProxy:
         except OSError:
             writer.close()
             return
+        pipes = {asyncio.ensure_future(self._pipe(reader, up_writer)),
+                 asyncio.ensure_future(self._pipe(up_reader, writer))}
         try:
-            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-        except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass  # a side went away, or the proxy stops: the connection ends here
+            # either side ending ends both, as nginx does by default: a client that hangs up aborts its request upstream
+            # (the replica then stops generating for nobody) instead of leaving it half-closed until it answers
+            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            pass  # the proxy stops: the connection ends here
         finally:
+            for pipe in pipes:
+                pipe.cancel()
+            await asyncio.gather(*pipes, return_exceptions=True)
             for w in (writer, up_writer):
                 w.close()
 
