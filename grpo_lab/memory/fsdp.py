@@ -1,19 +1,9 @@
 """FSDP2 + LoRA for the TRL GRPO trainer, with torch's `fully_shard` applied before the trainer sees the model.
 
-Why not accelerate's FSDP plugin: accelerate selects FSDP only for GPU-like devices (a CPU multi-process run becomes
-DDP), so the gloo tests could not exercise it. Instead the PEFT model is sharded here — every decoder layer is its own
-FSDP2 group and the PEFT model is the root group, which holds the embeddings, the final norm and the LM head (tied on
-the small Qwen3s: one Parameter, so one shard; untied on 8B+: two). The model is flagged
-`is_distributed_loading_by_transformers`, transformers' contract for a model that already owns its placement and
-gradient reduction: the Trainer then neither moves it nor wraps it in DDP. TRL's fused LM head gathers a DTensor
-head weight (`full_tensor`) when it sees one. The same code runs with gloo on CPU and NCCL on N GPUs of one host.
-
-LoRA adapters are created in the model's dtype (`autocast_adapter_dtype=False`), so each FSDP2 group has one dtype.
-
-`replicate_root=True` keeps the root-level parameters (embeddings, final norm, LM head — all frozen under LoRA)
-as plain replicated tensors (`ignored_params`) and shards only the decoder layers: for a loss that runs the backbone
-and reads the head weight outside the root's forward (the `liger` backend's `_compute_loss`). At world size 1 this
-changes nothing in memory; at world size N each rank holds the full embeddings/head.
+Not accelerate's FSDP plugin: it picks FSDP only for GPU-like devices, so the gloo tests could not exercise it. Each
+decoder layer is its own FSDP2 group, the PEFT model the root (embeddings, final norm, LM head); the model is flagged
+`is_distributed_loading_by_transformers`, so the Trainer neither moves it nor wraps it in DDP. The same code runs
+with gloo on CPU and NCCL on N GPUs of one host (docs/memory.md, *FSDP2 + LoRA*).
 """
 
 from __future__ import annotations
@@ -36,6 +26,7 @@ def init_process_group(device: torch.device) -> tuple[int, int]:
 
 
 def apply_lora(model, r: int, dropout: float = 0.0):
+    """LoRA adapters in the model's dtype (`autocast_adapter_dtype=False`), so each FSDP2 group has one dtype."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", lora_dropout=dropout, task_type="CAUSAL_LM")
@@ -68,7 +59,10 @@ def keep_trainer_from_rewrapping(trainer, model) -> None:
 
 def shard_fsdp2(model, device: torch.device, reshard_after_forward: bool = True, replicate_root: bool = False,
                 flag: bool = True):
-    """`fully_shard` each decoder layer, then the whole (PEFT) model as root; returns the same object, sharded."""
+    """`fully_shard` each decoder layer, then the whole (PEFT) model as root; returns the same object, sharded.
+
+    `replicate_root`: the root's (frozen) parameters stay replicated, for a loss that reads the head weight outside
+    the root's forward (`liger`'s `_compute_loss`)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -90,11 +84,3 @@ def shard_fsdp2(model, device: torch.device, reshard_after_forward: bool = True,
         model.is_distributed_loading_by_transformers = True
     return model
 
-
-def lm_head_summary(model) -> dict:
-    """Whether the LM head is tied to the embeddings and whether both are sharded (DTensor)."""
-    from torch.distributed.tensor import DTensor
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    emb, head = base.get_input_embeddings().weight, base.get_output_embeddings().weight
-    return {"tied": emb is head, "embed_dtensor": isinstance(emb, DTensor), "head_dtensor": isinstance(head, DTensor)}

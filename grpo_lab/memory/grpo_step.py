@@ -1,14 +1,8 @@
 """Real TRL GRPO training steps on a random-init model, instrumented for peak memory per phase.
 
-Everything is offline: a word-level tokenizer over `t0 … t{V-1}` built in code, prompts of exactly `prompt_len`
-tokens, and completions of exactly `completion_len` tokens. With `generation="synthetic"` (the default) the
-completions are random tokens handed to TRL through its `rollout_func` hook, so the measured step is TRL's own
-scoring, loss, backward and optimizer step with no `model.generate`; with `generation="model"` TRL generates with
-`model.generate` (EOS suppressed by `min_new_tokens`) and the generation peak is recorded separately.
-
-Phases per optimizer step: `generation` (from step begin to the end of `_generate_and_score_completions`) and `train`
-(loss forward, backward, optimizer step). The meter's peak is reset between them; the reported `train` peak is the
-max over all steps (the first step allocates the AdamW state).
+Offline: a word-level tokenizer built in code, prompts and completions of exact lengths; synthetic completions
+reach TRL through `rollout_func`, so the step measured is TRL's own scoring, loss, backward and optimizer step
+(docs/memory.md). The meter's peak is reset between the `generation` and `train` phases of each step.
 """
 
 from __future__ import annotations
@@ -113,55 +107,37 @@ def num_generations_for(batch_size: int, world_size: int) -> tuple[int, int]:
     return total, 1
 
 
+def model_config_of(spec: PointSpec):
+    """The transformers config of `spec.model`: a shipped config, or a hub id's / folder's with `pretrained`."""
+    if spec.pretrained:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(spec.model)
+    return load_model_config(spec.model)
+
+
 def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbacks=()):
     """The GRPO trainer for `spec`: `grpo_lab.loss.GRPOLabTrainer` with `loss_backend=spec.loss_backend`."""
     from grpo_lab.loss import GRPOLabConfig, GRPOLabTrainer  # TRL: imported with the first trainer, in the probe
 
-    config_cls, trainer_cls, backend_kw = GRPOLabConfig, GRPOLabTrainer, {"loss_backend": spec.loss_backend}
-
-    if spec.pretrained:  # real weights (memory is the same as random init of the same config)
-        from transformers import AutoConfig
-
-        model_config = AutoConfig.from_pretrained(spec.model)
-    else:
-        model_config = load_model_config(spec.model)
+    model_config = model_config_of(spec)
     tokenizer = build_tokenizer(model_config)
     num_generations, steps_per_generation = num_generations_for(spec.batch_size, spec.world_size)
     global_batch = spec.batch_size * spec.world_size * steps_per_generation
     n_prompts = max(1, global_batch // num_generations) * (spec.steps + 1)
     dataset = build_dataset(tokenizer, model_config.vocab_size, spec.prompt_len, n_prompts, spec.seed)
 
-    bf16 = spec.dtype == "bf16"
-    extra: dict[str, Any] = {}
-    if spec.gradient_checkpointing:
-        extra["gradient_checkpointing"] = True
+    extra: dict[str, Any] = {"gradient_checkpointing": True} if spec.gradient_checkpointing else {}
     if spec.generation == "model":
         extra["generation_kwargs"] = {"min_new_tokens": spec.completion_len}
-    args = config_cls(
-        output_dir=output_dir,
-        per_device_train_batch_size=spec.batch_size,
-        gradient_accumulation_steps=1,
-        steps_per_generation=steps_per_generation,
-        num_generations=num_generations,
-        max_completion_length=spec.completion_len,
-        max_steps=spec.steps,
-        learning_rate=1e-5,
-        beta=spec.beta,
-        num_iterations=spec.num_iterations,
-        bf16=bf16,
-        seed=spec.seed,
-        data_seed=spec.seed,
-        logging_strategy="no",
-        save_strategy="no",
-        log_level="error",
-        report_to="none",
-        disable_tqdm=True,
-        use_cpu=device.type == "cpu",
-        dataloader_num_workers=0,
-        shuffle_dataset=False,
-        **backend_kw,
-        **extra,
-    )
+    args = GRPOLabConfig(
+        output_dir=output_dir, per_device_train_batch_size=spec.batch_size, gradient_accumulation_steps=1,
+        steps_per_generation=steps_per_generation, num_generations=num_generations,
+        max_completion_length=spec.completion_len, max_steps=spec.steps, learning_rate=1e-5, beta=spec.beta,
+        num_iterations=spec.num_iterations, bf16=spec.dtype == "bf16", seed=spec.seed, data_seed=spec.seed,
+        logging_strategy="no", save_strategy="no", log_level="error", report_to="none", disable_tqdm=True,
+        use_cpu=device.type == "cpu", dataloader_num_workers=0, shuffle_dataset=False,
+        loss_backend=spec.loss_backend, **extra)
     # The model is created on its device in its final dtype (no fp32 master copy): the `bf16` points are pure bf16
     # training, the `fp32` points pure fp32. LoRA is applied here (not by TRL) so the FSDP2 path can shard the PEFT
     # model before the trainer wraps it; under FSDP2 every rank builds the full model, then shards it.
@@ -183,9 +159,8 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
     if spec.generation == "synthetic":
         environment.silence_trl_experimental()
         rollout = synthetic_rollout(spec.completion_len, model_config.vocab_size, _special_ids(tokenizer), spec.seed)
-    trainer = trainer_cls(model=model, reward_funcs=length_reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, rollout_func=rollout,
-                          callbacks=list(callbacks))
+    trainer = GRPOLabTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=dataset,
+                             processing_class=tokenizer, rollout_func=rollout, callbacks=list(callbacks))
     if spec.fsdp:
         keep_trainer_from_rewrapping(trainer, model)
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -198,17 +173,14 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
 class PhaseRecorder:
     """Splits each optimizer step into generation and training phases and keeps the peak of each."""
 
-    def __init__(self, meter, budget_bytes: int | None = None):
-        self.meter = meter
-        self.budget = budget_bytes
+    def __init__(self, meter, budget_bytes: int | None = None, capture_grads: bool = False, base: int = 0):
+        self.meter, self.budget, self.capture_grads, self.base = meter, budget_bytes, capture_grads, base
         self.gen_peaks: list[dict] = []
         self.train_peaks: list[dict] = []
         self.step_times: list[float] = []
         self.losses: list[float] = []
         self.grads: dict[str, torch.Tensor] | None = None
-        self.capture_grads = False
         self._t0 = 0.0
-        self.base = 0
 
     def callback(self):
         from transformers import TrainerCallback
@@ -278,28 +250,18 @@ def run_grpo_steps(spec: PointSpec, output_dir: str, capture_grads: bool = False
     """Build the trainer and run `spec.steps` optimizer steps; return the phase peaks (bytes), times and losses."""
     device, meter = prepare_probe_device(spec.device, spec.budget_bytes)
     base = meter.current()
-    rec = PhaseRecorder(meter, spec.budget_bytes)
-    rec.capture_grads = capture_grads
-    rec.base = base
+    rec = PhaseRecorder(meter, spec.budget_bytes, capture_grads, base)
     trainer = make_trainer(spec, output_dir, device, callbacks=[rec.callback()])
     rec.wrap(trainer)
     setup_bytes = meter.current()
     trainer.train()
-    peak_train = max(p["peak"] for p in rec.train_peaks)
     result = {
-        "peak_bytes": peak_train,
+        "peak_bytes": max(p["peak"] for p in rec.train_peaks),
         "peak_generation_bytes": max(p["peak"] for p in rec.gen_peaks) if rec.gen_peaks else None,
         "reserved_bytes": max(p.get("reserved", 0) for p in rec.train_peaks) if meter.kind == "cuda_allocated" else None,
-        "base_bytes": base,
-        "setup_bytes": setup_bytes,
-        "step_time_s": min(rec.step_times) if rec.step_times else None,
-        "memory_kind": meter.kind,
-        "steps_done": len(rec.train_peaks),
-        "loss": rec.losses[0] if rec.losses else None,
-        "losses": rec.losses,
-        "phase_reset": getattr(meter, "resettable", True),
-        **device_info(device),
-    }
+        "base_bytes": base, "setup_bytes": setup_bytes, "step_time_s": min(rec.step_times) if rec.step_times else None,
+        "memory_kind": meter.kind, "steps_done": len(rec.train_peaks), "loss": rec.losses[0] if rec.losses else None,
+        "losses": rec.losses, "phase_reset": getattr(meter, "resettable", True), **device_info(device)}
     if capture_grads:
         result["grads"] = rec.grads
     return result

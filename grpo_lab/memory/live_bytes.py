@@ -1,10 +1,7 @@
 """Exact live tensor bytes on any device: the oracle the planner's terms are checked against on CPU.
 
-`LiveTensorBytes` is a `TorchDispatchMode` that registers every storage an op creates (views and in-place results
-share their input's storage and are not new) and drops it when the storage is freed, so `current` / `peak` are the
-bytes of live tensors created under the mode — what `torch.cuda.max_memory_allocated` counts on a GPU, without the
-allocator's rounding and on any device. RSS on CPU adds the interpreter, the allocator and page granularity; this
-does not, so the planner's tensor terms can be checked to the byte on a 2-core machine.
+A `TorchDispatchMode` that registers every storage an op creates and drops it when freed: what
+`torch.cuda.max_memory_allocated` counts, without the allocator's rounding or RSS's noise, on any device.
 
     with LiveTensorBytes() as live:
         loss = model(x).sum(); loss.backward()

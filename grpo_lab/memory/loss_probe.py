@@ -1,9 +1,7 @@
 """The loss stage alone: LM-head projection + log-probs (+ entropy) + a GRPO-style loss, forward and backward.
 
-Inputs are the last hidden state `[B*T, H]` and the LM-head weight `[V, H]` of the chosen model, both trainable, so
-the peak includes what the fused heads exist to avoid (the `[N, V]` logits and their gradient). The log-prob
-backends come from `grpo_lab.loss.heads.logprob_head`; `liger` fuses the loss itself, so its point runs
-Liger's `LigerFusedLinearGRPOLoss` on the same tensors.
+Both inputs (hidden states `[B*T, H]`, head weight `[V, H]`) are trainable, so the peak includes what the fused heads
+exist to avoid (the `[N, V]` logits and their gradient); `liger` runs `LigerFusedLinearGRPOLoss` on the same tensors.
 """
 
 from __future__ import annotations
@@ -13,21 +11,15 @@ import time
 import torch
 
 from grpo_lab.loss.heads import logprob_head
-from grpo_lab.models import load_model_config
 
-from .grpo_step import TORCH_DTYPES
+from .grpo_step import TORCH_DTYPES, model_config_of
 from .meter import BudgetExceeded, device_info, prepare_probe_device
 from .spec import PointSpec
 
 
 def run_loss_probe(spec: PointSpec) -> dict:
     device, meter = prepare_probe_device(spec.device, spec.budget_bytes)
-    if spec.pretrained:
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(spec.model)
-    else:
-        cfg = load_model_config(spec.model)
+    cfg = model_config_of(spec)
     B, T, H, V = spec.batch_size, spec.completion_len, cfg.hidden_size, cfg.vocab_size
     dtype = TORCH_DTYPES[spec.dtype]
     gen = torch.Generator(device=device).manual_seed(spec.seed)

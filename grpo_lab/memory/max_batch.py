@@ -4,16 +4,9 @@
     python -m grpo_lab.memory.max_batch --full  --out results/fsdp_max_batch   # one H200: Qwen3 0.6B-8B, bf16 LoRA
     # --full writes fsdp_max_batch_expandable.csv (expandable_segments); with --default-allocator, fsdp_max_batch.csv
 
-A probe is `spec.steps` real TRL GRPO optimizer steps (FSDP2 + LoRA, synthetic fixed-length completions, see
-`grpo_step`) at one batch size; it fits when every rank finishes without running out of memory (on CUDA the cap is
-`budget` via `torch.cuda.set_per_process_memory_fraction`; on CPU a peak RSS above the baseline larger than `budget`
-counts as out of memory). Any other failure stops the search with the error shown.
-
-Search: the first probe at `start`; then each probe goes where a linear memory model (footprint ≈ setup + B ×
-per-sequence, through the smallest and largest fitted probes; the footprint is the allocator's reserved peak) puts the limit,
-kept inside the current bracket so each probe narrows it, with bisection as the fallback, down to a gap of
-max(1, rel_tol × B). Without a usable memory reading (or with `guess=False`) it is doubling from `start`, then
-bisection. `upper` caps the search (reported as `capped`).
+A probe is `spec.steps` real TRL GRPO optimizer steps (FSDP2 + LoRA, `grpo_step`) at one batch size; it fits when
+every rank finishes within `budget` (CUDA: a memory fraction; CPU: peak RSS above the baseline). Any other failure
+stops the search. How the search picks its probes: `search_max_batch`; docs/memory.md.
 """
 
 from __future__ import annotations
@@ -47,7 +40,6 @@ from .spec import (
 FIGURE = "fsdp_max_batch"
 
 PRESETS = {
-    # CPU, 2 gloo processes, tiny Qwen3s (tied and untied heads); a budget small enough that the limit is reached
     # CPU: FSDP2 over a 1-process gloo group (the 2-process run is in the tests), LoRA r=8, small-qwen3 (vocab
     # 8192, so the logits matter); a budget 0.03 GiB above what one sequence needs, so the limit is reached at a few
     # sequences whatever fixed RSS the Python environment adds (measured: 0.11 GiB in one venv, 0.15 in another)
@@ -83,10 +75,9 @@ def _footprint(r: dict) -> float:
 def linear_guess(results: dict[int, dict], budget: float | None) -> int | None:
     """Largest B with setup + B × per-sequence ≤ budget, from the fitted probes' footprints (None if not estimable).
 
-    Two or more fitted probes: the line through the smallest and the largest (the widest baseline: the reserved
-    peak moves in allocator-segment steps, so two close probes give a noisy slope). One probe:
-    per-sequence = (peak − setup) / B, which overestimates it (the step's fixed transients are counted per
-    sequence), so the first guess lands low and fits, and the second is made from two points."""
+    The line goes through the smallest and largest fitted probes (the reserved peak moves in allocator-segment
+    steps, so close probes give a noisy slope); from one probe, (peak − setup) / B overestimates the slope, so the
+    first guess lands low and fits."""
     if not budget:
         return None
     pts = sorted((b, _footprint(r), r.get("setup_bytes", 0) - r.get("base_bytes", 0))
@@ -110,20 +101,13 @@ def search_max_batch(fits: Callable[[int], tuple[bool, dict]], start: int = 1, u
                      rel_tol: float = 0.0, budget: float | None = None, guess: bool = True,
                      on_probe: Callable[[int, bool], None] | None = None, known: dict[int, dict] | None = None,
                      out_of_time: Callable[[], bool] | None = None) -> SearchResult:
-    """Find the largest batch in [1, upper] for which `fits(b)` is true, assuming fits is monotone (fits at b ⇒ fits
-    below b), to within a gap of max(1, rel_tol × B). `fits` returns (fitted, details); details with `peak_bytes`
-    (and `reserved_bytes`, `setup_bytes`) feed the linear guess.
+    """The largest batch in [1, upper] for which the monotone `fits(b)` -> (fitted, details) holds, to within a gap
+    of max(1, rel_tol × B).
 
-    Each probe goes where the memory line through the fitted probes says the limit is, kept inside the bracket
-    [lo + gap, hi − gap] so every probe narrows it by at least a gap (at most two such probes once bracketed, then
-    bisection); a probe that fits while the line says the limit is already passed moves up by a step that doubles
-    each time. Without a guess (no budget or memory reading, or `guess=False`) it is doubling from `start`, then
-    bisection.
-
-    `known`: earlier probes ({batch: details with "status" ok|oom}) to start from instead of `start` (a search
-    resumed after a time limit). `out_of_time`: asked before each new probe; when it says so the search stops and
-    returns its bracket with `incomplete=True`. Replayed on memory models fitted to the H200 probes it takes 4-6
-    probes per search where the previous gallop took up to 11 (`benchmarks/search_replay.py`)."""
+    Each probe goes where `linear_guess` puts the limit, kept inside [lo + gap, hi − gap] so it narrows the bracket
+    (two such probes once bracketed, then bisection); without a guess it doubles from `start`, then bisects. 4-6
+    probes per H200 search where plain galloping took up to 11 (`benchmarks/search_replay.py`). `known`: earlier
+    probes {batch: details with "status"} to resume from; `out_of_time()` stops it with `incomplete=True`."""
     start = check_positive_int(start, "start")
     upper = check_positive_int(upper, "upper")
     start = min(start, upper)
@@ -233,12 +217,9 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
                    rel_tol=0.0, steps=1, device="auto", budget_above_one_gib=None,
                    expandable_segments=False) -> list[Search]:
     """One search per model × backend, validated up front. The budget: `budget_gib`, or `budget_fraction` of the
-    GPU's memory (CUDA), or `budget_above_one_gib` more than a one-sequence probe of the first model and backend
-    needs (measured here, for budgets that mean the same in every environment), or the whole GPU; on CPU one of
-    `budget_gib` / `budget_above_one_gib` is required (there is no device limit to hit). `expandable_segments`
-    runs every probe with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (CUDA only): the caching allocator's
-    fragmentation at the limit, 8-17 % of an H200 for the fused heads, nearly vanishes, and the memory planner's
-    max batch is validated for that setting."""
+    GPU, or `budget_above_one_gib` more than a one-sequence probe needs (the same in every environment), or the
+    whole GPU (CPU needs one of the first and third). `expandable_segments`: every probe under
+    `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, the setting the planner's max batch is validated for."""
     models = [check_model(m) for m in parse_str_list(models, "models")]
     backends = [resolve_backend(b) for b in parse_str_list(backends, "backends")]
     dtype = normalize_dtype(dtype)
@@ -293,18 +274,12 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
                  guess: bool = True, keep_going: bool = False, append: bool = False,
                  max_seconds: float | None = None, resume: bool = False,
                  seed_probes: str | Path | pd.DataFrame | None = None) -> pd.DataFrame:
-    """Run each search; returns one row per search (max batch, first OOM, probes) and, next to `out_csv`, writes
-    `<name>_probes.csv` with one row per probe (the memory-harness columns).
+    """Run each search; one row per search, and `<name>_probes.csv` (one row per probe) next to `out_csv`.
 
-    A probe failing for a reason other than memory raises `ProbeError`; with `keep_going` the search is recorded
-    with `status="error"` and its message instead, and the next search runs. With `append`, rows already in
-    `out_csv` for other (model, backend) pairs are kept. After `max_seconds` no new probe starts: the search under way
-    is recorded as `incomplete` (its bracket in max_batch / first_oom) and the ones not started as `skipped`. With
-    `resume` (implies `append`), a search starts from the probes already in `<name>_probes.csv` for the same
-    model, backend, dtype, lengths, LoRA rank, world size, steps and budget, so a search cut short goes on where it
-    stopped. `seed_probes` (implies `resume`): probes measured elsewhere with the same harness (planner.check's pairs
-    around the planner's max batch, say); its rows with a search's exact setting become known probes of that search
-    and are copied into `<name>_probes.csv`, so a search can start from a bracket another run measured."""
+    A non-memory failure raises `ProbeError` (`keep_going`: recorded as `error`). `append` keeps `out_csv`'s rows of
+    other (model, backend) pairs; after `max_seconds` the search under way is `incomplete`, the rest `skipped`.
+    `resume` (implies `append`) starts each search from the probes CSV's probes of the same setting; `seed_probes`
+    (implies `resume`) adds another CSV's probes of a search's exact setting (planner.check's pairs, say)."""
     resume = resume or seed_probes is not None
     append = append or resume
     env = run_record(searches[0].base.device if searches else "auto")
@@ -478,6 +453,15 @@ def _probes_path(out_csv) -> Path:
     return p.with_name(p.stem + "_probes.csv")
 
 
+def _save_png(df: pd.DataFrame, png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from .plots import plot_max_batch, save_png  # matplotlib: only when a figure is drawn (a GPU box may lack it)
+
+    return save_png(plot_max_batch(df), png)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m grpo_lab.memory.max_batch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -524,13 +508,7 @@ def main(argv=None) -> int:
         if not csv.is_file():
             print(f"error: no CSV {csv}", file=sys.stderr)
             return 2
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        from .plots import plot_max_batch  # matplotlib: only when a figure is drawn (a GPU box may lack it)
-
-        plot_max_batch(pd.read_csv(csv)).savefig(csv.with_suffix(".png"), dpi=110)
-        print(f"wrote {csv.with_suffix('.png')}")
+        print(f"wrote {_save_png(pd.read_csv(csv), csv.with_suffix('.png'))}")
         return 0
     preset = dict(PRESETS["full" if a.full else "quick"])
     for k in ("models", "backends", "dtype", "prompt_len", "completion_len", "world_size", "lora_r", "budget_gib",
@@ -573,16 +551,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-
-        from .plots import plot_max_batch  # matplotlib: only when a figure is drawn
-
-        fig = plot_max_batch(df)
-        fig.savefig(out / f"{name}.png", dpi=110)
-        plt.close(fig)
+        _save_png(df, out / f"{name}.png")
     except ImportError as e:  # a GPU box without matplotlib: the CSV is the result, plot it elsewhere
         print(f"note: no PNG ({e}); the CSV is written", file=sys.stderr)
     with pd.option_context("display.width", 160):

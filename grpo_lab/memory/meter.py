@@ -20,12 +20,9 @@ GiB = 1024**3
 def _read_status_kib(key: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
+            return next((int(line.split()[1]) for line in f if line.startswith(key + ":")), None)
     except OSError:
         return None
-    return None
 
 
 class CpuRssMeter:
@@ -106,10 +103,7 @@ class BudgetExceeded(MemoryError):
 
 def is_oom_error(exc: BaseException) -> bool:
     """Out-of-memory from any layer: torch's CUDA OOM, a host `MemoryError`, allocator messages, a budget overrun."""
-    if isinstance(exc, MemoryError | BudgetExceeded):
-        return True
-    oom_type = getattr(torch, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exc, oom_type):
+    if isinstance(exc, MemoryError | torch.cuda.OutOfMemoryError):  # BudgetExceeded is a MemoryError
         return True
     text = str(exc).lower()
     return any(s in text for s in ("out of memory", "cuda_error_out_of_memory", "can't allocate memory",

@@ -10,7 +10,7 @@ from grpo_lab.lab import environment
 from grpo_lab.loss.backends import BASELINE_BACKEND, REFERENCE_BACKENDS
 
 from .max_batch import PRESETS, build_searches, run_searches
-from .results import load_reference, ratio_table, rows_to_frame, savings_table, write_csv
+from .results import load_reference, ratio_table, rows_to_frame, savings_table
 from .sweep import build_specs, run_sweep, save_figures
 
 
@@ -208,6 +208,3 @@ def closing_note_max_batch(df: pd.DataFrame | None) -> str:
                                               for _, r in missing.iterrows()) + "."]
     return "\n".join(lines)
 
-
-def save_frame(df: pd.DataFrame, path) -> Path:
-    return write_csv(df, path)

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 from matplotlib.ticker import NullFormatter
 
 from grpo_lab.loss.backends import BACKEND_COLORS, BACKEND_MARKERS, REFERENCE_BACKENDS, in_display_order
 
 from .results import bound_kind
+
+
+def save_png(fig, path) -> Path:
+    """`fig` written at the committed figures' resolution, then closed."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
 
 
 def _style(backend: str) -> dict:

@@ -1,13 +1,8 @@
 """Run one memory point in fresh processes, so points cannot leak allocator state or fragmentation into each other.
 
-Each point is one process per rank, forked from a fork server that has already imported torch/transformers/TRL
-(`_preload`; imports only, no CUDA context), so a probe starts in about a second rather than the import time.
-`start_method="spawn"` gives a brand-new interpreter instead. For `world_size > 1` (or `fsdp=True`) every rank gets
-the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and accelerate builds the process group
-(gloo on CPU, NCCL on GPU; NVLink multicast off), so N GPUs of one host need no code change.
-
-Outcomes: `ok`, `oom` (an allocator / host OOM, a CPU budget overrun, or a rank killed by SIGKILL — the kernel's
-OOM killer), and `error`, which `run_point` raises as `ProbeError` with the child's traceback.
+One process per rank, forked from a fork server that has already imported torch/transformers/TRL (`_preload`, no
+CUDA context), so a probe starts in about a second; ranks get the torchrun environment. Outcomes: `ok`, `oom` (also
+a CPU budget overrun or a SIGKILL from the OOM killer) and `error` (`ProbeError`, with the child's traceback).
 """
 
 from __future__ import annotations
@@ -39,10 +34,8 @@ def _free_port() -> int:
 
 
 def _memory_flat_head() -> None:
-    """Measure the grpo_lab head on its memory-flat path. By default a trainable head keeps its [N, V] probabilities
-    when free memory allows (the kernel's memory policy: speed where memory is spare), which would put that optional
-    buffer into every small batch's peak; the figures are of the head's lean path, which is also what runs at the
-    memory limit. `GRPO_LAB_MATERIALIZE_FRACTION` set by the caller still wins."""
+    """Measure the grpo_lab head on its memory-flat path (what runs at the memory limit), not with the [N, V]
+    probabilities its memory policy keeps where memory is spare; a caller's `GRPO_LAB_MATERIALIZE_FRACTION` wins."""
     flat = environment.set_default("GRPO_LAB_MATERIALIZE_FRACTION", "0") == "0"
     tuning = sys.modules.get("grpo_lab.loss.kernel.tuning")
     if tuning is not None and flat:
@@ -217,15 +210,8 @@ def _run_point(spec: PointSpec, timeout_s, start_method: str, capture_grads: boo
                 statuses.append(("error", f"rank {i} exited with code {code} without a result"))
         else:
             statuses.append(r)
-    kinds = [s[0] for s in statuses]
-    if "error" in kinds:
-        status = "error"
-    elif "oom" in kinds:
-        status = "oom"
-    elif all(k == "ok" for k in kinds):
-        status = "ok"
-    else:
-        status = "error"
+    kinds = {s[0] for s in statuses}
+    status = "oom" if "oom" in kinds and "error" not in kinds else "ok" if kinds == {"ok"} else "error"
     out: dict = {"status": status, "wall_s": wall, "message": ""}
     if status == "ok":
         out.update(statuses[0][1])

@@ -46,18 +46,12 @@ def require_liger_if_named(backends) -> None:
 
 
 def check_positive_int(value, what: str) -> int:
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        value = int(value)  # numpy and other integer types, as pandas and papermill hand them over
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value)
-        elif isinstance(value, float) and value.is_integer():
-            value = int(value)
-        else:
-            raise ValueError(f"{what} must be a positive integer, got {value!r}.")
-    if value <= 0:
+    """`value` as an int (numpy integers, digit strings and whole floats too, as pandas and papermill hand them over)."""
+    if (isinstance(value, str) and value.strip().isdigit()) or (isinstance(value, float) and value.is_integer()):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{what} must be a positive integer, got {value!r}.")
-    return value
+    return int(value)
 
 
 def parse_int_list(values, what: str = "batch sizes") -> list[int]:

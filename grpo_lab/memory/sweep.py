@@ -224,19 +224,10 @@ def save_figures(df: pd.DataFrame, out: Path, name: str) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    from .plots import plot_memory_vs_batch, save_png  # matplotlib: only when a figure is drawn (a GPU box may lack it)
 
-    from .plots import plot_memory_vs_batch  # matplotlib: only when a figure is drawn (a GPU box may lack it)
-
-    paths = []
-    for mode, suffix in (("step", ""), ("loss", "_loss_only")):
-        if (df["mode"] == mode).any():
-            fig = plot_memory_vs_batch(df, mode=mode)
-            path = Path(out) / f"{name}{suffix}.png"
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            paths.append(path)
-    return paths
+    return [save_png(plot_memory_vs_batch(df, mode=mode), Path(out) / f"{name}{suffix}.png")
+            for mode, suffix in (("step", ""), ("loss", "_loss_only")) if (df["mode"] == mode).any()]
 
 
 if __name__ == "__main__":

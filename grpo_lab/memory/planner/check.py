@@ -4,14 +4,10 @@
     python -m grpo_lab.memory.planner.check --preset heldout_h200 --out results/memory_planner  # one H200, ~3 min
     python -m grpo_lab.memory.planner.check --preset nb02_expandable --out results/memory_planner  # one H200, ~7 min
 
-`cpu_fsdp`: FSDP2 + LoRA on world sizes 1, 2 and 4 over gloo, each rank's peak RSS metered by the harness (the
-planner predicts the largest rank's). `heldout_h200`: configurations no constant was fitted to — another
-architecture (Qwen2.5: q/k/v bias, no q/k norm), other lengths and LoRA rank, the current `grpo_lab` kernel (frozen
-head), full fine-tuning of a 4B model — and two probes around the planner's max batch (3 % below it should fit, 3 %
-above should not: then the true limit is within one search step of the prediction), with the default caching
-allocator and with `expandable_segments`. `nb02_expandable`: notebook 02's fused-head searches (Qwen3 1.7B-8B,
-FSDP2 + LoRA r=16, 256 + 512 tokens) re-asked as the same pair of probes under `expandable_segments`, the allocator
-setting the planner's max batch is validated for. Every row is the harness's CSV row plus the prediction and its error.
+`cpu_fsdp`: FSDP2 + LoRA at world sizes 1, 2, 4 over gloo. `heldout_h200`: settings no constant was fitted to, and
+probes 3 % below / above the planner's max batch (the first should fit, the second not) under both allocators.
+`nb02_expandable`: notebook 02's fused-head searches re-asked as such pairs under `expandable_segments`. Each row is
+the harness's CSV row plus the prediction and its error (docs/memory.md, *Validation*).
 """
 
 from __future__ import annotations
@@ -125,9 +121,8 @@ def run_checks(points: list[CheckPoint], out_csv: Path | None = None, max_second
                     f"{(r['peak_bytes'] - (base if r.get('memory_kind') == 'cpu_rss' else 0)) / GiB:.3f}"
                     for r in result["per_rank"])
         rows.append(row)
-        frame = pd.DataFrame(rows)
         if out_csv is not None:
-            write_csv(frame, out_csv)
+            write_csv(pd.DataFrame(rows), out_csv)
         if on_point is not None:
             on_point(row, i, len(points))
     return pd.DataFrame(rows)
@@ -202,11 +197,7 @@ def main(argv=None) -> int:
             if a.preset == "heldout_h200":
                 points = heldout_h200_points(budget)
             else:
-                picked = {}
-                if a.models:
-                    picked["models"] = parse_str_list(a.models, "models")
-                if a.backends:
-                    picked["backends"] = parse_str_list(a.backends, "backends")
+                picked = {k: parse_str_list(v, k) for k, v in (("models", a.models), ("backends", a.backends)) if v}
                 points = nb02_expandable_points(budget, **picked)
         csv = target_csv(a.out, f"planner_{a.preset}", keep=False, overwrite=a.overwrite)
     except ValueError as e:

@@ -95,10 +95,6 @@ def saved_tensors(shape: ModelShape, b: int, lora_r: int, targets, kernel: str, 
     return out
 
 
-def saved_per_token(saved: list[Saved], seq_len: int = 0) -> float:
-    return sum(s.bytes_per_token for s in saved)
-
-
 def stage_transient(stage: str, shape: ModelShape, b: int, kernel: str, seq_len: int) -> float:
     """Bytes per token in flight at a backward stage, beyond the saved tensors not yet freed.
 

@@ -134,16 +134,15 @@ def main(argv=None) -> int:
         import matplotlib
 
         matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        from ..plots import save_png
 
         one = ws[ws["model"] == "Qwen3-8B"]
         measured = None
         if searches is not None:
             measured = searches[(searches["model"] == "Qwen3-8B") & (searches["status"] == "ok")][
                 ["backend", "world_size", "max_batch"]]
-        fig = plot_world_sizes(one, measured, "Qwen3-8B, FSDP2 + LoRA r=16, 256+512 tokens, 140 GiB per GPU")
-        fig.savefig(out / "planner_world_sizes.png", dpi=110)
-        plt.close(fig)
+        save_png(plot_world_sizes(one, measured, "Qwen3-8B, FSDP2 + LoRA r=16, 256+512 tokens, 140 GiB per GPU"),
+                 out / "planner_world_sizes.png")
     except ImportError as e:
         print(f"note: no PNG ({e})", file=sys.stderr)
     art = article_setting()

@@ -1,11 +1,6 @@
-"""Notebook 02's memory planner panel, from core ipywidgets only (Dropdown, BoundedIntText, FloatText, Checkbox, HTML,
-Output, VBox/HBox: Colab's 7.7 and 8.x): model, GPUs × GiB, dtype, LoRA rank, backend and lengths → the predicted
-peak and max batch, and the max batch over 1–8 GPUs with the measured searches overlaid. Without ipywidgets or a
-kernel, `show()` displays (or prints) the same summary and figure once.
-
-Every figure here is a prediction of `grpo_lab.memory.planner` and says so; a measured search of the same setting
-(committed, or just run in the notebook) is drawn as a circle, and `searches_against_planner` gives the planner's
-error on it.
+"""Notebook 02's memory planner panel, from core ipywidgets only (Colab's 7.7 and 8.x): a setting → the predicted
+peak and max batch, and the max batch over 1–8 GPUs with measured searches overlaid as circles. Without ipywidgets
+or a kernel, `show()` displays the same summary and figure once.
 """
 
 from __future__ import annotations
