@@ -9,6 +9,8 @@
     grpo-lab async-loop [--max-steps N] ... async LoRA GRPO: replicas + router + AsyncGRPOTrainer (--resume after a crash)
     grpo-lab serve-pool [--replicas N]    replicas + a router that several async-loop runs share (--router-url URL
                                           --run-name NAME joins it); prints the URL and where the admin key is
+    grpo-lab sweep GRID.yaml [--max-steps N]  the runs of a YAML grid of async-loop settings as tenants of one pool,
+                                          a line per run as it goes, the runs ranked by final reward at the end
     grpo-lab doctor RUN_DIR               which side of a (running) async loop waits, and the knob to turn (judged by
                                           the run's own run.json; flags override)
 
@@ -63,7 +65,7 @@ def _reproduce(argv) -> int:
 COMMANDS = {"reproduce": None, "memory": "grpo_lab.memory.sweep", "lab": "grpo_lab.lab.jupyter",
             "max-batch": "grpo_lab.memory.max_batch", "plan": "grpo_lab.memory.planner.cli",
             "async-loop": "grpo_lab.async_loop.command", "serve-pool": "grpo_lab.async_loop.serve_pool",
-            "doctor": "grpo_lab.async_loop.doctor"}
+            "doctor": "grpo_lab.async_loop.doctor", "sweep": "grpo_lab.sweep.command"}
 
 
 def main(argv=None) -> int:

@@ -18,7 +18,8 @@ PACKAGE = ROOT / "grpo_lab"
 # docs/architecture.md's table: the layer of each top-level unit of grpo_lab (higher imports lower, never the reverse;
 # units in one layer never import each other). `lab` is the bottom: it holds the one reader of the environment.
 LAYERS = {
-    "cli": 5, "router": 5,
+    "cli": 6, "router": 6,
+    "sweep": 5,
     "async_loop": 4,
     "serving": 3,
     "tasks": 2, "memory": 2,
@@ -162,7 +163,7 @@ def test_serving_rooms_import_down_only():
 
 def test_the_top_level_stays_small():
     entries = [p for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()]
-    assert len([p for p in entries if p.name != "__init__.py"]) <= 9
+    assert len([p for p in entries if p.name != "__init__.py"]) <= 10
     assert len([p for p in entries if p.suffix == ".py"]) <= 8
 
 

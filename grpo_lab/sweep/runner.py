@@ -1,0 +1,367 @@
+"""`Sweep`: the runs of a grid as tenants of one replica pool, each its own `grpo-lab async-loop` process.
+
+    with Sweep(SweepConfig(base={"max_steps": 20}, grid={"learning_rate": [1e-3, 3e-3, 1e-2]})) as sweep:
+        sweep.stop("lr1e-2")            # one run ends (its adapters leave every replica); the others go on
+        sweep.add({"learning_rate": 5e-3})
+        sweep.wait()
+        print(sweep.summary())          # ranked by final reward, with each run's folder
+
+The sweep starts a pool (`async_loop.serve_pool.SharedPool`) or joins one (`pool_url`), then keeps up to
+`parallel` runs training: a thread starts the next queued run when one ends and records every change in
+`sweep.json` (the grid, each run's settings, status, folder and log). A run is `queued`, `running`, `finished`
+(exit 0), `stopped` (by `stop`) or `failed`. Closing the sweep (also on Ctrl-C or an exception in a `with` block)
+stops every run it started, by process group, and the pool if it started it.
+
+The sweep's folder: `sweep.json`, `summary.csv`, `runs/<name>/` (each run's output folder: checkpoints, its
+`loop_metrics.jsonl`, `run.json`), `settings/<name>.yaml` (its exact `--config`), `logs/<name>.log`, `pool/` (the
+pool's admin key and replica logs, when the sweep started it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import logging
+import math
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from ..async_loop.serve_pool import PoolConfig, SharedPool
+from ..lab.files import write_atomically
+from ..lab.outputs import output_dir
+from ..serving.adapters.slots import max_loras_for
+from ..serving.router.admin_client import RouterAdminClient, RouterAdminError
+from . import figures, process
+from .config import SweepConfig, SweepError, as_setting_value, check_names
+from .grid import RunSpec, check_name, check_settings, expand, labels_for, run_name
+
+log = logging.getLogger(__name__)
+
+SWEEP_FILE, SUMMARY_FILE = "sweep.json", "summary.csv"
+FIGURE = "sweep"  # the default folder's name under outputs/
+POLL_S = 0.5
+DONE = ("finished", "stopped", "failed")
+
+
+@dataclass
+class RunState:
+    """One run of the sweep as `sweep.json` records it."""
+
+    name: str
+    settings: dict
+    varied: dict
+    output_dir: str
+    settings_file: str
+    log_file: str
+    status: str = "queued"
+    pid: int | None = None
+    returncode: int | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    stopping: bool = field(default=False, repr=False)
+
+    def record(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("proc", "stopping")}
+
+
+class Sweep:
+    """Runs of a grid sharing one pool: `start()` (or `with`), `add`, `stop`, `status`, `rows`, `shares`, `wait`,
+    `summary`, `close()`."""
+
+    def __init__(self, config: SweepConfig, env: dict | None = None):
+        self.config = config
+        self.env = dict(env or {})  # extra environment for every run (e.g. OMP_NUM_THREADS)
+        self.folder = Path(config.out_dir) if config.out_dir else None
+        self.runs: dict[str, RunState] = {}
+        self.pool: SharedPool | None = None
+        self.url, self.admin_key_file = config.pool_url, config.pool_admin_key_file
+        self._lock = threading.RLock()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seen: dict[str, dict] = {}  # each run's last pool figures (a run that left keeps its last)
+        for spec in expand(config.base, config.grid):
+            self._queue(spec)
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    def start(self) -> "Sweep":
+        """Make the folder, start (or check) the pool, then the runs, `parallel` at a time."""
+        self.folder = self._make_folder()
+        for run in self.runs.values():
+            self._place(run)
+        try:
+            if self.url is None:
+                self.pool = SharedPool(self._pool_config()).start()
+                self.url, self.admin_key_file = self.pool.url, self.pool.admin_key_file
+            self._admin().runs()  # the pool answers and takes the key, before any run starts
+        except BaseException:
+            self.close()
+            raise
+        self._record()
+        atexit.register(self.close)  # an interpreter that exits without close() still stops every run
+        self._thread = threading.Thread(target=self._supervise, name="sweep", daemon=True)
+        self._thread.start()
+        return self
+
+    def _make_folder(self) -> Path:
+        if self.folder is None:
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            return output_dir(f"{FIGURE}/{stamp}")
+        folder = output_dir(FIGURE, self.folder)
+        if (folder / SWEEP_FILE).exists():
+            raise SweepError(f"{folder} already holds a sweep ({SWEEP_FILE}): give another out_dir")
+        return folder
+
+    def _pool_config(self) -> PoolConfig:
+        c = self.config
+        staleness = max(check_settings(run.name, run.settings).max_staleness for run in self.runs.values())
+        slots = c.adapter_slots or min(c.parallel, len(self.runs)) * max_loras_for(staleness)
+        return PoolConfig(replicas=c.replicas, adapter_slots=slots, lease_s=c.run_lease,
+                          state_dir=str(self.folder / "pool"))
+
+    def _admin(self) -> RouterAdminClient:
+        return RouterAdminClient(self.url, key_file=self.admin_key_file, timeout_s=30.0)
+
+    def close(self) -> None:
+        """Stop every run still queued or training (by process group: none is left), then the pool it started."""
+        self._closed.set()
+        atexit.unregister(self.close)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        try:
+            for name in list(self.runs):
+                try:
+                    self.stop(name)
+                except Exception:  # noqa: BLE001 - one run's failed stop must not leave the others running
+                    run = self.runs[name]
+                    if run.proc is not None:
+                        process.kill_group(run.proc)
+                    log.exception("stopping run %s", name)
+        finally:
+            pool, self.pool = self.pool, None
+            if pool is not None:
+                pool.stop()
+        if self.folder is not None and self.folder.is_dir():
+            self._record()
+            self.summary()
+
+    def __enter__(self) -> "Sweep":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- runs ---------------------------------------------------------------------------------------------------
+    def _queue(self, spec: RunSpec) -> RunState:
+        run = RunState(spec.name, spec.settings, spec.varied, "", "", "")
+        self.runs[spec.name] = run
+        if self.folder is not None:
+            self._place(run)
+        return run
+
+    def _place(self, run: RunState) -> None:
+        run.output_dir = str(self.folder / "runs" / run.name)
+        run.settings_file = str(self.folder / "settings" / f"{run.name}.yaml")
+        run.log_file = str(self.folder / "logs" / f"{run.name}.log")
+
+    def add(self, settings: dict, name: str | None = None) -> str:
+        """Queue one more run: the sweep's `base` with `settings` on top; named after the grid settings it sets
+        (or `name`). Returns its name; SweepError for a setting or name it refuses."""
+        check_names("add", settings)
+        settings = {key: as_setting_value(key, value) for key, value in settings.items()}
+        merged = {**self.config.base, **settings}
+        varied = {key: value for key, value in settings.items() if self.config.base.get(key, object()) != value}
+        if name is None:
+            name = run_name(varied, labels_for(varied))
+            taken = [n for n in self.runs if n == name or n.startswith(name + "-")]
+            name = f"{name}-{len(taken) + 1}" if taken else name
+        else:
+            try:
+                check_name(name)
+            except SweepError as error:
+                raise SweepError(f"add: {error}") from None
+        if name in self.runs:
+            raise SweepError(f"add: the sweep already has a run named {name!r}")
+        check_settings(f"run {name}", merged)
+        with self._lock:
+            self._queue(RunSpec(name, merged, varied))
+            self._record()
+        return name
+
+    def _launch(self, run: RunState) -> None:
+        settings = {**run.settings, "output_dir": run.output_dir, "run_name": run.name, "router_url": self.url,
+                    "pool_admin_key_file": str(Path(self.admin_key_file).resolve())}
+        process.write_settings(Path(run.settings_file), settings)
+        run.proc = process.launch(Path(run.settings_file), Path(run.log_file), self.env)
+        run.pid, run.status, run.started_at = run.proc.pid, "running", time.time()
+
+    def stop(self, name: str, timeout_s: float | None = None) -> str:
+        """Stop one run (a queued one never starts): SIGTERM, SIGKILL to its process group after `timeout_s`
+        (default `stop_timeout_s`); then it is removed from the pool if it is still there, so its adapters leave
+        every replica. Returns its status."""
+        with self._lock:
+            run = self._run(name)
+            if run.status == "queued":
+                run.status, run.ended_at = "stopped", time.time()
+                self._record()
+                return run.status
+            if run.status in DONE or run.proc is None:
+                return run.status
+            run.stopping = True
+        process.stop(run.proc, self.config.stop_timeout_s if timeout_s is None else timeout_s)
+        self._leave_pool(name)
+        with self._lock:
+            self._ended(run)
+            self._record()
+        return run.status
+
+    def _leave_pool(self, name: str) -> None:
+        """Remove the run from the pool (its adapters unloaded after their drain) if it did not leave by itself."""
+        if self.url is None:
+            return
+        try:
+            self._admin().remove_run(name)
+        except (RouterAdminError, OSError):
+            pass  # the pool is gone, or will reclaim the run after its lease
+
+    def _run(self, name: str) -> RunState:
+        if name not in self.runs:
+            raise SweepError(f"no run {name!r} in this sweep; its runs: {', '.join(self.runs)}")
+        return self.runs[name]
+
+    def _ended(self, run: RunState) -> None:
+        if run.status in DONE:
+            return
+        run.returncode = run.proc.returncode
+        run.status = "stopped" if run.stopping else "finished" if run.returncode == 0 else "failed"
+        run.ended_at = time.time()
+
+    # -- the supervising thread -----------------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        """Every `POLL_S`: notice runs that ended, start queued ones while fewer than `parallel` train, keep each
+        run's pool figures; record every change."""
+        last_figures = 0.0
+        while not self._closed.wait(POLL_S):
+            ended = []
+            with self._lock:
+                changed = False
+                for run in self.runs.values():
+                    if run.status == "running" and not run.stopping and run.proc.poll() is not None:
+                        self._ended(run)
+                        ended.append(run)
+                        changed = True
+                running = sum(r.status == "running" for r in self.runs.values())
+                for run in self.runs.values():
+                    if running >= self.config.parallel or self._closed.is_set():
+                        break
+                    if run.status == "queued":
+                        self._launch(run)
+                        running += 1
+                        changed = True
+                if changed:
+                    self._record()
+            for run in ended:
+                process.reap_group(run.proc)
+            if time.monotonic() - last_figures > 2.0:
+                last_figures = time.monotonic()
+                self._pool_figures()
+
+    def _pool_figures(self) -> None:
+        try:
+            listed = self._admin().runs()["runs"]
+        except (RouterAdminError, OSError, KeyError, ValueError):
+            return
+        with self._lock:
+            for entry in listed:
+                if entry.get("name") in self.runs:
+                    self._seen[entry["name"]] = entry
+
+    # -- what it shows ------------------------------------------------------------------------------------------
+    def status(self) -> list[dict]:
+        """Each run: its status, steps logged, last log line, folder, pid and exit status."""
+        with self._lock:
+            runs = list(self.runs.values())
+        out = []
+        for run in runs:
+            rows = figures.step_rows(run.output_dir) if run.output_dir else []
+            out.append({"name": run.name, "status": run.status, "step": rows[-1]["step"] if rows else 0,
+                        "max_steps": check_settings(run.name, run.settings).max_steps,
+                        "last_line": figures.last_line(run.log_file) if run.log_file else "",
+                        "output_dir": run.output_dir, "pid": run.pid, "returncode": run.returncode})
+        return out
+
+    def rows(self, name: str) -> list[dict]:
+        """The run's metrics rows so far (one per step; `figures.curves` picks reward, KL, staleness, waiting)."""
+        return figures.step_rows(self._run(name).output_dir)
+
+    def curves(self):
+        """Every run's curves as one long DataFrame (run, step, reward, kl, staleness, rollout_wait_s)."""
+        import pandas as pd
+
+        return pd.DataFrame([{"run": name, **point} for name in list(self.runs)
+                             for point in figures.curves(self.rows(name))])
+
+    def shares(self) -> dict[str, dict]:
+        """Each run's share of the pool (completions granted, of all the sweep's runs'), with its queue figures;
+        a run that left keeps its last figures."""
+        self._pool_figures()
+        with self._lock:
+            return figures.pool_shares(list(self._seen.values()))
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until no run is queued or training (True), or `timeout_s` passed (False)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                busy = [r for r in self.runs.values() if r.status not in DONE]
+            if not busy:
+                self.summary()
+                return True
+            if self._thread is None or not self._thread.is_alive():
+                raise SweepError("the sweep is not started (or was closed): call start() first")
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
+
+    def summary(self):
+        """The runs ranked by final reward (mean of the last steps), each with its figures and folder; also
+        written to `summary.csv` in the sweep's folder."""
+        import pandas as pd
+
+        shares = figures.pool_shares(list(self._seen.values()))
+        table = []
+        for entry in self.status():
+            rows = figures.step_rows(entry["output_dir"]) if entry["output_dir"] else []
+            run = self.runs[entry["name"]]
+            table.append({
+                "run": entry["name"], "status": entry["status"], "steps": entry["step"],
+                "max_steps": entry["max_steps"], **run.varied,
+                "final_reward": figures.mean_of_last(rows, figures.CURVES["reward"]),
+                "kl": figures.mean_of_last(rows, figures.CURVES["kl"]),
+                "staleness": figures.mean_of_last(rows, figures.CURVES["staleness"], len(rows) or 1),
+                "rollout_wait_s": figures.mean_of_last(rows, figures.CURVES["rollout_wait_s"], len(rows) or 1),
+                "pool_share": shares.get(entry["name"], {}).get("share", math.nan),
+                "output_dir": entry["output_dir"]})
+        frame = pd.DataFrame(table)
+        if not frame.empty:
+            frame = frame.sort_values("final_reward", ascending=False, na_position="last", kind="stable")
+            frame = frame.reset_index(drop=True)
+        if self.folder is not None and self.folder.is_dir():
+            write_atomically(self.folder / SUMMARY_FILE, frame.to_csv(index=False))
+        return frame
+
+    def _record(self) -> None:
+        """`sweep.json`: the grid, the pool, every run's settings, status, folder and log (written whole)."""
+        if self.folder is None:
+            return
+        c = self.config
+        record = {"base": c.base, "grid": c.grid, "parallel": c.parallel,
+                  "pool": {"url": self.url, "admin_key_file": self.admin_key_file,
+                           "started_by_sweep": self.pool is not None or c.pool_url is None,
+                           "replicas": c.replicas if c.pool_url is None else None},
+                  "runs": [run.record() for run in self.runs.values()]}
+        write_atomically(self.folder / SWEEP_FILE, json.dumps(record, indent=1, default=str) + "\n")
