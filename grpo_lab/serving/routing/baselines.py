@@ -1,18 +1,10 @@
 """Baselines the router's policy is measured against in the replay (`routing_sim`); served only when chosen
 (`--routing-policy blog_proxy` or `round_robin`).
 
-`BlogProxyPolicy` is the routing rule of the proxy published with the Hugging Face blog post "Async GRPO with LoRA
-across HF Jobs" (huggingface.co/blog/asyncgrpo-lora-hfjobs), as that proxy applies it: the same chained block hashes
-seeded with the adapter name, a block is *common* once every replica has served it or once more than one successor
-has been *recorded* after it, the replica with the most prompt-specific blocks of the longest matched prefix wins unless it
-is more than K in flight ahead of the least loaded (spill), and otherwise the least loaded with round-robin ties.
-Unlike `PrefixAffinityPolicy` it records ownership (and successors) when it routes, before the replica answers, and
-the request being routed does not count as a successor. That last point is why it reports fewer "unmatched"
-requests with 4-8 replicas: the second prompt under each new adapter version still sees the template block with a
-single recorded successor, so it "matches" the replica that served the first prompt on template blocks alone, which
-every replica can serve from its own cache anyway (no prefill saved).
-
-`RoundRobinPolicy` sends each request to the next candidate in turn, prompts ignored: the "no prefix routing" line.
+`BlogProxyPolicy` is the rule of the proxy of the Hugging Face blog post "Async GRPO with LoRA across HF Jobs" as that
+proxy applies it: ownership and successors recorded when it routes, before the replica answers, and the request
+being routed not counted as a successor (so it "matches" on template blocks alone, which saves no prefill).
+`RoundRobinPolicy` sends each request to the next candidate in turn: the "no prefix routing" line.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Forwarding one completion: pick a replica, send it, re-send it elsewhere when that replica fails, hedge it when it
 is stuck.
 
-A completion has no side effects and TRL seeds each one, so sending it again (to the same or another replica) gives
-the answer the first replica would have given; the router uses that in two ways:
-
-- **re-send** when a try fails: the replica dropped the connection, answered 200 with a body that is not a
-  completion, no longer holds the adapter, or was taken out of routing while the try ran (a health check failed,
-  the replica was removed from the membership). Counted in `grpo_router_reroutes_total{reason}`.
-- **hedge** when a try is stuck: it has not answered within its per-try deadline (`per_try`), which a replica that
-  still answers `/health` but never finishes a completion would otherwise stretch to the whole `upstream_timeout_s`.
-  The completion is sent to another replica holding the model as well; the first usable answer wins and the other
-  try is cancelled. Counted in `grpo_router_hedges_total{replica}` (the replica that was too slow) and
-  `grpo_router_hedge_wins_total{winner}` (`hedge` or `first`).
+A completion has no side effects and TRL seeds each one, so sending it again gives the same answer; the router
+**re-sends** a try that failed (dropped connection, a 200 that is not a completion, a lost adapter, its replica out
+of routing: `grpo_router_reroutes_total{reason}`) and **hedges** a try stuck past its per-try deadline (`per_try`)
+on another replica, the first usable answer winning (`grpo_router_hedges_total`, `grpo_router_hedge_wins_total`).
 
 Tries and hedges together reach at most `max_reroutes + 1` replicas, each at most once, within `upstream_timeout_s`.
 A try that fails with a 5xx while another try still runs does not end the race; a 200 or a 4xx does.
@@ -85,13 +78,15 @@ class Forwarder:
         long (they answer that, as vLLM would); a long prompt is hashed off the event loop."""
         if not isinstance(prompt, list):
             return []
-        policy = self.pool.policy
-        limit = self.pool.max_model_len
+        policy, limit = self.pool.policy, self.pool.max_model_len
         if limit is not None and len(prompt) > limit:
             return []
         if len(prompt) > self.config.hash_off_loop_tokens:
             return await asyncio.get_running_loop().run_in_executor(None, policy.hashes_for, prompt, model)
         return policy.hashes_for(prompt, model)
+
+    def _skip_hedge(self, reason: str) -> None:
+        self.metrics.inc("grpo_router_hedges_skipped_total", "Hedges put off or not sent, by reason", reason=reason)
 
     def _reroute(self, reason: str) -> None:
         self.metrics.inc("grpo_router_reroutes_total", "Completions re-sent to another replica, by reason",
@@ -257,8 +252,7 @@ class Forwarder:
                     elif not self._hedge_allowed():
                         if not newest.over_budget:
                             newest.over_budget = True
-                            self.metrics.inc("grpo_router_hedges_skipped_total", "Hedges put off or not sent, by "
-                                             "reason", reason="budget")
+                            self._skip_hedge("budget")
                         newest.not_before = now() + PAUSED_RECHECK_S
                     elif launch(hedge=True):
                         self.metrics.inc("grpo_router_hedges_total", "Completions also sent to another replica "
@@ -266,8 +260,7 @@ class Forwarder:
                                          replica=newest.replica.url)
                     else:
                         newest.hedge_blocked = True
-                        self.metrics.inc("grpo_router_hedges_skipped_total", "Hedges put off or not sent, by "
-                                         "reason", reason="no_replica")
+                        self._skip_hedge("no_replica")
                 if not running and fallback is None:
                     launch(hedge=False)  # every try so far failed: re-send
         finally:

@@ -1,23 +1,12 @@
 """Per-try deadlines: how long one replica may take on a completion before the router also asks another one.
 
-A replica can hang while still answering `/health` (a stuck engine, a wedged GPU, a request it will never schedule).
-The health checks then keep it in service and a completion sent there waits out the whole `upstream_timeout_s`
-(600 s) although another replica would have answered in seconds. So each try gets its own deadline, derived from what
-completions have recently cost: a high quantile of recent latencies (of completions asking for about as many tokens:
-a 16-token and a 3,000-token completion do not share a scale) times a factor, floored and capped. When it passes, the
-completion is *hedged*: sent to another replica as well, and the first answer wins; the other try is cancelled, which
-drops its connection, and vLLM aborts a request whose client went away.
-
-Until enough latencies are known to trust the quantile (`min_samples`) the deadline still has to be finite and short:
-a replica that hangs from the start, or a router just restarted, or a pool too quiet to collect `min_samples`, would
-otherwise cost each completion sent there the cap (300 s) — the whole `upstream_timeout_s` before the cap existed.
-With none of the size class known the deadline is `initial_s`; with a few (from whichever replicas answered), the
-slowest of them times the factor where that is longer (capped): the first completions of a run meet empty queues, so
-a few fast ones must not shorten the deadline and set off hedges on a pool that is only filling up.
-
-Hedges cost work on a second replica, so they are bounded: never while the replicas are paused (a pause holds every
-completion), and only while fewer than `budget` of the completions in flight are hedges (a slow cluster is not
-flooded with duplicates, which also bounds what a too-short start-up deadline costs).
+A replica can hang while still answering `/health`, and a completion sent there would wait out the whole
+`upstream_timeout_s` although another replica would answer in seconds. So each try gets a deadline from what
+completions of about its size recently cost (a high quantile times a factor, floored and capped); when it passes,
+the completion is *hedged* on another replica and the first answer wins. Until `min_samples` latencies are known the
+deadline is `initial_s` (or the slowest seen times the factor, if longer): a run's first completions meet empty
+queues and must not set off hedges on a pool that is only filling up. Hedges are bounded: none while paused, and at
+most `budget` of the completions in flight.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The routing-policy seam: what the router and the replay simulator ask of a policy, and what policies share.
 
-A policy decides which replica serves each completion. The router's replica pool holds one (`ReplicaPool(policy=...)`,
-by default the one `RouterConfig.routing_policy` names in `registry.POLICIES`), and the simulator
-(`sim.routing_sim.replay`) drives the same objects through the same calls, so what the replay measures is what the
-router serves. Replicas are numbers 0..n-1 (`ensure_replicas` grows n when one joins); a request's prompt arrives as
-its chained KV-block hashes (`hashes_for`), empty for a text prompt or one too long to serve.
-
-`BasePolicy` does the bookkeeping every policy needs (requests in flight per replica, decisions by kind, least loaded
-with round-robin ties, hashing), so a new policy only says where a request goes (`choose`) and, if it keeps state per
-request, what routing claims (`claim`) and what an answer releases (`release`).
+The router's replica pool and the replay simulator (`sim.routing_sim.replay`) drive the same policy objects through
+the same calls, so what the replay measures is what the router serves. Replicas are numbers 0..n-1; a prompt arrives
+as its chained KV-block hashes. `BasePolicy` does the shared bookkeeping (in flight per replica, decisions by kind,
+least loaded with round-robin ties), so a new policy only says where a request goes (`choose`) and, if it keeps
+state, what routing claims (`claim`) and an answer releases (`release`).
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Prefix-affinity routing: send a rollout to the replica that already holds its prompt's KV blocks.
 
-GRPO sends G rollouts of one prompt at once, so the win is keeping a group on one replica: its prompt is then
-prefilled once instead of once per replica. The rule (that of the proxy published with the Hugging Face blog post
-"Async GRPO with LoRA across HF Jobs", huggingface.co/blog/asyncgrpo-lora-hfjobs) counts only *prompt-specific*
-blocks: a block is *common* once every in-service replica has served it or once it has been followed by more than
-one distinct block (a shared chat-template prefix; the request being routed counts as one), because such
-blocks are cached everywhere anyway and would otherwise pull every request to whichever replica saw the template
-first.
-
-Two things differ from the published proxy:
-- a request's blocks become *owned* by a replica only after that replica answered successfully; while it is in
-  flight they are only a *pending claim*, enough to keep the rest of its group together, and dropped on failure;
-- only replicas the caller marks eligible (in service and holding the adapter) are candidates, so a dead replica
-  can never look least loaded, and `forget_replica` clears a replica's ownership when it is re-admitted or removed
-  (membership changes at run time: `ensure_replicas` makes room for a replica that joins).
-A block gets a record (in the LRU) only once a replica has answered a request containing it, so requests that are
-refused or fail never fill the LRU. Memory is bounded: records live in an LRU of `max_blocks` entries, touched
-tail first so a prompt's root is its most recent record and eviction drops a chain from its tail (what is left still
-matches as a prefix). A record is one Python int packing the served-by bitmask, the branch flag and a 32-bit
-fingerprint of the first successor: about 145 bytes per record with the OrderedDict entry and the 64-bit key
-(`test_record_memory` measures it; the earlier object-per-record layout took 429 B), so the default
-1,000,000 records take about 140 MiB.
+GRPO sends G rollouts of one prompt at once, so the win is keeping a group on one replica: its prompt is prefilled
+once. The rule (the proxy of the Hugging Face blog post "Async GRPO with LoRA across HF Jobs") counts only
+prompt-specific blocks: a block is *common* once every in-service replica served it or more than one distinct block
+followed it (a shared chat template, cached everywhere anyway). Unlike that proxy, blocks are *owned* only once the
+replica answered (a pending claim while in flight, dropped on failure), and only eligible replicas (in service,
+holding the adapter) are candidates. Memory is bounded: one packed int per block in an LRU of `max_blocks`, touched
+tail first so eviction drops a chain from its tail (~145 B a record, `test_record_memory`: 1,000,000 take ~140 MiB).
 """
 
 from __future__ import annotations

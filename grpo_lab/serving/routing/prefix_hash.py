@@ -24,15 +24,8 @@ def namespace_seed(namespace: str) -> int:
 
 def block_hashes(token_ids: Sequence[int], namespace: str = "", block_size: int = DEFAULT_BLOCK_SIZE,
                  cacheable_only: bool = True) -> list[int]:
-    """Chained 64-bit hashes of the full blocks of `token_ids`.
-
-    Args:
-        token_ids: the prompt, as token ids.
-        namespace: what seeds the chain; pass the adapter (model) name the request names.
-        block_size: tokens per block; use the replica's `cache_config.block_size` when it reports one.
-        cacheable_only: drop the last token first (vLLM never serves it from cache), so only blocks a replica could
-            actually reuse are hashed.
-    """
+    """Chained 64-bit hashes of the full blocks of `token_ids`, seeded with `namespace` (the adapter the request
+    names); `cacheable_only` drops the last token first (vLLM never serves it from cache)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     n = len(token_ids) - 1 if cacheable_only else len(token_ids)

@@ -1,9 +1,8 @@
 """The routing policies by name: the one list `--routing-policy`, `RouterConfig.routing_policy` and the replay
 simulator choose from.
 
-An entry is `"name": "module:Factory"`, the module relative to this package (or absolute); the factory takes
-`(num_replicas, RoutingConfig)` and returns a `policy.RoutingPolicy`. Entries are strings so that a new policy is one
-new module plus one line here, and the router imports only the policy it runs.
+An entry is `"name": "module:Factory"` (the factory takes `(num_replicas, RoutingConfig)`): strings, so a new policy
+is one module plus one line here, and the router imports only the policy it runs.
 """
 
 from __future__ import annotations
