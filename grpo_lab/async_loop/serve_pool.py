@@ -108,7 +108,8 @@ def write_admin_key(path: str | os.PathLike) -> Path:
 
 
 class SharedPool:
-    """Replicas + a tenancy router in this process: `start()` (or `with`), `url`, `admin_key_file`, `stop()`."""
+    """Replicas + a tenancy router (a child process this one restarts if it dies): `start()` (or `with`), `url`,
+    `admin_key_file`, `runs()`, `stop()`."""
 
     def __init__(self, config: PoolConfig | None = None):
         self.config = config or PoolConfig()
@@ -118,7 +119,7 @@ class SharedPool:
 
     @property
     def handle(self):
-        """The router's `RouterHandle` (register_run, remove_run, runs, ...)."""
+        """The router's `SupervisedRouter` (register_run, remove_run, runs, ...)."""
         return self.cluster.router
 
     @property
@@ -145,7 +146,8 @@ class SharedPool:
         spec = ClusterSpec(replicas=c.replicas, kind=c.replica_kind, model=model, adapter_slots=c.adapter_slots,
                            lora_rank=c.max_lora_rank, max_model_len=c.max_model_len,
                            replica_threads=c.replica_threads, router=self._router_fields(), log_dir=str(logs))
-        self.cluster = Cluster(spec).start(timeout=c.ready_timeout_s)  # a failed start stops what it started
+        # the router in a supervised child process, restarted on its port with the runs and live adapters it had
+        self.cluster = Cluster(spec, router_dir=str(self.state_dir / "router")).start(timeout=c.ready_timeout_s)
         (self.state_dir / POOL_FILE).write_text(json.dumps(
             {"url": self.url, "admin_key_file": os.path.abspath(self.admin_key_file), "pid": os.getpid(),
              "replicas": c.replicas, "replica_kind": c.replica_kind, "adapter_slots": c.adapter_slots,

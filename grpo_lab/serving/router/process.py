@@ -18,8 +18,9 @@ and the control client retry connection errors within their deadlines (`rollout_
 `control_timeout_s`). The child runs under the replicas' watchdog (`replicas.processes`), so it exits with the parent
 even on `kill -9`; `stop()` ends the supervision first, then the child.
 
-It has the calls a launcher makes on an in-process `RouterHandle` (`url`, `wait_ready`, `add_replica`,
-`remove_replica`, `replica_died`, `replicas`, `stop`), over the router's admin endpoints (`admin_client`).
+It has the calls a launcher or a shared pool makes on an in-process `RouterHandle` (`url`, `wait_ready`,
+`add_replica`, `remove_replica`, `replica_died`, `replicas`, `register_run`, `remove_run`, `runs`, `stop`), over the
+router's admin endpoints (`admin_client`).
 `events` lists (time, "died" | "restarted", url) and `recoveries_s` each restart's time from the death being seen
 to the new router answering.
 
@@ -43,6 +44,7 @@ import psutil
 import requests
 from aiohttp import web
 
+from ..adapters.slots import DEFAULT_MAX_STALENESS
 from ..replicas.processes import AnnouncingProcess, free_port
 from .admin_client import RouterAdminClient
 from .config import RouterConfig
@@ -188,6 +190,17 @@ class SupervisedRouter:
 
     def replicas(self) -> list[dict]:
         return self.admin.replicas()
+
+    # -- runs sharing the replicas (RouterConfig.tenancy), as on the in-process handle ---------------------------
+    def register_run(self, name: str, max_staleness: int = DEFAULT_MAX_STALENESS, weight: float = 1.0,
+                     replace: bool = False) -> dict:
+        return self.admin.register_run(name, max_staleness, weight, replace)
+
+    def remove_run(self, name: str) -> dict | None:
+        return self.admin.remove_run(name)
+
+    def runs(self) -> list[dict]:
+        return self.admin.runs()["runs"]
 
 
 def main(argv=None) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from ..adapters.fanout import load_one, unload_one
 from ..routing.policy import RoutingPolicy
@@ -70,6 +71,8 @@ class ReplicaPool:
         self.state_file = RouterStateFile(config.state_file) if config.state_file else None
         saved = self.state_file.load() if self.state_file is not None else None
         self.restored = saved is not None
+        self.saved_runs: list[dict] = saved["runs"] if saved is not None else []  # for the tenancy to take back
+        self.runs_state: Callable[[], list[dict]] | None = None  # the tenancy's runs, written with the rest
         if saved is not None:
             self.live_adapters.update(saved["live_adapters"])
             self._paused = saved["paused"]
@@ -94,7 +97,8 @@ class ReplicaPool:
     def save_state(self) -> None:
         """Write the live adapters and the pause state for a restarted router (`state_file`), if it has a file."""
         if self.state_file is not None:
-            self.state_file.save(self.live_adapters, self._paused)
+            self.state_file.save(self.live_adapters, self._paused,
+                                 self.runs_state() if self.runs_state is not None else None)
 
     def by_index(self, index: int) -> Replica:
         return self._slots[index]

@@ -135,6 +135,7 @@ class Router:
         self.forwarder = Forwarder(self.pool, self.client, self.adapters.drainer.usage, self.metrics, self.config)
         if self.tenancy is not None:
             self.forwarder.per_replica_cap = self.config.tenancy.max_in_flight_per_replica
+            self.tenancy.attach()
         self.membership = self.admin.membership = Membership(self.pool, self.metrics)
         self.pool.publish_states()
         self._tasks.append(asyncio.create_task(self.pool.run_health_checks(self._stop)))

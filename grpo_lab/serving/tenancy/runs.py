@@ -191,6 +191,22 @@ class RunRegistry:
         self._by_digest[run.digest] = run
         return run, token
 
+    def snapshot(self) -> list[dict]:
+        """The runs as a restarted router needs them (`router.state_file`): never a token, only its digest."""
+        return [{"name": r.name, "max_staleness": r.max_staleness, "weight": r.weight, "slots": r.slots,
+                 "digest": r.digest.hex(), "registered_at": r.registered_at, "paused": r.paused}
+                for r in self.runs.values()]
+
+    def restore(self, saved: list[dict]) -> list[Run]:
+        """Take back the runs a crashed router had (`snapshot`): their tokens keep working, their leases start anew."""
+        for entry in saved:
+            run = Run(entry["name"], int(entry["max_staleness"]), float(entry["weight"]), int(entry["slots"]),
+                      bytes.fromhex(entry["digest"]), registered_at=float(entry["registered_at"]),
+                      paused=bool(entry.get("paused", False)))
+            self.runs[run.name] = run
+            self._by_digest[run.digest] = run
+        return list(self.runs.values())
+
     def unregister(self, name: str) -> Run | None:
         run = self.runs.pop(name, None)
         if run is not None:

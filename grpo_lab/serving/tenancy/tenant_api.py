@@ -61,6 +61,15 @@ class RunsAPI:
         self._admin = f"Bearer {admin_key}".encode()
         self.unloads: deque = deque(maxlen=AUDIT)  # who unloaded which run's adapter, and why
 
+    def attach(self) -> None:
+        """Once the router has its pool: take back the runs of a crashed router (its state file), and have the pool
+        write the runs with the rest of its state from now on."""
+        for run in self.registry.restore(self.pool.saved_runs):
+            self.queue.set_weight(run.name, run.weight)
+            self.queue.set_paused(run.name, run.paused)
+            log.info("run %s taken back from the state file: its token still works", run.name)
+        self.pool.runs_state = self.registry.snapshot
+
     @property
     def pool(self):
         return self.router.pool
@@ -128,6 +137,7 @@ class RunsAPI:
         run.paused = False
         self.queue.set_paused(run.name, False)
         self.queue.set_weight(run.name, run.weight)
+        self.pool.save_state()
         self.metrics.inc("grpo_router_runs_registered_total", "Runs registered (or re-registered to resume)",
                          run=run.name)
         log.info("run %s %s: weight %g, max_staleness %d, %d adapter slots per replica", run.name,
@@ -193,6 +203,7 @@ class RunsAPI:
         if self.registry.runs.get(run.name) is not run:
             return []
         self.registry.unregister(run.name)
+        self.pool.save_state()
         self.queue.forget(run.name)
         names = sorted(n for n in self.pool.live_adapters if run.owns(n))
         for name in names:

@@ -194,6 +194,7 @@ class RunView(PoolView):
         adapter-only sync does not need it: each rollout names its version)."""
         self.run.paused = pausing
         self.api.queue.set_paused(self.run.name, pausing)
+        self.api.pool.save_state()
         return web.json_response({"status": "paused" if pausing else "resumed"})
 
     @property
