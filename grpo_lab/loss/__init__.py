@@ -1,14 +1,8 @@
 """The loss stack of grpo-lab: the GRPO loss, the log-prob heads behind one backend name, the Triton kernel, and the
 switch that puts them under TRL's trainers.
 
-Modules: `config` (`GRPOLossConfig`), `reference` (`grpo_loss`, the one implementation of the loss math), `backends`
-(the names and their one check), `contract` (the log-prob call every head answers), `frozen` (the frozen-head
-gradient algebra), `heads` (one module per head, `logprob_head(name)`), `kernel` (the Triton kernel), `liger`
-(Liger-Kernel's fused loss in TRL's place), `fused_module` (`GRPOLabFusedLinearGRPOLoss`) and `trl_switch`
-(`set_loss_backend`, `GRPOLabConfig`, `GRPOLabTrainer`).
-
-Of the rest of grpo_lab this package imports only `grpo_lab.lab.environment` (the kernel's `GRPO_LAB_*` variables).
-The names below are imported on first use, so `import grpo_lab.loss` imports neither TRL nor Triton (nor torch).
+The modules are listed in docs/architecture.md. The names below are imported on first use, so `import grpo_lab.loss`
+imports neither TRL nor Triton (nor torch).
 """
 
 from __future__ import annotations

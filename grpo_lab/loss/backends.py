@@ -1,8 +1,7 @@
 """The loss backend names, the default, their help text, how results show them (order, references, colours) and
 `resolve_backend`: the one check of a backend name. Every other module imports the names from here.
 
-A name is checked once, where it enters (a config's `__post_init__`, `set_loss_backend`, `logprob_backend`); the
-code below takes the resolved name and never checks it again, so a training step checks nothing.
+A name is checked once, where it enters (a config's `__post_init__`, `set_loss_backend`, `logprob_backend`).
 
 - `grpo_lab` (the default): this project's chunked head, the Triton kernel on CUDA and the chunked torch path
   elsewhere (`heads.grpo_lab`).

@@ -1,11 +1,8 @@
 """The frozen head's gradient algebra, shared by the torch and Triton paths.
 
-A head that needs no gradient (PEFT / LoRA, FSDP2 + LoRA, a `requires_grad=False` weight: `contract.head_mode`
-"frozen") only owes the hidden states their gradient. Its forward can then accumulate A = Σ_{j≠y} c_j·p_j·W_j (and
-B = Σ_{j≠y} c_j·p_j·log p_j·W_j when an entropy gradient is coming) while the logits are there, and its backward is
-elementwise: no recomputation of the logits and no weight-gradient GEMM. This module holds that algebra
-(`frozen_coefficients`, `frozen_input_grad`) and the switch that says whether B is worth accumulating
-(`expect_entropy_grad`).
+A frozen head (`contract.head_mode`: PEFT / LoRA) owes only the hidden states a gradient, so its forward accumulates
+A = Σ_{j≠y} c_j·p_j·W_j (and B = Σ_{j≠y} c_j·p_j·log p_j·W_j when an entropy gradient is coming) while the logits
+are there, and its backward is elementwise: no recomputed logits, no weight-gradient GEMM.
 """
 
 from __future__ import annotations

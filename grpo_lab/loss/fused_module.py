@@ -1,11 +1,8 @@
 """A Liger-style fused linear + GRPO loss module, for users who call the loss directly on the last hidden state.
 
 `GRPOLabFusedLinearGRPOLoss(config)(hidden[B,T,H], weight[V,H], selected_token_ids[B,T], attention_mask[B,T],
-advantages[B]) -> (loss, metrics)`, the same call shape as Liger 0.8.5's `LigerFusedLinearGRPOLoss`. The per-token
-log-probs (and entropies) come from the `grpo_lab` log-prob head (the Triton kernel on CUDA, the chunked torch path
-elsewhere): masked tokens are given target -100, so the kernel skips them. The loss itself is the project's one
-reference implementation, `reference.grpo_loss`, with TRL 1.16 semantics and every option of `GRPOLossConfig` (no
-loss math lives here).
+advantages[B]) -> (loss, metrics)`, Liger 0.8.5's call shape: log-probs from a log-prob head (masked tokens get
+target -100, which the kernel skips), the loss from `reference.grpo_loss` (no loss math lives here).
 """
 
 from __future__ import annotations
@@ -16,6 +13,11 @@ from .backends import DEFAULT_LOSS_BACKEND
 from .config import GRPOLossConfig
 from .heads import logprob_head
 from .reference import grpo_loss
+
+
+def _coef(config: GRPOLossConfig, entropy_coef: float | None) -> float:
+    """The entropy bonus in force: the call's (TRL's adaptive controller) or the config's."""
+    return config.entropy_coef if entropy_coef is None else entropy_coef
 
 
 class GRPOLabFusedLinearGRPOLoss(nn.Module):
@@ -73,17 +75,12 @@ class GRPOLabFusedLinearGRPOLoss(nn.Module):
         out = grpo_loss(
             logps, mask, advantages, self.config,
             old_per_token_logps=old_per_token_logps, ref_per_token_logps=ref_per_token_logps,
-            entropies=None if entropies is None else entropies.detach() if not self._needs_entropy_grad(entropy_coef)
-            else entropies,
+            entropies=entropies if entropies is None or _coef(self.config, entropy_coef) else entropies.detach(),
             importance_sampling_ratio=vllm_is_ratio, sampling_per_token_logps=sampling_per_token_logps,
             num_items_in_batch=num_items_in_batch, gradient_accumulation_steps=gradient_accumulation_steps,
             steps_per_generation=steps_per_generation, num_processes=num_processes, entropy_coef=entropy_coef,
             training=self.training)
         return out.loss, out.metrics
-
-    def _needs_entropy_grad(self, entropy_coef) -> bool:
-        coef = self.config.entropy_coef if entropy_coef is None else entropy_coef
-        return coef != 0.0
 
     def extra_repr(self) -> str:
         return f"loss_type={self.config.loss_type!r}, beta={self.config.beta}, backend={self.backend!r}"

@@ -1,16 +1,9 @@
 """The one `loss_backend` switch for TRL's `GRPOTrainer` and `AsyncGRPOTrainer`.
 
-TRL 1.16 computes every GRPO log-prob through `trl.trainer.utils._ChunkedLogProbFunction.apply` (inside the fused
-LM head it patches onto the model), then runs its own loss math on the `(B, T)` log-probs. grpo-lab puts a
-dispatcher in that slot: while a trainer whose backend is `grpo_lab` or `naive` is computing log-probs, the call goes
-to that backend; at any other time (other trainers, generation, user code) it goes to TRL's own function. So TRL's
-loss code runs unchanged for every option. `liger` fuses the loss too, so for it the trainer's `_compute_loss` is
-swapped for Liger's `LigerFusedLinearGRPOLoss` (see `liger`).
-
-The backend name is checked once, by `backends.resolve_backend`, where it enters (`GRPOLabConfig`,
-`set_loss_backend`, `logprob_backend`); a trainer step looks up nothing and checks nothing.
-
-Use it in one line, either way:
+TRL 1.16 computes every GRPO log-prob through `trl.trainer.utils._ChunkedLogProbFunction.apply`; grpo-lab puts a
+dispatcher in that slot, which calls the trainer's backend while that trainer computes log-probs and TRL's own
+function at any other time, so TRL's loss code runs unchanged for every option. `liger` fuses the loss too: the
+trainer's `_compute_loss` is swapped for it (`liger`). Use it in one line, either way:
 
     trainer = GRPOLabTrainer(model, reward_funcs, args=GRPOLabConfig(..., loss_backend="grpo_lab"), ...)
     set_loss_backend(existing_trainer, "naive")        # any GRPOTrainer / AsyncGRPOTrainer instance

@@ -1,13 +1,8 @@
 """The Triton kernel of the fused linear → log-prob head, `grpo_lab.loss.kernel`.
 
-Never a top-level `kernels` package: that name is Hugging Face's `kernels`, which transformers imports. Modules:
-`tuning` (the `KernelTuning` dataclass and the `GRPO_LAB_*` environment, read once), `triton_kernels` (the
-`@triton.jit` code), `policy` (the trainable head's memory policy and the counts of the paths taken: `path_counts()`),
-`launch` (path choice, buffers and launches) and `function` (the autograd Function and `fused_linear_logprobs`).
-
-Importing this package never needs Triton or a GPU: `fused_linear_logprobs` here is a thin function that imports the
-Triton implementation on first call and raises a clear error where Triton is missing, and the `grpo_lab` head
-(`heads.grpo_lab`) checks `TRITON_AVAILABLE` first and keeps the chunked torch path there.
+Never a top-level `kernels` package: that name is Hugging Face's `kernels`, which transformers imports. The modules
+are listed in docs/architecture.md. Importing this package never needs Triton or a GPU: `fused_linear_logprobs`
+imports the Triton implementation on first call.
 """
 
 from __future__ import annotations
@@ -36,8 +31,7 @@ def fused_kernel_available() -> bool:
 
 def fused_linear_logprobs(hidden, weight, bias, targets, temperature=1.0, chunk_size=None, softcap=None,
                           logit_scale=1.0, outputs=("log_probs",)):
-    """TRL `ChunkedLogProbFunction.apply` signature; the Triton implementation (`function.fused_linear_logprobs`) is
-    imported on first call, so importing `grpo_lab.loss.kernel` never needs Triton or a GPU."""
+    """TRL `ChunkedLogProbFunction.apply` signature: `function.fused_linear_logprobs`, imported on first call."""
     if not TRITON_AVAILABLE:
         raise ImportError("grpo_lab.loss.kernel.fused_linear_logprobs needs Triton; use the grpo_lab backend, which "
                           "falls back to the chunked torch path.")

@@ -1,20 +1,10 @@
 """The memory policy of a trainable head, and the counts of the paths the kernel took.
 
-A trainable head has two ways to its gradient (docs/kernel.md): the memory-flat recompute path (four GEMMs over
-N·V·H) and the materialised one (three GEMMs; its forward keeps the [N, V] probabilities in the compute dtype until
-the head's backward is done). On the H200 the materialised path is 11-26 % faster from 8192 rows in bf16 and 12-20 %
-in fp32 (a 16-bit head under 2^22 rows × hidden is host-bound and stays flat: `materialize_flat_below`), but its
-buffer grows with N. So the
-kernel keeps it when it fits in a budget of the device memory free at that moment:
-`materialize_fraction` (default one half) of what the allocator could hand out now, and always 2 GiB to spare. Half,
-so that what the step allocates while the buffer lives — the loss, the head's backward (dX in fp32, dW) — has the
-other half: a step that fits with the flat path also fits with the buffer, and a batch at the memory limit finds too
-little free and stays flat. `materialize_fraction = 0` (`GRPO_LAB_MATERIALIZE_FRACTION=0`) is always flat; an explicit
-allowance in GiB (`materialize_gib`, `GRPO_LAB_MATERIALIZE_GIB`, the older opt-in) replaces the fraction.
-
-Which path each call took is counted (`path_counts()`), so a user or the benchmark can see whether the buffer was
-kept. No Triton (nor, until the free memory is read, torch) import here: `grpo_lab.loss.kernel` re-exports the counts
-and stays light to import; the decision and the counts are plain Python, tested on CPUs.
+A trainable head either recomputes its logits in the backward (memory-flat, four GEMMs) or keeps its [N, V]
+probabilities from the forward (three GEMMs, faster from a few thousand rows, but a buffer that grows with N). It
+keeps them when they fit `materialize_fraction` of the memory free at that moment with 2 GiB to spare, so a batch at
+the memory limit stays flat (`tuning.KernelTuning`, docs/kernel.md). Which path each call took is counted
+(`path_counts()`). Plain Python (no Triton; torch only to read the free memory), tested on CPUs.
 """
 
 from __future__ import annotations
