@@ -119,7 +119,7 @@ class Sweep:
     def _pool_config(self) -> PoolConfig:
         c = self.config
         staleness = max(check_settings(run.name, run.settings).max_staleness for run in self.runs.values())
-        slots = c.adapter_slots or min(c.parallel, len(self.runs)) * max_loras_for(staleness)
+        slots = c.adapter_slots or c.parallel * max_loras_for(staleness)  # `parallel`: runs added later fit too
         return PoolConfig(replicas=c.replicas, adapter_slots=slots, lease_s=c.run_lease,
                           state_dir=str(self.folder / "pool"))
 
