@@ -1,24 +1,11 @@
 """Checkpoints on an object store: each complete one published as it is saved, the last complete one pulled back.
 
-TRL and transformers write `checkpoint-N` into the local `output_dir`. A trainer on a machine that can vanish (a
-preempted node, a spot instance, a job that lands elsewhere after a requeue) loses them with the disk, and the adapter
-history on the store alone cannot restart the run. With `checkpoint_storage` set (`AsyncGRPOLabConfig`), every
-checkpoint is copied to `<checkpoint_storage>/checkpoint-N/` once transformers has finished writing it (a
-`TrainerCallback.on_save`), by the rule adapters follow on an object store: the files first, a manifest with each
-file's SHA-256 last. A checkpoint counts as published only with its manifest, and only a checkpoint that was complete
-locally (`rollout_state.json` and `trainer_state.json` both there and whole) is published at all.
-
-On a fresh machine, `pull_last_checkpoint(url, output_dir)` downloads the newest published checkpoint into
-`output_dir` (each file checked against the manifest; incomplete or damaged ones named and skipped), after which
-`--resume` / `train(resume_from_checkpoint=True)` goes on from it as from a local one. The adapter names stay unique
-across the move because the adapter history lives on the store too (`serving.adapters.storage`).
-
-Each published checkpoint also carries the run's log as of its step (`run_dir.RUN_LOG_DIR`: the metrics log and
-`run.json`), and a pull into a machine that lacks that history restores it (`run_dir.restore_run_log`): the doctor,
-the results and the trackers' history go on from the whole run, not from the steps after the resume.
-
-A re-save of a step already published (a run resumed from an earlier checkpoint trains that step again) first
-removes the old copy's manifest, so a kill in between leaves an incomplete folder, never a mix of two saves.
+A trainer on a machine that can vanish (preemption, a requeue elsewhere) loses its local `checkpoint-N` folders with
+the disk. With `checkpoint_storage` set, each checkpoint that was complete locally is copied to
+`<checkpoint_storage>/checkpoint-N/` once saved, by the adapters' rule (files first, a SHA-256 manifest last), with
+the run's log as of its step (`run_dir.RUN_LOG_DIR`). On a fresh machine `pull_last_checkpoint` downloads the newest
+complete one (damaged ones named and skipped) and restores the run's log, so `--resume` goes on from the whole run.
+A step published again after a resume loses its manifest first: a kill leaves an incomplete folder, never a mix.
 """
 
 from __future__ import annotations
@@ -123,10 +110,9 @@ class CheckpointStore:
         return manifest
 
     def prune(self, keep: int) -> list[str]:
-        """Keep the `keep` newest complete checkpoints (as transformers' `save_total_limit` does locally); remove
-        the older ones, and incomplete ones older than the newest complete one (left by a publisher killed between
-        files: never a resume point). Returns the names removed. Only the trainer's own callback publishes, after
-        each save and before this, so no folder is being written meanwhile."""
+        """Keep the `keep` newest complete checkpoints (transformers' `save_total_limit`), and remove the older ones
+        and incomplete ones older than the newest complete one; returns the names removed. Only the trainer's own
+        callback publishes, before this, so no folder is being written meanwhile."""
         complete = self.published()
         if keep <= 0 or not complete:
             return []
@@ -187,10 +173,9 @@ class CheckpointPublishError(RuntimeError):
 
 
 class PublishCheckpoints(TrainerCallback):
-    """Publishes each checkpoint transformers has just saved to `store` (main process only), with the run's log as
-    of that step inside it (`run_dir.snapshot_run_log`), then prunes the store to `save_total_limit`. A store that still refuses after `attempts` tries (`retry_s` apart, doubling) stops the
-    run with `CheckpointPublishError` naming the store: a run that "succeeds" with its checkpoints missing from the
-    store would leave nothing to resume from on another machine."""
+    """Publishes each checkpoint just saved to `store` (main process only) with the run's log as of that step, then
+    prunes to `save_total_limit`. A store that refuses `attempts` times (`retry_s` apart, doubling) stops the run
+    (`CheckpointPublishError`): a run "succeeding" without its checkpoints would leave nothing to resume from."""
 
     def __init__(self, store: CheckpointStore, attempts: int = 3, retry_s: float = 1.0):
         self.store = store

@@ -13,41 +13,11 @@ from .tree_attention import CHOICES as TREE_ATTENTION_CHOICES
 
 @dataclass
 class AsyncGRPOLabConfig(AsyncGRPOConfig):
-    r"""
-    TRL's [`AsyncGRPOConfig`] plus the fields of the grpo_lab async loop. Every TRL field keeps its meaning; on a
-    machine without CUDA, `bf16` defaults to `False` (the replicas serve float32, and the importance ratio compares
-    their log-probs with the trainer's).
-
-    Args:
-        loss_backend (`str`, *optional*, defaults to `"grpo_lab"`):
-            How the GRPO log-probs are computed: `"grpo_lab"`, `"trl"` or `"naive"` (Liger's loss is not the async
-            trainer's loss, so `"liger"` is refused).
-        tree_attention (`str`, *optional*, defaults to `"auto"`):
-            Attention over TRL's packed prefix-trie rows: `"sdpa"` (dense ancestor mask, runs everywhere), `"flex"`
-            (FlexAttention block mask, CUDA), `"fa3"` (TRL's Hub flash-attention-3 kernel, Hopper + network) or
-            `"auto"` (fa3 where available, else flex on CUDA, else sdpa).
-        adapter_storage (`str`, *optional*):
-            Where adapter versions are published: a local or mounted directory, or any fsspec URL. Defaults to
-            `<output_dir>/.vllm_lora`, as TRL. Every replica must be able to read it.
-        adapter_replica_root (`str`, *optional*):
-            What the replicas call `adapter_storage` (the mount point of a bucket on their hosts); defaults to the
-            same path or URL.
-        checkpoint_storage (`str`, *optional*):
-            Where each complete checkpoint is also published (any fsspec URL, e.g. `s3://bucket/run1/checkpoints`;
-            files first, manifest last), so a resume on another machine can pull the last one back
-            (`checkpoint_store.pull_last_checkpoint`). None: checkpoints stay in `output_dir` only.
-        group_consistent_versions (`bool`, *optional*, defaults to `True`):
-            Generate all `num_generations` rollouts of a prompt with the policy version current when its first
-            rollout started. The group's advantages then compare rollouts of one policy, and the other G-1
-            rollouts find the first one's KV prefix on the replica the router sent it to. `False` is TRL's
-            behaviour (each rollout names the version current when it starts).
-        rollout_failure_timeout_s (`float`, *optional*, defaults to `120.0`):
-            How long a rollout request may keep failing (router or replicas unreachable, 5xx) before the rollout
-            worker stops with an error and the trainer raises it. TRL retries far longer (minutes to hours).
-        control_timeout_s (`float`, *optional*, defaults to `600.0`):
-            Timeout of every control call the trainer makes (`/pause`, `/resume`, adapter load and unload,
-            `/server_info`, `/v1/models`). TRL's own client waits up to 1800 s, or forever for the info calls.
-    """
+    """TRL's `AsyncGRPOConfig` plus the fields of the grpo_lab async loop (each field's help says what it is). Every TRL
+    field keeps its meaning; without CUDA `bf16` defaults to False (the replicas serve float32, and the importance
+    ratio compares their log-probs with the trainer's). Liger's loss is not the async trainer's, so "liger" is
+    refused. `group_consistent_versions` (False: TRL's behaviour) keeps a group's advantages within one policy and
+    its prefix on one replica. The two timeouts bound what TRL waits minutes to hours (or forever) for."""
 
     loss_backend: str = field(default=DEFAULT_LOSS_BACKEND, metadata={"help": BACKEND_HELP})
     tree_attention: str = field(default=LoopSettings.tree_attention,

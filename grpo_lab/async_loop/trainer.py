@@ -1,25 +1,15 @@
 """`AsyncGRPOLabTrainer`: TRL 1.16's `AsyncGRPOTrainer`, runnable on a CPU or any GPU offline, safe across kills.
 
-What it changes, and why (each was measured on TRL 1.16.0):
+What it changes, and why (each measured on TRL 1.16.0; docs/async_loop.md):
 
-- **Runs anywhere.** TRL's `__init__` asks CUDA for the device's peak FLOPs (a CPU has none), its rollout worker
-  refuses to start without `vllm` importable (it only speaks HTTP), and packed training attends through a Hub
-  flash-attention-3 kernel. Here MFU is simply not reported off CUDA, the worker is `LabRolloutWorker`, and the tree
-  attention is `tree_attention` (`auto`: fa3 where it can run, else FlexAttention on CUDA, else SDPA).
-- **Fails early and clearly** (`preflight`): a hub id offline, a tokenizer without chat template or response
-  parser, plain-string prompts, an unpicklable reward, no LoRA config, a server without `--enable-lora` or with too
-  few adapter slots — each raises before a model is loaded or a process started.
-- **Adapters on shared storage** (`AdapterStore`): each version is published atomically under a name never used
-  before, with a manifest (content digest, run id, step); the replicas load the published path.
-- **Resume without stale serving.** The first sync of a process finds the highest version ever published (storage
-  history) or held by the server, unloads every adapter the server still holds from before (the killed run's
-  newer-than-checkpoint versions are wrong for the resumed weights), deletes their files, and numbers on from
-  there: `trl-policy-v7` never names two different weights.
-- **Autotune** (`autotune=True` or an `AutotuneConfig`): the rollout worker's requests in flight and queue bound are
-  live values (`live_knobs`), turned between steps by `autotune.AutotuneCallback`, which runs first at each log.
-- **Bounded faults.** Every control call has a timeout (`control_timeout_s`), failing rollouts stop the worker
-  after `rollout_failure_timeout_s`, and a dead worker is reported at the next queue poll; a failed sync still
-  resumes the server.
+- **Runs anywhere**: no MFU off CUDA (TRL asks CUDA for peak FLOPs), `LabRolloutWorker` (TRL's refuses to start
+  without `vllm` importable, though it only speaks HTTP), and `tree_attention` instead of a Hub fa3 kernel only.
+- **Fails early and clearly** (`preflight`): each setting that would fail later raises before a model is loaded.
+- **Adapters on shared storage** (`AdapterStore`): published atomically under names never used before.
+- **Resume without stale serving**: the first sync numbers on from the highest version ever published or held, and
+  unloads and deletes what a killed run left: `trl-policy-v7` never names two different weights.
+- **Autotune**: live knobs (`live_knobs`) turned between steps by `autotune.AutotuneCallback`.
+- **Bounded faults**: control calls time out, failing rollouts stop the worker, a failed sync still resumes.
 """
 
 from __future__ import annotations
