@@ -116,7 +116,7 @@ class SweepConfig:
             raise SweepError("pool_url and pool_admin_key_file go together (an existing pool and its admin key)")
 
     @classmethod
-    def from_yaml(cls, path: str | Path, **overrides) -> "SweepConfig":
+    def from_yaml(cls, path: str | Path, **overrides) -> SweepConfig:
         """The sweep a YAML file describes (its keys are this class's fields); `overrides` replace keys, and a
         `base` given there is merged into the file's."""
         path = Path(path)

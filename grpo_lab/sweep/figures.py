@@ -27,7 +27,7 @@ def step_rows(output_dir: str | os.PathLike) -> list[dict]:
     return [row for row in read_metrics(path) if "train_runtime" not in row and "step" in row]
 
 
-def curves(rows: list[dict]) -> list[dict]:
+def curve_points(rows: list[dict]) -> list[dict]:
     """Each step's curve values (`CURVES`), with its step: what a live plot of the run draws."""
     return [{"step": row["step"], **{name: row.get(key) for name, key in CURVES.items()}} for row in rows]
 

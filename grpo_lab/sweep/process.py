@@ -50,7 +50,7 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def stop(proc: subprocess.Popen, timeout_s: float) -> int:
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> int:
     """End the run: SIGTERM (the command's graceful teardown), SIGKILL to its group after `timeout_s`; then
     whatever is left of its group is killed too. Returns its exit status."""
     if proc.poll() is None:

@@ -35,9 +35,10 @@ from ..lab.files import write_atomically
 from ..lab.outputs import output_dir
 from ..serving.adapters.slots import max_loras_for
 from ..serving.router.admin_client import RouterAdminClient, RouterAdminError
-from . import figures, process
 from .config import SweepConfig, SweepError, as_setting_value, check_names
+from .figures import CURVES, curve_points, last_line, mean_of_last, pool_shares, step_rows
 from .grid import RunSpec, check_name, check_settings, expand, labels_for, run_name
+from .process import kill_group, launch, reap_group, stop_process, write_settings
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class Sweep:
             self._queue(spec)
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
-    def start(self) -> "Sweep":
+    def start(self) -> Sweep:
         """Make the folder, start (or check) the pool, then the runs, `parallel` at a time."""
         self.folder = self._make_folder()
         for run in self.runs.values():
@@ -136,10 +137,10 @@ class Sweep:
             for name in list(self.runs):
                 try:
                     self.stop(name)
-                except Exception:  # noqa: BLE001 - one run's failed stop must not leave the others running
+                except Exception:
                     run = self.runs[name]
                     if run.proc is not None:
-                        process.kill_group(run.proc)
+                        kill_group(run.proc)
                     log.exception("stopping run %s", name)
         finally:
             pool, self.pool = self.pool, None
@@ -149,7 +150,7 @@ class Sweep:
             self._record()
             self.summary()
 
-    def __enter__(self) -> "Sweep":
+    def __enter__(self) -> Sweep:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -195,8 +196,8 @@ class Sweep:
     def _launch(self, run: RunState) -> None:
         settings = {**run.settings, "output_dir": run.output_dir, "run_name": run.name, "router_url": self.url,
                     "pool_admin_key_file": str(Path(self.admin_key_file).resolve())}
-        process.write_settings(Path(run.settings_file), settings)
-        run.proc = process.launch(Path(run.settings_file), Path(run.log_file), self.env)
+        write_settings(Path(run.settings_file), settings)
+        run.proc = launch(Path(run.settings_file), Path(run.log_file), self.env)
         run.pid, run.status, run.started_at = run.proc.pid, "running", time.time()
 
     def stop(self, name: str, timeout_s: float | None = None) -> str:
@@ -212,7 +213,7 @@ class Sweep:
             if run.status in DONE or run.proc is None:
                 return run.status
             run.stopping = True
-        process.stop(run.proc, self.config.stop_timeout_s if timeout_s is None else timeout_s)
+        stop_process(run.proc, self.config.stop_timeout_s if timeout_s is None else timeout_s)
         self._leave_pool(name)
         with self._lock:
             self._ended(run)
@@ -265,7 +266,7 @@ class Sweep:
                 if changed:
                     self._record()
             for run in ended:
-                process.reap_group(run.proc)
+                reap_group(run.proc)
             if time.monotonic() - last_figures > 2.0:
                 last_figures = time.monotonic()
                 self._pool_figures()
@@ -287,30 +288,30 @@ class Sweep:
             runs = list(self.runs.values())
         out = []
         for run in runs:
-            rows = figures.step_rows(run.output_dir) if run.output_dir else []
+            rows = step_rows(run.output_dir) if run.output_dir else []
             out.append({"name": run.name, "status": run.status, "step": rows[-1]["step"] if rows else 0,
                         "max_steps": check_settings(run.name, run.settings).max_steps,
-                        "last_line": figures.last_line(run.log_file) if run.log_file else "",
+                        "last_line": last_line(run.log_file) if run.log_file else "",
                         "output_dir": run.output_dir, "pid": run.pid, "returncode": run.returncode})
         return out
 
     def rows(self, name: str) -> list[dict]:
-        """The run's metrics rows so far (one per step; `figures.curves` picks reward, KL, staleness, waiting)."""
-        return figures.step_rows(self._run(name).output_dir)
+        """The run's metrics rows so far (one per step; `curve_points` picks reward, KL, staleness, waiting)."""
+        return step_rows(self._run(name).output_dir)
 
     def curves(self):
         """Every run's curves as one long DataFrame (run, step, reward, kl, staleness, rollout_wait_s)."""
         import pandas as pd
 
         return pd.DataFrame([{"run": name, **point} for name in list(self.runs)
-                             for point in figures.curves(self.rows(name))])
+                             for point in curve_points(self.rows(name))])
 
     def shares(self) -> dict[str, dict]:
         """Each run's share of the pool (completions granted, of all the sweep's runs'), with its queue figures;
         a run that left keeps its last figures."""
         self._pool_figures()
         with self._lock:
-            return figures.pool_shares(list(self._seen.values()))
+            return pool_shares(list(self._seen.values()))
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait until no run is queued or training (True), or `timeout_s` passed (False)."""
@@ -332,18 +333,18 @@ class Sweep:
         written to `summary.csv` in the sweep's folder."""
         import pandas as pd
 
-        shares = figures.pool_shares(list(self._seen.values()))
+        shares = pool_shares(list(self._seen.values()))
         table = []
         for entry in self.status():
-            rows = figures.step_rows(entry["output_dir"]) if entry["output_dir"] else []
+            rows = step_rows(entry["output_dir"]) if entry["output_dir"] else []
             run = self.runs[entry["name"]]
             table.append({
                 "run": entry["name"], "status": entry["status"], "steps": entry["step"],
                 "max_steps": entry["max_steps"], **run.varied,
-                "final_reward": figures.mean_of_last(rows, figures.CURVES["reward"]),
-                "kl": figures.mean_of_last(rows, figures.CURVES["kl"]),
-                "staleness": figures.mean_of_last(rows, figures.CURVES["staleness"], len(rows) or 1),
-                "rollout_wait_s": figures.mean_of_last(rows, figures.CURVES["rollout_wait_s"], len(rows) or 1),
+                "final_reward": mean_of_last(rows, CURVES["reward"]),
+                "kl": mean_of_last(rows, CURVES["kl"]),
+                "staleness": mean_of_last(rows, CURVES["staleness"], len(rows) or 1),
+                "rollout_wait_s": mean_of_last(rows, CURVES["rollout_wait_s"], len(rows) or 1),
                 "pool_share": shares.get(entry["name"], {}).get("share", math.nan),
                 "output_dir": entry["output_dir"]})
         frame = pd.DataFrame(table)

@@ -5,4 +5,4 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "async_loop"))
 
-from loop_fixtures import no_leftover_children  # noqa: E402,F401 - a pytest fixture
+from loop_fixtures import no_leftover_children  # noqa: F401 - a pytest fixture

@@ -92,7 +92,7 @@ def test_the_grid_names_only_settings_a_run_can_take():
 def test_grpo_lab_sweep_refuses_a_bad_grid_in_one_line_with_exit_2(tmp_path, text, extra, words):
     began = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "grpo_lab.cli", "sweep", str(write(tmp_path, text)), *extra,
-                           "--out-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+                           "--out-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("grpo-lab sweep: error: ") and words in lines[0], done.stderr
@@ -102,5 +102,5 @@ def test_grpo_lab_sweep_refuses_a_bad_grid_in_one_line_with_exit_2(tmp_path, tex
 
 def test_grpo_lab_sweep_without_a_file_says_so(tmp_path):
     done = subprocess.run([sys.executable, "-m", "grpo_lab.cli", "sweep", str(tmp_path / "missing.yaml")],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2 and "cannot read it" in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import psutil
 import requests
+from loop_fixtures import descendants, wait_gone
 
 from grpo_lab.async_loop.recorder import METRICS_FILE, read_metrics
 from grpo_lab.serving.adapters.storage import AdapterStore, version_of
 from grpo_lab.serving.tenancy.runs import SEPARATOR
 from grpo_lab.serving.wire.metrics import parse_text
 from grpo_lab.sweep import Sweep, SweepConfig
-
-from loop_fixtures import descendants, wait_gone
 
 STEPS = 3
 BASE = {"max_steps": STEPS, "prompts_per_step": 1, "max_staleness": 1, "save_steps": 1000}
