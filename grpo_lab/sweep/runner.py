@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from ..async_loop.checks import first_line
 from ..async_loop.serve_pool import PoolConfig, SharedPool
 from ..lab.files import write_atomically
 from ..lab.outputs import output_dir
@@ -99,6 +100,9 @@ class Sweep:
                 self.pool = SharedPool(self._pool_config()).start()
                 self.url, self.admin_key_file = self.pool.url, self.pool.admin_key_file
             self._admin().runs()  # the pool answers and takes the key, before any run starts
+        except (RouterAdminError, OSError) as error:
+            self.close()
+            raise SweepError(f"the pool at {self.url} refused the sweep: {first_line(error)}") from None
         except BaseException:
             self.close()
             raise
@@ -137,7 +141,7 @@ class Sweep:
             for name in list(self.runs):
                 try:
                     self.stop(name)
-                except Exception:
+                except Exception:  # one run's failed stop must not leave the others running
                     run = self.runs[name]
                     if run.proc is not None:
                         kill_group(run.proc)
@@ -196,9 +200,17 @@ class Sweep:
     def _launch(self, run: RunState) -> None:
         settings = {**run.settings, "output_dir": run.output_dir, "run_name": run.name, "router_url": self.url,
                     "pool_admin_key_file": str(Path(self.admin_key_file).resolve())}
-        write_settings(Path(run.settings_file), settings)
-        run.proc = launch(Path(run.settings_file), Path(run.log_file), self.env)
-        run.pid, run.status, run.started_at = run.proc.pid, "running", time.time()
+        run.started_at = time.time()
+        try:
+            write_settings(Path(run.settings_file), settings)
+            run.proc = launch(Path(run.settings_file), Path(run.log_file), self.env)
+        except OSError as error:  # the run fails, the sweep goes on
+            run.status, run.ended_at = "failed", time.time()
+            Path(run.log_file).parent.mkdir(parents=True, exist_ok=True)
+            with open(run.log_file, "a") as f:
+                f.write(f"grpo-lab sweep: could not start the run: {first_line(error)}\n")
+            return
+        run.pid, run.status = run.proc.pid, "running"
 
     def stop(self, name: str, timeout_s: float | None = None) -> str:
         """Stop one run (a queued one never starts): SIGTERM, SIGKILL to its process group after `timeout_s`
@@ -247,29 +259,37 @@ class Sweep:
         run's pool figures; record every change."""
         last_figures = 0.0
         while not self._closed.wait(POLL_S):
-            ended = []
-            with self._lock:
-                changed = False
-                for run in self.runs.values():
-                    if run.status == "running" and not run.stopping and run.proc.poll() is not None:
-                        self._ended(run)
-                        ended.append(run)
-                        changed = True
-                running = sum(r.status == "running" for r in self.runs.values())
-                for run in self.runs.values():
-                    if running >= self.config.parallel or self._closed.is_set():
-                        break
-                    if run.status == "queued":
-                        self._launch(run)
-                        running += 1
-                        changed = True
-                if changed:
-                    self._record()
-            for run in ended:
-                reap_group(run.proc)
-            if time.monotonic() - last_figures > 2.0:
-                last_figures = time.monotonic()
-                self._pool_figures()
+            try:
+                last_figures = self._supervise_once(last_figures)
+            except Exception:  # logged: the runs must stay supervised
+                log.exception("sweep supervision")
+
+    def _supervise_once(self, last_figures: float) -> float:
+        """One round of `_supervise`; returns when the pool figures were last read."""
+        ended = []
+        with self._lock:
+            changed = False
+            for run in self.runs.values():
+                if run.status == "running" and not run.stopping and run.proc.poll() is not None:
+                    self._ended(run)
+                    ended.append(run)
+                    changed = True
+            running = sum(r.status == "running" for r in self.runs.values())
+            for run in self.runs.values():
+                if running >= self.config.parallel or self._closed.is_set():
+                    break
+                if run.status == "queued":
+                    self._launch(run)
+                    running += run.status == "running"
+                    changed = True
+            if changed:
+                self._record()
+        for run in ended:
+            reap_group(run.proc)
+        if time.monotonic() - last_figures > 2.0:
+            last_figures = time.monotonic()
+            self._pool_figures()
+        return last_figures
 
     def _pool_figures(self) -> None:
         try:

@@ -104,3 +104,42 @@ def test_grpo_lab_sweep_without_a_file_says_so(tmp_path):
     done = subprocess.run([sys.executable, "-m", "grpo_lab.cli", "sweep", str(tmp_path / "missing.yaml")],
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2 and "cannot read it" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_pool_that_does_not_answer_is_one_line_and_nothing_runs(tmp_path, no_leftover_children):
+    import socket
+
+    from grpo_lab.sweep import Sweep
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    key = tmp_path / "admin.key"
+    key.write_text("grpo-pool-not-the-key\n")
+    sweep = Sweep(SweepConfig(grid={"seed": [0, 1]}, pool_url=f"http://127.0.0.1:{port}",
+                              pool_admin_key_file=str(key), out_dir=str(tmp_path / "out")))
+    with pytest.raises(SweepError) as caught:
+        sweep.start()
+    assert "\n" not in str(caught.value) and f"the pool at http://127.0.0.1:{port} refused" in str(caught.value)
+    assert all(run.pid is None for run in sweep.runs.values())
+    assert [r["status"] for r in sweep.status()] == ["stopped", "stopped"]  # closed: they never start
+
+
+def test_add_and_stop_name_their_mistakes(tmp_path):
+    from grpo_lab.sweep import Sweep
+
+    sweep = Sweep(SweepConfig(base={"max_steps": 4}, grid={"learning_rate": [1e-3, 3e-3]}))
+    assert sweep.add({"learning_rate": 1e-2}) == "lr1e-2"
+    assert sweep.add({"learning_rate": 1e-2}) == "lr1e-2-2"  # the same point again gets a name of its own
+    assert sweep.add({"max_steps": 4, "seed": 3}) == "s3"  # what equals the base does not name it
+    with pytest.raises(SweepError, match="unknown setting 'beta'"):
+        sweep.add({"beta": 0.1})
+    with pytest.raises(SweepError, match="no '.'"):
+        sweep.add({"seed": 4}, name="seed.4")
+    with pytest.raises(SweepError, match="already has a run named 'lr1e-3'"):
+        sweep.add({"seed": 4}, name="lr1e-3")
+    with pytest.raises(SweepError, match="learning_rate: must be > 0"):
+        sweep.add({"learning_rate": 0.0})
+    with pytest.raises(SweepError, match="no run 'nope' in this sweep; its runs: lr1e-3, lr3e-3"):
+        sweep.stop("nope")
+    assert sweep.stop("s3") == "stopped"  # a queued run never starts
