@@ -1,11 +1,9 @@
 """The live bottleneck board: what each side of the async loop spends its time on, and the doctor's verdict.
 
-A `TrainerCallback` (pass it to `AsyncLoop(..., callbacks=[board])`) that plots, per step, step time, forward/
-backward time, rollout wait, queue size, backpressure, staleness, the IS ratio, reward, completions/s and the
-router's prefix affinity and load imbalance, and shows `doctor.diagnose` on the last steps. Core ipywidgets only
-(through `grpo_lab.lab.live_board.LiveBoard`: HTML, IntProgress, Output), so it runs on Colab's ipywidgets 7.7.1 and
-on 8.x; plots are redrawn as PNG at most every `redraw_every_s` and the verdict at most every `verdict_every`
-steps, so a long run does not flood the output. Outside a notebook it prints a line now and then.
+A `TrainerCallback` that plots, per step, what docs/async_loop.md lists and shows `doctor.diagnose` on the last
+steps. Core ipywidgets only (`lab.live_board.LiveBoard`), so it runs on Colab's 7.7.1 and on 8.x; redrawn at most
+every `redraw_every_s` (the verdict every `verdict_every` steps), so a long run does not flood the output. Outside a
+notebook it prints a line now and then.
 """
 
 from __future__ import annotations

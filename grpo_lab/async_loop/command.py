@@ -7,12 +7,10 @@
                                                                                # one run of a shared pool (serve-pool)
     grpo-lab async-loop --config sweep.yaml --max-steps 40                    # settings from a file, a flag on top
 
-The flags are generated from `loop_settings.LoopSettings` (defaults, help and ranges live on its fields). Every
-setting that can be checked without starting a process is checked first (`checks`): a bad one is one line on
-stderr naming its flag, exit status 2, nothing started and nothing written. An output directory holds one run
-(`run_dir`). On a terminal the run shows a progress bar with ETA and its key figures, and every run ends with the
-doctor's verdict. A failure after the start is one line too (exit status 1; the replicas' logs are named);
-`GRPO_LAB_DEBUG=1` shows the traceback.
+The flags are generated from `loop_settings.LoopSettings`. Every setting that can be checked without starting a
+process is checked first (`checks`): a bad one is one line naming its flag, exit status 2, nothing started or
+written. A failure after the start is one line too (exit status 1, the replicas' logs named); `GRPO_LAB_DEBUG=1`
+shows the traceback.
 """
 
 from __future__ import annotations

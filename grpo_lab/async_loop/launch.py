@@ -5,19 +5,11 @@
     with AsyncLoop(LoopConfig(replicas=2), embedded_trainer_args("runs/demo", max_steps=20)) as loop:
         loop.train()
 
-or `grpo-lab async-loop --max-steps 20 --output-dir runs/demo` (add `--resume` after a crash; `command` is the
-command line). What serves the rollouts, in `LoopConfig`: replicas this process starts (`replicas`, `replica_kind`),
-replicas started elsewhere (`replica_urls`: only the router is started), or a router already running (`router_url`:
-nothing is started), possibly a pool shared with other runs (`pool_run_name`: the run joins it as a tenant, `pool`).
-The fields that are also `grpo-lab async-loop` flags take their defaults and rules from `LoopSettings`
-(`LoopConfig.from_settings` builds one from the command's settings).
-Replicas are child processes in their own process groups that exit when this process dies (even by SIGKILL), and
-are restarted when they die alone (`LocalProcesses`, or Ray); the router is a supervised child process too,
-restarted on the same port when it dies (`serving.router.process`); the trainer's rollout worker is TRL's spawned
-child, which also exits with this process. A normal exit, an exception, Ctrl-C and SIGTERM all stop every one of them.
-
-An output directory holds one run (`run_dir`): `train()` refuses one that holds another run unless it resumes it,
-cuts the metrics log back to the checkpoint it resumes from, and records the run's settings in `run.json`.
+or `grpo-lab async-loop --max-steps 20 --output-dir runs/demo` (`command`). `LoopConfig` says what serves the
+rollouts: replicas this process starts, replicas started elsewhere (`replica_urls`), a router already running
+(`router_url`), possibly a shared pool the run joins as a tenant (`pool_run_name`). Replicas and the router are
+supervised children that die with this process (even by SIGKILL); a normal exit, an exception, Ctrl-C and SIGTERM
+all stop every one of them. An output directory holds one run (`run_dir`).
 """
 
 from __future__ import annotations
@@ -53,41 +45,12 @@ SETTINGS_NAMES = {"replicas": "replicas", "replica_kind": "replica_kind", "route
 
 @dataclass
 class LoopConfig:
-    """What `AsyncLoop` starts around the trainer.
-
-    Args:
-        replicas: how many replica processes to start (ignored with `router_url`).
-        replica_kind: `"cpu"` (grpo_lab's CPU replica: transformers + PEFT behind vLLM's HTTP contract) or
-            `"vllm"` (real vLLM replicas; needs the vLLM venv, see docs/serving.md).
-        router_url: use a router (or vLLM server) that is already running instead of starting replicas and a router.
-        replica_urls: replicas started elsewhere (other hosts, other jobs): start only the router, in front of them.
-        router_port: the port of the router this process starts (0: a free one).
-        launcher: how replicas this process starts are placed: `"local"` (child processes of this one) or `"ray"`
-            (Ray actors spread over a Ray cluster's nodes, restarted by Ray; `grpo_lab.serving.clusters.ray_cluster`).
-        ray_address: the Ray cluster (`"auto"`, `"host:6379"`, `"ray://host:10001"`); None starts a local one.
-        ray_resources: Ray resources each replica actor asks for (e.g. `{"inference": 1}` to keep replicas on the
-            nodes that offer it).
-        ray_strategy: how replica actors are spread: `"SPREAD"` (default) or `"STRICT_SPREAD"` (one per node).
-        replicas_on_trainer_node: let Ray replicas use the node that declares the trainer's marker resource
-            (`serving.clusters.ray_placement.TRAINER_NODE_RESOURCE`); by default that node stays the trainer's.
-        replica_host: what Ray replica servers listen on; None is each node's IP (what a cluster needs),
-            "127.0.0.1" keeps a one-machine cluster on loopback.
-        model: the model directory the replicas serve and the trainer trains; None = the embedded chat model.
-        max_model_len: the replicas' cap on prompt + completion tokens (the embedded model allows 128).
-        replica_threads: torch threads per CPU replica (1 keeps two replicas and the trainer off each other's cores).
-        ready_timeout_s: how long to wait for the replicas to listen.
-        router: extra `RouterConfig` fields (e.g. `{"spill_threshold": 8}` goes under `routing`).
-        replica_env: extra environment for the replicas (e.g. `{"VLLM_API_KEY": token}`).
-        pool_run_name: join the shared pool at `router_url` (`grpo-lab serve-pool`) as this run: its own token,
-            adapter namespace and share of adapter slots (`serving.tenancy.runs`); None uses `router_url` as one client.
-        pool_weight: the run's fair-share weight against the pool's other runs (1: an equal share).
-        pool_admin_key_file: the pool's admin key, which registers the run (None: `$GRPO_LAB_POOL_ADMIN_KEY_FILE`,
-            then `$GRPO_LAB_POOL_ADMIN_KEY`).
-        pool_rejoin: take over a run of that name the pool still has (a resume: its adapters stay for the resumed
-            trainer to reconcile); without it a name in use is refused.
-        autotune: let the trainer turn the requests in flight and the queue bound while it runs
-            (`grpo_lab.async_loop.autotune`): True, or an `AutotuneConfig` for other thresholds and bounds.
-    """
+    """What `AsyncLoop` starts around the trainer. The fields in `SETTINGS_NAMES` are `grpo-lab async-loop` flags,
+    with `LoopSettings`' defaults, rules and help. The others: `ray_resources` (per replica actor, e.g.
+    `{"inference": 1}`), `replica_host` (Ray replicas listen on each node's IP unless given), `max_model_len`,
+    `ready_timeout_s`, `router` (extra `RouterConfig` fields), `replica_env`, `pool_rejoin` (take over a run of that
+    name the pool still has: a resume). `model` None is the embedded chat model; `autotune` may be an
+    `AutotuneConfig`."""
 
     replicas: int = LoopSettings.replicas
     replica_kind: str = LoopSettings.replica_kind
@@ -193,16 +156,9 @@ def quiet_setup():
 
 
 class AsyncLoop:
-    """Replicas + router + `AsyncGRPOLabTrainer`. `start()` (or `with`), `train()`, `stop()`.
-
-    Args:
-        loop: what to start around the trainer (`LoopConfig`).
-        args: the trainer's `AsyncGRPOLabConfig`; its `vllm_server_base_url` is set to the router's URL.
-        reward_funcs, train_dataset, peft_config, processing_class, callbacks: as for the trainer; the defaults are
-            the embedded task (addition, math reward, LoRA r=1 on all linear layers).
-        progress: show a progress bar on a terminal, a line per step otherwise (a notebook passes False and shows
-            the live board instead).
-    """
+    """Replicas + router + `AsyncGRPOLabTrainer`: `start()` (or `with`), `train()`, `stop()`. The trainer's arguments
+    default to the embedded task; `args.vllm_server_base_url` is set to the router's URL. `progress` False (a
+    notebook, which shows the live board) leaves out the progress bar."""
 
     def __init__(self, loop: LoopConfig, args, reward_funcs=None, train_dataset=None, peft_config=None,
                  processing_class=None, callbacks=None, progress: bool = True):
@@ -308,12 +264,9 @@ class AsyncLoop:
                  if self.seat is not None else ""), flush=True)
 
     def train(self, resume_from_checkpoint=None):
-        """`trainer.train`; `resume_from_checkpoint=True` means the last complete checkpoint of the output directory
-        (`checkpoints.last_complete_checkpoint`: one a kill cut short while saving is skipped, with a warning).
-
-        Without a resume, an output directory that already holds a run is refused (RunDirError) before anything
-        starts: two runs in one folder mix their checkpoints and metrics. With one, the metrics log is cut back to
-        the checkpoint's step, so a step is logged once."""
+        """`trainer.train`; `resume_from_checkpoint=True` is the last complete checkpoint (pulled from
+        `checkpoint_storage` first where set), and the metrics log is cut back to its step. Without a resume, an
+        output directory that already holds a run is refused (RunDirError): two runs would mix their files."""
         if resume_from_checkpoint is True:
             store = getattr(self.args, "checkpoint_storage", None)
             if store:  # a fresh machine: the newest complete checkpoint may only be on the store
@@ -342,8 +295,7 @@ class AsyncLoop:
         return DoctorConfig.for_replicas(self.loop.replica_kind)
 
     def verdict(self):
-        """The doctor's verdict on this run so far, judged by its own settings (`run.json`) and its whole metrics log
-        (after a resume: the steps before it too, also when they came back with a checkpoint from the store)."""
+        """The doctor's verdict on this run so far, by its own settings (`run.json`) and its whole metrics log."""
         from .doctor import diagnose_run
         from .recorder import METRICS_FILE, read_metrics
         from .run_dir import read_run_record

@@ -1,16 +1,10 @@
 """A training run joining a shared replica pool (`grpo-lab serve-pool`) as one of its tenants.
 
-A pool's router (`serving.tenancy.runs`) gives each run a token, a namespace for its adapters and a share of every
-replica's adapter slots. Joining is three things, all here:
-
-- **register** with the pool's admin key (`POST /router/runs`; the key from `--pool-admin-key-file`, else the file
-  named by `$GRPO_LAB_POOL_ADMIN_KEY_FILE`, else `$GRPO_LAB_POOL_ADMIN_KEY`), which answers the run's token once;
-- **carry the token** in this process's environment (`$GRPO_LAB_RUN_TOKEN`), never in a config, a command line, a
-  checkpoint or a log: the trainer's control client and the rollout worker (a spawned child, which inherits the
-  environment) read it from there and send it as `Authorization: Bearer`, as do the recorder and the run record;
-- **keep the lease**: a thread renews it every `lease_s / 4` (`GET /router/runs/<name>`), so a run whose trainer
-  only trains for a while (a long step, a checkpoint) is not reclaimed; a killed process stops renewing and the
-  router reclaims its adapters after `lease_s`. A run that ends normally leaves (`DELETE`), freeing its slots.
+Joining is three things: **register** with the pool's admin key (`--pool-admin-key-file`, else
+`$GRPO_LAB_POOL_ADMIN_KEY_FILE`, else `$GRPO_LAB_POOL_ADMIN_KEY`), which answers the run's token once; **carry the
+token** in this process's environment (`$GRPO_LAB_RUN_TOKEN`, inherited by the spawned rollout worker), never in a
+config, command line, checkpoint or log; **keep the lease**, renewed every `lease_s / 4`, so a killed process's
+adapters are reclaimed after `lease_s`. A run that ends normally leaves, freeing its slots.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The public async-GRPO LoRA recipe on the async loop: Qwen2.5-Math-1.5B, LoRA r=1, Sanity, vLLM replicas behind
 the router.
 
-The settings are the ones the Hugging Face blog post on asynchronous GRPO with LoRA adapters across HF Jobs ended on
-after five runs: lr 4e-5, 8 rollouts per
-prompt, about 128 completions per optimizer step, up to 3000 new tokens in a 4096-token context, max_staleness 4,
-rows packed to `token_budget` 16384, no gradient checkpointing, 384 requests in flight. It needs the Hub (weights)
-unless `model` is a local copy, and GPUs for the replicas: `grpo_lab.async_loop.notebook.recipe_commands()` prints
-the `vllm serve` and router lines.
+The settings the Hugging Face blog post on async GRPO with LoRA ended on after five runs (`sanity_args`). It
+needs the Hub (weights) unless `model` is a local copy, and GPUs for the replicas:
+`grpo_lab.async_loop.notebook.recipe_commands()` prints the `vllm serve` and router lines.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """An output directory holds one run: its checkpoints, its metrics log, its record of settings, nothing else's.
 
-Without this rule a second run into the same folder silently mixes two runs: old checkpoints beside new ones (a
-later `--resume` picks the old run's), one metrics log with steps 1..20, 20, 1, 2, and a doctor that judges both at
-once. So a command refuses a folder that already holds a run unless it resumes it (`--resume`) or is told to start
-over (`--overwrite`, which clears that run first). After a resume the metrics log keeps only the steps up to the
-checkpoint, so every step appears once.
-
-`run.json` records the settings the run was started with (replica kind, staleness, requests in flight, the replicas'
-KV block size, prompt lengths, ...): `grpo-lab doctor` judges a run by its own settings, not by its flags' defaults.
-
-The run's log (the metrics log and `run.json`) also travels inside each checkpoint (`RUN_LOG_DIR`, cut to the
-checkpoint's step): a resume on another machine from `--checkpoint-storage` brings the history back with the weights,
-so the doctor and the results judge the whole run, not only the steps after the resume.
+A second run into the same folder would silently mix two runs (a later `--resume` picking the old run's checkpoint,
+one metrics log with steps 1..20, 20, 1, 2), so a command refuses a folder that holds a run unless it resumes it or
+is told to start over (`--overwrite`). After a resume the metrics log keeps only the steps up to the checkpoint.
+`run.json` records the settings the run started with, so `grpo-lab doctor` judges a run by its own settings. The run's
+log also travels inside each checkpoint (`RUN_LOG_DIR`), so a resume on another machine brings the history back.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The run in the user's own tracker, and back: trackio, TensorBoard and Weights & Biases through transformers.
 
-Logging goes through the trainer's `report_to` (TRL's config, transformers' integrations): TRL already logs the
-loop's timings under its own names (`perf/rollout_wait_s`, `rollout/backpressure_s`, `sample/staleness_mean`, ...),
-and the autotune controller adds `autotune/*`. `RouterFigures` adds the router's routing and cache figures next to
-them (`router/*`): per step, the routing decisions (`router/affinity_total`: a prefix already cached on the replica
-chosen, `router/unmatched_total`, ...), the share that found their prefix cached (`router/affinity_share`), requests
-in flight at the replicas and their imbalance, and the router's own overhead.
-
-`read_run(path)` reads a run back as `loop_metrics.jsonl`-style rows for the doctor, from the loop's own metrics log,
-a trackio directory (its local SQLite store: `<TRACKIO_DIR>/<project>.db`, works offline) or a TensorBoard log
-directory (`events.out.tfevents.*`, found recursively). The integrations prefix every key with `train/`; the rows
-here carry TRL's names again.
+Logging goes through the trainer's `report_to`: TRL already logs the loop's timings, autotune adds `autotune/*`, and
+`RouterFigures` adds the router's routing and cache figures (`router/*`) per step. `read_run(path)` reads a run back
+as `loop_metrics.jsonl`-style rows (TRL's names, without the integrations' `train/` prefix) for the doctor, from the
+loop's own metrics log, a trackio directory (its local SQLite store) or a TensorBoard log directory.
 """
 
 from __future__ import annotations

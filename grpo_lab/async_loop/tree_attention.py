@@ -1,20 +1,11 @@
 """Tree attention for TRL's packed async training rows, without the Hub kernel: SDPA (CPU, any GPU) or FlexAttention.
 
-TRL 1.16's `AsyncGRPOTrainer` packs a micro-batch into a prefix trie (`TreeRow`): the G completions of a prompt share
-the prompt's tokens once, and each *segment* of the trie attends to the keys on its root-to-segment path. TRL runs
-that with `kernels-community/flash-attn3` from the Hub (`tree_fa3`), which needs the network and a Hopper GPU. The
-same mask is simple to state: packed position `q` may attend to packed position `k` iff `k` is `q` itself or one of
-its ancestors in the trie. Segments are laid out in DFS pre-order, so every ancestor sits at a smaller position, and
-the rule is `on_path[segment(q), k] and k <= q`. This module computes exactly that, as
-
-- `sdpa`: a dense boolean mask through `scaled_dot_product_attention` (forward and backward everywhere, CPU too;
-  memory O(N²) in the packed length, fine on a CPU's row sizes);
-- `flex`: FlexAttention with a `BlockMask` (CUDA; blocks outside the tree are skipped, so it scales to the recipe's
-  16k-token rows — FlexAttention has no CPU backward);
-- `fa3`: TRL's own kernel, left in place.
-
-`install(model, choice)` puts one in place of the `"tree_fa3"` TRL's trainer gave its model; `resolve("auto")` picks
-fa3 where the `kernels` package, the Hub kernel and a Hopper GPU are all there, else flex on CUDA, else sdpa.
+TRL 1.16 packs a micro-batch into a prefix trie (`TreeRow`) and runs its attention with a Hub flash-attention-3
+kernel (`tree_fa3`), which needs the network and a Hopper GPU. The mask is simple: packed position `q` may attend to
+`k` iff `k` is `q` or one of its ancestors; segments are in DFS pre-order, so the rule is
+`on_path[segment(q), k] and k <= q`. `sdpa` computes it as a dense mask (everywhere, CPU backward too; O(N²) memory),
+`flex` as a FlexAttention `BlockMask` (CUDA, scales to 16k-token rows), `fa3` leaves TRL's kernel. `install(model,
+choice)` replaces TRL's `"tree_fa3"`; `resolve("auto")` picks fa3 where it can run, else flex on CUDA, else sdpa.
 """
 
 from __future__ import annotations
