@@ -1,9 +1,7 @@
 """TRL's `VLLMClient` with a timeout on every call and errors that say which call failed where.
 
-TRL's client waits up to 1800 s for pause/resume/load and has no timeout at all on `/v1/models` and `/server_info`,
-so a hung router hangs the trainer; its errors read "Request failed: 500, ...". The trainer's control path (weight
-sync, the token-budget query, resume reconciliation) goes through this class instead. A run that joined a shared
-pool (`pool`) sends its token with every call.
+TRL's client waits up to 1800 s (or forever, for `/v1/models` and `/server_info`), so a hung router hangs the
+trainer, and its errors read "Request failed: 500, ...". A run on a shared pool sends its token with every call.
 """
 
 from __future__ import annotations
@@ -36,12 +34,6 @@ class BoundedVLLMClient(VLLMClient):
             try:
                 response = requests.request(method, url, timeout=self.control_timeout_s, headers=run_headers(),
                                             **kwargs)
-                if response.status_code != 503 or time.monotonic() + pause > give_up:
-                    break
-                self.retried = True
-                time.sleep(pause)
-                pause = min(pause * 2, 2.0)
-                continue
             except requests.Timeout as error:
                 raise ControlCallError(f"{method} {url} did not answer within {self.control_timeout_s:.0f}s "
                                        "(control_timeout_s)") from error
@@ -50,9 +42,12 @@ class BoundedVLLMClient(VLLMClient):
                     raise ControlCallError(f"{method} {url} failed: cannot connect ({error.__class__.__name__}) "
                                            f"for {self.control_timeout_s:.0f}s; is the router (or vLLM server) "
                                            "running?") from error
-                self.retried = True
-                time.sleep(pause)
-                pause = min(pause * 2, 2.0)
+            else:
+                if response.status_code != 503 or time.monotonic() + pause > give_up:
+                    break
+            self.retried = True
+            time.sleep(pause)
+            pause = min(pause * 2, 2.0)
         if response.status_code not in ok:
             raise ControlCallError(f"{method} {url} answered {response.status_code}: {response.text[:500]}")
         return response

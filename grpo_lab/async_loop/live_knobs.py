@@ -1,10 +1,8 @@
 """The two rollout-worker knobs the trainer may turn while the run goes on: requests in flight and the queue bound.
 
-TRL 1.16's rollout worker fixes both when its child process starts: `_generate_loop` makes `max_inflight_tasks`
-slots once, and the rollout queue is a `multiprocessing.Queue(maxsize=queue_maxsize)`, whose bound is a semaphore
-sized at creation. `LiveKnobs` holds the two values in shared memory, made by the trainer and handed to the spawned
-child with its arguments; the child reads them at every admission (`LiveLimiter`) and every put (`BoundedBuffer`).
-TRL's slots and queue are sized for the knobs' upper bounds, so the live values can move anywhere inside them.
+TRL 1.16's rollout worker fixes both when its child starts (its slots and its `multiprocessing.Queue` bound), so
+`LiveKnobs` holds the two values in shared memory handed to the spawned child, which reads them at every admission
+(`LiveLimiter`) and every put (`BoundedBuffer`); TRL's slots and queue are sized for the upper bounds.
 """
 
 from __future__ import annotations
@@ -35,13 +33,8 @@ class _SharedKnob:
 
 
 class LiveKnobs:
-    """Requests in flight and the rollout queue's bound, shared between the trainer and its rollout worker's child.
-
-    Args:
-        inflight: requests the worker may have in flight now.
-        queue_bound: scored samples the rollout queue may hold now.
-        max_inflight, max_queue: the upper bounds (what TRL's slots and queue are sized for).
-    """
+    """Requests in flight and the rollout queue's bound now, shared between the trainer and its rollout worker's
+    child, within `max_inflight` and `max_queue` (what TRL's slots and queue are sized for)."""
 
     inflight = _SharedKnob("max_inflight")
     queue_bound = _SharedKnob("max_queue")

@@ -18,10 +18,6 @@ class PreflightError(ValueError):
     """A configuration the async loop cannot run; the message says what to change."""
 
 
-def _offline() -> bool:
-    return environment.hub_offline()
-
-
 def check_model(model) -> None:
     if not isinstance(model, str):
         raise PreflightError(f"AsyncGRPOTrainer loads its model by path: pass a local directory (or a hub id when "
@@ -34,9 +30,10 @@ def check_model(model) -> None:
         return
     if os.path.exists(model):
         raise PreflightError(f"{model} is a file; the model must be a directory saved with save_pretrained")
-    if _offline() or model.startswith((".", "/", "~")):
+    offline = environment.hub_offline()
+    if offline or model.startswith((".", "/", "~")):
         raise PreflightError(f"model {model!r} is not a local directory" + (
-            " and the Hub is offline (HF_HUB_OFFLINE)" if _offline() else "") + ": pass a directory saved with "
+            " and the Hub is offline (HF_HUB_OFFLINE)" if offline else "") + ": pass a directory saved with "
             "save_pretrained; `grpo_lab.tasks.embedded_model.embedded_model_dir()` is an offline default.")
 
 
