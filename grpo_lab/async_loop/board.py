@@ -44,17 +44,8 @@ def board_values(row: dict, previous_router: dict | None) -> dict:
 
 
 class LoopBoard(TrainerCallback):
-    """Live board + doctor for the async loop.
-
-    Args:
-        total_steps: the run's optimizer steps (the progress bar's length).
-        max_staleness, max_inflight_tasks: the run's settings, which the doctor compares against.
-        mode: "auto" (widgets in a notebook, printing elsewhere), "widgets", "handle" or "print".
-        redraw_every_s: at most one plot redraw this often.
-        verdict_every: re-diagnose every this many steps (and at the end).
-        router_url: the router whose `/router/state` gives per-replica load and affinity (`AsyncLoop` fills it in).
-        doctor: the diagnosis' thresholds (`DoctorConfig.for_replicas("cpu")` for CPU replicas); default vLLM's.
-    """
+    """Live board + doctor for the async loop. `mode` "auto" is widgets in a notebook, printing elsewhere; `router_url`
+    (filled in by `AsyncLoop`) gives per-replica load and affinity; `doctor` defaults to vLLM's thresholds."""
 
     def __init__(self, total_steps: int, max_staleness: int, max_inflight_tasks: int | None = None,
                  mode: str = "auto", redraw_every_s: float = 3.0, verdict_every: int = 5, title: str = "async loop",

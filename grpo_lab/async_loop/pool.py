@@ -63,19 +63,9 @@ def run_headers() -> dict:
 
 
 class PoolSeat:
-    """This process's place in a shared pool: `join()`, then `leave()` (or let the lease lapse if it dies).
-
-    Args:
-        url: the pool's router.
-        name: the run's name on the pool (`--pool-run`, by default `--run-name`): its adapters are
-            `<name>--trl-policy-vN` upstream.
-        max_staleness: the trainer's; the run gets `max_staleness + 3` adapter slots per replica.
-        weight: its fair-share weight against the other runs (1: an equal share).
-        admin_key_file: where the pool's admin key is (None: `$GRPO_LAB_POOL_ADMIN_KEY_FILE`, then
-            `$GRPO_LAB_POOL_ADMIN_KEY`).
-        rejoin: re-register a run the pool still has (a resumed run: the old process's token stops working and
-            its adapters stay for the resumed trainer to reconcile); without it such a name is refused.
-    """
+    """This process's place in a shared pool at `url` as run `name`: `join()`, then `leave()` (or let the lease lapse
+    if it dies). `rejoin` re-registers a run the pool still has (a resume: the old token stops working, its adapters
+    stay for the resumed trainer to reconcile); without it such a name is refused."""
 
     def __init__(self, url: str, name: str, max_staleness: int, weight: float = 1.0,
                  admin_key_file: str | None = None, rejoin: bool = False):
