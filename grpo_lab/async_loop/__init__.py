@@ -1,9 +1,7 @@
 """The async LoRA GRPO loop: TRL's AsyncGRPOTrainer -> adapters on shared storage -> router -> replicas -> rollouts.
 
-Modules, one idea each: `tree_attention` (packed-row attention without the Hub kernel), `storage` (atomic, never
-reused adapter versions), `rollout_worker` (TRL's worker without vLLM, with pinned group versions and bounded
-faults), `control_client` (bounded control calls), `preflight` (early, clear errors), `config` and `trainer`
-(`AsyncGRPOLabConfig`, `AsyncGRPOLabTrainer`), `launch` (replicas + router + trainer in one call).
+Modules, one idea each; the entry points are `trainer` (`AsyncGRPOLabTrainer`), `launch` (replicas + router +
+trainer in one call) and `command` (`grpo-lab async-loop`).
 """
 
 from grpo_lab.lab import environment as _environment

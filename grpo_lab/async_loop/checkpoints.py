@@ -1,11 +1,8 @@
 """Which checkpoint a resume may start from: the last complete one, never one a kill cut short.
 
-TRL's `AsyncGRPOTrainer._save_checkpoint` writes `rollout_state.json` first, then transformers writes the adapter,
-the optimizer and RNG states and, last, `trainer_state.json` — none of it atomically. A run killed while saving (the
-OOM killer, a preempted node) leaves a `checkpoint-N` folder without `trainer_state.json`, or with a truncated one,
-and `transformers.trainer_utils.get_last_checkpoint` still returns it, so the resume would crash on it. Here a
-checkpoint counts as complete when both JSON files are there and parse; incomplete ones newer than it are named
-and skipped.
+TRL writes `rollout_state.json` first and transformers `trainer_state.json` last, none of it atomically, so a run
+killed while saving leaves a folder `get_last_checkpoint` still returns and the resume crashes on. Here a checkpoint
+is complete when both JSON files are there and parse; incomplete ones newer than it are named and skipped.
 """
 
 from __future__ import annotations

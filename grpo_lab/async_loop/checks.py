@@ -1,10 +1,8 @@
 """Checks a command runs before it starts anything: each names the flag at fault and says what to do.
 
-A bad model path, an unknown storage scheme or a dead router URL used to surface minutes later, after replicas had
-started, as a traceback or as TRL's "increase vllm_server_timeout" (not a flag of ours); a Ray address with nothing
-behind it hung in Ray's own connection retries. Everything that can be checked without starting a process is checked
-here, with short deadlines. Nothing is left behind: a store's writability is proven by writing a probe object and
-deleting it at once.
+A bad model path, an unknown storage scheme or a dead router URL used to surface minutes later as a traceback (a Ray
+address with nothing behind it hung in Ray's retries), so everything checkable without starting a process is checked
+here, with short deadlines; a store's writability is proven by a probe object written and deleted at once.
 """
 
 from __future__ import annotations
@@ -197,20 +195,9 @@ def describe_storage_error(error: BaseException) -> str:
 
 def check_server(flag: str, url: str, timeout: float = 5.0) -> None:
     """`url` answers like a vLLM server (or the grpo_lab router): `/health` 200 and `/v1/models` a model list."""
-    import requests
-
     if not url.startswith(("http://", "https://")):
         raise UsageError(flag, f"{url} is not an http(s) URL")
-    base = url.rstrip("/")
-    try:
-        health = requests.get(f"{base}/health", timeout=timeout)
-        models = requests.get(f"{base}/v1/models", timeout=timeout)
-    except requests.Timeout:
-        raise UsageError(flag, f"{url} did not answer in {timeout:.0f}s") from None
-    except requests.RequestException as error:
-        reason = type(error).__name__.replace("Error", " error").strip()
-        raise UsageError(flag, f"nothing answers at {url} ({reason}); start the server first or fix the URL") \
-            from None
+    health, models = _get(flag, url, ("/health", "/v1/models"), timeout, "start the server first")
     if models.status_code in (401, 403):
         raise UsageError(flag, f"{url} refused the request (HTTP {models.status_code}): it wants an API key; put "
                                f"replicas behind the router, which sends the one in $VLLM_API_KEY (a shared pool "
@@ -222,6 +209,19 @@ def check_server(flag: str, url: str, timeout: float = 5.0) -> None:
     if health.status_code != 200 or not isinstance(listed, list):
         raise UsageError(flag, f"{url} is not a vLLM server (GET /health -> {health.status_code}, GET /v1/models "
                                f"-> {models.status_code} without a model list)")
+
+
+def _get(flag: str, url: str, paths: tuple[str, ...], timeout: float, start: str, **kwargs) -> list:
+    """GET each of `paths` under `url`; no answer is one UsageError on `flag` saying what to `start`."""
+    import requests
+
+    try:
+        return [requests.get(f"{url.rstrip('/')}{path}", timeout=timeout, **kwargs) for path in paths]
+    except requests.Timeout:
+        raise UsageError(flag, f"{url} did not answer in {timeout:.0f}s") from None
+    except requests.RequestException as error:
+        reason = type(error).__name__.replace("Error", " error").strip()
+        raise UsageError(flag, f"nothing answers at {url} ({reason}); {start} or fix the URL") from None
 
 
 def check_pool(url: str, key_file: str | None, run_name: str, max_staleness: int, resume: bool, weight: float,
@@ -252,8 +252,6 @@ def check_pool(url: str, key_file: str | None, run_name: str, max_staleness: int
 def read_pool(url: str, key_file: str | None, timeout: float = 5.0) -> dict | None:
     """The shared pool's `/router/runs` answer, asked with its admin key; None without a key, or with only the
     environment's and a router that shares nothing (see `check_pool`)."""
-    import requests
-
     from .pool import bearer, has_admin_key, read_admin_key
 
     if not has_admin_key(key_file):
@@ -264,14 +262,8 @@ def read_pool(url: str, key_file: str | None, timeout: float = 5.0) -> dict | No
         raise UsageError("--pool-admin-key-file", str(error)) from None
     if not url.startswith(("http://", "https://")):
         raise UsageError("--router-url", f"{url} is not an http(s) URL")
-    try:
-        answer = requests.get(f"{url.rstrip('/')}/router/runs", headers=bearer(key), timeout=timeout)
-    except requests.Timeout:
-        raise UsageError("--router-url", f"{url} did not answer in {timeout:.0f}s") from None
-    except requests.RequestException as error:
-        reason = type(error).__name__.replace("Error", " error").strip()
-        raise UsageError("--router-url", f"nothing answers at {url} ({reason}); start the pool first "
-                                         "(grpo-lab serve-pool) or fix the URL") from None
+    [answer] = _get("--router-url", url, ("/router/runs",), timeout, "start the pool first (grpo-lab serve-pool)",
+                    headers=bearer(key))
     if answer.status_code in (401, 403) and key_file:
         raise UsageError("--pool-admin-key-file", f"the pool at {url} refused the key in {key_file} (HTTP "
                                                   f"{answer.status_code}): give the file its serve-pool printed")
@@ -351,14 +343,10 @@ def find_ray_cluster(flag: str, timeout: float) -> str:
 
 
 def check_port(flag: str, port: int, host: str = "127.0.0.1") -> None:
-    if port == 0:
-        return
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            raise UsageError(flag, f"port {port} is in use; pick another or 0 for a free one") from None
+    from ..serving.replicas.processes import port_free
+
+    if port and not port_free(port, host):
+        raise UsageError(flag, f"port {port} is in use; pick another or 0 for a free one")
 
 
 def check_vllm_python(flag: str = "--replica-kind vllm") -> str:

@@ -1,10 +1,8 @@
 """The settings of `grpo-lab async-loop` and `grpo-lab serve-pool`, each declared once (TRL's `*_config.py` style).
 
-Every field carries its default, its help and its rule (`Range`, `FileName`, a `Literal` of choices); the command
-lines are generated from these dataclasses (`settings_parser.SettingsParser`: one dashed flag per field, and
-`--config file.yaml`), and `LoopConfig`, `PoolConfig`, notebook 04's `QuickSettings` and `embedded_trainer_args`
-take their defaults from the class attributes here (`LoopSettings.max_steps` is the default). What follows from a
-setting (adapter slots, requests in flight, the run's name on a pool) is a property computed from it, never stored.
+Every field carries its default, its help and its rule; the command lines are generated from these dataclasses
+(`settings_parser`), and `LoopConfig`, notebook 04's `QuickSettings` and `embedded_trainer_args` take their defaults
+from the class attributes. What follows from a setting is a property computed from it, never stored.
 """
 
 from __future__ import annotations

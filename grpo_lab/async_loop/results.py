@@ -1,8 +1,7 @@
 """The loop's figures as files: a long-format CSV (run, step, metric, value + machine and versions) and the verdict.
 
-`write_run(rows, folder, run=...)` turns a `loop_metrics.jsonl` (or a board's rows) into
-`<folder>/<run>.csv`, plus `<run>_verdict.json` with the doctor's diagnosis, so a notebook or a benchmark commits
-the same evidence a live board showed.
+`write_run(rows, folder, run=...)` writes `<folder>/<run>.csv` and `<run>_verdict.json`, so a notebook or a
+benchmark commits the evidence a live board showed.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """A command line generated from a settings dataclass (`loop_settings`): TRL's `TrlParser` with this kit's flags.
 
-Each field becomes one dashed flag in its help group, made as `grpo_lab.lab.settings_parser` makes them (switches,
-repeatable lists, choices, the field's rule checked as the flag is read, so a bad value names its flag).
-`--config file.yaml` sets any field by name (flags given override it; TRL's `env:` section sets environment
-variables). Every mistake is one line and exit status 2 (argparse's own, or a
-`UsageError` naming the flag), never a traceback.
+Each field becomes one dashed flag in its help group, made as `grpo_lab.lab.settings_parser` makes them;
+`--config file.yaml` sets any field by name (flags given override it). Every mistake is one line and exit status 2,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -20,12 +18,8 @@ from .checks import UsageError, first_line
 
 
 class SettingsParser(TrlParser):
-    """`TrlParser` over one settings dataclass with dashed flags, switches, repeatable lists and one-line errors.
-
-    Args:
-        settings_type: the dataclass (`LoopSettings`, `PoolSettings`).
-        prog, description: as for argparse.
-    """
+    """`TrlParser` over one settings dataclass (`LoopSettings`, `PoolSettings`) with dashed flags and one-line
+    errors."""
 
     def __init__(self, settings_type, prog: str, description: str):
         self._groups: dict[str, argparse._ArgumentGroup] = {}

@@ -323,7 +323,7 @@ def start_vllm_replicas(n: int, model: str, device: str = "cpu", env: dict | Non
     return _start_all([lambda s=s: VLLMReplicaProcess(s, env, ready_timeout, log_dir) for s in specs])
 
 
-def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the replicas' servers bind
         try:
@@ -340,7 +340,7 @@ def restart(replica: ReplicaProcess, env: dict | None = None, ready_timeout: flo
     replica.stop()
     timeout = replica.ready_timeout if ready_timeout is None else ready_timeout
     deadline = time.monotonic() + timeout
-    while not _port_free(replica.port) and time.monotonic() < deadline:
+    while not port_free(replica.port) and time.monotonic() < deadline:
         time.sleep(0.1)
     fresh = replica.fresh(env)
     try:

@@ -1,11 +1,9 @@
 """A completion whose client has gone is cancelled, as vLLM aborts a request whose connection closed.
 
-aiohttp (since 3.9) lets a handler run on after its client disconnects. Behind the router that means a killed
-trainer's rollouts keep a replica generating for nobody, hold places other runs of a shared pool wait for, keep an
-unloaded adapter draining, and keep the run busy so its lease cannot lapse. The router therefore runs each
-completion as a task and cancels it once the client's connection is closed (checked every `poll_s`); the forwarder
-and the fair queue release what a cancelled completion held, and closing the upstream connection makes a vLLM
-replica abort the generation too.
+aiohttp lets a handler run on after its client disconnects, so a killed trainer's rollouts would keep replicas
+generating for nobody, hold a shared pool's places and keep its lease alive. The router runs each completion as a
+task and cancels it once the client's connection is closed (checked every `poll_s`); closing the upstream
+connection makes a vLLM replica abort the generation too.
 """
 
 from __future__ import annotations
