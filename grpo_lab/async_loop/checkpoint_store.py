@@ -10,6 +10,7 @@ A step published again after a resume loses its manifest first: a kill leaves an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import posixpath
@@ -99,10 +100,8 @@ class CheckpointStore:
         remote = self._join(folder.name)
         self._fresh()
         if self.fs.exists(remote):  # a step saved again after a resume: unpublish first, then replace
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(self._join(folder.name, CHECKPOINT_MANIFEST))
-            except FileNotFoundError:
-                pass
             self.fs.rm(remote, recursive=True)
         manifest = {"checkpoint": folder.name, "step": checkpoint_step(folder), "files": tree_files(folder),
                     "published_at": time.time()}

@@ -19,6 +19,7 @@ Placement, restarts and teardown in detail: docs/clusters.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -219,25 +220,19 @@ class RayReplicas:
             return
         stops = []
         for slot in self.slots:
-            try:
+            with contextlib.suppress(Exception):  # already dead
                 stops.append(slot.actor.stop.remote())
-            except Exception:  # noqa: BLE001 - already dead
-                pass
         if stops:
             ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
         for slot in self.slots:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(slot.actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
         self.slots = []
         if self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
 
-            try:
+            with contextlib.suppress(Exception):  # the cluster went away
                 remove_placement_group(self.placement_group)
-            except Exception:  # noqa: BLE001 - the cluster went away
-                pass
             self.placement_group = None
         if self._connected_here:
             ray.shutdown()

@@ -17,6 +17,7 @@ is kept (in memory, and in `log_path`): a rollout's 500 can only be diagnosed fr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -145,10 +146,8 @@ class ReplicaProcess:
         return self
 
     def _signal_group(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def kill(self) -> None:
         """SIGKILL the whole group, as a crash would."""
@@ -160,10 +159,8 @@ class ReplicaProcess:
         The group is SIGKILLed last in any case, for anything the replica's exit left behind."""
         if self.ready and self.alive():
             self._signal_group(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
         self._signal_group(signal.SIGKILL)
         self.proc.wait(timeout=30)
         if self.proc.stdin:
