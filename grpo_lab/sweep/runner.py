@@ -72,8 +72,8 @@ class RunState:
 
 
 class Sweep:
-    """Runs of a grid sharing one pool: `start()` (or `with`), `add`, `stop`, `status`, `rows`, `shares`, `wait`,
-    `summary`, `close()`."""
+    """Runs of a grid sharing one pool: `start()` (or `with`), `add`, `stop`, `status`, `rows`, `curves`, `shares`,
+    `wait`, `summary`, `close()`; `Sweep.load(folder)` reads a sweep's folder back to look at."""
 
     def __init__(self, config: SweepConfig, env: dict | None = None):
         self.config = config
@@ -86,8 +86,27 @@ class Sweep:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self._seen: dict[str, dict] = {}  # each run's last pool figures (a run that left keeps its last)
+        self.read_only = False  # a folder read back (`load`): shows, never starts, stops or writes
         for spec in expand(config.base, config.grid):
             self._queue(spec)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> Sweep:
+        """A sweep's folder read back (one run headless by `grpo-lab sweep`, or an earlier session's), to look at:
+        `status`, `rows`, `curves`, `shares` and `summary` read its records and its runs' metrics logs as they are
+        now; it starts, stops and adds nothing."""
+        folder = Path(folder)
+        try:
+            record = json.loads((folder / SWEEP_FILE).read_text())
+        except (OSError, ValueError) as error:
+            raise SweepError(f"{folder} holds no readable {SWEEP_FILE}: {first_line(error)}") from None
+        sweep = cls(SweepConfig(**{**record["config"], "out_dir": str(folder)}))
+        sweep.folder, sweep.url = folder, record["pool"]["url"]
+        sweep.runs = {r["name"]: RunState(**r) for r in record["runs"]}
+        sweep._seen = record.get("pool_figures", {})
+        sweep._closed.set()
+        sweep.read_only = True
+        return sweep
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> Sweep:
@@ -133,6 +152,8 @@ class Sweep:
 
     def close(self) -> None:
         """Stop every run still queued or training (by process group: none is left), then the pool it started."""
+        if self.read_only:
+            return
         self._closed.set()
         atexit.unregister(self.close)
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -176,6 +197,7 @@ class Sweep:
     def add(self, settings: dict, name: str | None = None) -> str:
         """Queue one more run: the sweep's `base` with `settings` on top; named after the grid settings it sets
         (or `name`). Returns its name; SweepError for a setting or name it refuses."""
+        self._writable("add")
         check_names("add", settings)
         settings = {key: as_setting_value(key, value) for key, value in settings.items()}
         merged = {**self.config.base, **settings}
@@ -216,6 +238,7 @@ class Sweep:
         """Stop one run (a queued one never starts): SIGTERM, SIGKILL to its process group after `timeout_s`
         (default `stop_timeout_s`); then it is removed from the pool if it is still there, so its adapters leave
         every replica. Returns its status."""
+        self._writable("stop")
         with self._lock:
             run = self._run(name)
             if run.status == "queued":
@@ -240,6 +263,10 @@ class Sweep:
             self._admin().remove_run(name)
         except (RouterAdminError, OSError):
             pass  # the pool is gone, or will reclaim the run after its lease
+
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise SweepError(f"{what}: this sweep was read back from {self.folder}; {what} it where it runs")
 
     def _run(self, name: str) -> RunState:
         if name not in self.runs:
@@ -329,7 +356,8 @@ class Sweep:
     def shares(self) -> dict[str, dict]:
         """Each run's share of the pool (completions granted, of all the sweep's runs'), with its queue figures;
         a run that left keeps its last figures."""
-        self._pool_figures()
+        if not self._closed.is_set():
+            self._pool_figures()
         with self._lock:
             return pool_shares(list(self._seen.values()))
 
@@ -371,18 +399,17 @@ class Sweep:
         if not frame.empty:
             frame = frame.sort_values("final_reward", ascending=False, na_position="last", kind="stable")
             frame = frame.reset_index(drop=True)
-        if self.folder is not None and self.folder.is_dir():
+        if self.folder is not None and self.folder.is_dir() and not self.read_only:
             write_atomically(self.folder / SUMMARY_FILE, frame.to_csv(index=False))
         return frame
 
     def _record(self) -> None:
-        """`sweep.json`: the grid, the pool, every run's settings, status, folder and log (written whole)."""
+        """`sweep.json`: the sweep's settings, the pool, every run's settings, status, folder and log, and the
+        runs' last pool figures (written whole)."""
         if self.folder is None:
             return
-        c = self.config
-        record = {"base": c.base, "grid": c.grid, "parallel": c.parallel,
+        record = {"config": {f.name: getattr(self.config, f.name) for f in fields(self.config)},
                   "pool": {"url": self.url, "admin_key_file": self.admin_key_file,
-                           "started_by_sweep": self.pool is not None or c.pool_url is None,
-                           "replicas": c.replicas if c.pool_url is None else None},
-                  "runs": [run.record() for run in self.runs.values()]}
+                           "started_by_sweep": self.config.pool_url is None},
+                  "runs": [run.record() for run in self.runs.values()], "pool_figures": self._seen}
         write_atomically(self.folder / SWEEP_FILE, json.dumps(record, indent=1, default=str) + "\n")

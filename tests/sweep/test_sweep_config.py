@@ -143,3 +143,10 @@ def test_add_and_stop_name_their_mistakes(tmp_path):
     with pytest.raises(SweepError, match="no run 'nope' in this sweep; its runs: lr1e-3, lr3e-3"):
         sweep.stop("nope")
     assert sweep.stop("s3") == "stopped"  # a queued run never starts
+
+
+def test_a_folder_without_a_sweep_is_one_line(tmp_path):
+    from grpo_lab.sweep import Sweep
+
+    with pytest.raises(SweepError, match="holds no readable sweep.json"):
+        Sweep.load(tmp_path)

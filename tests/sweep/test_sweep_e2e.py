@@ -109,11 +109,14 @@ def test_a_sweep_of_three_runs_one_stopped_shares_one_pool(tmp_path, no_leftover
     # what the sweep shows and records
     assert set(shares) == set(runs) and all(s["granted"] > 0 for s in shares.values())
     assert math.isclose(sum(s["share"] for s in shares.values()), 1.0)
-    assert list(table["run"])[:2] != [] and set(table["run"]) == set(runs)
+    assert set(table["run"]) == set(runs)
     ranked = table[table["status"] == "finished"]["final_reward"].tolist()
     assert ranked == sorted(ranked, reverse=True) and all(0.0 <= r <= 1.0 for r in ranked)
     record = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
-    assert record["grid"] == {"learning_rate": [0.001, 0.003]}
+    assert record["config"]["grid"] == {"learning_rate": [0.001, 0.003]} and record["config"]["parallel"] == 3
     assert {r["name"]: r["status"] for r in record["runs"]} == {n: s["status"] for n, s in status.items()}
     assert (tmp_path / "sweep" / "summary.csv").read_text().startswith("run,status,")
+    again = Sweep.load(tmp_path / "sweep")  # reopened (as a notebook opens a headless sweep): the same picture
+    assert again.summary()[["run", "status", "final_reward"]].equals(table[["run", "status", "final_reward"]])
+    assert set(again.shares()) == set(runs) and len(again.curves()) == len(sweep.curves())
     assert wait_gone(sorted(pids), 10) == [], [psutil.Process(p).cmdline() for p in pids if psutil.pid_exists(p)]
