@@ -87,6 +87,7 @@ class Sweep:
         self._thread: threading.Thread | None = None
         self._seen: dict[str, dict] = {}  # each run's last pool figures (a run that left keeps its last)
         self.read_only = False  # a folder read back (`load`): shows, never starts, stops or writes
+        self._started = False  # the folder is this sweep's (start() made it): records may be written there
         for spec in expand(config.base, config.grid):
             self._queue(spec)
 
@@ -112,6 +113,7 @@ class Sweep:
     def start(self) -> Sweep:
         """Make the folder, start (or check) the pool, then the runs, `parallel` at a time."""
         self.folder = self._make_folder()
+        self._started = True
         for run in self.runs.values():
             self._place(run)
         try:
@@ -171,7 +173,7 @@ class Sweep:
             pool, self.pool = self.pool, None
             if pool is not None:
                 pool.stop()
-        if self.folder is not None and self.folder.is_dir():
+        if self._started:
             self._record()
             self.summary()
 
@@ -399,14 +401,14 @@ class Sweep:
         if not frame.empty:
             frame = frame.sort_values("final_reward", ascending=False, na_position="last", kind="stable")
             frame = frame.reset_index(drop=True)
-        if self.folder is not None and self.folder.is_dir() and not self.read_only:
+        if self._started:
             write_atomically(self.folder / SUMMARY_FILE, frame.to_csv(index=False))
         return frame
 
     def _record(self) -> None:
         """`sweep.json`: the sweep's settings, the pool, every run's settings, status, folder and log, and the
         runs' last pool figures (written whole)."""
-        if self.folder is None:
+        if not self._started:
             return
         record = {"config": {f.name: getattr(self.config, f.name) for f in fields(self.config)},
                   "pool": {"url": self.url, "admin_key_file": self.admin_key_file,

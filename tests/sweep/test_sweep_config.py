@@ -150,3 +150,13 @@ def test_a_folder_without_a_sweep_is_one_line(tmp_path):
 
     with pytest.raises(SweepError, match="holds no readable sweep.json"):
         Sweep.load(tmp_path)
+
+
+def test_a_folder_that_holds_a_sweep_is_refused_and_left_as_it_was(tmp_path):
+    (tmp_path / "sweep.json").write_text('{"earlier": true}\n')
+    done = subprocess.run([sys.executable, "-m", "grpo_lab.cli", "sweep", str(write(tmp_path, "grid: {seed: [1]}\n")),
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "already holds a sweep" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "sweep.json").read_text() == '{"earlier": true}\n'
+    assert not (tmp_path / "summary.csv").exists()
