@@ -1,14 +1,10 @@
 """The kernel client the headless runner executes notebooks with: every wait on a kernel channel is cut into short
 polls, so a message that has arrived is read within `POLL_SLICE_S`, whatever the event loop missed.
 
-Why: nbclient (0.11) waits for a cell's `execute_reply` with one `poll(timeout)` on the shell channel (the cell's
-whole timeout, 900 s here) and for its outputs with one `poll(None)` on iopub. pyzmq's asyncio poll (27) learns of a
-message from the socket's file descriptor, which ZeroMQ signals edge-triggered; if that wake-up is lost, the poll
-sleeps on with the reply queued until its timer fires, and then its final non-blocking `poll(0)` finds the reply: the
-cell "succeeds" after waiting out its whole timeout. That is what issue 43 saw (notebook 02's planner cell rendered,
-the kernel went idle, papermill waited 900 s and reported the notebook ok, once in two runs on a busy 2-core
-machine); the lost wake-up itself was not reproduced on demand. Short polls repeat that final check every
-`POLL_SLICE_S`, so a missed wake-up costs at most that; the runner also fails a cell that took its whole timeout.
+Why (issue 43): nbclient 0.11 waits for a cell's reply with one `poll(timeout)` of the cell's whole timeout, and
+pyzmq 27's asyncio poll is woken edge-triggered by ZeroMQ's file descriptor; a lost wake-up leaves the reply queued
+until the timer fires, and the cell "succeeds" after waiting out its whole timeout. Short polls repeat the final
+check every `POLL_SLICE_S`; the runner also fails a cell that took its whole timeout.
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@
     grpo-lab lab --port 8899 --no-browser
     grpo-lab lab -- --ServerApp.token=...   # anything after `--` goes to `jupyter lab` as it is
 
-The server runs on this Python (`python -m jupyterlab`), so its `python3` kernel is this environment's, the one
-grpo-lab is installed in; it listens on 127.0.0.1 only. The process replaces itself with JupyterLab (same PID), so
-Ctrl-C stops it and a test can stop it by its PID.
+The server runs on this Python, so its `python3` kernel is this environment's; it listens on 127.0.0.1 only and
+replaces this process (same PID: Ctrl-C or a test's kill stops it).
 """
 
 from __future__ import annotations

@@ -52,14 +52,18 @@ def fig_to_png(fig, dpi: int = 90) -> bytes:
     return buf.getvalue()
 
 
-def _frontend() -> str:
-    """`widgets` in a kernel with ipywidgets, `handle` in IPython without them, else `print`."""
+def ipython_shell():
+    """The running IPython shell, or None (plain Python, or IPython not installed)."""
     try:
         from IPython import get_ipython
-
-        shell = get_ipython()
     except ImportError:
-        return "print"
+        return None
+    return get_ipython()
+
+
+def _frontend() -> str:
+    """`widgets` in a kernel with ipywidgets, `handle` in IPython without them, else `print`."""
+    shell = ipython_shell()
     if shell is None:
         return "print"
     if getattr(shell, "kernel", None) is None:
@@ -217,31 +221,26 @@ class LiveBoard:
 
     def _show_png(self, png: bytes) -> None:
         self._last_draw = time.perf_counter()
-        self.show()
-        if self.mode == "print":
-            return
-        from IPython.display import Image, display
-
-        if self.mode == "widgets":
-            with self.plot:
-                self.plot.clear_output(wait=True)
-                display(Image(data=png))
-        else:
-            self._handles["plot"].update(Image(data=png))
+        self._put("plot", lambda d: d.Image(data=png))
 
     def show_table(self, df_or_html) -> None:
         text = df_or_html if isinstance(df_or_html, str) else df_or_html.to_html()
+        self._put("table", lambda d: d.HTML(text))
+
+    def _put(self, area: str, make) -> None:
+        """Replace what the `plot` or `table` area shows with `make(IPython.display)` (nothing in print mode)."""
         self.show()
         if self.mode == "print":
             return
-        from IPython.display import HTML, display
+        import IPython.display as d
 
         if self.mode == "widgets":
-            with self.table:
-                self.table.clear_output(wait=True)
-                display(HTML(text))
+            out = getattr(self, area)
+            with out:
+                out.clear_output(wait=True)
+                d.display(make(d))
         else:
-            self._handles["table"].update(HTML(text))
+            self._handles[area].update(make(d))
 
     def render_png(self, dpi: int = 80) -> bytes:
         """The series panels as one PNG: a line per group, with the rolling mean where a series asks for one."""

@@ -17,6 +17,7 @@ command run from the root resolve to the same folders.
 from __future__ import annotations
 
 import os
+from importlib import resources
 from pathlib import Path
 
 from . import environment
@@ -33,6 +34,17 @@ def repo_root(start: str | os.PathLike | None = None) -> Path | None:
         if (base / "pyproject.toml").is_file() and (base / "grpo_lab").is_dir() and (base / "notebooks").is_dir():
             return base
     return None
+
+
+def committed_results(folder: str) -> Path:
+    """The committed `results/<folder>`: shipped as `grpo_lab.reference_results` when installed, else the checkout's."""
+    try:
+        path = Path(str(resources.files("grpo_lab.reference_results").joinpath(folder)))
+        if path.is_dir():
+            return path
+    except (ModuleNotFoundError, FileNotFoundError):
+        pass
+    return Path(__file__).resolve().parents[2] / "results" / folder
 
 
 def output_dir(figure: str, out_dir: str | os.PathLike | None = None, refresh: bool = False,

@@ -1,8 +1,7 @@
 """What a results file records about the run behind it: machine, accelerator, package versions, date.
 
 Every CSV under `results/` carries these columns, so a figure can always be traced to the machine and the versions
-that made it. One function builds them for every writer (memory sweeps, max-batch searches, reward curves, the
-async loop, the benchmarks).
+that made it; `run_record` builds them for every writer.
 """
 
 from __future__ import annotations

@@ -3,11 +3,9 @@
     python -m grpo_lab.lab.runner notebooks/01_memory_vs_batch.ipynb       # → executed copy + results/
     grpo-lab reproduce --quick                                                   # every notebook under notebooks/
 
-Each notebook runs with its own folder as the working directory and `QUICK=True` injected after its `parameters`
-cell. What it measures goes to the scratch folder `outputs/<figure>/` of the checkout (`grpo_lab.lab.outputs`), so a
-plain run leaves `git status` clean; `refresh_results=True` (`grpo-lab reproduce --refresh-results`) injects
-`REFRESH_RESULTS=True` and rewrites the committed files under results/ instead. The executed copies (with outputs)
-go to `executed_dir` (a temporary folder unless given), never over the committed, output-stripped notebooks.
+Each notebook runs in its own folder with `QUICK=True` injected after its `parameters` cell and writes to the scratch
+`outputs/` (`lab.outputs`; `refresh_results=True` injects `REFRESH_RESULTS=True`: the committed results/ instead).
+Executed copies go to `executed_dir` (a temporary folder unless given), never over the committed notebooks.
 """
 
 from __future__ import annotations
@@ -117,10 +115,9 @@ def run_all(folder: str | Path = "notebooks", executed_dir: str | Path | None = 
             status = "ok"
         except NotebookFailed as e:
             status = str(e)
-            if stop_on_error:
-                report.append((nb, status, time.perf_counter() - t0))
-                break
         report.append((nb, status, time.perf_counter() - t0))
+        if stop_on_error and status != "ok":
+            break
         print(f"{nb.name}: {status} ({time.perf_counter() - t0:.0f}s)", flush=True)
     return report
 

@@ -1,6 +1,5 @@
-"""Parameter forms for the notebooks from core ipywidgets only (Checkbox, IntText, FloatText, Text, Dropdown,
-Button, HTML), so they work on Colab's ipywidgets 7.7 and on 8.x; without a widget frontend a form shows nothing
-and `values()` returns the parameters unchanged. The live board is `grpo_lab.lab.live_board`.
+"""Parameter forms for the notebooks from core ipywidgets only, so they work on Colab's ipywidgets 7.7 and on 8.x;
+without a widget frontend a form shows nothing and `values()` returns the parameters unchanged.
 
     form = ParamForm({"model": "Qwen3-0.6B", "batch_sizes": "4,8,16", "quick": True}, on_run=callback)
     form.show()
@@ -11,6 +10,8 @@ from __future__ import annotations
 import html
 from collections.abc import Callable
 
+from .live_board import ipython_shell
+
 try:
     import ipywidgets as _w
 except ImportError:  # pragma: no cover - exercised by the fallback test via monkeypatch
@@ -18,15 +19,11 @@ except ImportError:  # pragma: no cover - exercised by the fallback test via mon
 
 
 def _ipython_display():
-    try:
-        from IPython import get_ipython
-        from IPython.display import display
-
-        if get_ipython() is None:
-            return None
-        return display
-    except ImportError:
+    if ipython_shell() is None:
         return None
+    from IPython.display import display
+
+    return display
 
 
 CHAR_PX = 8  # a generous average width of a 13 px UI font character, so labels and values are never cut
