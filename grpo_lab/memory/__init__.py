@@ -1,5 +1,5 @@
-"""grpo_lab.memory — peak memory of real TRL GRPO steps, fresh-process probes, the sweep behind notebook 01 and the
-FSDP2 + LoRA max-batch search behind notebook 02. See docs/memory.md.
+"""grpo_lab.memory — peak memory of real TRL GRPO steps in fresh processes: notebook 01's sweep, notebook 02's FSDP2 +
+LoRA max-batch search, and the memory planner. See docs/memory.md.
 
     from grpo_lab.memory import PointSpec, run_point
     run_point(PointSpec(model="Qwen3-0.6B", loss_backend="grpo_lab", dtype="bf16", batch_size=16,

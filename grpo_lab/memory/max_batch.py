@@ -26,7 +26,7 @@ import pandas as pd
 from ..lab.records import run_record
 from ..loss.backends import DISPLAY_ORDER, LOGPROB_BACKENDS, in_display_order, resolve_backend
 from .probe import ProbeError, run_point
-from .results import COLUMNS, GiB, make_row, ratio_table, target_csv, text_column, write_csv
+from .results import COLUMNS, ENV_COLUMNS, GiB, make_row, ratio_table, target_csv, text_column, write_csv
 from .spec import (
     EXPANDABLE_SEGMENTS,
     PointSpec,
@@ -53,6 +53,12 @@ PRESETS = {
                  dtype="bf16", prompt_len=256, completion_len=512, world_size=1, lora_r=16, budget_fraction=None,
                  start=8, upper=1024, rel_tol=0.03, steps=1, device="cuda", expandable_segments=True),
 }
+# the command line's flags over a preset's fields (type of each), and the few that need a word of help
+PRESET_FLAGS = {"models": str, "backends": str, "dtype": str, "prompt_len": int, "completion_len": int,
+                "world_size": int, "lora_r": int, "budget_gib": float, "budget_fraction": float, "start": int,
+                "upper": int, "rel_tol": float, "steps": int}
+PRESET_HELP = {"world_size": "processes (GPUs of one host); probes launch them",
+               "budget_fraction": "fraction of the GPU's memory (CUDA)"}
 
 
 @dataclass
@@ -234,6 +240,8 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
     def no_gpu() -> bool:
         return device == "cpu" or (device == "auto" and not gpu_present())
 
+    common = dict(dtype=dtype, prompt_len=prompt_len, completion_len=completion_len, lora_r=int(lora_r), fsdp=True,
+                  world_size=world_size, steps=steps, device=device)
     budget = None
     if budget_gib is not None:
         if float(budget_gib) <= 0:
@@ -249,10 +257,7 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
     elif budget_above_one_gib is not None:
         if float(budget_above_one_gib) <= 0:
             raise ValueError(f"budget_above_one_gib must be positive, got {budget_above_one_gib}")
-        one = PointSpec(model=models[0], loss_backend=backends[0], dtype=dtype, batch_size=1, prompt_len=prompt_len,
-                        completion_len=completion_len, lora_r=int(lora_r), fsdp=True, world_size=world_size,
-                        steps=steps, device=device)
-        r = run_point(one)
+        r = run_point(PointSpec(model=models[0], loss_backend=backends[0], batch_size=1, **common))
         used = r["peak_bytes"] - (r.get("base_bytes", 0) if r.get("memory_kind") == "cpu_rss" else 0)
         budget = int(used + float(budget_above_one_gib) * GiB)
     elif no_gpu():
@@ -260,14 +265,9 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
     if expandable_segments and no_gpu():
         raise ValueError("expandable_segments is a setting of the CUDA caching allocator: there is no GPU here")
     extra = {"cuda_alloc_conf": EXPANDABLE_SEGMENTS} if expandable_segments else {}
-    out = []
-    for model in models:
-        for backend in backends:
-            base = PointSpec(model=model, loss_backend=backend, dtype=dtype, batch_size=start, prompt_len=prompt_len,
-                             completion_len=completion_len, lora_r=int(lora_r), fsdp=True, world_size=world_size,
-                             budget_bytes=budget, steps=steps, device=device, extra=dict(extra))
-            out.append(Search(base, start, upper, float(rel_tol)))
-    return out
+    return [Search(PointSpec(model=model, loss_backend=backend, batch_size=start, budget_bytes=budget,
+                             extra=dict(extra), **common), start, upper, float(rel_tol))
+            for model in models for backend in backends]
 
 
 def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_probe=None, on_search=None,
@@ -372,8 +372,7 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
             "peak_gib_at_max": None if peak is None else peak / GiB, "n_probes": len(res.probes),
             "probes": " ".join(f"{b}:{st}" for b, st in res.probes), "search_s": time.perf_counter() - t0,
             "status": status, "message": message, "cuda_alloc_conf": s.base.extra.get("cuda_alloc_conf", ""),
-            **{k: env[k] for k in ("device", "gpu_name", "torch", "trl", "transformers", "peft", "accelerate",
-                                   "liger_kernel", "date", "host")},
+            **{k: env[k] for k in ENV_COLUMNS},
             **({"device": "cuda", "gpu_name": gpu} if gpu else {}),
         })
         df = pd.DataFrame(rows)
@@ -469,19 +468,8 @@ def main(argv=None) -> int:
     g.add_argument("--quick", action="store_true", help="CPU preset: 2 gloo processes, tiny models (default)")
     g.add_argument("--full", action="store_true", help="H200 preset: Qwen3 0.6B/1.7B/4B/8B, bf16 LoRA, world size 1")
     p.add_argument("--out", default="results/fsdp_max_batch")
-    p.add_argument("--models")
-    p.add_argument("--backends")
-    p.add_argument("--dtype")
-    p.add_argument("--prompt-len", type=int)
-    p.add_argument("--completion-len", type=int)
-    p.add_argument("--world-size", type=int, help="processes (GPUs of one host); probes launch them")
-    p.add_argument("--lora-r", type=int)
-    p.add_argument("--budget-gib", type=float)
-    p.add_argument("--budget-fraction", type=float, help="fraction of the GPU's memory (CUDA)")
-    p.add_argument("--start", type=int)
-    p.add_argument("--upper", type=int)
-    p.add_argument("--rel-tol", type=float)
-    p.add_argument("--steps", type=int)
+    for key, kind in PRESET_FLAGS.items():  # unset: the preset's value
+        p.add_argument("--" + key.replace("_", "-"), type=kind, help=PRESET_HELP.get(key))
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     alloc = p.add_mutually_exclusive_group()
     alloc.add_argument("--expandable-segments", action="store_true", default=None,
@@ -511,8 +499,7 @@ def main(argv=None) -> int:
         print(f"wrote {_save_png(pd.read_csv(csv), csv.with_suffix('.png'))}")
         return 0
     preset = dict(PRESETS["full" if a.full else "quick"])
-    for k in ("models", "backends", "dtype", "prompt_len", "completion_len", "world_size", "lora_r", "budget_gib",
-              "budget_fraction", "start", "upper", "rel_tol", "steps", "device", "expandable_segments"):
+    for k in (*PRESET_FLAGS, "device", "expandable_segments"):
         v = getattr(a, k)
         if v is not None:
             preset[k] = v

@@ -1,8 +1,7 @@
 """Peak-memory meters with a resettable peak, one per device kind.
 
-CUDA: the caching allocator's peak statistics (`max_memory_allocated` / `max_memory_reserved`). CPU: the process's
-peak resident set (Linux `VmHWM`, reset by writing 5 to `/proc/self/clear_refs`); where that reset is unavailable the
-meter falls back to `ru_maxrss`, which cannot be reset (then every phase reports the process-wide peak).
+CUDA: the caching allocator's peak statistics. CPU: the peak resident set (Linux `VmHWM`, reset through
+`/proc/self/clear_refs`), else `ru_maxrss`, which cannot be reset (every phase then reports the process-wide peak).
 """
 
 from __future__ import annotations
@@ -85,10 +84,6 @@ class CudaMeter:
         torch.cuda.synchronize(self.device)
 
 
-def make_meter(device: torch.device):
-    return CudaMeter(device) if device.type == "cuda" else CpuRssMeter()
-
-
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,7 +119,7 @@ def prepare_probe_device(spec_device: str, budget_bytes: int | None):
     """The probe's device and meter; on CUDA the allocator is capped at `budget_bytes`, so an over-budget point
     fails as a real out-of-memory rather than by a check after the fact."""
     device = resolve_device(spec_device)
-    meter = make_meter(device)
+    meter = CudaMeter(device) if device.type == "cuda" else CpuRssMeter()
     if device.type == "cuda":
         torch.cuda.set_device(device)
         if budget_bytes is not None:

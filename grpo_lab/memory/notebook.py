@@ -7,6 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from grpo_lab.lab import environment
+from grpo_lab.lab.live_board import ipython_shell
 from grpo_lab.loss.backends import BASELINE_BACKEND, REFERENCE_BACKENDS
 
 from .max_batch import PRESETS, build_searches, run_searches
@@ -21,20 +22,11 @@ LIGER_GRPO_POST = 'the Hugging Face blog post "Liger GRPO meets TRL" (huggingfac
 def _mpl():
     import matplotlib
 
-    if environment.matplotlib_backend() is None and not _in_kernel():
+    if environment.matplotlib_backend() is None and ipython_shell() is None:
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def _in_kernel() -> bool:
-    try:
-        from IPython import get_ipython
-
-        return get_ipython() is not None
-    except ImportError:
-        return False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -53,8 +45,7 @@ def run_memory_vs_batch(params: dict, out_dir: str | Path, name: str, board=None
     from .plots import plot_memory_vs_batch  # matplotlib: after _mpl() has chosen its backend
 
     specs = build_specs(**params)
-    out_dir = Path(out_dir)
-    csv = out_dir / f"{name}.csv"
+    csv = Path(out_dir) / f"{name}.csv"
     rows: list[dict] = []
     fig = plt.figure(figsize=(11, 4.2))
     if board is not None:
@@ -67,14 +58,12 @@ def run_memory_vs_batch(params: dict, out_dir: str | Path, name: str, board=None
             peak = (f"{row['peak_gib']:.3f} GiB" if row["status"] == "ok" and row["peak_gib"] is not None
                     else row["status"].upper())
             board.step(f"{row['mode']} {row['dtype']} {row['backend']} B={row['batch_size']}: {peak}")
-            frame = rows_to_frame(rows)
-            mode = row["mode"]
-            plot_memory_vs_batch(frame, mode=mode, fig=fig)
+            plot_memory_vs_batch(rows_to_frame(rows), mode=row["mode"], fig=fig)
             board.figure(fig, force=(i + 1 == n))
 
     df = run_sweep(specs, out_csv=csv, on_point=on_point)
     plt.close(fig)
-    pngs = save_figures(df, out_dir, name)
+    pngs = save_figures(df, csv.parent, name)
     if board is not None:
         board.done(f"{len(df)} points → {csv.name}")
     return df, csv, pngs
@@ -161,8 +150,7 @@ def run_max_batch(params: dict, out_dir: str | Path, name: str, board=None):
     from .plots import plot_max_batch  # matplotlib: after _mpl() has chosen its backend
 
     searches = build_searches(**params)
-    out_dir = Path(out_dir)
-    csv = out_dir / f"{name}.csv"
+    csv = Path(out_dir) / f"{name}.csv"
     fig = plt.figure(figsize=(11, 4.5))
     if board is not None:
         board.set_total(len(searches))
@@ -181,7 +169,7 @@ def run_max_batch(params: dict, out_dir: str | Path, name: str, board=None):
 
     df = run_searches(searches, out_csv=csv, on_probe=on_probe, on_search=on_search)
     plot_max_batch(df, fig=fig)
-    png = out_dir / f"{name}.png"
+    png = csv.with_suffix(".png")
     fig.savefig(png, dpi=110)
     plt.close(fig)
     if board is not None:

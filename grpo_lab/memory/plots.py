@@ -9,7 +9,7 @@ from matplotlib.ticker import NullFormatter
 
 from grpo_lab.loss.backends import BACKEND_COLORS, BACKEND_MARKERS, REFERENCE_BACKENDS, in_display_order
 
-from .results import bound_kind
+from .results import bound_kind, max_batch_label
 
 
 def save_png(fig, path) -> Path:
@@ -123,8 +123,7 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
             sel = df[(df["model"] == m) & (df["backend"] == backend)]
             if sel.empty:  # this backend was not searched for this model
                 continue
-            labels = [f"≥{v}" if kind == "capped" else f"{v}–{int(sel['first_oom'].iloc[0]) - 1}"
-                      if kind == "incomplete" else str(v)]
+            labels = [max_batch_label(sel.iloc[0])]
             for ref in REFERENCE_BACKENDS:
                 rr = df[(df["model"] == m) & (df["backend"] == ref)]
                 if backend == ref or not len(rr) or not pd.notna(rr["max_batch"].iloc[0]) or rr["max_batch"].iloc[0] <= 0:

@@ -57,9 +57,9 @@ def _child(spec: PointSpec, rank: int, port: int, conn, capture_grads: bool) -> 
     else:
         for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
             os.environ.pop(k, None)
-    if spec.device == "cpu" or (spec.device == "auto" and not _cuda_available()):
-        import torch
+    import torch
 
+    if spec.device == "cpu" or (spec.device == "auto" and not torch.cuda.is_available()):
         # One intra-op thread by default: on small shared CPUs, thread contention costs far more than it gains
         torch.set_num_threads(environment.probe_threads())
         _return_freed_memory_to_os()
@@ -110,12 +110,6 @@ def _return_freed_memory_to_os() -> None:
         pass
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 _CONTEXTS: dict[str, mp.context.BaseContext] = {}
 
 
@@ -130,10 +124,6 @@ def _context(start_method: str):
     return _CONTEXTS[start_method]
 
 
-def default_start_method() -> str:
-    return environment.probe_start_method()
-
-
 def run_point(spec: PointSpec, timeout_s: float | None = None, start_method: str | None = None,
               capture_grads: bool = False, raise_on_error: bool = True) -> dict:
     """Measure `spec` in fresh processes; returns the result dict of rank 0 plus `status` (ok | oom | error) and
@@ -143,7 +133,7 @@ def run_point(spec: PointSpec, timeout_s: float | None = None, start_method: str
     then becomes the default for this process."""
     if timeout_s is None:  # a hung probe (e.g. a rank stuck in a collective) is an error after this long
         timeout_s = environment.probe_timeout_s()
-    method = start_method or default_start_method()
+    method = start_method or environment.probe_start_method()
     out = _run_point(spec, timeout_s, method, capture_grads)
     if out["status"] == "error" and method != "spawn" and "re-initialize CUDA in forked subprocess" in out["message"]:
         environment.set_probe_start_method("spawn")

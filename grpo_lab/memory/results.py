@@ -1,18 +1,14 @@
-"""Result rows, the machine/version stamp every CSV carries, the committed reference results, and the tables
-drawn from them (savings vs a reference backend, max-batch ratios).
-
-One CSV row per measured point (tidy/long format): the point's coordinates, its outcome (`status` ok | oom), the peak
-memory in GiB, and the machine and library versions. `peak_gib` is the allocator peak on CUDA
-(`torch.cuda.max_memory_allocated`) and, on CPU, the probe process's peak RSS above its baseline after imports.
+"""Result rows (one per measured point, the columns of docs/memory.md's *CSV columns*), the committed reference results,
+and the tables drawn from them (savings vs a reference backend, max-batch ratios).
 """
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 
 import pandas as pd
 
+from grpo_lab.lab.outputs import committed_results
 from grpo_lab.loss.backends import BASELINE_BACKEND, REFERENCE_BACKENDS
 
 GiB = 1024**3
@@ -84,16 +80,10 @@ def write_csv(rows_or_df, path: str | Path) -> Path:
     return path
 
 
-def reference_csv(folder: str, name: str) -> Path | None:
-    """A committed result shipped as `grpo_lab.reference_results/<folder>/<name>` (the repo's `results/`)."""
-    try:
-        p = resources.files("grpo_lab.reference_results").joinpath(folder, name)
-        if p.is_file():
-            return Path(str(p))
-    except (ModuleNotFoundError, FileNotFoundError):
-        pass
-    local = Path(__file__).resolve().parents[2] / "results" / folder / name
-    return local if local.is_file() else None
+def load_reference(folder: str, name: str) -> pd.DataFrame | None:
+    """The committed result `results/<folder>/<name>` (`lab.outputs.committed_results`), or None."""
+    path = committed_results(folder) / name
+    return pd.read_csv(path) if path.is_file() else None
 
 
 def text_column(frame: pd.DataFrame, name: str) -> pd.Series:
@@ -102,11 +92,6 @@ def text_column(frame: pd.DataFrame, name: str) -> pd.Series:
     if name not in frame:
         return pd.Series("", index=frame.index, dtype=object)
     return frame[name].fillna("").astype(str)
-
-
-def load_reference(folder: str, name: str) -> pd.DataFrame | None:
-    p = reference_csv(folder, name)
-    return None if p is None else pd.read_csv(p)
 
 
 def savings_table(df: pd.DataFrame, against: str = BASELINE_BACKEND) -> pd.DataFrame:
@@ -133,6 +118,12 @@ def bound_kind(row) -> str:
     return "capped" if bool(row.get("capped", False)) else ""
 
 
+def max_batch_label(row) -> str:
+    """A search's max batch as shown: "≥1024" (a lower bound), "246–325" (cut short, bracketed) or "300"."""
+    kind, v = bound_kind(row), int(row["max_batch"])
+    return f"≥{v}" if kind == "capped" else f"{v}–{int(row['first_oom']) - 1}" if kind == "incomplete" else str(v)
+
+
 def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
     """Max batch per model × backend with the ratios to naive and to trl, as display strings: "≥1024" where the
     search hit its cap, "246–325" where it was cut short with the limit bracketed (ratios then "≥"), and no ratio
@@ -144,14 +135,9 @@ def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
     models = list(dict.fromkeys(df["model"]))
     backends = list(dict.fromkeys(df["backend"]))
     cell = {(r["model"], r["backend"]): r for _, r in df.iterrows()}
-
-    def label(r):
-        kind, v = bound_kind(r), int(r["max_batch"])
-        return f"≥{v}" if kind == "capped" else f"{v}–{int(r['first_oom']) - 1}" if kind == "incomplete" else str(v)
-
     out = pd.DataFrame(index=pd.Index(models, name="model"))
     for b in backends:
-        out[b] = [label(cell[(m, b)]) if (m, b) in cell else "" for m in models]
+        out[b] = [max_batch_label(cell[(m, b)]) if (m, b) in cell else "" for m in models]
     for ref in REFERENCE_BACKENDS:
         if ref not in backends:
             continue

@@ -3,9 +3,8 @@
     python -m grpo_lab.memory.sweep --quick --out results/memory_vs_batch      # CPU, tiny model, ~1 min
     python -m grpo_lab.memory.sweep --full  --out results/memory_vs_batch      # one H200, ~10 min of probes
 
-Two kinds of point: `step` (real TRL GRPOTrainer steps; generation replaced by fixed-length random completions via
-TRL's rollout_func, so the peak is the training step's) and `loss` (the LM-head + log-prob + loss stage alone). Once a
-backend runs out of memory at some batch size, its larger batch sizes are recorded as OOM without being run.
+Points are `step` (real TRL GRPO steps, `grpo_step`) or `loss` (the head and loss alone, `loss_probe`). Once a backend
+runs out of memory, its larger batch sizes are recorded as OOM without being run.
 """
 
 from __future__ import annotations
@@ -76,12 +75,11 @@ def run_sweep(specs: list[PointSpec], out_csv: str | Path | None = None,
               on_point: Callable[[dict, int, int], None] | None = None, skip_after_oom: bool = True,
               max_seconds: float | None = None, figure: str = FIGURE, keep_going: bool = False,
               append: bool = False, resume: bool = False) -> pd.DataFrame:
-    """Measure every spec (in order), calling `on_point(row, index, total)` after each; the CSV is rewritten after
-    every point so an interrupted sweep keeps what it measured. Errors other than OOM raise `ProbeError`; with
-    `keep_going` the point is recorded as `error` (message kept), the rest of its series is not run, and the sweep
-    goes on. With `append`, rows of an existing `out_csv` at other coordinates are kept. With `resume` (implies
-    `append`), points the CSV already holds as ok or oom (same lengths) are not measured again, and its OOMs stop
-    their series as if measured now: rerunning a sweep cut by `max_seconds` measures only what is missing."""
+    """Measure every spec in order, rewriting the CSV after each point (an interrupted sweep keeps what it measured).
+
+    A non-memory failure raises `ProbeError` (`keep_going`: recorded as `error`, the rest of its series skipped).
+    `append` keeps `out_csv`'s rows at other coordinates; `resume` (implies `append`) skips the points it holds as ok
+    or oom, whose OOMs stop their series: a sweep cut by `max_seconds` then measures only what is missing."""
     append = append or resume
     env = run_record(specs[0].device if specs else "auto")
     rows: list[dict] = []

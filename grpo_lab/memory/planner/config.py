@@ -1,8 +1,5 @@
-"""What the memory planner is asked about: one GRPO training setting, as a documented dataclass.
-
-`grpo_lab.memory.planner.plan(PlannerConfig(...))` predicts the peak memory per device of one GRPO training step in
-that setting; `max_batch` finds the largest per-device batch that fits a budget. Bad input fails here with a plain
-`ValueError` (the CLI turns it into one line on stderr).
+"""What the memory planner is asked about: one GRPO training setting, as a documented dataclass. Bad input fails
+here with a plain `ValueError` (the CLI turns it into one line on stderr).
 """
 
 from __future__ import annotations
@@ -29,11 +26,10 @@ class PlannerConfig(StepSetting.with_defaults(model="Qwen3-0.6B", dtype="bf16", 
 
     Args:
         model (`str`, defaults to `"Qwen3-0.6B"`):
-            A config shipped in `data/configs` (`Qwen3-0.6B` … `Qwen3-14B`, `Qwen2.5-Math-1.5B`), a tiny preset, or a
-            `transformers` config object passed as `model_config`.
-        loss_backend (`str`, defaults to `grpo_lab.loss.backends.DEFAULT_LOSS_BACKEND`, `"grpo_lab"`):
-            The loss backend (`grpo_lab.loss.backends.LOSS_BACKENDS`): `"naive"` (full `[N, V]` logits), `"trl"`
-            (TRL's fused head), `"grpo_lab"` (this project's kernel) or `"liger"` (Liger's fused linear GRPO loss).
+            A config shipped in `data/configs`, a tiny preset, or any name with a `transformers` config object as
+            `model_config`.
+        loss_backend (`str`, defaults to `"grpo_lab"`):
+            One of `grpo_lab.loss.backends.LOSS_BACKENDS`.
         dtype (`str`, defaults to `"bf16"`):
             `"bf16"` or `"fp32"`: the model, its LoRA adapters and AdamW's state are all in this dtype.
         batch_size (`int`, defaults to `8`):
@@ -55,15 +51,13 @@ class PlannerConfig(StepSetting.with_defaults(model="Qwen3-0.6B", dtype="bf16", 
             `"cuda"` predicts `torch.cuda.max_memory_allocated`; `"cpu"` predicts the peak RSS above the
             process's baseline, as the harness meters it on CPU (CPU kernels, and an RSS overhead).
         attention (`str`, defaults to `"auto"`):
-            The SDPA kernel: `"flash"` (flash / cuDNN / mem-efficient: O(T) saved), `"math"` (the composite kernel:
-            it keeps `[B, heads, T, T]` probabilities), `"cpu_flash"`; `"auto"`: `cpu_flash` on CPU, `flash` for
-            bf16 on CUDA and `math` for fp32 on CUDA (what the H200 runs show for Qwen3's grouped-query attention).
+            The SDPA kernel: `"flash"` (O(T) saved), `"math"` (keeps `[B, heads, T, T]` probabilities) or
+            `"cpu_flash"`; `"auto"` is what the H200 and CPU runs show (`attention_kernel`).
         optimizer_state (`bool`, defaults to `True`):
             AdamW's two moments exist (every step after the first); `False` predicts a first step.
         expandable_segments (`bool`, defaults to `False`):
-            The run sets `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`. Peaks are the same; the max batch keeps
-            `EXPANDABLE_SEGMENTS_HEADROOM` (2 %) of the budget for fragmentation instead of the default caching
-            allocator's `ALLOCATOR_HEADROOM` (validated by the held-out H200 check).
+            The run sets `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`: same peaks, but the max batch keeps
+            `EXPANDABLE_SEGMENTS_HEADROOM` of the budget for fragmentation instead of `ALLOCATOR_HEADROOM`.
     """
 
     lora_r: int = 16
@@ -106,7 +100,8 @@ class PlannerConfig(StepSetting.with_defaults(model="Qwen3-0.6B", dtype="bf16", 
 
     @property
     def attention_kernel(self) -> str:
-        """The SDPA kernel `attention="auto"` resolves to."""
+        """The SDPA kernel `attention="auto"` resolves to: `cpu_flash` on CPU; on CUDA `flash` for bf16 and `math`
+        for fp32 (what the H200 runs show for Qwen3's grouped-query attention)."""
         if self.attention != "auto":
             return self.attention
         if self.device == "cpu":

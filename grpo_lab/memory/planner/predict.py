@@ -5,18 +5,9 @@
     p.peak_gib, p.peak_phase, p.breakdown()           # per device
     max_batch(PlannerConfig(model="Qwen3-8B", world_size=4), budget_gib=80).batch
 
-The step is walked phase by phase (LM head forward and backward, the top and bottom decoder layers' backward, the
-embedding backward, the optimizer step); each phase's live memory is a sum of named terms derived from the code that
-runs (`shapes`: parameters, `layer`: a decoder layer's saved tensors and backward transients,
-`head`: each loss backend's working set, FSDP2 below), and the peak is the largest phase. What FSDP2 shards
-(`fully_shard` per decoder layer, the model as root, as `grpo_lab.memory.fsdp` does): parameters, gradients and
-AdamW state, by the world size. What it does not: activations (the batch is per device), the LM head's working set,
-one decoder layer's gathered parameters while it runs, and the root's gathered embeddings / LM head, which the root
-keeps from its forward to the end of its backward (with `liger` the root stays replicated instead).
-
-Calibrated constants (each documented where defined): `CUDA_WORKSPACE_BYTES` and `ALLOCATOR_HEADROOM` (max batch
-only), fitted to the committed H200 runs; `CPU_RSS_OVERHEAD_BYTES` and `CPU_RSS_SLACK` (CPU only), fitted to the
-CPU runs. See docs/memory.md.
+The step is walked phase by phase; each phase's live memory is a sum of named terms derived from the code that runs
+(`shapes`, `layer`, `head`, FSDP2's sharding in `plan`), and the peak is the largest phase (docs/memory.md, *How*).
+The calibrated constants below are each documented where defined.
 """
 
 from __future__ import annotations

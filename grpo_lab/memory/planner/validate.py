@@ -3,13 +3,9 @@ max-batch searches against the planner's max batch.
 
     python -m grpo_lab.memory.planner.validate --out results/memory_planner   # validation{,_max_batch}.csv + .md
 
-Sources (all committed under `results/`): notebook 01's H200 sweep (full fine-tuning steps, and the loss alone),
-notebook 02's H200 max-batch probes and searches (FSDP2 + LoRA, world size 1; under the default caching allocator
-and under `expandable_segments`), the loss-kernel grid (the LM head
-alone, both head modes), the CPU gloo runs at world sizes 1, 2, 4, the held-out H200 check and notebook 02's
-setting probed under `expandable_segments` (`planner.check`). `calibration` names the constant a source was used to
-fit (empty: a pure prediction); rows measured with a kernel that has changed since are kept, marked, and left out
-of the summary.
+Sources: every committed measurement under `results/` (notebooks 01 and 02, the loss-kernel grid, `planner.check`'s
+CPU and H200 runs). `calibration` names the constant a source was used to fit (empty: a pure prediction); rows
+measured with a kernel that has changed since are kept, marked, and left out of the summary.
 """
 
 from __future__ import annotations
@@ -46,6 +42,11 @@ def _config(row, **kw) -> PlannerConfig:
                          completion_len=int(row["completion_len"]), **kw)
 
 
+def _multi_step(row) -> bool:
+    """Whether the measured run took more than one step (so AdamW's state existed); no `steps` column: one."""
+    return int(row.get("steps") if pd.notna(row.get("steps")) else 1) > 1
+
+
 def provenance(row) -> dict:
     """The machine, versions and date a source row records (blank where it records none)."""
     def get(*names):
@@ -60,7 +61,8 @@ def provenance(row) -> dict:
 
 
 def _row(source, cfg: PlannerConfig, mode, measured, predicted, phase, calibration="", note="", src=None) -> dict:
-    return {**(provenance(src) if src is not None else dict.fromkeys(PROVENANCE, "")),"source": source, "model": cfg.model, "backend": cfg.loss_backend, "dtype": cfg.dtype, "mode": mode,
+    return {**(provenance(src) if src is not None else dict.fromkeys(PROVENANCE, "")), "source": source,
+            "model": cfg.model, "backend": cfg.loss_backend, "dtype": cfg.dtype, "mode": mode,
             "batch_size": cfg.batch_size, "prompt_len": cfg.prompt_len, "completion_len": cfg.completion_len,
             "lora_r": cfg.lora_r, "world_size": cfg.world_size, "fsdp": cfg.fsdp, "device": cfg.device,
             "measured_gib": measured, "predicted_gib": predicted, "error_pct": 100 * (predicted / measured - 1),
@@ -89,7 +91,7 @@ def notebook02_rows(df: pd.DataFrame, source: str = "H200 notebook 02 (probes)")
     out = []
     for _, r in df[df["status"] == "ok"].iterrows():
         cfg = _config(r, lora_r=int(r["lora_r"]), fsdp=True, world_size=int(r["world_size"]),
-                      optimizer_state=int(r.get("steps") if pd.notna(r.get("steps")) else 1) > 1)
+                      optimizer_state=_multi_step(r))
         p = plan(cfg)
         out.append(_row(source, cfg, "step", r["peak_gib"], p.peak_gib, p.peak_phase,
                         calibration="CUDA_WORKSPACE_BYTES", src=r))
@@ -125,8 +127,7 @@ def planner_check_rows(df: pd.DataFrame, source: str, calibration: str = "") -> 
     out = []
     for _, r in df[df["status"] == "ok"].iterrows():
         cfg = _config(r, lora_r=int(r["lora_r"]), fsdp=bool(r["fsdp"]), world_size=int(r["world_size"]),
-                      device="cpu" if r["memory_kind"] == "cpu_rss" else "cuda",
-                      optimizer_state=int(r.get("steps") or 1) > 1)
+                      device="cpu" if r["memory_kind"] == "cpu_rss" else "cuda", optimizer_state=_multi_step(r))
         p = plan(cfg)
         out.append(_row(source, cfg, "step", r["peak_gib"], p.peak_gib, p.peak_phase, calibration=calibration,
                         note=str(r.get("point", "")), src=r))
@@ -148,7 +149,7 @@ def max_batch_rows(searches: pd.DataFrame) -> list[dict]:
         device = "cpu" if str(r.get("device", "cuda")) == "cpu" else "cuda"
         alloc = r.get("cuda_alloc_conf")
         cfg = _config(r, lora_r=int(r["lora_r"]), fsdp=True, world_size=int(r["world_size"]), device=device,
-                      optimizer_state=int(r.get("steps") if pd.notna(r.get("steps")) else 1) > 1,
+                      optimizer_state=_multi_step(r),
                       expandable_segments=isinstance(alloc, str) and EXPANDABLE_SEGMENTS in alloc)
         upper = int(r["max_batch"]) if bool(r["capped"]) else 1 << 14
         pred = max_batch(cfg.replace(batch_size=1), float(r["budget_gib"]), upper=upper)

@@ -9,7 +9,7 @@ import html
 
 import pandas as pd
 
-from grpo_lab.lab.live_board import fig_to_png
+from grpo_lab.lab.live_board import fig_to_png, ipython_shell
 from grpo_lab.lab.widgets import label_width_px
 from grpo_lab.loss.backends import BASELINE_BACKEND, DEFAULT_LOSS_BACKEND, DISPLAY_ORDER
 from grpo_lab.models import known_model_names
@@ -112,8 +112,8 @@ class PlannerPanel:
         v = self.current()
         cfg = PlannerConfig(model=v["model"], loss_backend=v["loss_backend"], dtype=v["dtype"],
                             lora_r=int(v["lora_r"]), world_size=int(v["gpus"]), fsdp=True,
-                            prompt_len=int(v["prompt_len"]),
-                            completion_len=int(v["completion_len"]), gradient_checkpointing=bool(v["checkpointing"]),
+                            prompt_len=int(v["prompt_len"]), completion_len=int(v["completion_len"]),
+                            gradient_checkpointing=bool(v["checkpointing"]),
                             expandable_segments=bool(v["expandable_segments"]))
         if not float(v["gib"]) > 0:
             raise ValueError(f"GiB per GPU must be positive, got {v['gib']}")
@@ -148,18 +148,17 @@ class PlannerPanel:
         def choice(name, options):
             return w.Dropdown(options=list(options), value=v[name], description=LABELS[name], style=style, layout=box)
 
+        def check(name):
+            return w.Checkbox(value=v[name], description=LABELS[name], style=style, layout=box)
+
         self.controls = {
             "model": choice("model", self.models), "gpus": number("gpus", 1, 64),
             "gib": w.BoundedFloatText(value=v["gib"], min=0.1, max=4096, description=LABELS["gib"], style=style,
                                       layout=box),
             "dtype": choice("dtype", ("bf16", "fp32")), "lora_r": number("lora_r", 0, 1024),
             "loss_backend": choice("loss_backend", DISPLAY_ORDER), "prompt_len": number("prompt_len", 1, 131072),
-            "completion_len": number("completion_len", 1, 131072),
-            "checkpointing": w.Checkbox(value=v["checkpointing"], description=LABELS["checkpointing"], style=style,
-                                        layout=box),
-            "expandable_segments": w.Checkbox(value=v["expandable_segments"],
-                                              description=LABELS["expandable_segments"], style=style, layout=box),
-        }
+            "completion_len": number("completion_len", 1, 131072), "checkpointing": check("checkpointing"),
+            "expandable_segments": check("expandable_segments")}
         self.summary, self.plot = w.HTML(), w.Output()
         for c in self.controls.values():
             c.observe(lambda _change: self.update(), names="value")
@@ -196,13 +195,13 @@ def _png(fig):
 
 def _widgets():
     """ipywidgets inside a kernel, else None (then `show` displays a static summary and figure)."""
+    if ipython_shell() is None:
+        return None
     try:
         import ipywidgets
-        from IPython import get_ipython
-
-        return ipywidgets if get_ipython() is not None else None
     except ImportError:
         return None
+    return ipywidgets
 
 
 def searches_against_planner(searches: pd.DataFrame | None) -> pd.DataFrame:
