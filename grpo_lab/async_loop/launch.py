@@ -194,8 +194,15 @@ class AsyncLoop:
             for callback in self.callbacks:  # a LoopBoard reads per-replica load from the router
                 if getattr(callback, "router_url", "") is None:
                     callback.router_url = self.url
-            with quiet_setup():
-                self.trainer = self._build_trainer(model)
+            with quiet_setup():  # the embedded task unless the caller gave its own
+                from .embedded_task import REWARD_FUNCS, addition_dataset
+                from .trainer import AsyncGRPOLabTrainer
+
+                self.trainer = AsyncGRPOLabTrainer(
+                    model, reward_funcs=self.reward_funcs or REWARD_FUNCS, args=self.args,
+                    train_dataset=self.train_dataset if self.train_dataset is not None else addition_dataset(),
+                    processing_class=self.processing_class, peft_config=self.peft_config or embedded_peft_config(),
+                    callbacks=[self.recorder, *self.callbacks], autotune=self.loop.autotune)
             if self.trainer.autotuner is not None:  # each step's decisions go into its metrics row
                 self.recorder.extras.append(self.trainer.autotune_callback.row_extra)
             if [t for t in (self.args.report_to or []) if t != "none"]:  # the router's figures in the trackers too
@@ -215,16 +222,6 @@ class AsyncLoop:
             raise
         self._announce()
         return self
-
-    def _build_trainer(self, model: str):
-        from .embedded_task import REWARD_FUNCS, addition_dataset
-        from .trainer import AsyncGRPOLabTrainer
-
-        return AsyncGRPOLabTrainer(
-            model, reward_funcs=self.reward_funcs or REWARD_FUNCS, args=self.args,
-            train_dataset=self.train_dataset if self.train_dataset is not None else addition_dataset(),
-            processing_class=self.processing_class, peft_config=self.peft_config or embedded_peft_config(),
-            callbacks=[self.recorder, *self.callbacks], autotune=self.loop.autotune)
 
     def _start_cluster(self, model: str) -> str:
         """The replicas and router `LoopConfig` asks for, through the one launcher (`serving.clusters.launcher`):
