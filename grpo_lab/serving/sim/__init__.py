@@ -1,5 +1,3 @@
-"""Offline tools: GRPO request traces and the replay simulator that scores routing policies on them.
-
-`trace` (synthetic and tokenizer-real GRPO traces), `routing_sim` (replays a trace through a policy). Imports
+"""Offline tools: GRPO request traces and the replay simulator that scores routing policies on them. Imports
 `routing`.
 """
