@@ -31,6 +31,10 @@ SWEEP_OWNED = ("output_dir", "resume", "overwrite", "run_name", "pool_run", "rou
                "replica_resources", "replica_spread", "replicas_on_trainer_node", "adapter_storage", "checkpoint_storage")
 
 
+# PoolConfig fields a sweep sets itself for the pool it starts (its own fields, or the pool's folder and key).
+POOL_OWNED = ("replicas", "adapter_slots", "lease_s", "state_dir", "admin_key_file")
+
+
 class SweepError(ValueError):
     """A sweep's settings or grid file refused, in one line (the command's exit status 2)."""
 
@@ -60,6 +64,23 @@ def as_setting_value(name: str, value):
     return value
 
 
+def check_pool_names(pool: dict) -> None:
+    """Refuse a `pool` key that is not a `PoolConfig` field the sweep leaves to the user, or a value its rule
+    refuses (one line)."""
+    from ..async_loop.serve_pool import PoolConfig
+
+    valid = [f.name for f in fields(PoolConfig) if f.name not in POOL_OWNED]
+    for name in pool:
+        if name in POOL_OWNED:
+            raise SweepError(f"pool: {name} is set by the sweep (its own key for it, or the pool's folder)")
+        if name not in valid:
+            raise SweepError(f"pool: unknown setting {name!r}; valid: {', '.join(valid)}")
+    try:
+        PoolConfig(**pool)  # its values, by the pool's own rules
+    except ValueError as error:
+        raise SweepError(f"pool: {error}") from None
+
+
 @dataclass
 class SweepConfig:
     """A sweep of `grpo-lab async-loop` runs sharing one replica pool.
@@ -68,6 +89,8 @@ class SweepConfig:
         base: loop settings every run has (`LoopSettings` field names, e.g. `{"max_steps": 20}`).
         grid: setting name -> the values to try; every combination is one run, named after its values.
         replicas: replicas of the pool the sweep starts (ignored with `pool_url`).
+        pool: more `PoolConfig` fields for the pool the sweep starts, e.g. `{"replica_kind": "vllm"}` on a GPU
+            (its model is `base`'s `model` unless given here).
         pool_url: an existing pool (`grpo-lab serve-pool`) to join instead of starting one.
         pool_admin_key_file: that pool's admin key file (with `pool_url`).
         adapter_slots: each replica's adapter slots when the sweep starts the pool; None: enough for `parallel`
@@ -84,6 +107,7 @@ class SweepConfig:
     replicas: int = setting(PoolSettings.replicas, check=Range(1))
     pool_url: str | None = None
     pool_admin_key_file: str | None = None
+    pool: dict = field(default_factory=dict, metadata={"help": "more PoolConfig fields for the pool it starts"})
     adapter_slots: int | None = setting(None, check=Range(1))
     run_lease: float = setting(PoolSettings.run_lease, check=Range(0.0, open=True))
     out_dir: str | None = None
@@ -95,9 +119,10 @@ class SweepConfig:
             check_fields(self)
         except SettingError as error:
             raise SweepError(str(error)) from None
-        for what, value in (("base", self.base), ("grid", self.grid)):
+        for what, value in (("base", self.base), ("grid", self.grid), ("pool", self.pool)):
             if not isinstance(value, dict):
                 raise SweepError(f"{what} must be a mapping of setting names, got {type(value).__name__}")
+        check_pool_names(self.pool)
         check_names("base", self.base)
         check_names("grid", self.grid)
         if not self.grid:

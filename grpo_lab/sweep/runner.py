@@ -146,8 +146,12 @@ class Sweep:
         c = self.config
         staleness = max(check_settings(run.name, run.settings).max_staleness for run in self.runs.values())
         slots = c.adapter_slots or c.parallel * max_loras_for(staleness)  # `parallel`: runs added later fit too
-        return PoolConfig(replicas=c.replicas, adapter_slots=slots, lease_s=c.run_lease,
-                          state_dir=str(self.folder / "pool"))
+        extra = {"model": c.base["model"]} if c.base.get("model") else {}
+        try:
+            return PoolConfig(**{**extra, **c.pool}, replicas=c.replicas, adapter_slots=slots, lease_s=c.run_lease,
+                              state_dir=str(self.folder / "pool"))
+        except ValueError as error:
+            raise SweepError(f"pool: {first_line(error)}") from None
 
     def _admin(self) -> RouterAdminClient:
         return RouterAdminClient(self.url, key_file=self.admin_key_file, timeout_s=30.0)

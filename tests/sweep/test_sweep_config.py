@@ -66,6 +66,9 @@ def test_settings_with_one_initial_pattern_are_told_apart_in_names():
     ("grid: {seed: [1]}\nparallel: 0\n", ["parallel: must be >= 1"]),
     ("grid: {seed: [1]}\npool_url: http://127.0.0.1:1\n", ["pool_url and pool_admin_key_file go together"]),
     ("base: {seed: 1}\ngrid: {seed: [1, 2]}\n", ["seed is in both base and grid"]),
+    ("grid: {seed: [1]}\npool: {replica_kind: tpu}\n", ["pool: replica_kind: 'tpu' is not one of cpu, vllm"]),
+    ("grid: {seed: [1]}\npool: {gpus: 2}\n", ["pool: unknown setting 'gpus'", "replica_kind"]),
+    ("grid: {seed: [1]}\npool: {state_dir: x}\n", ["pool: state_dir is set by the sweep"]),
 ])
 def test_a_bad_grid_file_is_one_line(tmp_path, text, words):
     with pytest.raises(SweepError) as caught:
