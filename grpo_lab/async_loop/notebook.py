@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..lab.outputs import committed_results as committed_folder
 from ..serving.adapters.slots import DEFAULT_MAX_STALENESS
 from .board import LoopBoard
 from .doctor import DoctorConfig, Verdict, training_rows
@@ -233,10 +234,8 @@ def recipe_commands(replicas: int = LoopSettings.replicas, max_staleness: int = 
 
 
 def _committed_folder(folder: str):
-    """results/<folder> as installed (`grpo_lab.reference_results`), or None when it is not there."""
-    from importlib import resources
-
-    root = resources.files("grpo_lab.reference_results").joinpath(folder)
+    """results/<folder> (`lab.outputs.committed_results`), or None when it is not there."""
+    root = committed_folder(folder)
     return root if root.is_dir() else None
 
 
