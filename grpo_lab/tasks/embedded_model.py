@@ -47,16 +47,9 @@ def chat_template() -> str:
 
 def build_chat_tokenizer():
     """A fast tokenizer: ChatML specials, `\\boxed{` as one token, one token per other character."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from grpo_lab.tasks.tiny import char_tokenizer
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + [BOX] + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\\boxed\{|[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=IM_END, unk_token="<unk>",
-                                   additional_special_tokens=[IM_START], padding_side="left",
-                                   truncation_side="left")
+    fast = char_tokenizer(SPECIALS, CHARS, pad_token=PAD, eos_token=IM_END, additional_special_tokens=[IM_START])
     fast.chat_template = chat_template()
     return fast
 
@@ -155,13 +148,9 @@ def _fingerprint() -> str:
     return h.hexdigest()[:12]
 
 
-def cache_root() -> Path:
-    return environment.cache_dir()
-
-
 def embedded_model_dir() -> Path:
     """A shared, cached copy of the embedded model (written once per weights version)."""
-    target = cache_root() / "models" / f"tiny-addition-chat-{_fingerprint()}"
+    target = environment.cache_dir() / "models" / f"tiny-addition-chat-{_fingerprint()}"
     if not (target / "config.json").is_file():
         write_embedded_model(target)
     return target
@@ -170,9 +159,7 @@ def embedded_model_dir() -> Path:
 def train_warm_start(out: str | os.PathLike, seed: int = 0, target_pass_rate: float = 0.4, lr: float = 3e-3,
                      log=print) -> dict:
     """Regenerate the shipped SFT weights: the tiny model SFT'd on chat-rendered addition problems."""
-    from safetensors.torch import save_file
-
-    from grpo_lab.tasks.sft import sft_warm_start
+    from grpo_lab.tasks.sft import save_warm_start, sft_warm_start
     from grpo_lab.tasks.tiny import addition_problems
 
     torch.manual_seed(seed)
@@ -182,9 +169,8 @@ def train_warm_start(out: str | os.PathLike, seed: int = 0, target_pass_rate: fl
     rows = [dict(r, problem=render_prompt(tokenizer, r["problem"])) for r in train_pool]
     info = sft_warm_start(model, tokenizer, rows, target_pass_rate=target_pass_rate, lr=lr, seed=seed,
                           eval_every=25, log=log)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(out), metadata={"seed": str(seed), "steps": str(info["steps"]),
-                                         "pass_rate": f"{info['pass_rate']:.4f}", "lr": str(lr), "format": "chat"})
+    save_warm_start(model, out, seed=seed, steps=info["steps"], pass_rate=f"{info['pass_rate']:.4f}", lr=lr,
+                    format="chat")
     return info
 
 

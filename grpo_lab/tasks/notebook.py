@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from importlib import resources
 from pathlib import Path
 
 from grpo_lab.lab.live_board import LiveBoard, Series
-from grpo_lab.lab.outputs import output_dir
+from grpo_lab.lab.outputs import committed_results, output_dir
 from grpo_lab.loss.backends import LOSS_BACKENDS
 from grpo_lab.tasks.board import BoardCallback
 from grpo_lab.tasks.reward_curves import BOARD_SERIES, EmbeddedConfig, read_summary, run_reward_curves
@@ -26,17 +25,6 @@ def quick(cfg: EmbeddedConfig) -> EmbeddedConfig:
 QUICK_LR = 3e-3
 
 
-def reference_dir() -> Path:
-    """`results/reward_curves` of the installed package (grpo_lab.reference_results), else of the checkout."""
-    try:
-        p = Path(str(resources.files("grpo_lab.reference_results").joinpath("reward_curves")))
-        if p.is_dir():
-            return p
-    except ModuleNotFoundError:
-        pass
-    return Path(__file__).resolve().parents[2] / "results" / "reward_curves"
-
-
 def summary_table(summary: dict):
     import pandas as pd
 
@@ -52,7 +40,7 @@ def parity_table(summary: dict):
 
 def committed_figures(folder: Path | None = None) -> list[dict]:
     """Every committed `<tag>.png` with its summary JSON, as {tag, png, caption, table}."""
-    folder = folder or reference_dir()
+    folder = folder or committed_results("reward_curves")
     out = []
     for png in sorted(folder.glob("*.png")):
         summary = read_summary(png)

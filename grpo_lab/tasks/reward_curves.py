@@ -1,13 +1,7 @@
 """The embedded default of notebook 03: a tiny model trained from scratch, the Sanity construction, GRPO with LoRA.
 
-Pipeline (fixed seeds; runs offline on a CPU in minutes):
-1. a ~0.6M-parameter Qwen2 with a character tokenizer is SFT'd on 2-digit addition until it is right ~40 % of
-   the time (`sft.sft_warm_start`; the default reads the warm start the kit trained and committed in
-   `data/mini/`, `warm_start=None` retrains it from scratch);
-2. the Sanity construction keeps the candidate problems it solves 20-80 % of k=8 samples, split into a GRPO
-   training set and a held-out set drawn from pairs never trained on;
-3. GRPO with LoRA rank 1 (as the recipe) on the kept problems, once per `loss_backend`, from the same seed.
-
+Offline on a CPU in minutes, fixed seeds: 1. SFT warm start (`sft`, shipped in `data/mini/`), 2. the Sanity
+construction (`sanity`), 3. GRPO with LoRA rank 1 once per `loss_backend` (docs/reward_curves.md).
 `run_reward_curves` writes a long-format CSV (`backend, step, metric, value` + machine/versions columns), a PNG
 and a JSON summary; `python -m grpo_lab.tasks.reward_curves --variant gpu --out DIR` is the bigger GPU variant.
 """
@@ -174,7 +168,7 @@ def prepare(cfg: EmbeddedConfig, log=print) -> Prepared:
     cands = train_pool[:cfg.n_candidates]
     kept, stats = sanity_filter(model, tok, cands, k=cfg.sanity_k, lo=cfg.sanity_lo, hi=cfg.sanity_hi,
                                 seed=cfg.seed + 1)
-    held, hstats = sanity_filter(model, tok, held_pool[:cfg.n_heldout * 3], k=cfg.sanity_k, lo=cfg.sanity_lo,
+    held, _ = sanity_filter(model, tok, held_pool[:cfg.n_heldout * 3], k=cfg.sanity_k, lo=cfg.sanity_lo,
                                  hi=cfg.sanity_hi, seed=cfg.seed + 2)
     held = held[:cfg.n_heldout]
     info["sanity"] = stats | {"seconds": time.perf_counter() - t0, "heldout_kept": len(held)}
@@ -191,17 +185,21 @@ def prepare(cfg: EmbeddedConfig, log=print) -> Prepared:
 
 
 def available_backends(backends) -> tuple[str, ...]:
-    """Drop 'liger' when liger-kernel is not installed (and say so)."""
-    out = []
-    for b in backends:
-        if b == "liger":
-            try:
-                import liger_kernel  # noqa: F401
-            except ImportError:
-                print("liger-kernel not installed: skipping the 'liger' backend")
-                continue
-        out.append(b)
-    return tuple(out)
+    """Drop 'liger' when liger-kernel cannot be imported (and say so)."""
+    if "liger" in backends:
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            print("liger-kernel not installed: skipping the 'liger' backend")
+            return tuple(b for b in backends if b != "liger")
+    return tuple(backends)
+
+
+def _base_model(cfg: EmbeddedConfig, prep: Prepared):
+    """The warm-started model every backend's run starts from."""
+    model = build_tiny_model(prep.tokenizer, cfg.model, seed=cfg.seed)
+    model.load_state_dict(prep.base_state)
+    return model.to(cfg.device)
 
 
 def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, loss_backend: str, output_dir: str, callbacks=()):
@@ -211,9 +209,7 @@ def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, loss_backend: st
 
     from grpo_lab.loss import GRPOLabConfig as Config, GRPOLabTrainer as Trainer  # TRL: only when a run trains
 
-    model = build_tiny_model(prep.tokenizer, cfg.model, seed=cfg.seed)
-    model.load_state_dict(prep.base_state)
-    model.to(cfg.device)
+    model = _base_model(cfg, prep)
     ds = datasets.Dataset.from_list([{"prompt": r["problem"], "answer": r["answer"]} for r in prep.train_rows])
     args = Config(
         output_dir=output_dir, max_steps=cfg.steps, learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
@@ -282,16 +278,11 @@ def _mean(xs) -> float:
 def parity(runs: list[dict], metrics=("reward", "loss")) -> dict:
     """Largest per-step |difference| of each metric between every backend and the first one, and the first step
     at which any backend's reward differs (where the sampled rollouts stop being the same), None if never."""
-    out = {}
     ref = {r["step"]: r for r in runs[0]["rows"]}
-    for m in metrics:
-        worst = 0.0
-        for run in runs[1:]:
-            for r in run["rows"]:
-                a, b = r.get(m), ref.get(r["step"], {}).get(m)
-                if a is not None and b is not None:
-                    worst = max(worst, abs(a - b))
-        out[f"max_abs_delta_{m}"] = worst
+    out = {f"max_abs_delta_{m}": max([0.0, *(abs(a - b) for run in runs[1:] for r in run["rows"]
+                                              if (a := r.get(m)) is not None
+                                              and (b := ref.get(r["step"], {}).get(m)) is not None)])
+           for m in metrics}
     # rollouts differ once any statistic of them does: a flipped token can swap one wrong answer for another
     # (same reward) but rarely leaves the reward spread and the completion length unchanged too
     rollout_stats = ("reward", "reward_std", "completion_length")
@@ -327,10 +318,7 @@ def run_reward_curves(cfg: EmbeddedConfig, out_dir: str | os.PathLike | None = N
     backends = available_backends(cfg.backends)
     cfg = replace(cfg, backends=backends)
     prep = prepare(cfg, log=log)
-    base = build_tiny_model(prep.tokenizer, cfg.model, seed=cfg.seed)
-    base.load_state_dict(prep.base_state)
-    base.to(cfg.device)
-    held_start = _mean(pass_rates(base, prep.tokenizer, prep.heldout_rows, k=cfg.eval_k, seed=cfg.seed + 7))
+    held_start = _mean(pass_rates(_base_model(cfg, prep), prep.tokenizer, prep.heldout_rows, k=cfg.eval_k, seed=cfg.seed + 7))
     lb = None
     if board:
         lb = LiveBoard(f"GRPO {tag}", total=cfg.steps * len(backends), series=BOARD_SERIES, redraw_every_s=2.0, unit="step",

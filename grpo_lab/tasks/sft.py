@@ -102,11 +102,18 @@ def sft_warm_start(model, tokenizer, rows: list[dict], *, target_pass_rate: floa
             "reached": rate >= target_pass_rate and not math.isnan(rate)}
 
 
+def save_warm_start(model, out, **metadata) -> None:
+    """The SFT weights as safetensors, `metadata` as strings; the tied lm_head is left out (stored once, as the
+    embeddings: `reward_curves.load_warm_start` loads it so)."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(out), metadata={k: str(v) for k, v in metadata.items()})
+
+
 def main(argv=None):
     """Regenerate the shipped warm start: `python -m grpo_lab.tasks.sft --out data/mini/tiny_addition_sft.safetensors`"""
     import argparse
-
-    from safetensors.torch import save_file
 
     from grpo_lab.tasks.tiny import addition_problems, build_char_tokenizer, build_tiny_model
 
@@ -122,9 +129,7 @@ def main(argv=None):
     train_pool, _ = addition_problems(seed=a.seed)
     info = sft_warm_start(model, tok, train_pool, target_pass_rate=a.target, lr=a.lr, seed=a.seed, eval_every=25,
                           log=lambda s: print(s, flush=True))
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, a.out, metadata={"seed": str(a.seed), "steps": str(info["steps"]),
-                                      "pass_rate": f"{info['pass_rate']:.4f}", "lr": str(a.lr)})
+    save_warm_start(model, a.out, seed=a.seed, steps=info["steps"], pass_rate=f"{info['pass_rate']:.4f}", lr=a.lr)
     print({k: v for k, v in info.items() if k != "history"})
 
 

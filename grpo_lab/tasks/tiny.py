@@ -1,9 +1,7 @@
 r"""The embedded default's task and model: 2-digit addition, a character tokenizer, a ~0.6M-parameter Qwen2.
 
-Problems are `"ab+cd="` (fixed length, so batches need no padding); the answer is written `\boxed{n}` where
-`\boxed{` is one token, so the same math reward grades the tiny model and the real recipe. The pairs are split
-once, by a fixed seed, into a training pool (SFT warm start, Sanity candidates, GRPO) and a held-out pool
-(never trained on).
+Problems are `"ab+cd="` (fixed length: batches need no padding), answered `\boxed{n}` with `\boxed{` one token, so
+the recipe's math reward grades them; the pairs are split once into a training and a held-out pool.
 """
 
 from __future__ import annotations
@@ -20,14 +18,20 @@ SPECIALS = ["<pad>", "<eos>", "<unk>"]
 CHARS = list("0123456789+-*=?}. ")
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """A character tokenizer (plus `\\boxed{` as one token) as a fast HF tokenizer TRL can use."""
-    vocab = {t: i for i, t in enumerate(SPECIALS + [BOX] + CHARS)}
+def char_tokenizer(specials: list[str], chars: list[str], **named) -> PreTrainedTokenizerFast:
+    """A fast HF tokenizer TRL can use: `specials`, then `\\boxed{` as one token, then one token per character of
+    `chars`; `named` names its special tokens (`pad_token`, `eos_token`, ...)."""
+    vocab = {t: i for i, t in enumerate(specials + [BOX] + chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\\boxed\{|[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                                   padding_side="left", truncation_side="left")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", padding_side="left",
+                                   truncation_side="left", **named)
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny task's character tokenizer."""
+    return char_tokenizer(SPECIALS, CHARS, pad_token="<pad>", eos_token="<eos>")
 
 
 @dataclass
