@@ -13,23 +13,17 @@ from importlib import resources
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-# Tiny configs of the same architectures, for CPU quick mode and tests.
+# Tiny configs of the same architectures, for CPU quick mode and tests: the smallest, its untied-head twin, and one
+# whose vocabulary is large enough for the logits to matter.
+_TINY_QWEN3 = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                   max_position_embeddings=1024, tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
+                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
 TINY_CONFIGS: dict[str, dict] = {
-    "tiny-qwen3": dict(
-        model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=True,
-        rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    ),
-    "tiny-qwen3-untied": dict(
-        model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False,
-        rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    ),
-    "small-qwen3": dict(
-        model_type="qwen3", hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, vocab_size=8192, max_position_embeddings=4096, tie_word_embeddings=True,
-        rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    ),
+    "tiny-qwen3": _TINY_QWEN3,
+    "tiny-qwen3-untied": {**_TINY_QWEN3, "tie_word_embeddings": False},
+    "small-qwen3": {**_TINY_QWEN3, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+                    "head_dim": 64, "vocab_size": 8192, "max_position_embeddings": 4096},
 }
 
 
