@@ -27,8 +27,7 @@ class GRPOLabFusedLinearGRPOLoss(nn.Module):
         config: the loss options (TRL's names and defaults; note Liger's own defaults differ, e.g. its beta 0.04).
         compute_entropy: also return per-token entropies (for the `entropy` metric); forced on when the config needs
             them (entropy bonus, top-entropy quantile). Its gradient is only formed when the loss uses it.
-        backend: the log-prob backend name, `"grpo_lab"` by default (`"naive"`/`"trl"` for comparisons; checked by
-            `heads.logprob_head`).
+        backend: the log-prob backend name, `"grpo_lab"` by default (`"naive"`/`"trl"` for comparisons).
         logit_scale, softcap: the head's logit transform (Gemma-style softcap, Cohere-style scale).
     """
 

@@ -1,8 +1,7 @@
 """The log-prob heads, one module each, behind `logprob_head(name)`.
 
-Each head answers TRL's `ChunkedLogProbFunction.apply` call (`contract`): `chunked` (grpo-lab's chunked torch path),
-`grpo_lab` (the Triton kernel where it runs, else `chunked`), `naive` (full logits, the baseline) and `trl` (TRL's
-own). A head module is imported on first use, so asking for `naive` never imports TRL or Triton.
+Each head answers TRL's `ChunkedLogProbFunction.apply` call (`contract`); its module is imported on first use, so
+asking for `naive` never imports TRL or Triton.
 """
 
 from __future__ import annotations

@@ -7,10 +7,8 @@ of logits exists at a time. The backward recomputes each tile and turns it into 
 temperature, softcap and logit scale, accumulating dX, dW and db in fp32. Rows whose target is negative (TRL's
 `-100`) are skipped, not computed, and get log-prob 0.
 
-A frozen head (`head_mode` "frozen": only the hidden states need a gradient) takes the two-GEMM path, as the Triton
-kernel does: the forward also accumulates A = Σ_{j≠y} c_j·p_j·W_j (and B = Σ_{j≠y} c_j·p_j·log p_j·W_j when an
-entropy gradient is expected) with the online-softmax rescaling, and the backward is elementwise
-(`frozen.frozen_input_grad`), with no recomputation of the logits.
+A frozen head takes the two-GEMM path (`frozen`), as the Triton kernel does: A and B are accumulated in the forward
+with the online-softmax rescaling, and the backward is elementwise.
 """
 
 from __future__ import annotations

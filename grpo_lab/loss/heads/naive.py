@@ -1,8 +1,7 @@
 """The `naive` head, the pre-fused baseline: materialise the full [N, V] logits, upcast to fp32, log-softmax, gather.
 
-This is what GRPO trainers did before chunked heads, and what the Hugging Face blog post "Liger GRPO meets TRL"
-compares its fused loss against. It is also the ground truth the fused heads are tested against (plain autograd, no
-hand-written gradient).
+What GRPO trainers did before chunked heads, the baseline of the "Liger GRPO meets TRL" blog post, and the ground
+truth the fused heads are tested against (plain autograd, no hand-written gradient).
 """
 
 from __future__ import annotations

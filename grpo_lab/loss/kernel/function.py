@@ -1,8 +1,7 @@
 """`fused_linear_logprobs`: per-token log-probs (and entropies) of a linear head on CUDA, never holding its logits.
 
-The autograd Function here is thin: it drops the rows whose target is negative (they get log-prob 0 and zero
-gradients, not computed), lets `launch.choose_path` pick the path for the head mode and the free memory, runs that
-path's forward, turns the statistics into the outputs (`contract.outputs_from_stats`) and routes the backward.
+A thin autograd Function: it drops the rows whose target is negative (log-prob 0, zero gradients, not computed), runs
+the forward of the path `launch.choose_path` picks, turns its statistics into the outputs and routes the backward.
 """
 
 from __future__ import annotations
@@ -17,13 +16,9 @@ from .tuning import TUNING
 
 
 class FusedLinearLogProbFunction(torch.autograd.Function):
-    """TRL `ChunkedLogProbFunction` calling convention (see `grpo_lab.loss.contract`), CUDA + Triton.
-
-    Three ways to the gradient, chosen by `choose_path` from the head mode (`contract.head_mode`) and the memory the
-    memory policy allows: `frozen` (the head needs no gradient: the forward accumulates Σ p·W, the backward is
-    elementwise), `materialized` (a trainable head whose [N, V] probabilities fit the memory policy's budget: the
-    forward keeps them, the backward is two cuBLAS GEMMs) and `recompute` (a trainable head where they do not fit: the
-    backward recomputes the logits tile by tile, memory flat in N). `policy.path_counts()` counts the paths taken."""
+    """TRL `ChunkedLogProbFunction` calling convention (`contract`), CUDA + Triton. Three ways to the gradient:
+    `frozen` (`frozen.py`), `materialized` (the forward keeps the [N, V] probabilities: two cuBLAS GEMMs back) and
+    `recompute` (the logits recomputed tile by tile, memory flat in N), as the memory policy allows (`policy.py`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs, compute,
@@ -117,11 +112,8 @@ def fused_linear_logprobs(hidden, weight, bias, targets, temperature=1.0, chunk_
                           logit_scale=1.0, outputs=("log_probs",)):
     """Per-token log-probs of `hidden @ weight.T (+ bias)` and the requested extras, never holding the logits.
 
-    Same arguments and outputs as TRL's `ChunkedLogProbFunction.apply`; `chunk_size` is accepted for that
-    signature and ignored (the tiles are this kernel's own). Under autocast the projection runs in the autocast
-    dtype (inputs cast inside the kernel, no weight copy); accumulation is always fp32. A head that needs no gradient
-    (PEFT / LoRA, `requires_grad=False`) takes the two-GEMM frozen path automatically.
-    """
+    TRL's `ChunkedLogProbFunction.apply` arguments (`chunk_size` ignored: the tiles are this kernel's own). Under
+    autocast the projection runs in the autocast dtype, cast inside the kernel; accumulation is always fp32."""
     check_logprob_inputs(hidden, weight, bias, targets, temperature, outputs)
     if hidden.device.type != "cuda":
         raise ValueError("fused_linear_logprobs needs CUDA tensors; use grpo_lab.loss.heads.chunked elsewhere.")

@@ -19,9 +19,8 @@ def materialize_decision(need_bytes: int, free_bytes: int, fraction: float, allo
                          spare_bytes: int = SPARE_BYTES) -> bool:
     """Whether a trainable head keeps its [N, V] probabilities (`need_bytes`) given `free_bytes` free now.
 
-    With `allowance_bytes` (the user's explicit `materialize_gib`) the buffer must be at most that; otherwise at most
-    `fraction` of the free memory (0: never). Either way `spare_bytes` must stay free beside it. A pure function of
-    its arguments, so the policy is tested without a GPU."""
+    At most `allowance_bytes` (an explicit `materialize_gib`), else `fraction` of the free memory (0: never), with
+    `spare_bytes` free beside it either way. Pure, so the policy is tested without a GPU."""
     if need_bytes <= 0 or need_bytes + spare_bytes > free_bytes:
         return False
     if allowance_bytes is not None:
@@ -30,9 +29,8 @@ def materialize_decision(need_bytes: int, free_bytes: int, fraction: float, allo
 
 
 def free_device_bytes(device) -> int:
-    """Bytes the caching allocator could hand out now: the driver's free memory (`torch.cuda.mem_get_info`) plus what
-    the allocator holds reserved but unallocated (after a training step that is most of the free memory; the
-    allocator returns its cached blocks to the driver and retries before it reports an out-of-memory error)."""
+    """Bytes the caching allocator could hand out now: the driver's free memory plus what it holds reserved but
+    unallocated (after a training step, most of it; the allocator frees its cache and retries before an OOM)."""
     import torch
 
     free, _ = torch.cuda.mem_get_info(device)
@@ -49,8 +47,7 @@ class PathCounts:
         frozen (`int`): the frozen head's two-GEMM path.
         recompute (`int`): the recomputing backward: a trainable head kept flat, a small frozen head, fp16.
         materialized (`int`): a trainable head that kept its [N, V] probabilities (the memory policy said yes).
-        flat_for_memory (`int`): of the `recompute` calls, trainable heads the policy kept flat because the buffer
-            did not fit its budget (with the policy on: `materialize_fraction` > 0 or an allowance > 0).
+        flat_for_memory (`int`): of the `recompute` calls, trainable heads the (enabled) policy kept flat for memory.
     """
 
     stats: int = 0
