@@ -1,10 +1,7 @@
 """The one live board of the notebooks: a status line with progress and ETA, a progress bar, a plot area and a table.
 
-Built from core ipywidgets only (HTML, IntProgress, Output, VBox), so it runs on Colab's ipywidgets 7.7 and on 8.x
-without ipympl; without a widget frontend it falls back to IPython display handles, and outside IPython to printed
-lines. Plots are PNG images redrawn at most every `redraw_every_s` (the last one is always drawn by `done`/`close`).
-
-Two ways to feed it, which can be mixed:
+Core ipywidgets only (Colab's 7.7 and 8.x, no ipympl), else IPython display handles, else printed lines; plots are
+PNGs redrawn at most every `redraw_every_s` (the last always, by `done`/`close`). Two ways to feed it, mixed at will:
 
     board = LiveBoard("Peak memory vs batch size", total=24).show()
     board.step("B=8 naive"); board.figure(fig)          # a figure the caller draws

@@ -1,14 +1,9 @@
 """The loss backend names, the default, their help text, how results show them (order, references, colours) and
 `resolve_backend`: the one check of a backend name. Every other module imports the names from here.
 
-A name is checked once, where it enters (a config's `__post_init__`, `set_loss_backend`, `logprob_backend`).
-
-- `grpo_lab` (the default): this project's chunked head, the Triton kernel on CUDA and the chunked torch path
-  elsewhere (`heads.grpo_lab`).
-- `trl`: TRL 1.16's built-in fused LM head (`trl.kernels.ChunkedLogProbFunction`).
-- `naive`: the full `[N, V]` logits materialised in fp32 (the pre-fused baseline).
-- `liger`: Liger-Kernel's `LigerFusedLinearGRPOLoss`. It fuses the loss too, so it has no log-prob head: the trainer
-  switch swaps TRL's `_compute_loss` for it instead (`liger`).
+A name is checked once, where it enters (a config's `__post_init__`, `set_loss_backend`, `logprob_backend`). What
+each backend is: `BACKEND_HELP`; `liger` fuses the loss too, so it has no log-prob head (the trainer switch swaps
+TRL's `_compute_loss` for it instead).
 """
 
 from __future__ import annotations

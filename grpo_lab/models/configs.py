@@ -1,8 +1,5 @@
-"""Model configs and random-init models: memory depends on shapes, not weights.
-
-`load_model_config` reads the exact public configs shipped in `data/configs/` (Qwen3 0.6B-14B, Qwen2.5-Math-1.5B),
-so memory and max-batch figures are honest without downloading weights; tiny presets keep CPU runs quick. Online
-users can still pass any hub id, which is resolved by `transformers.AutoConfig`.
+"""Model configs and random-init models: the exact public configs shipped in `data/configs/` (Qwen3 0.6B-14B,
+Qwen2.5-Math-1.5B) and tiny presets for quick CPU runs; online, any hub id through `transformers.AutoConfig`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """The embedded chat model: one small, trained model that the trainer, the CPU replica and real vLLM all serve.
 
-The async loop needs a model *directory* (TRL's `AsyncGRPOTrainer` loads its model by path, vLLM serves a path), a
-tokenizer with a chat template TRL can parse responses of, and weights that are not near-uniform (a random-init
-model samples the same tokens whatever adapter serves it, so a wrong-adapter bug would be invisible). This is the
-embedded default that satisfies all three offline:
+The async loop needs a model *directory* (TRL's `AsyncGRPOTrainer` and vLLM load by path), a tokenizer with a chat
+template TRL can parse responses of, and weights that are not near-uniform (a random-init model samples the same
+tokens whatever adapter serves it, so a wrong-adapter bug would be invisible). Offline, that is:
 
-- the tiny Qwen2 of `grpo_lab.tasks.tiny` (hidden 128, 4 heads of 32 — vLLM's CPU attention needs head_dim >= 32),
-  SFT'd on 2-digit addition in chat form until it is right about 40 % of the time (`data/mini/`), saved as the
-  equivalent Llama (see `as_llama`);
-- a character tokenizer plus the ChatML specials, carrying Qwen3's chat template, so TRL's response parser
-  (`trl.chat_template_utils.add_response_schema`) recognises it and every prompt renders to 25 tokens:
-  `<|im_start|>user\\n12+34=<|im_end|>\\n<|im_start|>assistant\\n`, answered `\\boxed{46}<|im_end|>`.
+- the tiny Qwen2 of `grpo_lab.tasks.tiny` (head_dim 32: vLLM's CPU attention needs >= 32), SFT'd on 2-digit addition
+  in chat form to about 40 % right (`data/mini/`), saved as the equivalent Llama (`as_llama`);
+- a character tokenizer with the ChatML specials and Qwen3's chat template, which TRL's response parser recognises:
+  `<|im_start|>user\\n12+34=<|im_end|>\\n<|im_start|>assistant\\n` (25 tokens), answered `\\boxed{46}<|im_end|>`.
 
     path = write_embedded_model("/tmp/tiny-chat")     # or embedded_model_dir(): a shared cached copy
 """
