@@ -95,6 +95,8 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
     "overlap_partition+hang_other+s3_stopped": ("partition", "hang_other", "s3_stop"),
 }
 SHORT = ("replica_server_kill9", "worker_partition", "trainer_kill9_resume")
+# a duration fault needs a run that outlives it: the latency swap waits out a 30 s drain, then 30 s of delay
+MIN_STEPS = {"worker_latency_200ms": 40}
 
 
 # -- the hosts -----------------------------------------------------------------------------------------------------
@@ -659,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"chaos run: runs and logs in {work}", flush=True)
     with hosts(work) as h:
         for name in names:
-            row = run_scenario(h, name, args.max_steps, args.inject_at, args.save_steps)
+            row = run_scenario(h, name, max(args.max_steps, MIN_STEPS.get(name, 0)), args.inject_at, args.save_steps)
             rows.append(row)
             print(json.dumps(row), flush=True)
             write_rows(earlier + rows, args.csv)  # after every scenario: a run that dies keeps what it measured
