@@ -40,7 +40,8 @@ SETTINGS_NAMES = {"replicas": "replicas", "replica_kind": "replica_kind", "route
                   "ray_address": "ray_address", "model": "model", "replica_threads": "replica_threads",
                   "pool_run_name": "pool_run", "pool_weight": "run_weight",
                   "pool_admin_key_file": "pool_admin_key_file", "autotune": "autotune",
-                  "ray_strategy": "replica_spread", "replicas_on_trainer_node": "replicas_on_trainer_node"}
+                  "ray_strategy": "replica_spread", "replicas_on_trainer_node": "replicas_on_trainer_node",
+                  "lora_rank": "lora_rank"}
 
 
 @dataclass
@@ -74,6 +75,7 @@ class LoopConfig:
     pool_admin_key_file: str | None = LoopSettings.pool_admin_key_file
     pool_rejoin: bool = False
     autotune: object = LoopSettings.autotune
+    lora_rank: int = LoopSettings.lora_rank  # the adapter's rank when AsyncLoop is given no peft_config
 
     def __post_init__(self):
         """The shared fields' rules are `LoopSettings`' (checked there, named here); a pool run's name follows
@@ -127,10 +129,11 @@ def embedded_trainer_args(output_dir: str, settings: LoopSettings | None = None,
     return AsyncGRPOLabConfig(**values)
 
 
-def embedded_peft_config(r: int = 1, alpha: int = 2):
+def embedded_peft_config(r: int = LoopSettings.lora_rank, alpha: int | None = None):
+    """The policy's LoRA adapter when none is given: rank `r`, alpha `2r` unless given, on every linear layer."""
     from peft import LoraConfig
 
-    return LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+    return LoraConfig(r=r, lora_alpha=2 * r if alpha is None else alpha, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
 
 
 @contextlib.contextmanager
@@ -158,13 +161,15 @@ def quiet_setup():
 class AsyncLoop:
     """Replicas + router + `AsyncGRPOLabTrainer`: `start()` (or `with`), `train()`, `stop()`. The trainer's arguments
     default to the embedded task; `args.vllm_server_base_url` is set to the router's URL. `progress` False (a
-    notebook, which shows the live board) leaves out the progress bar."""
+    notebook, which shows the live board) leaves out the progress bar. Without `peft_config` the policy's adapter
+    is `embedded_peft_config(loop.lora_rank)`."""
 
     def __init__(self, loop: LoopConfig, args, reward_funcs=None, train_dataset=None, peft_config=None,
                  processing_class=None, callbacks=None, progress: bool = True):
         self.loop, self.args, self.progress = loop, args, progress
         self.reward_funcs, self.train_dataset = reward_funcs, train_dataset
-        self.peft_config, self.processing_class = peft_config, processing_class
+        self.peft_config = peft_config if peft_config is not None else embedded_peft_config(loop.lora_rank)
+        self.processing_class = processing_class
         self.callbacks = list(callbacks or [])
         self.cluster: Cluster | None = None  # the replicas this loop started (or was given) + its router
         self.trainer = None
@@ -201,7 +206,7 @@ class AsyncLoop:
                 self.trainer = AsyncGRPOLabTrainer(
                     model, reward_funcs=self.reward_funcs or REWARD_FUNCS, args=self.args,
                     train_dataset=self.train_dataset if self.train_dataset is not None else addition_dataset(),
-                    processing_class=self.processing_class, peft_config=self.peft_config or embedded_peft_config(),
+                    processing_class=self.processing_class, peft_config=self.peft_config,
                     callbacks=[self.recorder, *self.callbacks], autotune=self.loop.autotune)
             if self.trainer.autotuner is not None:  # each step's decisions go into its metrics row
                 self.recorder.extras.append(self.trainer.autotune_callback.row_extra)
@@ -227,7 +232,7 @@ class AsyncLoop:
         """The replicas and router `LoopConfig` asks for, through the one launcher (`serving.clusters.launcher`):
         local child processes, Ray actors, or only a router in front of `replica_urls`."""
         loop = self.loop
-        rank = round_lora_rank(max(self.peft_config.r if self.peft_config is not None else 1, 1))
+        rank = round_lora_rank(max(self.peft_config.r, 1))
         spec = ClusterSpec(replicas=len(loop.replica_urls) or loop.replicas, kind=loop.replica_kind, model=model,
                            max_staleness=self.args.max_staleness, lora_rank=rank, max_model_len=loop.max_model_len,
                            replica_threads=loop.replica_threads, env=dict(loop.replica_env),

@@ -90,6 +90,9 @@ class LoopSettings:
     prompts_per_step: int = setting(2, group=TRAINING, check=Range(1), help="prompts per optimizer step")
     num_generations: int = setting(8, group=TRAINING, check=Range(2), help="rollouts per prompt (G)")
     learning_rate: float = setting(3e-3, group=TRAINING, check=Range(0.0, open=True), help="the LoRA learning rate")
+    lora_rank: int = setting(1, group=TRAINING, check=Range(1), help=(
+        "the LoRA rank r of the policy's adapter (alpha 2r, every linear layer); a shared pool's replicas take "
+        "ranks up to their --max-lora-rank"))
     loss_backend: Literal[LOGPROB_BACKENDS] = setting(DEFAULT_LOSS_BACKEND, group=TRAINING, help=(
         "how the log-probs are computed (liger fuses its own loss and is not available here)"))
     tree_attention: Literal[TREE_ATTENTION_CHOICES] = setting("auto", group=TRAINING, help=(

@@ -220,7 +220,7 @@ def verdict_markdown(run: LoopRun) -> str:
 
 
 def recipe_commands(replicas: int = LoopSettings.replicas, max_staleness: int = DEFAULT_MAX_STALENESS,
-                    lora_rank: int = 1) -> str:
+                    lora_rank: int = LoopSettings.lora_rank) -> str:
     """The commands of the Sanity recipe on GPUs: one `vllm serve` per GPU, the router, then the trainer."""
     from ..serving.replicas.vllm_launcher import router_command
     from ..serving.replicas.vllm_spec import replica_specs

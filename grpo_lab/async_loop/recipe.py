@@ -34,5 +34,5 @@ def sanity_loop(router_url: str, model: str = "Qwen/Qwen2.5-Math-1.5B", dataset_
 
     dataset = to_grpo_dataset(load_task_dataset("sanity", dataset_path), "qwen_math")
     return AsyncLoop(LoopConfig(router_url=router_url, model=model), sanity_args(output_dir, **overrides),
-                     reward_funcs=[math_reward], train_dataset=dataset, peft_config=embedded_peft_config(r=1, alpha=2),
+                     reward_funcs=[math_reward], train_dataset=dataset, peft_config=embedded_peft_config(),
                      callbacks=callbacks)

@@ -137,3 +137,17 @@ def test_the_engine_forward_fills_the_cache_it_passes(engine):
     cache = DynamicCache(config=engine.base.config)
     engine._forward(PROMPT[:20], cache)
     assert all(layer.keys is not None and layer.keys.shape[2] == 20 for layer in cache.layers)
+
+
+def test_adapter_names_with_dots_load_and_serve(engine, adapters):
+    """vLLM serves any adapter name; a shared pool's run `lr0.001` names its adapters `lr0.001--trl-policy-v1`,
+    which PEFT alone would refuse (a '.' is a module path)."""
+    name = "lr0.001--trl-policy-v1"
+    engine.load_adapter(name, adapters["trl-policy-v1"])
+    try:
+        params = SamplingParams(max_tokens=4, seed=3)
+        dotted = engine.generate(name, PROMPT, params)
+        assert dotted["logprobs"] != engine.generate("tiny-qwen3", PROMPT, params)["logprobs"]  # its weights, not base
+    finally:
+        engine.unload_adapter(name)
+    assert name not in engine.adapters

@@ -40,6 +40,12 @@ class RequestError(Exception):
 CLIENT_CLOSED = "ClientClosed"
 
 
+def peft_name(name: str) -> str:
+    """The name PEFT holds adapter `name` under: vLLM serves any name, but PEFT refuses a '.' (a module path), and a
+    pool run such as `lr0.001` names its adapters after itself; hex keeps distinct names distinct."""
+    return "a" + name.encode().hex()
+
+
 def _stop_if(aborted: Callable[[], bool]) -> None:
     if aborted():  # nginx's 499: nobody reads the answer
         raise RequestError(499, "the client closed the connection; the completion was cancelled", CLIENT_CLOSED)
@@ -193,9 +199,10 @@ class Engine:
         with self._lock:
             try:
                 if self.model is self.base:
-                    self.model = PeftModel.from_pretrained(self.base, path, adapter_name=name, is_trainable=False)
+                    self.model = PeftModel.from_pretrained(self.base, path, adapter_name=peft_name(name),
+                                                           is_trainable=False)
                 else:
-                    self.model.load_adapter(path, adapter_name=name, is_trainable=False)
+                    self.model.load_adapter(path, adapter_name=peft_name(name), is_trainable=False)
             except Exception as error:  # a broken checkpoint is the client's problem, not a crash
                 raise RequestError(400, f"failed to load adapter from {path}: {type(error).__name__}: {error}") \
                     from None
@@ -208,7 +215,7 @@ class Engine:
         with self._lock:
             del self.adapters[name]
             if self.adapters:
-                self.model.delete_adapter(name)
+                self.model.delete_adapter(peft_name(name))
             else:  # PEFT keeps at least one adapter: drop the wrapper instead
                 self.model = self.model.unload()
                 self.base = self.model
@@ -248,7 +255,7 @@ class Engine:
         """Hold the model with `model_name` active: an adapter, or the base with adapters disabled."""
         with self._lock:
             if model_name in self.adapters:
-                self.model.set_adapter(model_name)
+                self.model.set_adapter(peft_name(model_name))
                 yield
             elif model_name in self.config.served_model_names:
                 if self.model is not self.base:
