@@ -43,7 +43,6 @@ def plot_memory_vs_batch(df: pd.DataFrame, mode: str = "step", fig=None, dtypes=
         fig = plt.figure(figsize=(11, 4.2))
     fig.clear()
     axes = fig.subplots(1, len(dtypes), sharey=False, squeeze=False)[0]
-    unit = "GiB"
     for ax, dtype in zip(axes, dtypes):
         part = d[d["dtype"] == dtype]
         ymax = part["peak_gib"].max() if part["peak_gib"].notna().any() else 1.0
@@ -65,7 +64,7 @@ def plot_memory_vs_batch(df: pd.DataFrame, mode: str = "step", fig=None, dtypes=
             ax.text(0.5, 0.5, f"no {dtype} points", ha="center", va="center", transform=ax.transAxes)
         ax.set_xlabel("batch size (sequences per step)")
         kind = part["memory_kind"].iloc[0] if len(part) else ""
-        ax.set_ylabel(f"peak memory ({unit})" + (" — RSS above baseline" if kind == "cpu_rss" else ""))
+        ax.set_ylabel("peak memory (GiB)" + (" — RSS above baseline" if kind == "cpu_rss" else ""))
         ax.set_title(f"{dtype.upper()}")
         ax.grid(alpha=0.3)
         if len(part):
@@ -101,12 +100,9 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
     x = np.arange(len(models))
     top = max(1, df["max_batch"].max()) if len(df) else 1
     for i, backend in enumerate(backends):
-        vals, bounds = [], []
-        for m in models:
-            sel = df[(df["model"] == m) & (df["backend"] == backend)]
-            v = sel["max_batch"]
-            vals.append(int(v.iloc[0]) if len(v) and pd.notna(v.iloc[0]) else 0)
-            bounds.append(bound_kind(sel.iloc[0]) if len(sel) else "")
+        sels = [df[(df["model"] == m) & (df["backend"] == backend)] for m in models]
+        vals = [int(s["max_batch"].iloc[0]) if len(s) and pd.notna(s["max_batch"].iloc[0]) else 0 for s in sels]
+        bounds = [bound_kind(s.iloc[0]) if len(s) else "" for s in sels]
         pos = x + (i - (len(backends) - 1) / 2) * width
         color = BACKEND_COLORS.get(backend)
         bars = ax.bar(pos, vals, width, label=backend, color=color)
@@ -115,12 +111,11 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
                 bar.set_hatch("//")
                 bar.set_facecolor("none")
                 bar.set_edgecolor(color)
-        for m, p, v, kind in zip(models, pos, vals, bounds):
+        for m, sel, p, v, kind in zip(models, sels, pos, vals, bounds):
             f = failed[(failed["model"] == m) & (failed["backend"] == backend)]
             if len(f):
                 ax.text(p, top * 0.01, str(f["status"].iloc[0]), ha="center", va="bottom", fontsize=7, rotation=90)
                 continue
-            sel = df[(df["model"] == m) & (df["backend"] == backend)]
             if sel.empty:  # this backend was not searched for this model
                 continue
             labels = [max_batch_label(sel.iloc[0])]

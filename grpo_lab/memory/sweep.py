@@ -128,10 +128,9 @@ def _unmeasured(specs: list[PointSpec], previous: pd.DataFrame) -> tuple[list[Po
     """The specs `previous` does not hold as ok/oom at the same lengths, and the OOM batch per series it holds."""
     done = previous[previous["status"].isin(["ok", "oom"])]
     status: dict[tuple, set] = {}  # point coordinates -> the statuses recorded there
-    for m, mo, d, b, bs, pl, cl, st in zip(done["model"], done["mode"], done["dtype"], done["backend"],
-                                           done["batch_size"], done["prompt_len"], done["completion_len"],
-                                           done["status"]):
-        status.setdefault((m, mo, d, b, int(bs), int(pl), int(cl)), set()).add(st)
+    for r in done.itertuples():
+        key = (r.model, r.mode, r.dtype, r.backend, int(r.batch_size), int(r.prompt_len), int(r.completion_len))
+        status.setdefault(key, set()).add(r.status)
     left, oom_at = [], {}
     for s in specs:
         prompt_len = s.prompt_len if s.mode == "step" else 0  # how make_row records a loss-alone point

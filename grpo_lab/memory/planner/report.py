@@ -123,11 +123,9 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     searches = load_reference("fsdp_max_batch", "fsdp_max_batch.csv")
-    tables = []
-    for model in ARTICLE["models"]:  # notebook 02's setting on the H200 (140 GiB), world sizes 1..8
-        base = PlannerConfig(model=model, lora_r=16, prompt_len=256, completion_len=512, fsdp=True)
-        tables.append(world_size_table(base, 140.4, upper=4096))
-    ws = pd.concat(tables, ignore_index=True)
+    ws = pd.concat([world_size_table(  # notebook 02's setting on the H200 (140 GiB), world sizes 1..8
+        PlannerConfig(model=model, lora_r=16, prompt_len=256, completion_len=512, fsdp=True), 140.4, upper=4096)
+        for model in ARTICLE["models"]], ignore_index=True)
     ws.loc[ws["world_size"] == 1, "status"] = "predicted (measured in validation_max_batch.csv)"
     ws.to_csv(out / "world_sizes.csv", index=False)
     try:
