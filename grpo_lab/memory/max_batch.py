@@ -26,7 +26,8 @@ import pandas as pd
 from ..lab.records import run_record
 from ..loss.backends import DISPLAY_ORDER, LOGPROB_BACKENDS, in_display_order, resolve_backend
 from .probe import ProbeError, run_point
-from .results import COLUMNS, ENV_COLUMNS, GiB, make_row, ratio_table, target_csv, text_column, write_csv
+from .results import (COLUMNS, ENV_COLUMNS, GiB, cli_error, make_row, ratio_table, target_csv, text_column,
+                      write_csv)
 from .spec import (
     EXPANDABLE_SEGMENTS,
     PointSpec,
@@ -494,8 +495,7 @@ def main(argv=None) -> int:
     if a.replot:
         csv = Path(a.replot)
         if not csv.is_file():
-            print(f"error: no CSV {csv}", file=sys.stderr)
-            return 2
+            return cli_error(f"no CSV {csv}")
         print(f"wrote {_save_png(pd.read_csv(csv), csv.with_suffix('.png'))}")
         return 0
     preset = dict(PRESETS["full" if a.full else "quick"])
@@ -517,8 +517,7 @@ def main(argv=None) -> int:
         if a.seed_probes and not Path(a.seed_probes).is_file():
             raise ValueError(f"no probes CSV {a.seed_probes} to seed the searches from")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli_error(e)
     out = csv.parent
     print(f"{len(searches)} searches → {csv}", flush=True)
 
@@ -535,8 +534,7 @@ def main(argv=None) -> int:
                           append=a.append, max_seconds=None if a.max_minutes is None else a.max_minutes * 60,
                           resume=a.resume, seed_probes=a.seed_probes or None)
     except ProbeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return cli_error(e, 1)
     try:
         _save_png(df, out / f"{name}.png")
     except ImportError as e:  # a GPU box without matplotlib: the CSV is the result, plot it elsewhere

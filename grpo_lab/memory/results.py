@@ -4,6 +4,7 @@ and the tables drawn from them (savings vs a reference backend, max-batch ratios
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -66,6 +67,12 @@ def target_csv(out: str | Path, name: str, keep: bool, overwrite: bool) -> Path:
         raise ValueError(f"{csv} exists; pass --overwrite to replace it, --resume (or --append) to add to it, or "
                          "another --out")
     return csv
+
+
+def cli_error(message, status: int = 2) -> int:
+    """A command line's one-line error on stderr; returns the exit status to end with (2: bad input)."""
+    print(f"error: {message}", file=sys.stderr)
+    return status
 
 
 def rows_to_frame(rows: list[dict]) -> pd.DataFrame:

@@ -21,7 +21,7 @@ import pandas as pd
 from ..lab.records import run_record
 from ..loss.backends import DISPLAY_ORDER, LOGPROB_BACKENDS, in_display_order, resolve_backend
 from .probe import ProbeError, run_point
-from .results import make_row, rows_to_frame, savings_table, target_csv, write_csv
+from .results import cli_error, make_row, rows_to_frame, savings_table, target_csv, write_csv
 from .spec import (
     PointSpec,
     check_model,
@@ -178,8 +178,7 @@ def main(argv=None) -> int:
     if a.replot:
         csv = Path(a.replot)
         if not csv.is_file():
-            print(f"error: no CSV {csv}", file=sys.stderr)
-            return 2
+            return cli_error(f"no CSV {csv}")
         paths = save_figures(pd.read_csv(csv), csv.parent, csv.stem)
         print("wrote " + ", ".join(map(str, paths)))
         return 0
@@ -197,16 +196,14 @@ def main(argv=None) -> int:
         name = a.name or (FIGURE if a.full else f"{FIGURE}_quick")
         csv = target_csv(a.out, name, keep=a.append or a.resume, overwrite=a.overwrite)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli_error(e)
     out = csv.parent
     print(f"{len(specs)} points → {csv}", flush=True)
     try:
         df = run_sweep(specs, out_csv=csv, on_point=_print_point, keep_going=a.keep_going, append=a.append,
                        max_seconds=None if a.max_minutes is None else a.max_minutes * 60, resume=a.resume)
     except ProbeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return cli_error(e, 1)
     try:
         save_figures(df, out, name)
     except ImportError as e:  # a GPU box without matplotlib: the CSV is the result, plot it elsewhere

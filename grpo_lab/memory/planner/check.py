@@ -26,7 +26,7 @@ from grpo_lab.loss.backends import FUSED_BACKENDS, REFERENCE_BACKENDS
 from ...lab.records import run_record
 from ..max_batch import _gpu_total_bytes
 from ..probe import ProbeError, run_point
-from ..results import make_row, target_csv, write_csv
+from ..results import cli_error, make_row, target_csv, write_csv
 from ..spec import EXPANDABLE_SEGMENTS, PointSpec, parse_int_list, parse_str_list
 from .predict import GiB, PlannerConfig, max_batch, plan
 
@@ -154,8 +154,7 @@ def _print(row, i, n):
 def _repredict_csv(path: Path) -> int:
     """`--repredict CSV`: the prediction columns of an existing CSV recomputed in place."""
     if not path.is_file():
-        print(f"error: no CSV {path}", file=sys.stderr)
-        return 2
+        return cli_error(f"no CSV {path}")
     write_csv(repredict(pd.read_csv(path)), path)
     print(f"rewrote the predictions in {path}")
     return 0
@@ -201,8 +200,7 @@ def main(argv=None) -> int:
                 points = nb02_expandable_points(budget, **picked)
         csv = target_csv(a.out, f"planner_{a.preset}", keep=False, overwrite=a.overwrite)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli_error(e)
     print(f"{len(points)} points → {csv}", flush=True)
     df = run_checks(points, csv, None if a.max_minutes is None else a.max_minutes * 60, _print)
     print(f"wrote {csv}")

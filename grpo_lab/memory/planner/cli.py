@@ -15,6 +15,7 @@ import sys
 from grpo_lab.loss.backends import BACKEND_HELP, DEFAULT_LOSS_BACKEND
 
 from .predict import GiB, PlannerConfig, max_batch, max_batch_band, plan, usable_budget
+from ..results import cli_error
 from ..spec import parse_int_list
 
 
@@ -73,8 +74,7 @@ def main(argv=None) -> int:
                              batch_size=a.batch or 1, expandable_segments=a.expandable_segments)
         sizes = _world_sizes(a.world_sizes) if a.world_sizes else None
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli_error(e)
     gpus = f"{a.gpus} GPU{'s' if a.gpus > 1 else ''} × {a.gib:g} GiB" + (" (FSDP2)" if base.fsdp else "")
     print(f"{a.model}, {a.loss_backend}, {base.dtype}, "
           f"{'LoRA r=' + str(a.lora_r) if a.lora_r else 'full fine-tuning'}, {a.prompt}+{a.completion} tokens, "

@@ -20,7 +20,7 @@ import pandas as pd
 from grpo_lab.loss.backends import BASELINE_BACKEND, LOSS_BACKENDS
 
 from .predict import GiB, PlannerConfig, max_batch, max_batch_band, plan, plan_loss_only
-from ..results import load_reference, text_column
+from ..results import cli_error, load_reference, text_column
 from ..spec import EXPANDABLE_SEGMENTS
 
 TARGET_PCT = 10.0  # the target: within 10 % of the measured peak
@@ -344,8 +344,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     extra = {"planner_heldout_h200.csv": Path(a.heldout_csv)} if a.heldout_csv else None
     if extra and not extra["planner_heldout_h200.csv"].is_file():
-        print(f"error: no CSV {a.heldout_csv}", file=sys.stderr)
-        return 2
+        return cli_error(f"no CSV {a.heldout_csv}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     table = validation_table(extra)
