@@ -25,7 +25,8 @@ from .grid import expand
 
 GRID_FIELDS = ("learning_rate", "num_generations", "lora_rank", "max_staleness", "seed")  # the form's grid boxes
 START, JOIN = "start a pool", "join pool_url"   # the form's pool choice
-FIGURE_FILE, RESULTS_SUMMARY = "sweep.png", "notebook_summary.csv"
+FIGURE_FILE = "sweep.png"  # in the sweep's folder, beside summary.csv
+RESULTS_SUMMARY, RESULTS_FIGURE = "notebook_summary.csv", "notebook_sweep.png"  # in results/sweep (a refresh)
 DONE = ("finished", "stopped", "failed")
 TITLES = {"reward": "reward", "kl": "KL", "staleness": "staleness (versions)", "rollout_wait_s": "rollout wait (s)"}
 PANELS = tuple((key, TITLES[key]) for key in CURVES)  # a panel per curve `Sweep.curves()` has
@@ -156,7 +157,7 @@ def committed():
     from ..lab.outputs import committed_results
 
     root = committed_results("sweep")
-    table, figure = root / RESULTS_SUMMARY, root / FIGURE_FILE
+    table, figure = root / RESULTS_SUMMARY, root / RESULTS_FIGURE
     return (pd.read_csv(table) if table.is_file() else None, figure.read_bytes() if figure.is_file() else None)
 
 
@@ -241,7 +242,7 @@ def write_results(table, png: bytes, folder: str | Path, device: str = "auto") -
         frame[key] = value
     path = folder / RESULTS_SUMMARY
     frame.to_csv(path, index=False)
-    (folder / FIGURE_FILE).write_bytes(png)
+    (folder / RESULTS_FIGURE).write_bytes(png)
     return path
 
 

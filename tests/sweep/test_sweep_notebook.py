@@ -216,7 +216,7 @@ def test_a_refresh_writes_the_table_with_its_machine_and_the_figure(tmp_path):
     written = pd.read_csv(path)
     assert path.name == nb05.RESULTS_SUMMARY and written["run"].tolist() == ["a"]
     assert {"date", "torch"} <= set(written.columns)
-    assert (tmp_path / "results" / "sweep" / nb05.FIGURE_FILE).read_bytes() == PNG + b"x"
+    assert (tmp_path / "results" / "sweep" / nb05.RESULTS_FIGURE).read_bytes() == PNG + b"x"
 
 
 def test_the_form_without_a_widget_frontend_keeps_the_values():
