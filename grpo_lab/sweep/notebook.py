@@ -28,6 +28,8 @@ START, JOIN = "start a pool", "join pool_url"   # the form's pool choice
 FIGURE_FILE = "sweep.png"  # in the sweep's folder, beside summary.csv
 RESULTS_SUMMARY, RESULTS_FIGURE = "notebook_summary.csv", "notebook_sweep.png"  # in results/sweep (a refresh)
 DONE = ("finished", "stopped", "failed")
+TABLE_STYLE = ("<style>table.grpo-sweep td, table.grpo-sweep th {padding: 2px 10px; text-align: left} "
+               "table.grpo-sweep {border-collapse: collapse}</style>")
 TITLES = {"reward": "reward", "kl": "KL", "staleness": "staleness (versions)", "rollout_wait_s": "rollout wait (s)"}
 PANELS = tuple((key, TITLES[key]) for key in CURVES)  # a panel per curve `Sweep.curves()` has
 
@@ -208,7 +210,7 @@ def status_html(status: list[dict], shares: dict) -> str:
             e["name"], e["status"], f"{e['step']}/{e['max_steps']}", pct, share.get("queued", ""),
             e["last_line"][-90:])) + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in ("run", "status", "step", "pool share", "queued", "last line"))
-    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+    return f"{TABLE_STYLE}<table class='grpo-sweep'><tr>{head}</tr>{''.join(rows)}</table>"
 
 
 def counts(status: list[dict]) -> str:
@@ -219,11 +221,16 @@ def counts(status: list[dict]) -> str:
 
 
 def ranked(sweep):
-    """`Sweep.summary()` with a rank, and each run's tracker run where its settings log to one."""
+    """`Sweep.summary()` with a rank (finished runs first), and each run's tracker run where its settings log to
+    one."""
+    import pandas as pd
+
     table = sweep.summary()
     if not len(table):
         return table
-    table.insert(0, "rank", range(1, len(table) + 1))
+    # finished runs first (a run stopped after 2 steps is not the sweep's best however high its last reward)
+    table = table.sort_values("status", key=lambda s: s != "finished", kind="stable").reset_index(drop=True)
+    table.index = pd.RangeIndex(1, len(table) + 1, name="rank")
     trackers = {name: ", ".join(f"{t}: {name}" for t in LoopSettings(**run.settings).trackers)
                 for name, run in sweep.runs.items()}
     if any(trackers.values()):
@@ -237,7 +244,7 @@ def write_results(table, png: bytes, folder: str | Path, device: str = "auto") -
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    frame = table.copy()
+    frame = table.reset_index()
     for key, value in run_record(device).items():
         frame[key] = value
     path = folder / RESULTS_SUMMARY
@@ -379,7 +386,8 @@ class SweepPanel:
             self.table = ranked(self.sweep)
             (self.sweep.folder / FIGURE_FILE).write_bytes(self.png)
             if self.widgets:
-                self.summary_area.value = "<b>ranked by final reward</b>" + self.table.to_html(index=False)
+                self.summary_area.value = ("<b>ranked by final reward</b> (finished runs first)" + TABLE_STYLE
+                                           + self.table.to_html(classes="grpo-sweep"))
                 self.run_choice.options = []
         self._say(f"done: {counts(self.sweep.status())}; summary {self.sweep.folder / 'summary.csv'}")
         return self.table

@@ -163,6 +163,52 @@ def reward_curves_run_ten_steps(nb: NotebookView, params: dict) -> str:
     return line.inner_text()
 
 
+RUN_ROW = re.compile(r"^(\S+)\s+(queued|running|finished|stopped|failed)\s+(\d+)/(\d+)", re.MULTILINE)
+
+
+def sweep_runs(cell) -> dict[str, tuple[str, int]]:
+    """Each run's (status, step) from the sweep panel's runs table in `cell`."""
+    return {m[1]: (m[2], int(m[3])) for m in RUN_ROW.finditer(cell.inner_text())}
+
+
+def wait_until(page, what: str, condition, timeout_ms: int = WAIT_MS):
+    """Poll `condition()` every half second until it is true; fails naming `what`."""
+    for _ in range(timeout_ms // 500):
+        if condition():
+            return
+        page.wait_for_timeout(500)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def sweep_launch_then_stop_one(nb: NotebookView, params: dict) -> str:
+    """05: launch 3 runs x 5 steps from the form (it returns at once: the panel redraws from a thread); once the
+    live figure changed and a run logged a step, stop a running one from the panel's run dropdown and Stop button
+    while the others train; the others finish (the runs table says finished, the stopped one stopped) and the
+    ranked table appears."""
+    cell = nb.cell("nb05.controls(")
+    plot = cell.locator(OUTPUT_WIDGET).first
+    src = lambda: plot.locator("img").last.get_attribute("src") if plot.locator("img").count() else ""
+    before = src()
+    set_text(cell, "learning rate", "1e-3,3e-3,1e-2")
+    set_text(cell, "max steps", "5")
+    click(cell, "Launch the sweep")
+    wait_form_done(cell, "Launch the sweep", timeout_ms=120_000)
+    wait_until(nb.page, "the live figure to change and a run to log a step", lambda: src() != before and any(
+        status == "running" and step >= 1 for status, step in sweep_runs(cell).values()))
+    runs = sweep_runs(cell)
+    assert len(runs) == 3, runs
+    victim = next(name for name, (status, _) in runs.items() if status == "running")
+    _labelled(cell, ".widget-dropdown", "run").locator("select").select_option(victim)
+    click(cell, "Stop run")
+    wait_until(nb.page, "the sweep to end", lambda: re.search(r"done: \d+ ", cell.inner_text()) is not None)
+    runs = sweep_runs(cell)
+    assert runs[victim][0] == "stopped", runs
+    others = {name: status for name, (status, _) in runs.items() if name != victim}
+    assert len(others) == 2 and set(others.values()) == {"finished"}, runs
+    assert "ranked by final reward" in cell.inner_text()
+    return cell.inner_text()
+
+
 EXPECT: dict[str, Expect] = {
     "01_memory_vs_batch": Expect(
         figures_quick=3, figures_committed=2,
@@ -186,6 +232,14 @@ EXPECT: dict[str, Expect] = {
                   "Run button": "button.jupyter-button:has-text('Run the loop')"},
         interaction=async_loop_rerun_autotuned,
         overrides={"STEPS": "3", "FOLLOW_DOCTOR": "False"}),
+    "05_sweep": Expect(
+        figures_quick=2, figures_committed=2,   # the live panel's figure and the ranked runs' figure
+        controls={"form text boxes": ".widget-text input", "pool and run dropdowns": ".widget-dropdown select",
+                  "Launch button": "button.jupyter-button:has-text('Launch the sweep')",
+                  "Stop button": "button.jupyter-button:has-text('Stop run')",
+                  "Add button": "button.jupyter-button:has-text('Add run')"},
+        interaction=sweep_launch_then_stop_one,
+        overrides={"MAX_STEPS": "3"}),   # Run All's own sweep: 3 runs x 3 steps on 2 CPU replicas
 }
 DEFAULT = Expect(figures_quick=1, figures_committed=0)
 

@@ -177,7 +177,7 @@ def test_the_panel_without_widgets_prints_changes_and_ends_with_the_ranked_table
     out = capsys.readouterr().out
     assert "a: running step 0/2" in out and "a: running step 1/2" in out and "b: finished step 2/2" in out
     assert out.count("a: running step 1/2") == 1                 # a line when something changed, not every poll
-    assert list(table["rank"]) == [1, 2] and list(table["run"]) == ["a", "b"]
+    assert list(table.index) == [1, 2] and list(table["run"]) == ["a", "b"]
     assert list(table["tracker"]) == ["trackio: a", ""]          # the run that logs to a tracker names its run
     sweep = fake_sweep.started[0]
     assert sweep.closed and (sweep.folder / nb05.FIGURE_FILE).read_bytes().startswith(PNG)
@@ -211,10 +211,10 @@ def test_the_live_panel_returns_at_once_and_finishes_in_its_thread(fake_sweep):
 
 
 def test_a_refresh_writes_the_table_with_its_machine_and_the_figure(tmp_path):
-    table = pd.DataFrame([{"rank": 1, "run": "a", "final_reward": 0.5}])
+    table = pd.DataFrame([{"run": "a", "final_reward": 0.5}], index=pd.RangeIndex(1, 2, name="rank"))
     path = nb05.write_results(table, PNG + b"x", tmp_path / "results" / "sweep", device="cpu")
     written = pd.read_csv(path)
-    assert path.name == nb05.RESULTS_SUMMARY and written["run"].tolist() == ["a"]
+    assert path.name == nb05.RESULTS_SUMMARY and written["run"].tolist() == ["a"] and written["rank"].tolist() == [1]
     assert {"date", "torch"} <= set(written.columns)
     assert (tmp_path / "results" / "sweep" / nb05.RESULTS_FIGURE).read_bytes() == PNG + b"x"
 
@@ -230,3 +230,10 @@ def test_committed_is_empty_or_a_table_and_a_figure():
     assert table is None or "run" in table
     assert png is None or png.startswith(PNG)
 
+
+
+def test_the_ranking_puts_finished_runs_first():
+    sweep = FakeSweep(SweepConfig(grid={"learning_rate": [1e-3]}))
+    sweep.state = {"a": "stopped", "b": "finished"}   # a: the higher reward, over fewer steps
+    table = nb05.ranked(sweep)
+    assert list(table["run"]) == ["b", "a"] and list(table.index) == [1, 2] and table.index.name == "rank"
