@@ -23,13 +23,17 @@ import argparse
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+try:  # an installed grpo_lab (the GPU machine's, with its data files) first; else this checkout
+    import grpo_lab  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(ROOT))
 
 from grpo_lab.lab.records import run_record
 from grpo_lab.sweep import Sweep, SweepConfig
@@ -73,8 +77,15 @@ def run_layout(layout: str, setting: str, values: list, base: dict, replicas: in
                                     pool=pool_fields, out_dir=str(out / f"separate-{i}")), env=env)
                   for i, v in enumerate(values)]
     started = time.time()
-    for sweep in sweeps:
-        sweep.start()
+    starting = [threading.Thread(target=sweep.start) for sweep in sweeps]  # the pools start side by side
+    for thread in starting:
+        thread.start()
+    for thread in starting:
+        thread.join()
+    if any(sweep.pool is None for sweep in sweeps):
+        for sweep in sweeps:
+            sweep.close()
+        raise RuntimeError(f"a pool of the {layout} layout did not start (see the sweeps' folders under {out})")
     if pin_from is not None:
         core = pin_from
         for sweep in sweeps:
@@ -91,7 +102,7 @@ def run_layout(layout: str, setting: str, values: list, base: dict, replicas: in
             rows = step_rows(run.output_dir)
             wall = (run.ended_at or math.nan) - (run.started_at or math.nan)
             tokens = sum(r.get("batch/trained_tokens_per_step", 0) for r in rows)
-            records.append({"layout": layout, "run": run.name, **run.varied, "status": run.status,
+            records.append({"layout": layout, "run": f"{setting}={run.settings[setting]}", "status": run.status,
                             "steps": len(rows), "wall_s": round(wall, 2), "trained_tokens": int(tokens),
                             "final_reward": mean_of_last(rows, CURVES["reward"]),
                             "started_at": run.started_at, "ended_at": run.ended_at,

@@ -41,6 +41,9 @@ def test_wheel_installs_the_grpo_lab_kernel_not_top_level_kernels(tmp_path):
     assert "grpo_lab/loss/heads/__init__.py" in names
     assert not any(n.startswith("kernels/") for n in names)
     assert "grpo_lab/data_files/configs/Qwen3-0.6B.json" in names
+    packages = [p.relative_to(ROOT).as_posix() for p in (ROOT / "grpo_lab").rglob("__init__.py")]
+    left_out = [p for p in packages if p not in names]  # a sub-package missing from pyproject's `packages`
+    assert not left_out, f"not in the wheel: {left_out}; list each package in pyproject's `packages`"
     for folder, package in SHIPPED_FOLDERS.items():
         files = _project_files(folder)
         assert files, folder
