@@ -22,12 +22,12 @@ from ..lab.settings import without_none
 from .config import SweepConfig, SweepError, check_names
 from .figures import CURVES
 from .grid import expand
+from .runner import DONE, Sweep
 
 GRID_FIELDS = ("learning_rate", "num_generations", "lora_rank", "max_staleness", "seed")  # the form's grid boxes
 START, JOIN = "start a pool", "join pool_url"   # the form's pool choice
 FIGURE_FILE = "sweep.png"  # in the sweep's folder, beside summary.csv
 RESULTS_SUMMARY, RESULTS_FIGURE = "notebook_summary.csv", "notebook_sweep.png"  # in results/sweep (a refresh)
-DONE = ("finished", "stopped", "failed")
 TABLE_STYLE = ("<style>table.grpo-sweep td, table.grpo-sweep th {padding: 2px 10px; text-align: left} "
                "table.grpo-sweep {border-collapse: collapse}</style>")
 TITLES = {"reward": "reward", "kl": "KL", "staleness": "staleness (versions)", "rollout_wait_s": "rollout wait (s)"}
@@ -43,14 +43,14 @@ class Mode:
     prompts_per_step: int
     replicas: int
     replica_kind: str
-    parallel: int = 3
+    parallel: int = SweepConfig.parallel
     env: dict = field(default_factory=dict)   # extra environment of every run
 
 
 # quick: 3 runs on the embedded default, 2 CPU replicas, one torch thread per process (2 cores, a few minutes);
 # full: a 12-run grid for a GPU machine, vLLM replicas
 QUICK = Mode(grid={"learning_rate": "1e-3,3e-3,1e-2", "num_generations": "8", "lora_rank": "1", "max_staleness": "1",
-                   "seed": "0"}, max_steps=6, prompts_per_step=1, replicas=2, replica_kind="cpu",
+                   "seed": "0"}, max_steps=6, prompts_per_step=1, replicas=SweepConfig.replicas, replica_kind="cpu",
              env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
 FULL = Mode(grid={"learning_rate": "1e-3,3e-3,1e-2", "num_generations": "8", "lora_rank": "1,4", "max_staleness": "1,4",
                   "seed": "0"}, max_steps=50, prompts_per_step=2, replicas=2, replica_kind="vllm", parallel=4)
@@ -85,7 +85,7 @@ def parse_value(name: str, text: str):
                 return number(text)
             except ValueError:
                 raise SweepError(f"{name}: {text!r} is not {what}") from None
-    return text
+    return [text] if typing.get_origin(kind) is list else text   # report_to: one tracker a value
 
 
 def parse_values(name: str, text: str) -> list:
@@ -313,8 +313,6 @@ class SweepPanel:
     # -- the sweep ------------------------------------------------------------------------------------------------
     def launch(self, config: SweepConfig, live: bool = True):
         """Start `config`'s sweep (one at a time); `live`: redraw from a thread until it ends, and return at once."""
-        from .runner import Sweep
-
         with self._lock:
             if self.sweep is not None and not self.ended():
                 raise SweepError("a sweep is still running here: stop its runs first (or wait for it)")
@@ -387,7 +385,7 @@ class SweepPanel:
             (self.sweep.folder / FIGURE_FILE).write_bytes(self.png)
             if self.widgets:
                 self.summary_area.value = ("<b>ranked by final reward</b> (finished runs first)" + TABLE_STYLE
-                                           + self.table.to_html(classes="grpo-sweep"))
+                                           + self.table.reset_index().to_html(index=False, classes="grpo-sweep"))
                 self.run_choice.options = []
         self._say(f"done: {counts(self.sweep.status())}; summary {self.sweep.folder / 'summary.csv'}")
         return self.table

@@ -181,29 +181,37 @@ def wait_until(page, what: str, condition, timeout_ms: int = WAIT_MS):
 
 
 def sweep_launch_then_stop_one(nb: NotebookView, params: dict) -> str:
-    """05: launch 3 runs x 5 steps from the form (it returns at once: the panel redraws from a thread); once the
-    live figure changed and a run logged a step, stop a running one from the panel's run dropdown and Stop button
-    while the others train; the others finish (the runs table says finished, the stopped one stopped) and the
-    ranked table appears."""
+    """05: launch 3 runs x 6 steps from the form (it returns at once: the panel redraws from a thread); once the
+    live figure changed and a run logged a step, add a run from the panel (it waits: 3 train at once) and stop it
+    while queued, then stop a running one, all while the others train; the others finish (the runs table says
+    finished, the two stopped ones stopped) and the ranked table appears."""
     cell = nb.cell("nb05.controls(")
     plot = cell.locator(OUTPUT_WIDGET).first
     src = lambda: plot.locator("img").last.get_attribute("src") if plot.locator("img").count() else ""
     before = src()
     set_text(cell, "learning rate", "1e-3,3e-3,1e-2")
-    set_text(cell, "max steps", "5")
+    set_text(cell, "max steps", "6")
     click(cell, "Launch the sweep")
     wait_form_done(cell, "Launch the sweep", timeout_ms=120_000)
     wait_until(nb.page, "the live figure to change and a run to log a step", lambda: src() != before and any(
         status == "running" and step >= 1 for status, step in sweep_runs(cell).values()))
-    runs = sweep_runs(cell)
-    assert len(runs) == 3, runs
-    victim = next(name for name, (status, _) in runs.items() if status == "running")
-    _labelled(cell, ".widget-dropdown", "run").locator("select").select_option(victim)
-    click(cell, "Stop run")
+
+    def stop(name: str):
+        _labelled(cell, ".widget-dropdown", "run").locator("select").select_option(name)
+        click(cell, "Stop run")
+
+    set_text(cell, "add run", "learning_rate=2e-2")
+    click(cell, "Add run")
+    wait_until(nb.page, "the added run in the runs table", lambda: "lr2e-2" in sweep_runs(cell))
+    assert "added lr2e-2" in cell.inner_text() and sweep_runs(cell)["lr2e-2"][0] == "queued", sweep_runs(cell)
+    stop("lr2e-2")
+    wait_until(nb.page, "the added run to stop", lambda: sweep_runs(cell).get("lr2e-2", ("",))[0] == "stopped")
+    victim = next(name for name, (status, _) in sweep_runs(cell).items() if status == "running")
+    stop(victim)
     wait_until(nb.page, "the sweep to end", lambda: re.search(r"done: \d+ ", cell.inner_text()) is not None)
     runs = sweep_runs(cell)
-    assert runs[victim][0] == "stopped", runs
-    others = {name: status for name, (status, _) in runs.items() if name != victim}
+    assert runs[victim][0] == "stopped" and runs["lr2e-2"] == ("stopped", 0), runs
+    others = {name: status for name, (status, _) in runs.items() if name not in (victim, "lr2e-2")}
     assert len(others) == 2 and set(others.values()) == {"finished"}, runs
     assert "ranked by final reward" in cell.inner_text()
     return cell.inner_text()

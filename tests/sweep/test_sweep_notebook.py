@@ -44,6 +44,7 @@ def test_values_take_each_settings_type():
     config = nb05.sweep_config(values)
     assert config.grid["num_generations"] == [4, 8] and config.grid["autotune"] == [True, False]
     assert config.base["model"] == "some/dir"
+    assert nb05.parse_values("report_to", "trackio,none") == [["trackio"], ["none"]]   # a list setting
     assert nb05.parse_assignments("learning_rate=5e-3, max_steps=8", lists=False) == {"learning_rate": 5e-3,
                                                                                      "max_steps": 8}
 
@@ -164,7 +165,7 @@ class FakeSweep:
 @pytest.fixture
 def fake_sweep(monkeypatch, tmp_path):
     FakeSweep.started = []
-    monkeypatch.setattr(runner, "Sweep", FakeSweep)
+    monkeypatch.setattr(nb05, "Sweep", FakeSweep)
     monkeypatch.setattr(SweepConfig, "out_dir_path", tmp_path, raising=False)
     return FakeSweep
 
