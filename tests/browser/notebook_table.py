@@ -247,7 +247,8 @@ EXPECT: dict[str, Expect] = {
                   "Stop button": "button.jupyter-button:has-text('Stop run')",
                   "Add button": "button.jupyter-button:has-text('Add run')"},
         interaction=sweep_launch_then_stop_one,
-        overrides={"MAX_STEPS": "3"}),   # Run All's own sweep: 3 runs x 3 steps on 2 CPU replicas
+        # Run All's own sweep kept CI-sized: one run x 3 steps on 2 CPU replicas (the interaction launches 3)
+        overrides={"MAX_STEPS": "3", "GRID": '{"learning_rate": "3e-3"}'}),
 }
 DEFAULT = Expect(figures_quick=1, figures_committed=0)
 
