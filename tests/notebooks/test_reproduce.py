@@ -34,6 +34,9 @@ def test_plain_reproduce_leaves_the_checkout_clean(reproduced):
     for stem, figure in FIGURES.items():
         written = sorted(p.name for p in reproduced.outputs(figure).iterdir())
         assert any(n.endswith(".csv") for n in written) and any(n.endswith(".png") for n in written), (stem, written)
+    # 05 writes each sweep into a folder of its own, outputs/sweep/<date-time>/: its ranked table and figure
+    sweeps = [p.parent for p in reproduced.outputs("sweep").rglob("sweep.json")]
+    assert sweeps and all((s / "summary.csv").exists() and (s / "sweep.png").exists() for s in sweeps), sweeps
     assert f"{len(NOTEBOOKS)}/{len(NOTEBOOKS)} notebooks ok" in reproduced.log
 
 
