@@ -58,7 +58,7 @@ def ipython_shell():
     return get_ipython()
 
 
-def _frontend() -> str:
+def display_frontend() -> str:
     """`widgets` in a kernel with ipywidgets, `handle` in IPython without them, else `print`."""
     shell = ipython_shell()
     if shell is None:
@@ -92,7 +92,7 @@ class LiveBoard:
         self.title, self.total, self.value = title, max(1, int(total)), 0
         self.series = [s if isinstance(s, Series) else Series(s) for s in series]
         self.redraw_every_s, self.ncols, self.unit = redraw_every_s, ncols, unit
-        self.mode = _frontend() if mode == "auto" else mode
+        self.mode = display_frontend() if mode == "auto" else mode
         self.group: str | None = None  # the current line (e.g. the backend); one line per group in every panel
         self.data: dict[str, dict[str, list[tuple[float, float]]]] = {}
         self.text = ""

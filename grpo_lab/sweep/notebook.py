@@ -260,7 +260,7 @@ class SweepPanel:
     frontend it prints a line per run whenever its status or step changes, and shows the last figure."""
 
     def __init__(self, env: dict | None = None, refresh_s: float = 2.0, title: str = "sweep"):
-        from ..lab.live_board import _frontend
+        from ..lab.live_board import display_frontend
 
         self.env, self.refresh_s, self.title = dict(env or {}), refresh_s, title
         self.sweep = None
@@ -269,7 +269,7 @@ class SweepPanel:
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._shown: dict[str, tuple] = {}
-        self.widgets = _frontend() == "widgets"
+        self.widgets = display_frontend() == "widgets"
         if self.widgets:
             self._build()
 
