@@ -8,12 +8,13 @@ runs need different amounts of generation, as a real grid does. With `--pin` (Li
 of its own and the trainers, rollout workers and routers share the remaining cores, so replicas do not fight the
 trainers for CPU (the GPU machine's host has 16 cores; a 2-core VM measures contention, not sharing).
 
-Per run it records the wall time (its process's start to end), steps, trained tokens and final reward (the mean of
-its last steps); per layout the makespan (first start to last end) and the trained tokens per second of all runs.
+Per run it records the wall time (its process's start to end), the start-up (to its first step: imports, CUDA, the
+trainer, joining the pool), its steady steps/s after that, steps, trained tokens and final reward (the mean of its
+last steps); per layout the makespan (first start to last end) and the trained tokens per second of all runs.
 Printed and written to `<out>/sweep_bench.csv` (one row per layout, seed and run) and `sweep_bench_summary.csv`:
 makespan shared / separate, each run's slowdown (its wall time shared over separate: the separate layout is the run
 alone on its share of the replicas), the p99 over runs, Jain's fairness index of the runs' speeds (separate over
-shared wall time) and, with `--seeds` >= 2, whether each run's shared final reward lies within the seed-to-seed spread
+shared wall time), the same two past start-up (steady steps/s) and, with `--seeds` >= 2, whether each run's shared final reward lies within the seed-to-seed spread
 of its separate runs. Every row carries the machine, versions and date (`grpo_lab.lab.records`).
 """
 
@@ -102,8 +103,13 @@ def run_layout(layout: str, setting: str, values: list, base: dict, replicas: in
             rows = step_rows(run.output_dir)
             wall = (run.ended_at or math.nan) - (run.started_at or math.nan)
             tokens = sum(r.get("batch/trained_tokens_per_step", 0) for r in rows)
+            # past the first step: start-up (imports, CUDA, the trainer, joining the pool) is behind the run
+            steady = ((len(rows) - 1) / (rows[-1]["time"] - rows[0]["time"])
+                      if len(rows) > 1 and rows[-1]["time"] > rows[0]["time"] else math.nan)
             records.append({"layout": layout, "run": f"{setting}={run.settings[setting]}", "status": run.status,
                             "steps": len(rows), "wall_s": round(wall, 2), "trained_tokens": int(tokens),
+                            "startup_s": round(rows[0]["time"] - run.started_at, 2) if rows else math.nan,
+                            "steady_steps_per_s": round(steady, 3),
                             "final_reward": mean_of_last(rows, CURVES["reward"]),
                             "started_at": run.started_at, "ended_at": run.ended_at,
                             "layout_started_at": started})
@@ -114,10 +120,12 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     """Per seed: makespans, trained tokens/s, slowdown per run and its p99, Jain's index, reward check."""
     out = []
     for seed, rows in frame.groupby("seed"):
-        shared, separate = rows[rows.layout == "shared"].set_index("run"), rows[rows.layout == "separate"].set_index("run")
+        shared = rows[rows.layout == "shared"].set_index("run")
+        separate = rows[rows.layout == "separate"].set_index("run")
         span = {name: part.ended_at.max() - part.started_at.min() for name, part in (("shared", shared),
                                                                                       ("separate", separate))}
         slowdown = (shared.wall_s / separate.wall_s).dropna()
+        steady = (separate.steady_steps_per_s / shared.steady_steps_per_s).dropna()  # past start-up
         out.append({"seed": seed, "runs": len(shared), "makespan_shared_s": round(span["shared"], 1),
                     "makespan_separate_s": round(span["separate"], 1),
                     "makespan_ratio": round(span["shared"] / span["separate"], 3),
@@ -125,7 +133,9 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
                     "tok_s_separate": round(separate.trained_tokens.sum() / span["separate"], 1),
                     "p99_slowdown": round(float(slowdown.quantile(0.99)), 3) if len(slowdown) else math.nan,
                     "worst_run": slowdown.idxmax() if len(slowdown) else "",
-                    "jain": round(jain(list(1.0 / slowdown)), 3) if len(slowdown) else math.nan})
+                    "jain": round(jain(list(1.0 / slowdown)), 3) if len(slowdown) else math.nan,
+                    "p99_steady_slowdown": round(float(steady.quantile(0.99)), 3) if len(steady) else math.nan,
+                    "jain_steady": round(jain(list(1.0 / steady)), 3) if len(steady) else math.nan})
     summary = pd.DataFrame(out)
     seeds = frame.seed.nunique()
     if seeds >= 2:  # shared reward within the separate runs' seed-to-seed spread, run by run
@@ -175,14 +185,15 @@ def main(argv: list[str] | None = None) -> int:
             got = run_layout(layout, setting, values, base, args.replicas, work / f"seed{seed}", env, pin_from,
                              args.replica_threads)
             for r in got:
-                print(f"  {r['run']}: {r['status']}, {r['steps']} steps in {r['wall_s']} s, reward "
-                      f"{r['final_reward']:.3f}", flush=True)
+                print(f"  {r['run']}: {r['status']}, {r['steps']} steps in {r['wall_s']} s ({r['startup_s']} s to the "
+                      f"first step, then {r['steady_steps_per_s']} steps/s), reward {r['final_reward']:.3f}",
+                      flush=True)
             records += [{**r, "seed": seed, "grid": args.grid, "replicas": args.replicas} for r in got]
+            args.out.mkdir(parents=True, exist_ok=True)  # after every layout: a run cut short keeps what it measured
+            pd.DataFrame(records).assign(**run_record()).to_csv(args.out / f"{args.name}.csv", index=False)
     frame = pd.DataFrame(records)
     summary = summarize(frame)
     record = run_record()
-    args.out.mkdir(parents=True, exist_ok=True)
-    frame.assign(**record).to_csv(args.out / f"{args.name}.csv", index=False)
     summary.assign(grid=args.grid, replicas=args.replicas, steps=args.steps, **record).to_csv(
         args.out / f"{args.name}_summary.csv", index=False)
     print(summary.to_string(index=False))
