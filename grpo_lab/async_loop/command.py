@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..lab import environment
 from ..lab.install import install_hint
@@ -30,6 +31,9 @@ from .checks import (UsageError, check_model, check_pool, check_pool_name, check
                      check_server, check_storage, check_vllm_python, check_writable_folder, cuda_available,
                      first_line, read_pool)
 from .pool import pool_name
+
+if TYPE_CHECKING:  # annotations only: the module imports it late (see below)
+    from .loop_settings import LoopSettings
 
 # The settings, their parser and the run folder's rules import torch, transformers and TRL (~20 s on a busy 2-core
 # machine): they are imported in the functions below, after `ask_the_pool_first` had its quick answer.
