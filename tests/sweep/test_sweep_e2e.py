@@ -93,6 +93,22 @@ def test_a_sweep_of_three_runs_one_stopped_shares_one_pool(tmp_path, no_leftover
         assert u["by"] in (("run", "admin") if u["run"] == victim else ("run",)), u
     for m in replica_metrics:  # no completion reached a replica naming a model it did not hold
         assert m.get("grpo_replica_unknown_model_total", 0) == 0
+    # every completion a replica generated was under one run's own adapters, and as many as the router answered
+    # that run (a hedged or re-sent completion may be generated twice for one answer)
+    generated: dict[str, float] = {}
+    for m in replica_metrics:
+        for key, value in m.items():
+            if key.startswith("grpo_replica_completions_total{"):
+                family = key.split('model_family="', 1)[1].split('"', 1)[0]
+                owner = family.split(SEPARATOR, 1)[0]
+                assert SEPARATOR in family and owner in runs, family  # never the base model, never a stranger
+                generated[owner] = generated.get(owner, 0) + value
+    extra = sum(v for k, v in metrics.items() if k.split("{")[0] in ("grpo_router_hedges_total",
+                                                                       "grpo_router_reroutes_total"))
+    for name in runs:  # (the stopped run's last completions may finish on a replica after it hung up)
+        answered = metrics.get(f'grpo_router_run_completions_total{{run="{name}",status="200"}}', 0)
+        most = math.inf if name == victim else answered + extra
+        assert answered <= generated.get(name, 0) <= most, (name, answered, generated, extra)
     for name in ("lr1e-3", "lr3e-3"):
         rows = [r for r in read_metrics(runs[name] / METRICS_FILE) if "train_runtime" not in r]
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1))

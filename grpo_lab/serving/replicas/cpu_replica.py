@@ -17,11 +17,13 @@ import functools
 import hmac
 import logging
 import os
+import re
 import signal
 import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
@@ -38,6 +40,13 @@ from ..wire.vllm_routes import add_vllm_routes, error_response
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")
+VERSION_SUFFIX = re.compile(r"-v\d+$")  # TRL names each published policy `<lora_name>-v<N>`
+
+
+def model_family(name: str) -> str:
+    """`run-a--trl-policy-v7` -> `run-a--trl-policy`: the adapter lineage a completion's model belongs to (one metric
+    series per lineage, not one per policy version, which would grow with every step)."""
+    return VERSION_SUFFIX.sub("", name)
 
 
 class CPUReplica:
@@ -52,6 +61,7 @@ class CPUReplica:
         self.unloaded_under_requests = 0  # completions whose model was unloaded while they waited or ran
         self.abandoned_requests = 0  # completions stopped because their client had left
         self.in_progress = 0  # completions accepted and not answered yet (waiting for the generation thread or running)
+        self.served_by_family: Counter = Counter()  # completions generated, by model name less its version suffix
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[self._auth])
@@ -117,6 +127,10 @@ class CPUReplica:
                 "finished", self.unloaded_under_requests)
         reg.inc("grpo_replica_abandoned_total", "Completions stopped because their client had left",
                 self.abandoned_requests)
+        for family, count in sorted(self.served_by_family.items()):
+            reg.inc("grpo_replica_completions_total", "Completions generated, by the model's name less its -vN "
+                    "version suffix (one series per adapter lineage: a shared pool's run's completions add up)",
+                    count, model_family=family)
         reg.set("grpo_replica_completions_in_progress", "Completions accepted and not answered yet",
                 self.in_progress)
         reg.set("grpo_replica_prefix_cache_blocks", "Blocks held by the prefix cache", len(e.cache))
@@ -153,6 +167,7 @@ class CPUReplica:
             return error_response(error.status, error.message, error.kind)
         finally:
             self.in_progress -= 1
+        self.served_by_family[model_family(model)] += 1
         logprobs = {"token_logprobs": out["logprobs"], "tokens": [f"token_id:{t}" for t in out["token_ids"]],
                     "top_logprobs": out["top_logprobs"], "text_offset": [0] * len(out["token_ids"])}
         choice = {"index": 0, "text": "", "token_ids": out["token_ids"], "logprobs": logprobs,
