@@ -32,6 +32,21 @@ HERE = Path(__file__).resolve().parent
 _running: dict = {}
 
 
+def _restart_fsspec_io() -> None:
+    """fsspec makes every S3 call on one IO thread per process. One that started while this thread was on the head
+    (the tier's S3 calls) stays in the head's namespace, which is gone once the cluster stops, and later tiers would
+    find the store unreachable (ENETUNREACH). So its loop is stopped and forgotten, with the cached clients bound to
+    it: the next call starts a new one in the namespace the tests are in now."""
+    import fsspec.asyn
+    from s3_fixtures import forget_s3_clients
+
+    loop = fsspec.asyn.loop[0]
+    if loop is not None:
+        loop.call_soon_threadsafe(loop.stop)
+    fsspec.asyn.reset_lock()
+    forget_s3_clients()
+
+
 def _stop() -> list[str]:
     cluster = _running.pop("cluster", None)
     if cluster is None:
@@ -43,6 +58,7 @@ def _stop() -> list[str]:
     finally:
         if "home" in _running:  # back to the namespace this thread came from
             cluster.network.leave(_running.pop("home"))
+            _restart_fsspec_io()
         leftovers = cluster.stop()
         _running.pop("network").close()
     print(f"\n[ray tier] cluster stopped in {time.monotonic() - t0:.1f} s; leftovers: {leftovers}", flush=True)
