@@ -76,6 +76,12 @@ def version_of(name: str, prefix: str) -> int | None:
     return int(m["version"]) if m and m["prefix"] == prefix else None
 
 
+def lineage_of(name: str) -> str:
+    """`run-a--trl-policy-v7` -> `run-a--trl-policy`: the name less its `-vN` version (itself when it has none)."""
+    m = VERSION_RE.match(name)
+    return m["prefix"] if m else name
+
+
 def is_local(fs) -> bool:
     """Whether `fs` is the local file system (renames exist; listings are never stale)."""
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))

@@ -17,7 +17,6 @@ import functools
 import hmac
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -32,6 +31,7 @@ from grpo_lab.lab import environment
 from grpo_lab.lab.settings_parser import ConfigParser
 
 from .generation import CLIENT_CLOSED, Engine, RequestError, SamplingParams
+from ..adapters.storage import lineage_of
 from ..wire.app_thread import serve_app
 from ..wire.client_watch import client_gone
 from ..wire.metrics import Registry
@@ -40,15 +40,6 @@ from ..wire.vllm_routes import add_vllm_routes, error_response
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")
-VERSION_SUFFIX = re.compile(r"-v\d+$")  # TRL names each published policy `<lora_name>-v<N>`
-
-
-def model_family(name: str) -> str:
-    """`run-a--trl-policy-v7` -> `run-a--trl-policy`: the adapter lineage a completion's model belongs to (one metric
-    series per lineage, not one per policy version, which would grow with every step)."""
-    return VERSION_SUFFIX.sub("", name)
-
-
 class CPUReplica:
     def __init__(self, config: CPUReplicaConfig, engine: Engine | None = None):
         self.config = config
@@ -167,7 +158,7 @@ class CPUReplica:
             return error_response(error.status, error.message, error.kind)
         finally:
             self.in_progress -= 1
-        self.served_by_family[model_family(model)] += 1
+        self.served_by_family[lineage_of(model)] += 1  # per lineage, not per version: series that do not grow
         logprobs = {"token_logprobs": out["logprobs"], "tokens": [f"token_id:{t}" for t in out["token_ids"]],
                     "top_logprobs": out["top_logprobs"], "text_offset": [0] * len(out["token_ids"])}
         choice = {"index": 0, "text": "", "token_ids": out["token_ids"], "logprobs": logprobs,

@@ -198,14 +198,15 @@ class RunRegistry:
                 for r in self.runs.values()]
 
     def restore(self, saved: list[dict]) -> list[Run]:
-        """Take back the runs a crashed router had (`snapshot`): their tokens keep working, their leases start anew."""
-        for entry in saved:
-            run = Run(entry["name"], int(entry["max_staleness"]), float(entry["weight"]), int(entry["slots"]),
-                      bytes.fromhex(entry["digest"]), registered_at=float(entry["registered_at"]),
-                      paused=bool(entry.get("paused", False)))
+        """Take back the runs a crashed router had (`snapshot`): their tokens keep working, their leases start anew.
+        Returns the runs taken back."""
+        restored = [Run(e["name"], int(e["max_staleness"]), float(e["weight"]), int(e["slots"]),
+                        bytes.fromhex(e["digest"]), registered_at=float(e["registered_at"]),
+                        paused=bool(e.get("paused", False))) for e in saved]
+        for run in restored:
             self.runs[run.name] = run
             self._by_digest[run.digest] = run
-        return list(self.runs.values())
+        return restored
 
     def unregister(self, name: str) -> Run | None:
         run = self.runs.pop(name, None)
