@@ -1,4 +1,4 @@
-"""The one live board of the notebooks: a status line with progress and ETA, a progress bar, a plot area and a table.
+"""The one live board of the notebooks: a status line with progress and ETA, a progress bar and a plot area.
 
 Core ipywidgets only (Colab's 7.7 and 8.x, no ipympl), else IPython display handles, else printed lines; plots are
 PNGs redrawn at most every `redraw_every_s` (the last always, by `done`/`close`). Two ways to feed it, mixed at will:
@@ -73,7 +73,7 @@ def display_frontend() -> str:
 
 
 class LiveBoard:
-    """Title, status (done/total, elapsed, ETA, the latest series values), progress bar, plot area, table area.
+    """Title, status (done/total, elapsed, ETA, the latest series values), progress bar, plot area.
 
     Args:
         title: shown in bold at the top.
@@ -116,8 +116,8 @@ class LiveBoard:
 
                 self.header = w.HTML(value=self._header_html())
                 self.progress = w.IntProgress(value=self.value, min=0, max=self.total, description=self.unit)
-                self.plot, self.table = w.Output(), w.Output()
-                display(w.VBox([self.header, self.progress, self.plot, self.table]))
+                self.plot = w.Output()
+                display(w.VBox([self.header, self.progress, self.plot]))
                 return self
             except Exception:  # noqa: BLE001 - no widget frontend after all
                 self.mode = "handle"
@@ -125,7 +125,7 @@ class LiveBoard:
             try:
                 from IPython.display import HTML, display
 
-                for part, body in (("header", self._header_html()), ("plot", ""), ("table", "")):
+                for part, body in (("header", self._header_html()), ("plot", "")):
                     self._handles[part] = display(HTML(body), display_id=True)
                 if None not in self._handles.values():  # display() returns no handle outside IPython
                     return self
@@ -202,7 +202,7 @@ class LiveBoard:
         if self._pending is not None:
             self._draw(self._pending)
 
-    # -- plot and table ------------------------------------------------------------------------------------------
+    # -- plot --------------------------------------------------------------------------------------------------
     def figure(self, fig, force: bool = False) -> bool:
         """Show a caller's `fig`, at most once per `redraw_every_s` unless `force` (the last one is kept for
         `done`). Returns whether it was drawn now."""
@@ -217,27 +217,19 @@ class LiveBoard:
         self._show_png(fig_to_png(fig))
 
     def _show_png(self, png: bytes) -> None:
+        """Replace what the plot area shows with `png` (nothing in print mode)."""
         self._last_draw = time.perf_counter()
-        self._put("plot", lambda d: d.Image(data=png))
-
-    def show_table(self, df_or_html) -> None:
-        text = df_or_html if isinstance(df_or_html, str) else df_or_html.to_html()
-        self._put("table", lambda d: d.HTML(text))
-
-    def _put(self, area: str, make) -> None:
-        """Replace what the `plot` or `table` area shows with `make(IPython.display)` (nothing in print mode)."""
         self.show()
         if self.mode == "print":
             return
-        import IPython.display as d
+        from IPython.display import Image, display
 
         if self.mode == "widgets":
-            out = getattr(self, area)
-            with out:
-                out.clear_output(wait=True)
-                d.display(make(d))
+            with self.plot:
+                self.plot.clear_output(wait=True)
+                display(Image(data=png))
         else:
-            self._handles[area].update(make(d))
+            self._handles["plot"].update(Image(data=png))
 
     def render_png(self, dpi: int = 80) -> bytes:
         """The series panels as one PNG: a line per group, with the rolling mean where a series asks for one."""

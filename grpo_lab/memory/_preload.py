@@ -1,14 +1,10 @@
 """Imported once by the fork server so each fresh probe process starts without paying for the imports.
 
-Importing these modules does not initialise CUDA (checked below), so every forked probe still gets a fresh CUDA
-context and a fresh allocator."""
+Importing these modules does not initialise CUDA, so every forked probe still gets a fresh CUDA context and a fresh
+allocator (`probe.run_point` falls back to spawn should one ever find it initialised)."""
 
 import torch  # noqa: F401
-import transformers  # noqa: F401
-import trl  # noqa: F401
-import peft  # noqa: F401
 import accelerate  # noqa: F401
-import datasets  # noqa: F401
 import tokenizers  # noqa: F401
 from trl import GRPOConfig, GRPOTrainer  # noqa: F401
 import trl.trainer.grpo_trainer  # noqa: F401
@@ -21,10 +17,4 @@ from peft import LoraConfig, get_peft_model  # noqa: F401
 import datasets.arrow_dataset  # noqa: F401
 
 import grpo_lab.models  # noqa: F401
-
-try:  # the TRL glue and backends, once they exist
-    import grpo_lab.loss.trl_switch  # noqa: F401
-except ImportError:
-    pass
-
-CUDA_INITIALISED_BY_PRELOAD = torch.cuda.is_initialized()
+import grpo_lab.loss.trl_switch  # noqa: F401
