@@ -32,7 +32,7 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, someone else's
-        return True
+        pass
     return True
 
 
@@ -86,9 +86,6 @@ class AdapterCache:
             path = fetch_adapter(url, dest, published)
             self._held[name] = path
         return path
-
-    def held(self) -> dict[str, Path]:
-        return dict(self._held)
 
     def release(self, name: str) -> bool:
         """Remove the local copy of `name` (after the server unloaded it); False when there was none."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 
 from .fanout import unload_one
 from ..wire.upstream import Replica, now
@@ -32,26 +33,22 @@ class AdapterUsage:
     """Completions in flight per (replica, adapter), so a drain knows when a replica is done with an adapter."""
 
     def __init__(self):
-        self._counts: dict[tuple[int, str], int] = {}
+        self._counts: Counter[tuple[int, str]] = Counter()
         self._idle: dict[tuple[int, str], asyncio.Event] = {}
 
     def begin(self, replica: int, model: str) -> None:
-        key = (replica, model)
-        self._counts[key] = self._counts.get(key, 0) + 1
+        self._counts[replica, model] += 1
 
     def end(self, replica: int, model: str) -> None:
         key = (replica, model)
-        left = self._counts.get(key, 0) - 1
-        if left > 0:
-            self._counts[key] = left
-            return
-        self._counts.pop(key, None)
-        event = self._idle.pop(key, None)
-        if event is not None:
-            event.set()
+        self._counts[key] -= 1
+        if self._counts[key] <= 0:
+            del self._counts[key]
+            if (event := self._idle.pop(key, None)) is not None:
+                event.set()
 
     def in_flight(self, replica: int, model: str) -> int:
-        return self._counts.get((replica, model), 0)
+        return self._counts[replica, model]
 
     async def wait_idle(self, replica: int, model: str, timeout_s: float) -> bool:
         """True once no completion for `model` is in flight on `replica`; False if `timeout_s` passed first."""
@@ -102,10 +99,9 @@ class Drainer:
     async def wait_for_slots(self, replicas: list[Replica], timeout_s: float) -> None:
         """Wait (at most `timeout_s`) until each replica that is at its `max_loras` because of adapters still
         draining has a free slot (a replica full of live adapters is not waited for: the load goes ahead and the
-        replica answers for itself). Nor is a paused pool:
-        its draining completions are frozen until the resume, which TRL sends only after this load (so the replica
-        briefly holds one adapter more: vLLM takes it, evicting its least recently used one from its cache; give
-        CPU replicas `--max-loras max_staleness + 3`)."""
+        replica answers for itself). Nor is a paused pool: its draining completions are frozen until the resume,
+        which TRL sends only after this load (so the replica briefly holds one adapter more: vLLM takes it, evicting
+        its least recently used one from its cache; give CPU replicas `--max-loras max_staleness + 3`)."""
         deadline = now() + timeout_s
         while not self.pool.paused:
             waiting = [r for r in replicas
@@ -117,12 +113,12 @@ class Drainer:
 
     async def make_room(self, replicas: list[Replica]) -> None:
         """End drains early where a replica refused a load for lack of slots: on each of `replicas` still at its
-        `max_loras`, unload its longest-draining adapter now, cutting the completions
-        that still use it. A drain can outlast a sync when the replicas are paused (its completions are frozen) or
-        when a replica died and the survivors queue its re-sent completions behind their own; the version it
-        drains is then more than `max_staleness` behind the one being loaded, so what those completions would
-        bring is dropped as too stale anyway, while the overfilled replica would refuse the load (the CPU replica)
-        or evict a live adapter (vLLM)."""
+        `max_loras`, unload its longest-draining adapter now, cutting the completions that still use it. A drain can
+        outlast a sync when the replicas are paused (its completions are frozen) or when a replica died and the
+        survivors queue its re-sent completions behind their own; the version it drains is then more than
+        `max_staleness` behind the one being loaded, so what those completions would bring is dropped as too stale
+        anyway, while the overfilled replica would refuse the load (the CPU replica) or evict a live adapter
+        (vLLM)."""
         ended: set[str] = set()  # the adapters whose drain was cut somewhere
         for replica in replicas:
             while replica.max_loras is not None and replica.slots_used() >= replica.max_loras and replica.draining:

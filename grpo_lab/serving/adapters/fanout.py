@@ -116,42 +116,35 @@ async def load_everywhere(client: UpstreamClient, replicas: list[Replica], name:
     for replica in replicas:
         replica.begin_transition(name)
     try:
-        return await _load_everywhere(client, replicas, name, path, deadline_s=deadline_s, interval_s=interval_s,
-                                      timeout_s=timeout_s, on_stale=on_stale)
+        epochs = [r.epoch for r in replicas]
+        tasks = [asyncio.ensure_future(load_one(client, r, name, path, deadline_s=deadline_s, interval_s=interval_s,
+                                                timeout_s=timeout_s)) for r in replicas]
+        try:
+            if tasks:
+                await asyncio.wait(tasks)
+        except BaseException:  # cancelled: stop the loads, then undo whatever they may have done, even if cancelled
+            await asyncio.shield(_abandon(client, tasks, replicas, name, timeout_s, on_stale))
+            raise
+        outcomes = [_settled(client, task, replica) for task, replica in zip(tasks, replicas)]
+        failed = [o for o in outcomes if not o.ok]
+        if failed and len(failed) < len(outcomes) and all(o.transport_error for o in failed):
+            # only replicas that cannot be reached failed (died mid-load): they leave routing (the caller marks them
+            # down) and get the live set, this adapter included, when they are re-admitted; every replica left in
+            # service holds it, so the load stands instead of failing the whole run
+            failed = []
+        if not failed:
+            for o, epoch in zip(outcomes, epochs):
+                if o.ok and o.replica.epoch == epoch:  # re-admitted meanwhile: its admission decided what it holds
+                    o.replica.adapters[name] = path
+            return True, outcomes
+        await asyncio.shield(_roll_back(client, outcomes, name, timeout_s, on_stale))  # a cancel must not cut it
+        for o in outcomes:
+            if o.ok and not o.newly_loaded:
+                o.replica.adapters[name] = path  # it was there before this call and stays
+        return False, outcomes
     finally:
         for replica in replicas:
             replica.end_transition(name)
-
-
-async def _load_everywhere(client: UpstreamClient, replicas: list[Replica], name: str, path: str, *,
-                           deadline_s: float, interval_s: float, timeout_s: float,
-                           on_stale: OnStale | None) -> tuple[bool, list[Outcome]]:
-    epochs = [r.epoch for r in replicas]
-    tasks = [asyncio.ensure_future(load_one(client, r, name, path, deadline_s=deadline_s, interval_s=interval_s,
-                                            timeout_s=timeout_s)) for r in replicas]
-    try:
-        if tasks:
-            await asyncio.wait(tasks)
-    except BaseException:  # cancelled: stop the loads, then undo whatever they may have done, even if cancelled again
-        await asyncio.shield(_abandon(client, tasks, replicas, name, timeout_s, on_stale))
-        raise
-    outcomes = [_settled(client, task, replica) for task, replica in zip(tasks, replicas)]
-    failed = [o for o in outcomes if not o.ok]
-    if failed and len(failed) < len(outcomes) and all(o.transport_error for o in failed):
-        # only replicas that cannot be reached failed (died mid-load): they leave routing (the caller marks them
-        # down) and get the live set, this adapter included, when they are re-admitted; every replica left in
-        # service holds it, so the load stands instead of failing the whole run
-        failed = []
-    if not failed:
-        for o, epoch in zip(outcomes, epochs):
-            if o.ok and o.replica.epoch == epoch:  # re-admitted meanwhile: its admission decided what it holds
-                o.replica.adapters[name] = path
-        return True, outcomes
-    await asyncio.shield(_roll_back(client, outcomes, name, timeout_s, on_stale))  # a cancel must not cut it short
-    for o in outcomes:
-        if o.ok and not o.newly_loaded:
-            o.replica.adapters[name] = path  # it was there before this call and stays
-    return False, outcomes
 
 
 def _settled(client: UpstreamClient, task: asyncio.Future, replica: Replica) -> Outcome:

@@ -15,15 +15,11 @@ from __future__ import annotations
 DEFAULT_MAX_STALENESS = 4
 
 
-def _checked(max_staleness: int) -> int:
-    if max_staleness < 0:
-        raise ValueError(f"max_staleness must be >= 0, got {max_staleness!r}")
-    return max_staleness
-
-
 def min_max_loras(max_staleness: int) -> int:
     """The fewest adapter slots TRL's AsyncGRPOTrainer accepts for `max_staleness` (`max_staleness + 2`)."""
-    return _checked(max_staleness) + 2
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness!r}")
+    return max_staleness + 2
 
 
 def max_loras_for(max_staleness: int) -> int:

@@ -59,11 +59,8 @@ def _sha256(data: bytes) -> str:
 
 
 def _file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _digest(files: dict[str, str]) -> str:
@@ -109,9 +106,8 @@ def read_manifest(url: str, manifest_name: str = MANIFEST) -> dict:
     fs, path = fsspec.core.url_to_fs(url)
     if not is_local(fs):
         fs.invalidate_cache()
-    manifest_path = posixpath.join(path, manifest_name)
     try:
-        return json.loads(fs.cat_file(manifest_path))
+        return json.loads(fs.cat_file(posixpath.join(path, manifest_name)))
     except FileNotFoundError:
         raise FileNotFoundError(f"No adapter found at {url} (no manifest yet)") from None
 
@@ -186,9 +182,7 @@ class AdapterStore:
     def replica_path(self, name: str) -> str:
         if self.replica_root is not None:
             return posixpath.join(self.replica_root.rstrip("/"), name)
-        if self.local:
-            return self._join(name)
-        return f"{self.fs.unstrip_protocol(self._join(name))}"
+        return self._join(name) if self.local else self.fs.unstrip_protocol(self._join(name))
 
     # -- publishing ---------------------------------------------------------------------------------------------
     def history(self) -> dict[str, Published]:
@@ -206,8 +200,7 @@ class AdapterStore:
 
     def highest_version(self, prefix: str) -> int:
         """The largest N ever published as `<prefix>-vN` (0 if none)."""
-        versions = [version_of(n, prefix) for n in self.history()]
-        return max([v for v in versions if v is not None], default=0)
+        return max((v for n in self.history() if (v := version_of(n, prefix)) is not None), default=0)
 
     def publish(self, local_dir: str | os.PathLike, name: str, *, version: int | None = None,
                 step: int | None = None) -> Published:
@@ -248,15 +241,11 @@ class AdapterStore:
     def verify(self, name: str) -> bool:
         """The files under `<root>/<name>` are exactly what its manifest lists."""
         published = self.manifest(name)
-        if published is None:
+        try:
+            return published is not None and all(_sha256(self.fs.cat_file(self._join(name, fname))) == sha
+                                                 for fname, sha in published.files.items())
+        except FileNotFoundError:
             return False
-        for fname, sha in published.files.items():
-            try:
-                if _sha256(self.fs.cat_file(self._join(name, fname))) != sha:
-                    return False
-            except FileNotFoundError:
-                return False
-        return True
 
     def _folders(self) -> list[str]:
         """The names of the folders under the root (hidden ones aside); none before the first publish."""

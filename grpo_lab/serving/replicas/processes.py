@@ -113,34 +113,29 @@ class ReplicaProcess:
         return "".join(list(self.output)[-lines:])
 
     def _read(self, log) -> None:
-        try:
+        with log if log is not None else contextlib.nullcontext():
             for line in self.proc.stdout:
                 self.output.append(line)
                 if log is not None:
                     log.write(line)
                 self._on_line(line)
-        finally:
-            if log is not None:
-                log.close()
-
-    def _where(self) -> str:
-        return f" (log {self.log_path})" if self.log_path is not None else ""
 
     def wait_ready(self, timeout: float | None = None) -> "ReplicaProcess":
         """Block until the replica serves; raise if it exits first (RuntimeError) or takes longer than `timeout`
         (default: `ready_timeout`) from its start (TimeoutError, and it is killed)."""
         timeout = self.ready_timeout if timeout is None else timeout
         deadline = self.started_at + timeout
+        where = f" (log {self.log_path})" if self.log_path is not None else ""
         while (port := self._ready_port()) is None:
             if not self.alive():
                 self._reader.join(timeout=5)  # its last words: a ready line, or the traceback
                 if (port := self._ready_port()) is not None:
                     break
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting{self._where()}:"
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting{where}:"
                                    f"\n{self.tail()}")
             if time.monotonic() > deadline:
                 self.kill()
-                raise TimeoutError(f"{self.name} not ready in {timeout:.0f}s{self._where()}:\n{self.tail()}")
+                raise TimeoutError(f"{self.name} not ready in {timeout:.0f}s{where}:\n{self.tail()}")
             time.sleep(self.ready_poll_s)
         self.port, self.ready, self.ready_s = port, True, time.monotonic() - self.started_at
         return self
@@ -161,8 +156,7 @@ class ReplicaProcess:
             self._signal_group(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout)
-        self._signal_group(signal.SIGKILL)
-        self.proc.wait(timeout=30)
+        self.kill()
         if self.proc.stdin:
             self.proc.stdin.close()
 

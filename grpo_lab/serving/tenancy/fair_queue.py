@@ -76,10 +76,9 @@ class FairQueue:
         self._last: dict[str, int] = {}
 
     def share(self, run: str) -> RunShare:
-        share = self.shares.get(run)
-        if share is None:
-            share = self.shares[run] = RunShare(pass_=self.vtime)
-        return share
+        if run not in self.shares:
+            self.shares[run] = RunShare(pass_=self.vtime)
+        return self.shares[run]
 
     def set_weight(self, run: str, weight: float) -> None:
         self.share(run).weight = weight
@@ -115,13 +114,8 @@ class FairQueue:
         share = self.shares.get(run)
         if share is None:
             return False
-        self._drop_gone(share)
+        share.queue = deque(w for w in share.queue if not self._dead(w))
         return bool(share.in_flight or share.queue)
-
-    @staticmethod
-    def _drop_gone(share: RunShare) -> None:
-        """Drop the waiters of `share` whose wait was cancelled or whose client disconnected (`_dead`)."""
-        share.queue = deque(w for w in share.queue if not FairQueue._dead(w))
 
     @staticmethod
     def _dead(waiter: _Waiter) -> bool:
@@ -142,7 +136,8 @@ class FairQueue:
         deadline) leaves no trace."""
         share = self.share(run)
         cost = max(float(cost), 1.0)
-        if not share.paused and not self._anyone_waiting() and self.in_flight < self._capacity():
+        anyone_waiting = any(s.queue and not s.paused for s in self.shares.values())
+        if not share.paused and not anyone_waiting and self.in_flight < self._capacity():
             self._take(run, share, cost, 0.0)
         else:
             future = asyncio.get_running_loop().create_future()
@@ -168,9 +163,6 @@ class FairQueue:
     # -- the rule --------------------------------------------------------------------------------------------------
     def _capacity(self) -> int:
         return max(int(self.capacity()), 1)
-
-    def _anyone_waiting(self) -> bool:
-        return any(s.queue and not s.paused for s in self.shares.values())
 
     def _take(self, run: str, share: RunShare, cost: float, waited: float) -> None:
         start = max(share.pass_, self.vtime)
