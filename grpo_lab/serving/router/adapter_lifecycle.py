@@ -81,7 +81,7 @@ class AdapterLifecycle:
             self._count_load(outcomes, ok)
             if not ok:
                 return self._load_failed(name, path, outcomes)
-            async with pool.control():
+            async with pool.control_lock:
                 await self._load_on_late_replicas(name, path)
                 pool.live_adapters[name] = path
                 pool.save_state()
@@ -150,7 +150,7 @@ class AdapterLifecycle:
         async with pool.name_lock(name):
             if name not in pool.live_adapters:
                 return error_response(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
-            async with pool.control():
+            async with pool.control_lock:
                 pool.live_adapters.pop(name)
                 pool.save_state()
                 self.drainer.start(name, [r for r in pool.replicas if r.serving and name in r.adapters])

@@ -161,12 +161,6 @@ class ReplicaPool:
         return value if isinstance(value, int) else None
 
     @contextlib.asynccontextmanager
-    async def control(self):
-        """Hold the control lock for one state change (admission, load commit, unload bookkeeping, pause/resume)."""
-        async with self.control_lock:
-            yield
-
-    @contextlib.asynccontextmanager
     async def name_lock(self, name: str):
         """Loads and unloads of one adapter name run one at a time; different names run side by side (as vLLM's
         per-name lock), so one slow load never blocks the others."""
@@ -188,7 +182,7 @@ class ReplicaPool:
         if replica.state in (DOWN, REMOVED):
             return
         log.warning("replica %s out of routing: %s", replica.url, self.client.scrub(reason))
-        replica.state, replica.last_error, replica.down_since = DOWN, self.client.scrub(reason), now()
+        replica.state, replica.last_error = DOWN, self.client.scrub(reason)
         self.metrics.inc("grpo_router_replica_failures_total", "Replicas taken out of routing", replica=replica.url)
         self.publish_states()
         replica.cut_calls()  # its completions in flight are re-sent elsewhere instead of waiting for it
@@ -233,7 +227,7 @@ class ReplicaPool:
 
     async def try_admit(self, replica: Replica) -> bool:
         """Bring a healthy replica into service (under the control lock). False if not (yet) possible."""
-        async with self.control():
+        async with self.control_lock:
             if replica.serving:
                 return True
             try:
@@ -267,7 +261,7 @@ class ReplicaPool:
             self.policy.forget_replica(replica.index)
             was = replica.state
             replica.epoch += 1
-            replica.state, replica.last_error, replica.down_since = IN_SERVICE, "", None
+            replica.state, replica.last_error = IN_SERVICE, ""
             if was != STARTING:
                 self.metrics.inc("grpo_router_readmissions_total", "Replicas re-admitted after a failure",
                                  replica=replica.url)

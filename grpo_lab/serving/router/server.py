@@ -56,6 +56,11 @@ NCCL_REFUSAL = ("the grpo_lab router fronts several independent replicas and can
                 "--enable-lora so AsyncGRPOTrainer syncs by /v1/load_lora_adapter")
 
 
+def _http_error(cls, message: str, status: int, kind: str = "BadRequestError", **kwargs) -> web.HTTPException:
+    """aiohttp's exception `cls` carrying vLLM's error body."""
+    return cls(text=json.dumps(error_body(message, status, kind)), content_type="application/json", **kwargs)
+
+
 def _percentiles(xs: list[float]) -> dict:
     if not xs:
         return {}
@@ -158,24 +163,19 @@ class Router:
             async with asyncio.timeout(self.config.body_read_timeout_s):  # no extra task: a body already here
                 raw = await request.read()  # is read without yielding to the loop
         except web.HTTPRequestEntityTooLarge:
-            raise web.HTTPRequestEntityTooLarge(
-                max_size=self.config.max_body_bytes, actual_size=request.content_length or 0,
-                text=json.dumps(error_body(f"request body over {self.config.max_body_bytes} bytes", 413,
-                                           "RequestEntityTooLarge")),
-                content_type="application/json") from None
+            limit = self.config.max_body_bytes
+            raise _http_error(web.HTTPRequestEntityTooLarge, f"request body over {limit} bytes", 413,
+                              "RequestEntityTooLarge", max_size=limit, actual_size=request.content_length or 0
+                              ) from None
         except asyncio.TimeoutError:
-            raise web.HTTPRequestTimeout(
-                text=json.dumps(error_body(f"the request body did not arrive within "
-                                           f"{self.config.body_read_timeout_s}s", 408, "RequestTimeout")),
-                content_type="application/json") from None
+            raise _http_error(web.HTTPRequestTimeout, f"the request body did not arrive within "
+                              f"{self.config.body_read_timeout_s}s", 408, "RequestTimeout") from None
         try:
             body = json.loads(raw) if raw else {}
         except ValueError as error:
-            raise web.HTTPBadRequest(text=json.dumps(error_body(f"malformed JSON body: {error}", 400)),
-                                     content_type="application/json") from None
+            raise _http_error(web.HTTPBadRequest, f"malformed JSON body: {error}", 400) from None
         if not isinstance(body, dict):
-            raise web.HTTPBadRequest(text=json.dumps(error_body("the JSON body must be an object", 400)),
-                                     content_type="application/json")
+            raise _http_error(web.HTTPBadRequest, "the JSON body must be an object", 400)
         return body, raw
 
     # -- read-only endpoints ----------------------------------------------------------------------------------
@@ -292,7 +292,7 @@ class Router:
             return error_response(400, "'model' must be a non-empty string (the base model or a loaded adapter "
                                   "name)", param="model")
         try:
-            prompts, is_batch = split_prompt(body.get("prompt"))
+            prompts = split_prompt(body.get("prompt"))
         except PromptError as error:
             return error_response(400, str(error), error.kind, param=error.param)
         if body.get("stream"):
@@ -343,10 +343,7 @@ class Router:
                             content_type=reply.content_type)
 
     def _base_model(self) -> str | None:
-        for r in self.pool.in_service():
-            if r.base_models:
-                return sorted(r.base_models)[0]
-        return None
+        return next((min(r.base_models) for r in self.pool.in_service() if r.base_models), None)
 
     # -- adapters (`adapter_lifecycle`) -------------------------------------------------------------------------
     async def load_adapter(self, request: web.Request) -> web.Response:
@@ -379,7 +376,7 @@ class Router:
         replica refused is undone where it succeeded; a replica that failed to resume leaves routing."""
         path = "/pause" if pausing else "/resume"
         pool = self.pool
-        async with pool.control():
+        async with pool.control_lock:
             while True:
                 targets = pool.in_service()
                 if not targets:

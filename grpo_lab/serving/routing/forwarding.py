@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..wire.completion_batches import completion_json
@@ -66,7 +67,7 @@ class Forwarder:
         self.hedges_in_flight = 0
         self.overhead_s: list[float] = []  # router-side time per completion (parse, route, bookkeeping), last 10k
         self.run_routing: dict[str, dict[str, int]] = {}  # tenant run -> routing decisions of its completions
-        self.run_in_flight: dict[tuple[str, int], int] = {}  # (tenant run, replica number) -> tries running there
+        self.run_in_flight: Counter[tuple[str, int]] = Counter()  # (tenant run, replica number) -> tries there
         # with tenancy, the fair queue's places per replica: a completion it let through goes to a replica with room
         # (prefix affinity among those), or affinity could pile every place onto one replica and idle the others
         self.per_replica_cap: int | None = None
@@ -88,10 +89,6 @@ class Forwarder:
     def _skip_hedge(self, reason: str) -> None:
         self.metrics.inc("grpo_router_hedges_skipped_total", "Hedges put off or not sent, by reason", reason=reason)
 
-    def _reroute(self, reason: str) -> None:
-        self.metrics.inc("grpo_router_reroutes_total", "Completions re-sent to another replica, by reason",
-                         reason=reason)
-
     def record_overhead(self, seconds: float) -> None:
         self.metrics.observe("grpo_router_overhead_seconds", "Router time per completion, upstream excluded",
                              seconds, OVERHEAD_BUCKETS)
@@ -104,11 +101,11 @@ class Forwarder:
         """Send the completion to `t.replica` and classify the answer. Cancelling this task (the race was lost, or
         the client went away) cancels the upstream call, which drops its connection."""
         replica, decision, policy = t.replica, t.decision, self.pool.policy
+        run_key = (t.run, replica.index)
         self.usage.begin(replica.index, model)
         replica.tries += 1
         if t.run is not None:
-            key = (t.run, replica.index)
-            self.run_in_flight[key] = self.run_in_flight.get(key, 0) + 1
+            self.run_in_flight[run_key] += 1
         call = asyncio.ensure_future(self.client.call(replica, "POST", "/v1/completions", data=raw, timeout=timeout))
         replica.calls.add(call)
         t_up = time.perf_counter()
@@ -138,11 +135,9 @@ class Forwarder:
             self.usage.end(replica.index, model)
             replica.tries -= 1
             if t.run is not None:
-                key = (t.run, replica.index)
-                if self.run_in_flight.get(key, 0) > 1:
-                    self.run_in_flight[key] -= 1
-                else:
-                    self.run_in_flight.pop(key, None)
+                self.run_in_flight[run_key] -= 1
+                if not self.run_in_flight[run_key]:
+                    del self.run_in_flight[run_key]
         if probe:  # a dropped keep-alive connection is not a dead replica: out only if it fails a probe too
             if not await self.client.healthy(replica, min(1.0, self.config.health_timeout_s)):
                 self.pool.mark_down(replica, f"completion failed: {outcome.problem.split(': ', 1)[-1]}")
@@ -237,7 +232,8 @@ class Forwarder:
                         return await self._timed_out(t.replica), None
                     if outcome.kind == "retry":
                         last_problem = outcome.problem
-                        self._reroute(outcome.reason)
+                        self.metrics.inc("grpo_router_reroutes_total", "Completions re-sent to another replica, "
+                                         "by reason", reason=outcome.reason)
                         continue
                     if outcome.reply.status >= 500 and running:
                         fallback = t, outcome  # another try may still answer

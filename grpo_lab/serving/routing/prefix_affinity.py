@@ -78,9 +78,7 @@ class PrefixAffinityPolicy(AffinityRule):
 
     def _matches(self, hashes: list[int], candidates: Sequence[int]) -> list[int]:
         """Per candidate, how many prompt-specific blocks of the longest cached prefix it holds."""
-        all_mask = 0
-        for r in candidates:
-            all_mask |= 1 << r
+        all_mask = sum(1 << r for r in set(candidates))
         matches = [0] * len(candidates)
         alive = list(range(len(candidates)))
         last = len(hashes) - 1
@@ -126,39 +124,31 @@ class PrefixAffinityPolicy(AffinityRule):
             if i + 1 < len(hashes):
                 claims.record = _with_successor(claims.record, _fingerprint(hashes[i + 1]))
 
-    def _release(self, h: int, r: int) -> None:
-        """One claim of replica `r` on block `h` ends."""
-        claims = self._pending.get(h)
-        if claims is None:
+    def release(self, decision: Decision, ok: bool) -> None:
+        """Release the claim; on success the replica now owns the blocks: recorded tail first, so the LRU evicts a
+        chain from its tail."""
+        r, hashes = decision.replica, decision.hashes
+        for h in hashes:
+            claims = self._pending.get(h)
+            if claims is None:
+                continue
+            left = claims.by_replica.get(r, 0) - 1
+            if left > 0:
+                claims.by_replica[r] = left
+            else:
+                claims.by_replica.pop(r, None)
+                if not claims.by_replica:
+                    del self._pending[h]
+        if not ok:
             return
-        left = claims.by_replica.get(r, 0) - 1
-        if left > 0:
-            claims.by_replica[r] = left
-        else:
-            claims.by_replica.pop(r, None)
-            if not claims.by_replica:
-                del self._pending[h]
-
-    def _record_success(self, hashes: list[int], r: int) -> None:
-        """Replica `r` now holds the blocks: record them (tail first, so the LRU evicts a chain from its tail)."""
         blocks, bit = self._blocks, 1 << (_SERVED_SHIFT + r)
-        limit = self.config.max_blocks
         for i in range(len(hashes) - 1, -1, -1):
-            h = hashes[i]
-            record = blocks.pop(h, 0) | bit
+            record = blocks.pop(hashes[i], 0) | bit
             if i + 1 < len(hashes):
                 record = _with_successor(record, _fingerprint(hashes[i + 1]))
-            blocks[h] = record
-            if len(blocks) > limit:
+            blocks[hashes[i]] = record
+            if len(blocks) > self.config.max_blocks:
                 blocks.popitem(last=False)
-
-    def release(self, decision: Decision, ok: bool) -> None:
-        """Release the claim; on success the replica now owns the blocks."""
-        r = decision.replica
-        for h in decision.hashes:
-            self._release(h, r)
-        if ok and decision.hashes:
-            self._record_success(decision.hashes, r)
 
     def forget_replica(self, r: int) -> None:
         """Drop everything replica `r` owns: it restarted (its cache is empty), or it left the router and its number

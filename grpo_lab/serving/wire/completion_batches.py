@@ -28,20 +28,20 @@ class PromptError(ValueError):
         self.kind, self.param = kind, param
 
 
-def split_prompt(prompt) -> tuple[list, bool]:
-    """vLLM's accepted `prompt` forms: token ids, a string, or a batch (list of token-id lists, or of strings).
-    Returns (prompts, is_batch); raises PromptError with vLLM's message for what vLLM refuses."""
+def split_prompt(prompt) -> list:
+    """vLLM's accepted `prompt` forms: token ids, a string, or a batch (list of token-id lists, or of strings), as
+    a list of prompts; raises PromptError with vLLM's message for what vLLM refuses."""
     if prompt is None or prompt == "":
         raise PromptError(EMPTY_PROMPT)
     if isinstance(prompt, str) or _token_ids(prompt):
-        return [prompt], False
+        return [prompt]
     if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
                                                 or all(_token_ids(p) for p in prompt)):
         if len(prompt) > MAX_COMPLETION_PROMPTS:
             raise PromptError(f"prompt list length {len(prompt)} exceeds the maximum allowed count of "
                               f"{MAX_COMPLETION_PROMPTS}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
                               "environment variable.")
-        return list(prompt), True
+        return list(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = next(i for i, t in enumerate(prompt) if t < 0)  # vLLM's schema: token ids are non-negative
         raise PromptError(f"Input should be greater than or equal to 0 (prompt[{bad}] = {prompt[bad]})",

@@ -26,9 +26,7 @@ class Registry:
         self._buckets: dict[str, tuple] = {}
 
     def _family(self, name: str, kind: str, help_text: str) -> dict:
-        if name not in self._families:
-            self._families[name] = (kind, help_text, {})
-        return self._families[name][2]
+        return self._families.setdefault(name, (kind, help_text, {}))[2]
 
     def inc(self, name: str, help_text: str, amount: float = 1.0, **labels) -> None:
         series = self._family(name, "counter", help_text)
@@ -40,12 +38,9 @@ class Registry:
 
     def observe(self, name: str, help_text: str, value: float, buckets=DEFAULT_BUCKETS, **labels) -> None:
         series = self._family(name, "histogram", help_text)
-        self._buckets.setdefault(name, tuple(buckets))
-        key = tuple(sorted(labels.items()))
-        state = series.get(key)
-        if state is None:
-            state = series[key] = [[0] * (len(self._buckets[name]) + 1), 0.0, 0]
-        state[0][bisect.bisect_left(self._buckets[name], value)] += 1
+        bounds = self._buckets.setdefault(name, tuple(buckets))
+        state = series.setdefault(tuple(sorted(labels.items())), [[0] * (len(bounds) + 1), 0.0, 0])
+        state[0][bisect.bisect_left(bounds, value)] += 1  # state: bucket counts, sum, count
         state[1] += value
         state[2] += 1
 

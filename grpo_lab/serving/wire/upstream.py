@@ -34,7 +34,6 @@ class Replica:
     info: dict | None = None  # the replica's `vllm_config`
     max_loras: int | None = None
     last_error: str = ""
-    down_since: float | None = None
     epoch: int = 0  # admissions so far: a load that began before the last one cannot vouch for what it holds now
     calls: set = field(default_factory=set, repr=False)  # upstream completion tasks in flight, cut when it goes down
     tries: int = 0  # completion tries under way here (their adapter usage and policy claims not yet released)
@@ -106,17 +105,10 @@ class UpstreamClient:
         self._session = session
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._secret = api_key
-        self._secret_bytes = api_key.encode() if api_key else None
 
     def scrub(self, text: str) -> str:
         """Remove the token from text that is about to be logged or returned."""
         return text.replace(self._secret, "***") if self._secret else text
-
-    def scrub_bytes(self, body: bytes) -> bytes:
-        """The same for a raw body (a 200 answer too: a replica may echo what it was sent); one scan when clean."""
-        if self._secret_bytes and self._secret_bytes in body:
-            return body.replace(self._secret_bytes, b"***")
-        return body
 
     async def call(self, replica: Replica, method: str, path: str, *, timeout: float, json_body=None,
                    data: bytes | None = None, params=None) -> Reply:
@@ -126,7 +118,9 @@ class UpstreamClient:
         async with self._session.request(method, replica.url + path, json=json_body, data=data, params=params,
                                          headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             body = await resp.read()
-            return Reply(resp.status, self.scrub_bytes(body), self.scrub(resp.content_type))
+            if self._secret:  # from every body, a 200 answer too: a replica may echo what it was sent
+                body = body.replace(self._secret.encode(), b"***")
+            return Reply(resp.status, body, self.scrub(resp.content_type))
 
     async def healthy(self, replica: Replica, timeout: float) -> bool:
         try:
