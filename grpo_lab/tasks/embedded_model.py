@@ -64,13 +64,7 @@ def chat_messages(problem: str) -> list[dict[str, str]]:
 def build_chat_model(tokenizer, seed: int = 0):
     from grpo_lab.tasks.tiny import TinyModelConfig, build_tiny_model
 
-    model = build_tiny_model(tokenizer, TinyModelConfig(max_position_embeddings=MAX_POSITIONS), seed=seed)
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.config.bos_token_id = tokenizer.eos_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = tokenizer.eos_token_id
-    return model
+    return build_tiny_model(tokenizer, TinyModelConfig(max_position_embeddings=MAX_POSITIONS), seed=seed)
 
 
 def shipped_warm_start() -> Path:

@@ -355,7 +355,8 @@ def _summarise(cfg: EmbeddedConfig, prep: Prepared, runs: list[dict], held_start
     df["device"] = env["gpu_name"]                     # full machine/versions/date: the JSON sidecar
     df["versions"] = f"torch {env['torch']} transformers {env['transformers']} trl {env['trl']}"
     summary = {
-        "tag": tag, "env": env, "config": _jsonable(asdict(cfg)), "prepare": prep.info,
+        "tag": tag, "env": env, "config": json.loads(json.dumps(asdict(cfg), default=str)),  # tuples as lists
+        "prepare": prep.info,
         "backends": {r["backend"]: {k: r[k] for k in ("reward_start", "reward_end", "heldout_start", "heldout_end",
                                                       "seconds", "window")} for r in runs},
         "parity": parity(runs) if len(runs) > 1 else {}, "total_seconds": time.perf_counter() - t_all,
@@ -393,10 +394,6 @@ def read_summary(csv_or_json: str | os.PathLike) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         print(f"warning: ignoring unreadable {js} ({e})", file=sys.stderr)
         return {}
-
-
-def _jsonable(d):
-    return json.loads(json.dumps(d, default=str))
 
 
 def plot_curves(df, title: str = "", rolling: int = 10, dpi: int = 90) -> bytes:

@@ -45,7 +45,8 @@ class TinyModelConfig:
 
 
 def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig | None = None, seed: int = 0):
-    """A random-init Qwen2-architecture causal LM sized for the character vocabulary."""
+    """A random-init Qwen2-architecture causal LM sized for the character vocabulary (the tokenizer's eos and pad
+    reach its generation config through the model config)."""
     cfg = cfg or TinyModelConfig()
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
@@ -56,10 +57,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig | 
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
+    return Qwen2ForCausalLM(config)
 
 
 def addition_problems(seed: int = 0, lo: int = 10, hi: int = 99, heldout_frac: float = 0.2):
