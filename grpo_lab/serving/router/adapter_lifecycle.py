@@ -1,13 +1,10 @@
 """The router's adapter lifecycle: loading a policy version on every replica in service, unloading it after a drain.
 
-TRL loads each new policy version once (`POST /v1/load_lora_adapter`) and names it in every rollout, then unloads
-the version that fell out of the staleness window. Behind the router both calls reach several replicas, and the
-router must answer each as one vLLM server would. A load is checked as vLLM checks it (its status codes and error
-bodies), waits for an unload of the same name still draining, waits (bounded) for a slot a draining adapter holds,
-and is then all-or-nothing across the replicas in service (`adapters.fanout`); replicas admitted while it ran load it
-afterwards, and a failure names the replicas whose rollback failed. An unload takes the name out of routing at once
-and leaves each replica's unload to the drain (`adapters.drain`). The set of live adapters is the pool's
-(`ReplicaPool.live_adapters`), which re-admission reloads on a returning replica.
+Behind the router TRL's load and unload reach several replicas, and the router must answer each as one vLLM server
+would. A load is checked as vLLM checks it, waits for an unload of the same name and (bounded) for a slot a draining
+adapter holds, and is all-or-nothing across the replicas in service (`adapters.fanout`); replicas admitted while it
+ran load it afterwards. An unload takes the name out of routing at once and leaves each replica's unload to the drain
+(`adapters.drain`). The live set is `ReplicaPool.live_adapters`, which re-admission reloads on a returning replica.
 """
 
 from __future__ import annotations

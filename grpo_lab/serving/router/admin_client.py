@@ -1,10 +1,6 @@
-"""A router's admin calls from another process: membership over `POST`/`DELETE /router/replicas` (`admin_api`),
-runs sharing its replicas over `/router/runs` (`tenant_api`).
-
-It has the methods of `thread.RouterHandle` that a launcher uses (`add_replica`, `remove_replica`,
-`replicas`, `register_run`, `remove_run`, `runs`), so `ray_replicas` and a joining training run drive a router in
-this process or one elsewhere alike. The admin key is read from an environment variable or a file, never passed as
-an argument, and sent only in the Authorization header.
+"""A router's admin calls from another process: membership over `/router/replicas` (`admin_api`), runs sharing its
+replicas over `/router/runs` (`tenant_api`), with the methods of `thread.RouterHandle` a launcher uses, so a router
+in this process or elsewhere is driven alike. The admin key comes from a variable or a file, never an argument.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
-"""Replicas joining and leaving a running router.
+"""Replicas joining and leaving a running router (docs/serving.md: "Changes membership while it runs").
 
-A launcher that places replicas on a cluster (Ray restarting a dead actor on another port or node, an autoscaler
-adding one) cannot restart the router each time: TRL's trainer holds its URL, and the router holds the live adapter
-set and the prefix-affinity table. So membership changes in place:
-
-- **add**: the replica joins out of routing and is admitted by the same path as a replica that restarted
-  (`replica_pool.try_admit`): healthy, consistent with the others' `/server_info`, holding every live adapter
-  (loaded by the router, with the storage-lag retry), paused if the others are. Until then no completion goes there,
-  so a new replica never answers for an adapter it does not hold. Adding a URL that is already a member changes
-  nothing.
-- **remove**: the replica takes no new completion at once and the prefix-affinity table forgets what it held (the
-  others keep their blocks, so their groups stay where they are). Completions still running there may finish for
-  `drain_s` (a replica scaled down on purpose); then they are cut and re-sent to other replicas (a replica that
-  died: `drain_s=0`). Its number is reused by a later replica only once nothing of it is in flight.
-
-The HTTP face is `admin_api` (`POST`/`DELETE /router/replicas`, behind the admin key); in-process callers (the async
-loop, `ray_replicas`) use `RouterHandle.add_replica` / `remove_replica`, which call this.
+A launcher that places replicas on a cluster (Ray restarting a dead actor elsewhere, an autoscaler) cannot restart
+the router each time: TRL's trainer holds its URL, and the router holds the live adapters and the prefix-affinity
+table. An added replica is admitted like a restarted one (`ReplicaPool.try_admit`), so it never answers for an
+adapter it lacks; a removed one takes no new completion, and those still running there may finish for `drain_s`,
+then are cut and re-sent. The HTTP face is `admin_api`; in-process callers use `RouterHandle`.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """The router as a supervised child process: restarted on the same port when it dies, rebuilt from the replicas and
-its state file, while its clients retry.
+its state file, while its clients retry (docs/serving.md, "When the router dies").
 
     router = SupervisedRouter(RouterConfig(replicas=urls, port=0), state_dir="runs/r1/logs",
                               members=lambda: placement.urls).start()
     router.wait_ready(); ... router.url ...; router.add_replica(url) ...; router.stop()
 
-Why a process of its own and not a thread of the trainer: a router on a thread shares the trainer's fate (a crash
-of either is a crash of both, and `kill -9` of the router alone cannot even be done), and its event loop competes
-with the trainer's Python for the GIL. As a child it can die alone (a crash, the OOM killer), and this supervisor,
-a thread of the parent that polls the child every `poll_s`, starts a new one **on the same port** (TRL's trainer and
-rollout worker hold the URL; `SO_REUSEADDR` lets it bind at once) with the replicas the launcher has now
-(`members()`: Ray may have moved one meanwhile) and the same state file (`state_file`: the live adapters and the
-pause state, which the replicas alone cannot tell). The new router admits each replica as a restarted one: its
-`/v1/models` is compared with the live set, stale adapters are unloaded and missing ones loaded, so nothing a slot
-holds is lost or leaked. Requests in flight when the router died are lost with its connections: the rollout worker
-and the control client retry connection errors within their deadlines (`rollout_failure_timeout_s`,
-`control_timeout_s`). The child runs under the replicas' watchdog (`replicas.processes`), so it exits with the parent
-even on `kill -9`; `stop()` ends the supervision first, then the child.
-
-It has the calls a launcher or a shared pool makes on an in-process `RouterHandle` (`url`, `wait_ready`,
-`add_replica`, `remove_replica`, `replica_died`, `replicas`, `register_run`, `remove_run`, `runs`, `stop`), over the
-router's admin endpoints (`admin_client`).
-`events` lists (time, "died" | "restarted", url) and `recoveries_s` each restart's time from the death being seen
-to the new router answering.
+A process and not a thread of the trainer, so that it can die alone (a crash, the OOM killer, `kill -9`) and its
+event loop does not compete with the trainer for the GIL. A supervisor thread polls it every `poll_s` and starts a new
+one on the same port (TRL holds the URL) with the replicas the launcher has now (`members()`) and the same state file.
+It has the calls a launcher makes on an in-process `RouterHandle`, over the router's admin endpoints
+(`admin_client`); `events` and `recoveries_s` record each death and restart. The child runs under the replicas'
+watchdog (`replicas.processes`), so it exits with the parent even on `kill -9`.
 
 `python -m grpo_lab.serving.router.process CONFIG` is the child: it serves the pickled `RouterConfig` in `CONFIG` (a
 file the supervisor writes, mode 0600) and prints `READY <port>` once it listens.

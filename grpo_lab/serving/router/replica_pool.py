@@ -1,21 +1,11 @@
 """The router's replicas: health checks, taking failed ones out of routing, and re-admitting them safely.
 
-A replica is routed to only while it is *in service*. The published proxy kept routing to dead replicas (they
-looked least loaded); here a failed health check, a dropped connection or malformed answer, a replica that lost a
-live adapter, or one still holding an adapter that is not live (an unload or rollback there failed) takes it out at
-once. It comes back only after it is healthy again, matches the other replicas' `/server_info`, holds every live
-adapter (loaded by the router, with the same storage-lag retry as a normal load), has dropped adapters that are no
-longer live, is paused if the others are, and has had its prefix ownership cleared (its KV cache is gone after a
-restart).
-
-Membership can change while the router runs (`membership`): `join` adds a replica, which then goes through exactly
-the admission above (so a new replica, like a restarted one, is routed to only once it holds every live adapter);
-`leave` takes one out for good: no new completions, its prefix ownership forgotten (the others keep theirs), its
-number free for a later replica once nothing of it is in flight.
-
-Adapter checks run during loads and unloads too (a replica restarted while a long load is under way must not keep
-receiving completions for adapters it lost): names being loaded or unloaded on a replica while its `/v1/models`
-answer was produced are left out of the comparison, everything else must match what the router confirmed there.
+The published proxy kept routing to dead replicas (they looked least loaded); here a replica is routed to only while
+it is *in service*. A failed check, a dropped connection or malformed answer, or adapters other than those the router
+confirmed there take it out at once. It comes back only when healthy, consistent with the others' `/server_info`,
+holding exactly the live adapters, paused if the others are, and with its prefix ownership cleared (its KV cache is
+gone after a restart); a replica that joins (`membership`) is admitted the same way. Adapter checks also run during
+loads and unloads, leaving out the names being changed on that replica while its `/v1/models` answer was produced.
 """
 
 from __future__ import annotations

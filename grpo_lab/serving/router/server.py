@@ -2,17 +2,11 @@
 AsyncGRPOTrainer takes for one server.
 
 To TRL it is a vLLM server with `data_parallel_size == 1`: the endpoints of `vllm_routes`, answered with vLLM 0.31's
-status codes and error bodies (`{"error": {message, type, param, code}}`; the deliberate differences are listed in
-docs/serving.md). Completions are routed by prompt prefix (`routing_policy`; a batch prompt by prompt,
-`completion_batches`), re-sent elsewhere when their replica fails or answers garbage, and hedged on another replica
-when they outlive a per-try deadline (`forwarding`, `per_try`); adapter loads and unloads go to `adapter_lifecycle`
-(all-or-nothing loads, unloads after a drain); pause and resume reach every replica or none; replicas are watched and
-re-admitted safely (`replica_pool`), and join or leave while the router runs (`membership`, `admin_api`);
-`/metrics` reports it all in Prometheus text. With `RouterConfig.tenancy` several training runs share the replicas,
-each with its own token, adapter namespace, share of adapter slots and fair share of completions (`tenancy`:
-`tenant_api` registers them, `fair_queue` shares the replicas, and each request's `views` view tells these same
-handlers what its caller sees). NCCL weight transfer cannot be fanned out, so those endpoints are refused: train a
-PEFT model, for which TRL syncs adapters only.
+status codes and error bodies (what it does, and its deliberate differences, are in docs/serving.md). The handlers
+here parse and answer; completions go through `forwarding`, adapter loads and unloads through `adapter_lifecycle`,
+replica health through `replica_pool`, and with `RouterConfig.tenancy` each request's view (`tenancy.views`) says
+what its caller sees. NCCL weight transfer cannot be fanned out, so those endpoints are refused: train a PEFT model,
+for which TRL syncs adapters only.
 
 Run it with `python -m grpo_lab.serving.router.server --replica http://127.0.0.1:8001 --replica ...`, or in-process
 (notebooks, tests) with `router.thread.start_router(RouterConfig(...))`.

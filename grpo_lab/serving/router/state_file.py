@@ -1,14 +1,10 @@
 """What a restarted router cannot learn from the replicas: which adapters are live and whether generation is paused.
 
-A router that dies (a crash, `kill -9`) is restarted on the same port by its supervisor (`router.process`). It then
-rebuilds the rest from the replicas (`/v1/models`: what each holds, re-admitted like any restarted replica), but the
-replicas' adapters alone cannot say which are live: an adapter the trainer had already unloaded may still be held
-while it drained, and adopting it as live would take one of every replica's `max_loras` slots for good (the trainer
-never unloads a name twice). So the router writes the live set and its pause state here at every change (a small
-JSON file, replaced atomically), and a router started with a file that exists takes them from it: adapters the
-replicas hold beyond the live set are unloaded at admission, live ones they lack are loaded. A router shared by
-several runs (`serve-pool`) writes its runs too (`tenancy.runs.RunRegistry.snapshot`: names, shares, pause state
-and token digests, never a token), so their tokens keep working across its restart; the file is its owner's only.
+The replicas' adapters alone cannot say which are live: one the trainer already unloaded may still be held while it
+drains, and adopting it would take a `max_loras` slot for good (the trainer never unloads a name twice). So the router
+writes the live set and its pause state here at every change, and a router restarted by `router.process` takes them
+back. A router shared by several runs writes its runs too (`RunRegistry.snapshot`: token digests, never a token), so
+their tokens keep working across its restart; the file is its owner's only.
 """
 
 from __future__ import annotations

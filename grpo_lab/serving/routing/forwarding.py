@@ -1,13 +1,9 @@
 """Forwarding one completion: pick a replica, send it, re-send it elsewhere when that replica fails, hedge it when it
-is stuck.
+is stuck (docs/serving.md: "Re-sends" and "Hedges").
 
-A completion has no side effects and TRL seeds each one, so sending it again gives the same answer; the router
-**re-sends** a try that failed (dropped connection, a 200 that is not a completion, a lost adapter, its replica out
-of routing: `grpo_router_reroutes_total{reason}`) and **hedges** a try stuck past its per-try deadline (`per_try`)
-on another replica, the first usable answer winning (`grpo_router_hedges_total`, `grpo_router_hedge_wins_total`).
-
-Tries and hedges together reach at most `max_reroutes + 1` replicas, each at most once, within `upstream_timeout_s`.
-A try that fails with a 5xx while another try still runs does not end the race; a 200 or a 4xx does.
+A completion has no side effects and TRL seeds each one, so sending it again gives the same answer. Tries and hedges
+together reach at most `max_reroutes + 1` replicas, each at most once, within `upstream_timeout_s`. A try that fails
+with a 5xx while another try still runs does not end the race; a 200 or a 4xx does.
 """
 
 from __future__ import annotations

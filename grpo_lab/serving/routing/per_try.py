@@ -1,12 +1,9 @@
 """Per-try deadlines: how long one replica may take on a completion before the router also asks another one.
 
-A replica can hang while still answering `/health`, and a completion sent there would wait out the whole
-`upstream_timeout_s` although another replica would answer in seconds. So each try gets a deadline from what
-completions of about its size recently cost (a high quantile times a factor, floored and capped); when it passes,
-the completion is *hedged* on another replica and the first answer wins. Until `min_samples` latencies are known the
-deadline is `initial_s` (or the slowest seen times the factor, if longer): a run's first completions meet empty
-queues and must not set off hedges on a pool that is only filling up. Hedges are bounded: none while paused, and at
-most `budget` of the completions in flight.
+A replica can hang while still answering `/health`, so each try gets a deadline from what completions of about its
+size recently cost; when it passes, the completion is *hedged* on another replica and the first answer wins. Until
+`min_samples` latencies are known it is `initial_s`: a run's first completions meet empty queues and must not set off
+hedges on a pool that is only filling up.
 """
 
 from __future__ import annotations
