@@ -1,10 +1,8 @@
 """Node-local copies of published adapter versions, for servers that load adapters by local path only.
 
-`AdapterCache` copies each version to `<cache>/<name>-<digest>`, verified against its manifest
-(`storage.fetch_adapter`), until the adapter is unloaded (`release`). Keyed by the digest too, a copy is never taken
-for another store's version of the same name, and a matching one is reused without a download. The default cache is
-a temporary folder of this process; one a SIGKILL left is removed by the next cache on that machine (its name
-carries the owner's pid).
+`AdapterCache` keeps each version, verified (`storage.fetch_adapter`), at `<cache>/<name>-<digest>` until it is
+unloaded: keyed by the digest, a copy is never another store's version of the same name, and one that matches is
+reused. A default (temporary) cache a SIGKILL left is removed by the next one on that machine (docs/serving.md).
 """
 
 from __future__ import annotations

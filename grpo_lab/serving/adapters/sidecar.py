@@ -1,19 +1,13 @@
 """A small proxy in front of one vLLM server that lets it load adapters published on an object store.
 
-vLLM loads a LoRA adapter only from its own file system. On a node without the bucket mounted, this sidecar takes
-the server's place on the network and forwards every request unchanged, except three:
-
-- `POST /v1/load_lora_adapter` with an object-store `lora_path`: the version is copied to the node's disk and checked
-  against its manifest (`cache.AdapterCache`) first; no manifest yet is vLLM's 404 "No adapter found" (the router
-  retries), a mismatch a 400;
-- `POST /v1/unload_lora_adapter`: once vLLM unloaded it, the local copy is removed;
-- `GET /v1/models`: such an adapter reports its URL as `root`, so the router's "same path?" check compares like with
-  like.
+vLLM loads a LoRA adapter only from its own file system, so on a node without the bucket mounted this sidecar takes
+the server's place and forwards every request unchanged (whole: rollouts are non-streaming) except a load with an
+object-store `lora_path` (copied and verified first, `cache.AdapterCache`: no manifest yet is vLLM's 404 "No adapter
+found", which the router retries, a mismatch a 400), an unload (the copy goes once vLLM unloaded it) and
+`/v1/models` (such an adapter reports its URL as `root`, so the router's "same path?" check compares like with like).
+With `VLLM_API_KEY` set, it never downloads for a caller vLLM would turn away (docs/serving.md).
 
     python -m grpo_lab.serving.adapters.sidecar --upstream http://127.0.0.1:8001 --port 9001 --cache-dir /local/lora
-
-Responses are passed on whole (rollouts are non-streaming). With `VLLM_API_KEY` set, a load that would download is
-refused without vLLM's bearer token, so the sidecar never fetches for a caller vLLM would turn away.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Shared storage for adapter versions: publish atomically, never reuse a name, let replicas find what was published.
 
-`AdapterStore` puts every policy version the trainer writes under one root (a local or mounted directory, or any
-fsspec URL) with three guarantees (docs/serving.md, docs/async_loop.md):
-
-- **Atomic**: renamed into place locally; on an object store the files first and a manifest with their SHA-256 last
-  (`upload_tree`, `download_tree`: checkpoints follow the same rule).
-- **Names are never reused**: every name is recorded in `<root>/.history/` first and a recorded name is refused, so
-  after a crash and resume `trl-policy-v7` can never mean two different weights.
-- **Content identity**: the manifest carries the adapter's digest, the run id and the step.
-
-Credentials come from where the store's own client looks (for `s3://`, the `AWS_*` variables), never from
-arguments, so none ends up in a command line, a log or a run record. It lives in `serving` because both the trainer
-and the replicas use it.
+`AdapterStore` puts every policy version under one root (a directory or any fsspec URL): renamed into place locally,
+on an object store the files first and the manifest (their SHA-256s, the adapter's digest, run id, step) last
+(`upload_tree`, `download_tree`: checkpoints follow the same rule); every name is recorded in `<root>/.history/` first
+and never reused, so after a resume `trl-policy-v7` cannot mean two weights (docs/serving.md, docs/async_loop.md).
+Credentials come from the store's own client (for `s3://`, the `AWS_*` variables), never from arguments, so none
+ends up in a command line, a log or a run record. In `serving`: both the trainer and the replicas use it.
 """
 
 from __future__ import annotations

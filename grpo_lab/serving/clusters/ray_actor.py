@@ -1,16 +1,10 @@
 """One replica server inside a Ray actor: the actor starts the server as a child process, reports its URL, and lives
 and dies with it.
 
-Ray places and restarts *actors*, not arbitrary processes, so each replica runs under an actor that owns it:
-
-- the server is started through `replicas.processes` (watchdog and readiness check as a local replica), so it dies
-  with the actor. Ray SIGKILLs a dead worker's direct children (the watchdog) before it can act, so the server runs
-  under a second guard (`_GUARD`, `PR_SET_PDEATHSIG`) that kills the group when the watchdog dies (measured: without
-  it the server outlived `ray.kill` of its actor);
-- the actor dies with the server (a thread waits on it), so `max_restarts` restarts the pair, not an empty actor;
-- `__init__` returns only once the server serves; a restart comes back on a new port with a new `incarnation`.
-
-Nothing here imports Ray at module level.
+Ray places and restarts *actors*, not arbitrary processes. The server starts through `replicas.processes` (watchdog,
+readiness) under a second guard (`_GUARD`: Ray SIGKILLs the watchdog before it can act; docs/clusters.md), and the
+actor exits when the server does, so `max_restarts` restarts the pair, on a new port with a new `incarnation`.
+`__init__` returns once the server serves. Nothing here imports Ray at module level.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Ray replicas' logs copied back to the run's folder, where the run says they are.
 
 A Ray replica's output stays on its node (`ReplicaServer.read_log`), but the async loop names `<output_dir>/logs` as
-the place to look, so `LogMirror` appends what each server printed since the last round to
-`<log_dir>/ray-replica-<i>.log` (a header line per incarnation). A replica that does not answer is skipped until it
-does; what a lost node printed after the last copy is lost with it.
+the place to look. A replica that does not answer is skipped until it does; what a lost node printed after the last
+copy is lost with it (docs/clusters.md).
 """
 
 from __future__ import annotations

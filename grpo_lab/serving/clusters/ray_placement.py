@@ -1,10 +1,8 @@
 """Where Ray may put the replicas: the resources each asks for, the trainer's node kept free, and a placement no node
 can meet refused at once.
 
-The trainer's node is the one that declares `TRAINER_NODE_RESOURCE` (not "the driver's node": with Ray Client the
-driver runs on the head); it gets no replica, through a bundle label selector on `ray.io/node-id`. A placement group
-no node could ever hold stays pending forever, so the bundle is checked against every live node first and refused
-with one line (docs/clusters.md).
+The trainer's node is the one that declares `TRAINER_NODE_RESOURCE` (with Ray Client the driver runs on the head).
+Ray keeps a placement group no node could hold pending forever, hence the check first (docs/clusters.md).
 """
 
 from __future__ import annotations

@@ -10,11 +10,8 @@ router.
         replicas.watch(router)                      # restarts reach the router (remove + add)
         ...
 
-Each replica is a `ray_actor.ReplicaServer` actor in its own bundle of one placement group (`SPREAD` by default: as
-many nodes as it can, still starting on fewer). Ray restarts a dead actor (`max_restarts`); `watch(router)` removes
-an actor that stops answering from the router at once and adds its new incarnation, admitted once it holds every
-live adapter. `stop()` leaves no actor, server or placement group; a SIGKILLed owner takes its actors along.
-Placement, restarts and teardown in detail: docs/clusters.md.
+Each replica is a `ray_actor.ReplicaServer` actor in its own bundle of one placement group; Ray restarts a dead one
+and `watch(router)` swaps it in the router. Placement, restarts and teardown in detail: docs/clusters.md.
 """
 
 from __future__ import annotations

@@ -258,10 +258,7 @@ class Engine:
                 self.model.set_adapter(peft_name(model_name))
                 yield
             elif model_name in self.config.served_model_names:
-                if self.model is not self.base:
-                    with self.model.disable_adapter():
-                        yield
-                else:
+                with self.model.disable_adapter() if self.model is not self.base else contextlib.nullcontext():
                     yield
             else:
                 raise RequestError(404, f"The model `{model_name}` was unloaded during generation.", "NotFoundError")

@@ -39,8 +39,7 @@ from .vllm_spec import VLLMReplicaSpec, replica_specs
 RECIPE_STAMP = ".grpo-lab-recipe"  # written by scripts/vllm_cpu_env.sh once the venv imports vLLM
 OUTPUT_LINES = 10_000  # lines of a replica's output kept in memory
 
-# Leader of the replica's process group: runs the replica, kills the group when its stdin closes (parent gone),
-# outlives a group-wide SIGTERM until the replica has shut down, and passes on the replica's exit status.
+# Leader of the replica's process group (see above); outlives a group-wide SIGTERM until the replica has shut down.
 _WATCHDOG = r"""
 import os, signal, subprocess, sys, threading
 signal.signal(signal.SIGTERM, lambda *_: None)

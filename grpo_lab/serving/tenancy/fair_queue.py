@@ -1,25 +1,12 @@
 """Weighted fair sharing of a replica pool's capacity between runs: who sends the next completion.
 
-Without it a shared pool is first come, first served: TRL keeps `max_inflight_tasks` rollouts in flight (64 to 384),
-the router forwards them all at once, and a run with 384 in flight fills every replica's queue, so a run with 16 in
-flight waits behind it on every request. So the router lets at most `capacity` completions run at once (the
-tenancy's `max_in_flight_per_replica` × replicas in service) and holds the others in one queue per run. When a
-place frees, the next completion comes from the backlogged run with the smallest *virtual start time*
-(start-time fair queuing, as stride scheduling does it):
-
-- each run has a pass `p`; granting it a completion of cost `c` moves it to `max(p, V) + c / weight`, where `V` is
-  the start time of the last completion granted (the pool's virtual time);
-- a run that was idle restarts at `V`, never below: it cannot bank credit while it sends nothing, and it cannot be
-  starved by runs that were busy meanwhile.
-
-So among runs that all have completions waiting, each is granted completions in proportion to its weight (cost
-counted in requested tokens, `max_tokens`, so a run asking for long completions gets proportionally fewer of
-them), and a run with one completion waiting is served within about one completion of every other backlogged run,
-however many those have queued. With no contention (fewer completions than capacity) nothing waits at all.
-Prefix affinity is kept: the queue decides *when* a completion is forwarded, the routing policy still decides
-*where*, among the replicas with fewer than `max_in_flight_per_replica` running (`forwarding.Forwarder.
-per_replica_cap`: otherwise affinity could put every place on one replica and leave the others idle); a run's
-adapter names seed its prompt hashes, so its groups stay together.
+Without it a shared pool is first come, first served: a run with 384 rollouts in flight fills every replica's queue
+and a run with 16 waits behind it on every request. So at most `capacity` completions run at once (the tenancy's
+`max_in_flight_per_replica` × replicas in service) and the others wait in one queue per run; when a place frees, the
+next completion comes from the backlogged run with the smallest virtual start time (start-time fair queuing):
+granting a completion of cost `c` (its `max_tokens`) moves the run's pass to `max(pass, V) + c / weight`, `V` being
+the start of the last grant, and an idle run restarts at `V` (it banks no credit). What that guarantees, and how
+prefix affinity is kept (the queue decides *when*, the routing policy *where*): docs/shared_pool.md, "Fair sharing".
 
 A run may also pause (TRL pauses "the server" around each adapter sync): its queued completions then stay queued
 until it resumes, while its completions already running finish and the other runs go on; a shared replica cannot

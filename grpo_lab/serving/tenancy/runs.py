@@ -1,24 +1,10 @@
 """Runs as tenants of one router: several LoRA runs share one replica pool, each in a namespace of its own.
 
-A LoRA adapter is a few megabytes and a replica holds several, so a lab running a sweep should not need a replica
-pool per run. But every TRL run names its versions `trl-policy-vN`, loads and unloads them by that name, and pauses
-"the server" around each sync: three runs on one plain router would load over each other's `trl-policy-v3`, unload
-each other's live versions and fill each other's adapter slots. This module is the router's record of who is who:
-
-- **a namespace per run**: run `a`'s `trl-policy-v3` is `a--trl-policy-v3` on the replicas (`upstream_name`); the
-  router translates in loads, unloads, completions and `/v1/models`, so TRL never sees the prefix. A run can only
-  ever name adapters under its own prefix, so its versions cannot collide with or be unloaded by another run's,
-  including after a resume (the resumed trainer reconciles what *its* namespace holds).
-- **a credential per run**: a bearer token, generated here, returned once at registration and kept only as a
-  SHA-256 digest (it cannot be read back, logged or echoed from this record).
-- **a share of every replica's `max_loras`**: a run of `max_staleness` S needs `adapters.slots.max_loras_for(S)`
-  slots for itself; registration that does not fit what is left is refused, so one run's load can never need,
-  let alone evict, a slot another run's live adapter holds.
-- **a lease**: every request of the run renews it; a run silent for `lease_s` (killed with kill -9: no goodbye)
-  is reclaimed by the router (`tenant_api`): its adapters are unloaded and its slots freed, nobody else touched.
-
-Registration, authentication and the HTTP face are in `tenant_api`; the fair scheduling of completions across runs
-in `fair_queue`.
+Every TRL run names its versions `trl-policy-vN` and pauses "the server" around each sync, so runs on one plain router
+would load over and unload each other's adapters. This module is the router's record of who is who: a namespace per
+run (its `trl-policy-v3` is `<run>--trl-policy-v3` upstream, `upstream_name`), a bearer token kept only as its SHA-256
+digest, a share of every replica's `max_loras` (`adapters.slots.max_loras_for`: a load never needs another run's
+slot) and a lease. What each buys and how a run uses them: docs/shared_pool.md.
 """
 
 from __future__ import annotations

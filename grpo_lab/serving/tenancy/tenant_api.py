@@ -1,21 +1,13 @@
 """The router's face to runs that share its replicas (`tenancy`): who is calling, the runs themselves, and the lease
 that reclaims a dead run's adapters.
 
-    POST   /router/runs {"name", "max_staleness", "weight", "replace"}   admin: register; the answer holds the
-                                                                          run's token, the only time it is shown
-    GET    /router/runs                                                   admin: the runs (never their tokens)
-    GET    /router/runs/<name>                                            admin, or the run itself
-    DELETE /router/runs/<name>                                            admin, or the run itself: its adapters are
-                                                                          unloaded (after their drain), it is removed
-
-`authenticate` gives each request its view (`views`): the admin key the whole pool (`AdminView`), a run's token that
-run (`RunView`), through which the Router's own handlers answer the vLLM endpoints, `/metrics` and `/router/state` as
-a vLLM server holding only that run's adapters would. What the views share lives here: a run's slots
-(`make_room`: a load beyond them waits for the run's own draining adapters, then is a 409 naming what it holds,
-never an eviction), its place in the fair queue (`queued`), the audited unloads, the per-run gauges. `/health` is
-open (as vLLM leaves it with an API key); any other caller is 401. Every request of a run renews its lease;
-`run_leases` removes a run silent for `lease_s` with nothing in flight or queued (its process was killed), unloading
-only its adapters. Tokens are never logged or echoed: the registry keeps digests, and no log line or error names one.
+`POST /router/runs` (admin: register; the answer holds the run's token, the only time it is shown), `GET` it (admin:
+the runs), `GET`/`DELETE /router/runs/<name>` (admin, or the run itself). `authenticate` gives each request its view
+(`views`): the admin key the whole pool, a run's token that run; `/health` is open, any other caller 401. What the
+views share lives here: a run's slots (`make_room`: a load beyond them waits for the run's own drains, then is a 409,
+never an eviction), its place in the fair queue (`queued`), the audited unloads, the per-run gauges. `run_leases`
+removes a run silent for `lease_s` with nothing in flight or queued, unloading only its adapters. Tokens are never
+logged or echoed: the registry keeps digests (docs/shared_pool.md, "What a run may do").
 """
 
 from __future__ import annotations
@@ -264,18 +256,15 @@ class RunsAPI:
 
     def publish_gauges(self) -> None:
         """Each run's gauges (queue, in flight, adapters, slots, weight, idle time) for `/metrics`."""
-        m = self.metrics
         for name, run in self.registry.runs.items():
-            share = self.queue.shares.get(name)
-            live, draining = self.held(run)
-            m.set("grpo_router_run_queued", "Completions of the run waiting for a place", self.queue.queued(name),
-                  run=name)
-            m.set("grpo_router_run_in_flight", "Completions of the run running on replicas",
-                  share.in_flight if share else 0, run=name)
-            m.set("grpo_router_run_adapters", "The run's live adapters", len(live), run=name)
-            m.set("grpo_router_run_slots_used", "Adapter slots per replica the run holds (draining included)",
-                  len(live | draining), run=name)
-            m.set("grpo_router_run_slots", "Adapter slots per replica the run may hold", run.slots, run=name)
-            m.set("grpo_router_run_weight", "The run's fair-share weight", run.weight, run=name)
-            m.set("grpo_router_run_idle_seconds", "Seconds since the run's last request (its lease)", run.idle_s(),
-                  run=name)
+            d = self.describe(run)
+            for gauge, what, value in (
+                    ("grpo_router_run_queued", "Completions of the run waiting for a place", d["queued"]),
+                    ("grpo_router_run_in_flight", "Completions of the run running on replicas", d["in_flight"]),
+                    ("grpo_router_run_adapters", "The run's live adapters", len(d["adapters"])),
+                    ("grpo_router_run_slots_used", "Adapter slots per replica the run holds (draining included)",
+                     d["slots_used"]),
+                    ("grpo_router_run_slots", "Adapter slots per replica the run may hold", run.slots),
+                    ("grpo_router_run_weight", "The run's fair-share weight", run.weight),
+                    ("grpo_router_run_idle_seconds", "Seconds since the run's last request (its lease)", run.idle_s())):
+                self.metrics.set(gauge, what, value, run=name)

@@ -1,13 +1,7 @@
 """What one caller sees of the router. The Router has one set of handlers (`router.server`) for every caller; where
 callers differ, a handler asks the request's view: which adapters it sees and by what names, how many adapter slots
-it has, whether and how it may complete, load, unload and pause, and which figures it reads.
-
-- `PoolView`: the whole pool as one client (a router without tenancy).
-- `AdminView`: the whole pool as a shared pool's admin sees it: everything, plus the runs and who unloaded what; it
-  pauses the replicas themselves, and loads, unloads and completes nothing (403: adapters belong to runs).
-- `RunView`: one run of a shared pool, answered as a vLLM server holding only that run's adapters would be: names
-  mapped into the run's namespace (`<run>--<adapter>` upstream), a share of the adapter slots, its own pause, its own
-  figures. Its completions wait for their turn in the fair queue (`tenant_api.RunsAPI.queued`).
+it has, whether and how it may complete, load, unload and pause, and which figures it reads: `PoolView` (a router
+without tenancy), `AdminView` (a shared pool's admin) or `RunView` (one run of a shared pool).
 
 A view reaches the router only through the object the router hands it (its pool, adapters, forwarder, pause
 fan-out), never by import: tenancy sits below the router.
