@@ -24,8 +24,8 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..serving.adapters.storage import download_tree, is_local, tree_files, upload_tree
-from .checkpoints import ROLLOUT_STATE, TRAINER_STATE, checkpoint_step, is_checkpoint_name, last_complete_checkpoint
-from .checkpoints import checkpoint_problem as local_problem
+from .checkpoints import (ROLLOUT_STATE, TRAINER_STATE, ResumePoint, checkpoint_step, is_checkpoint_name,
+                          last_complete_checkpoint, checkpoint_problem as local_problem)
 from .checks import first_line
 from .run_dir import restore_run_log, snapshot_run_log
 
@@ -35,17 +35,13 @@ CHECKPOINT_MANIFEST = "grpo_lab_checkpoint.json"
 
 
 @dataclass
-class Pulled:
-    """What `pull_last_checkpoint` did: the local checkpoint to resume from (None: none anywhere), whether it was
-    downloaded, and the published ones it skipped, newest first (folder, why)."""
+class Pulled(ResumePoint):
+    """What `pull_last_checkpoint` did: the local checkpoint to resume from (None: none anywhere), the published ones
+    it skipped, newest first (folder, why), whether it was downloaded, and the run's log files it brought back
+    (`run_dir.restore_run_log`)."""
 
-    checkpoint: str | None
     downloaded: bool = False
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    restored: list[str] = field(default_factory=list)  # the run's log files brought back (`run_dir.restore_run_log`)
-
-    def describe_skipped(self) -> str:
-        return "; ".join(f"{name}: {why}" for name, why in self.skipped)
+    restored: list[str] = field(default_factory=list)
 
 
 class CheckpointStore:

@@ -50,10 +50,15 @@ def check_model(flag: str, model: str) -> None:
         raise UsageError(flag, str(error)) from None
 
 
+def nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def check_writable_folder(flag: str, path: str) -> None:
     """`path` is, or can be made as, a writable folder."""
-    from .run_dir import nearest_existing
-
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise UsageError(flag, f"{path} is a file, not a folder")
@@ -95,13 +100,9 @@ def check_storage(flag: str, url: str, timeout: float = 10.0) -> None:
     """A local path that can be made, or a well-formed fsspec URL whose scheme is known, whose package is installed,
     whose credentials are found (S3) and whose store takes a probe object (written and deleted) within `timeout`."""
     scheme, rest = split_storage_url(flag, url)
-    if scheme is None:
-        check_writable_folder(flag, url)
-        probe_local_folder(flag, url)
-        return
+    protocol = (scheme or LOCAL_SCHEMES[0]).lower()
     import fsspec
 
-    protocol = scheme.lower()
     try:
         fsspec.get_filesystem_class(protocol)
     except ValueError:
@@ -111,7 +112,6 @@ def check_storage(flag: str, url: str, timeout: float = 10.0) -> None:
         how = install_hint("s3") if protocol in ("s3", "s3a") else "install it"
         raise UsageError(flag, f"{protocol}:// needs a package that is not installed ({error}): {how}") from None
     if protocol in LOCAL_SCHEMES:
-        check_writable_folder(flag, rest)
         probe_local_folder(flag, rest)
         return
     if protocol == "memory":
@@ -161,10 +161,10 @@ def probe_store(url: str) -> None:
 
 
 def probe_local_folder(flag: str, path: str) -> None:
-    """Write and delete a probe file in `path`, or in its nearest existing parent when it is still to be made
-    (permission bits can say yes where a read-only mount says no)."""
-    from .run_dir import nearest_existing
-
+    """`path` can be a writable folder (`check_writable_folder`), and a probe file written and deleted in it, or in
+    its nearest existing parent when it is still to be made (permission bits can say yes where a read-only mount
+    says no)."""
+    check_writable_folder(flag, path)
     folder = nearest_existing(Path(path))
     probe = folder / f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}"
     try:

@@ -10,10 +10,16 @@ order to try (the table in docs/async_loop.md, "Which side waits"). Replicas tha
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
 
+from ..lab.settings import Range, setting
+from ..lab.settings_parser import ConfigParser
 from ..serving.adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
-from .loop_settings import LoopSettings, SettingError, check_setting
+from .loop_settings import REPLICA_KINDS, like
+from .recorder import router_figures
+from .run_dir import REPLICA_LOGS, RUN_RECORD, read_run_record
 
 
 @dataclass
@@ -150,15 +156,14 @@ def replica_notes(rows: list[dict], block_size: int | None = None, prompt_tokens
     snaps = [r["router"] for r in rows if isinstance(r.get("router"), dict)]
     if len(snaps) < 2:
         return []
-    first, last = snaps[0].get("routing", {}), snaps[-1].get("routing", {})
-    delta = {k: last.get(k, 0) - first.get(k, 0) for k in last}
-    total = sum(delta.values())
+    delta = router_figures(snaps[-1], snaps[0])
+    total = sum(v for k, v in delta.items() if k.endswith("_total"))
     notes = []
     if total > 0:
-        affinity = delta.get("affinity", 0) / total
+        affinity = delta["affinity_share"]
         note = (f"routing: {100 * affinity:.1f}% prefix affinity, "
-                f"{100 * delta.get('unmatched', 0) / total:.1f}% unmatched, "
-                f"{100 * delta.get('spilled', 0) / total:.1f}% spilled over {total} rollouts")
+                f"{100 * delta.get('unmatched_total', 0) / total:.1f}% unmatched, "
+                f"{100 * delta.get('spilled_total', 0) / total:.1f}% spilled over {total:.0f} rollouts")
         if block_size and prompt_tokens is not None and prompt_tokens < block_size and affinity < 0.5:
             note += (f" — expected: the prompts (median {prompt_tokens:.0f} tokens) are shorter than one KV cache "
                      f"block ({block_size} tokens), so no prompt has a full block to share and the router cannot "
@@ -200,10 +205,6 @@ def find_run_record(path: str, levels: int = 3) -> tuple[dict | None, str | None
     """The `run.json` of the run `path` belongs to, and where it is: `path` may be the run's folder, a file in it,
     or a folder inside it (`<run>/runs`, `<run>/runs/<date_host>`: the TensorBoard logs transformers writes there),
     so the folder and up to `levels` folders above it are looked in."""
-    from pathlib import Path
-
-    from .run_dir import RUN_RECORD, read_run_record
-
     folder = Path(path).absolute()
     if not folder.is_dir():
         folder = folder.parent
@@ -217,10 +218,6 @@ def find_run_record(path: str, levels: int = 3) -> tuple[dict | None, str | None
 def replica_logs(record_path: str | None) -> list:
     """The replicas' log files of the run whose `run.json` is `record_path` (`<run>/logs`: local replicas write
     there, Ray replicas' output is copied there from their nodes), sorted; [] when there are none."""
-    from pathlib import Path
-
-    from .run_dir import REPLICA_LOGS
-
     if record_path is None:
         return []
     folder = Path(record_path).parent / REPLICA_LOGS
@@ -238,46 +235,43 @@ def diagnose_run(rows: list[dict], record: dict | None, overrides: dict | None =
     return verdict
 
 
+@dataclass
+class DoctorFlags:
+    """`grpo-lab doctor`'s flags: which run a tracker's directory holds, and the settings that override the run's
+    own (`run.json`), with `LoopSettings`' rules."""
+
+    project: str | None = setting(None, help="the trackio project, when the directory holds several")
+    run: str | None = setting(None, help="the trackio run (default: the newest)")
+    max_staleness: int | None = like("max_staleness", default=None, help="override the run's max_staleness")
+    max_inflight_tasks: int | None = like("max_inflight_tasks", default=None,
+                                          help="override the run's requests in flight")
+    window: int = setting(DoctorConfig.window, check=Range(2), help="judge the last this many steps")
+    replica_kind: Literal[REPLICA_KINDS] | None = like("replica_kind", default=None, help=(
+        "override the run's replica kind (cpu: one request at a time; vllm: batching)"))
+
+
 def main(argv=None) -> int:
     """`grpo-lab doctor <run folder, loop_metrics.jsonl, trackio or TensorBoard directory>`: the verdict on a (running)
     loop, by its own settings."""
-    import argparse
     import json
     import sys
 
-    p = argparse.ArgumentParser(prog="grpo-lab doctor", description=main.__doc__.split(":")[0] + ". The run's "
-                                "settings come from its run.json; a flag given here overrides one.")
+    p = ConfigParser(DoctorFlags, "grpo-lab doctor", description=main.__doc__.split(":")[0] + ". The run's "
+                     "settings come from its run.json; a flag given here overrides one.")
     p.add_argument("path", help="a run's output folder or its loop_metrics.jsonl; or a trackio directory "
                    "($TRACKIO_DIR, or a project's .db) or a TensorBoard log directory the run reported to")
-    p.add_argument("--project", default=None, help="the trackio project, when the directory holds several")
-    p.add_argument("--run", default=None, help="the trackio run (default: the newest)")
-    p.add_argument("--max-staleness", type=int, default=None, help="override the run's max_staleness")
-    p.add_argument("--max-inflight-tasks", type=int, default=None, help="override the run's requests in flight")
-    p.add_argument("--window", type=int, default=DoctorConfig.window, help="judge the last this many steps")
-    p.add_argument("--replica-kind", choices=("vllm", "cpu"), default=None,
-                   help="override the run's replica kind (cpu: one request at a time; vllm: batching)")
-    a = p.parse_args(argv)
+    flags, a = p.parse(argv)
     from .trackers import read_run
 
     try:
-        rows, origin = read_run(a.path, a.project, a.run)
+        rows, origin = read_run(a.path, flags.project, flags.run)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error} (run the loop with grpo-lab async-loop, which records loop_metrics.jsonl)",
               file=sys.stderr)
         return 2
-    try:
-        if a.window < 2:
-            raise SettingError("window", f"must be >= 2, got {a.window}")
-        if a.max_staleness is not None:
-            check_setting(LoopSettings, "max_staleness", a.max_staleness)
-    except SettingError as error:
-        print(f"error: {error.flag}: {error.message}", file=sys.stderr)
-        return 2
     record, record_path = find_run_record(a.path)
-    overrides = {"max_staleness": a.max_staleness, "max_inflight_tasks": a.max_inflight_tasks,
-                 "replica_kind": a.replica_kind}
-    settings, source = judged_settings(record, overrides)
-    verdict = diagnose_run(rows, record, overrides, a.window)
+    settings, source = judged_settings(record, asdict(flags))  # it reads the settings of RUN_DEFAULTS only
+    verdict = diagnose_run(rows, record, asdict(flags), flags.window)
     print(verdict.headline)
     print(f"read from: {origin} ({len(training_rows(rows))} logged steps)" + (
         f"; settings from {record_path}" if record_path else ""))

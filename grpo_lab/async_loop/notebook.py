@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..lab.outputs import committed_results as committed_folder
@@ -42,11 +42,8 @@ class QuickSettings:
     def loop_settings(self, **fixed) -> LoopSettings:
         """These knobs as the loop's settings (their rules checked there: ValueError naming the field), with `fixed`
         (`output_dir`, `run_name`, `loss_backend`) on top."""
-        return LoopSettings(max_steps=self.steps, replicas=self.replicas, prompts_per_step=self.prompts_per_step,
-                            num_generations=self.num_generations, learning_rate=self.learning_rate,
-                            max_staleness=self.max_staleness, max_inflight_tasks=self.max_inflight_tasks,
-                            queue_maxsize=self.queue_maxsize, seed=self.seed, replica_kind=self.replica_kind,
-                            autotune=self.autotune, report_to=[self.report_to], **fixed)
+        same = {name: value for name, value in asdict(self).items() if name not in ("steps", "report_to")}
+        return LoopSettings(max_steps=self.steps, report_to=[self.report_to], **same, **fixed)
 
     def validate(self) -> "QuickSettings":
         if self.steps < 2:
@@ -128,6 +125,8 @@ def autotune_png(run: LoopRun, dpi: int = 90) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..lab.live_board import fig_to_png
+
     steps = [r for r in training_rows(run.rows) if "autotune/inflight" in r]
     fig, ax = plt.subplots(figsize=(7, 3))
     x = [r["step"] for r in steps]
@@ -141,10 +140,9 @@ def autotune_png(run: LoopRun, dpi: int = 90) -> bytes:
     ax.set_title(f"autotune: {run.name}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    png = fig_to_png(fig, dpi)
     plt.close(fig)
-    return buf.getvalue()
+    return png
 
 
 def follow_doctor(run: LoopRun) -> tuple[QuickSettings, str]:
@@ -189,7 +187,7 @@ def curves_png(runs: list[LoopRun], dpi: int = 90) -> bytes:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    from ..lab.live_board import rolling_mean
+    from ..lab.live_board import fig_to_png, rolling_mean
 
     panels = (("reward", "reward (rolling 5)"), ("sample/staleness_mean", "staleness (versions)"),
               ("ratio", "IS ratio"), ("perf/step_s", "step time (s)"))
@@ -205,10 +203,9 @@ def curves_png(runs: list[LoopRun], dpi: int = 90) -> bytes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    png = fig_to_png(fig, dpi)
     plt.close(fig)
-    return buf.getvalue()
+    return png
 
 
 def verdict_markdown(run: LoopRun) -> str:
@@ -291,8 +288,6 @@ def committed_loop_runs(folder: str = "async"):
 
 def controls(settings: QuickSettings, on_run):
     """A form with one control per `QuickSettings` field, starting at exactly the current values, and a Run button."""
-    from dataclasses import asdict
-
     from ..lab.widgets import ParamForm
 
     return ParamForm(asdict(settings), on_run=on_run, button="Run the loop", output=True,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..lab.files import write_atomically
 from .checkpoints import is_checkpoint_name
+from .checks import check_writable_folder
 from .recorder import METRICS_FILE
 
 RUN_RECORD = "run.json"
@@ -35,23 +36,12 @@ def holds_a_run(folder: Path) -> bool:
                                    for entry in folder.iterdir())
 
 
-def nearest_existing(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def check_output_dir(output_dir: str | os.PathLike, resume: bool, overwrite: bool) -> None:
-    """Refuse what would mix runs or fail later; touch nothing."""
+    """Refuse what would mix runs or fail later (UsageError for a folder that cannot be written); touch nothing."""
     folder = Path(output_dir)
-    if folder.exists() and not folder.is_dir():
-        raise RunDirError(f"--output-dir: {folder} is a file, not a folder")
+    check_writable_folder("--output-dir", str(folder))
     if resume and overwrite:
         raise RunDirError("--resume and --overwrite contradict each other: resume the run, or start it over")
-    writable = nearest_existing(folder)
-    if not writable.is_dir() or not os.access(writable, os.W_OK | os.X_OK):
-        raise RunDirError(f"--output-dir: {folder} cannot be written ({writable} is not a writable folder)")
     if resume or not folder.is_dir() or not any(folder.iterdir()):
         return
     if not overwrite:

@@ -46,26 +46,10 @@ SETTINGS_NAMES = {"replicas": "replicas", "replica_kind": "replica_kind", "model
 
 @dataclass
 class PoolConfig:
-    """A shared pool: replicas plus a router with tenancy.
-
-    Args:
-        replicas: replica processes to start.
-        replica_kind: `"cpu"` (grpo_lab's CPU replica) or `"vllm"` (real vLLM; see docs/serving.md).
-        model: what the replicas serve; None = the embedded chat model (what `grpo-lab async-loop` trains).
-        adapter_slots: each replica's `--max-loras`, shared out between runs (`max_staleness + 3` each); the
-            default holds three runs of the default `max_staleness`.
-        max_lora_rank: the replicas' `--max-lora-rank` (the largest LoRA rank a run may train).
-        max_model_len: the replicas' prompt + completion cap.
-        replica_threads: torch threads per CPU replica.
-        host, port: where the router listens (port 0: a free one).
-        state_dir: the pool's folder: `admin.key` (unless `admin_key_file`), `pool.json`, `logs/replica-<i>.log`.
-        admin_key_file: where the admin key is written (mode 0600); None is `<state_dir>/admin.key`.
-        lease_s: a run silent this long (its process killed) is reclaimed: its adapters unloaded, its slots freed.
-        max_in_flight_per_replica: completions running per replica; beyond, they wait at the router, where each
-            run gets its weighted fair share. None: 4 for CPU replicas (one running, a few ready), 64 for vLLM.
-        allow_base_model: whether runs may complete with the base model.
-        ready_timeout_s: how long the replicas may take to listen.
-    """
+    """A shared pool: replicas plus a router with tenancy. The fields in `SETTINGS_NAMES` are `grpo-lab serve-pool`
+    settings, with `PoolSettings`' defaults, rules and help (`lease_s` is `run_lease`, `allow_base_model`
+    `base_model`); `port` 0 is a free one. The others: `ready_timeout_s` (how long the replicas may take to listen)
+    and `router` (extra `RouterConfig` fields)."""
 
     replicas: int = PoolSettings.replicas
     replica_kind: str = PoolSettings.replica_kind
