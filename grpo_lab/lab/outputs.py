@@ -47,9 +47,9 @@ def committed_results(folder: str) -> Path:
     return Path(__file__).resolve().parents[2] / "results" / folder
 
 
-def output_dir(figure: str, out_dir: str | os.PathLike | None = None, refresh: bool = False,
-               create: bool = True) -> Path:
-    """The folder a run of `figure` (e.g. "memory_vs_batch") writes to; see the module docstring for the order."""
+def output_dir(figure: str, out_dir: str | os.PathLike | None = None, refresh: bool = False) -> Path:
+    """The folder a run of `figure` (e.g. "memory_vs_batch") writes to, made if missing; see the module docstring for
+    the order."""
     root = repo_root()
     if out_dir:
         p = Path(out_dir).expanduser()
@@ -66,9 +66,8 @@ def output_dir(figure: str, out_dir: str | os.PathLike | None = None, refresh: b
         p = (root / SCRATCH if root is not None else Path.cwd() / SCRATCH_OUTSIDE_A_CHECKOUT) / figure
     if p.exists() and not p.is_dir():
         raise ValueError(f"the output folder {p} is a file")
-    if create:
-        try:
-            p.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError) as e:   # a file where a folder of the path should be
-            raise ValueError(f"cannot make the output folder {p}: {e}") from None
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:   # a file where a folder of the path should be
+        raise ValueError(f"cannot make the output folder {p}: {e}") from None
     return p

@@ -1,5 +1,5 @@
 """Model configs and random-init models: the exact public configs shipped in `data/configs/` (Qwen3 0.6B-14B,
-Qwen2.5-Math-1.5B) and tiny presets for quick CPU runs; online, any hub id through `transformers.AutoConfig`.
+Qwen2.5-Math-1.5B) and tiny presets for quick CPU runs.
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ def _strip_org(name: str) -> str:
     return name.split("/", 1)[1] if name.startswith(("Qwen/", "qwen/")) else name
 
 
-def load_model_config(name: str, allow_hub: bool = False) -> PretrainedConfig:
-    """The config for `name`: a shipped exact config ("Qwen3-0.6B" or "Qwen/Qwen3-0.6B"), a tiny preset, or, with
-    `allow_hub=True`, anything `AutoConfig.from_pretrained` resolves (needs the network for hub ids)."""
+def load_model_config(name: str) -> PretrainedConfig:
+    """The config for `name`: a shipped exact config ("Qwen3-0.6B" or "Qwen/Qwen3-0.6B") or a tiny preset."""
     short = _strip_org(name)
     if short in TINY_CONFIGS:
         fields = dict(TINY_CONFIGS[short])
@@ -51,21 +50,16 @@ def load_model_config(name: str, allow_hub: bool = False) -> PretrainedConfig:
         fields.pop("architectures", None)
         fields.pop("torch_dtype", None)
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
-    if allow_hub:
-        return AutoConfig.from_pretrained(name)
-    raise ValueError(f"Unknown model {name!r}. Known offline: {', '.join(known_model_names())}; pass allow_hub=True "
-                     "to resolve a hub id online.")
+    raise ValueError(f"Unknown model {name!r}. Known offline: {', '.join(known_model_names())}.")
 
 
-def build_model(name: str, dtype: torch.dtype | str = torch.float32, seed: int = 0, device: str | None = None,
-                attn_implementation: str = "sdpa"):
+def build_model(name: str, dtype: torch.dtype | str = torch.float32, seed: int = 0, device: str | None = None):
     """A random-init causal LM with the exact shapes of `name` (no weights are downloaded)."""
     if isinstance(dtype, str):
         dtype = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                  "bfloat16": torch.bfloat16}[dtype]
     config = load_model_config(name)
-    config._attn_implementation = attn_implementation
+    config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     with torch.device(device or "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
