@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import posixpath
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from grpo_lab.lab import environment
 from grpo_lab.lab.settings import Range, check_fields, setting
@@ -147,28 +149,20 @@ class RouterConfig:
         """The key clients must present, or None; an authentication that was asked for but is empty is an error."""
         if not self.client_api_key_env and not self.client_api_key_file:
             return None
-        key = read_secret(self.client_api_key_file, self.client_api_key_env, "client_api_key_file")
-        if key is None:
-            raise ValueError(f"client authentication is on but the variable {self.client_api_key_env} is unset or "
-                             "empty")
-        return key
-
+        return read_secret(self.client_api_key_file, self.client_api_key_env, "client_api_key_file",
+                           asked="client authentication is on")
 
     def read_admin_api_key(self) -> str | None:
         """The key that may change the membership, or None; asked for but empty is an error, as for the client key."""
         if not self.admin_api_key_env and not self.admin_api_key_file:
             return None
-        key = read_secret(self.admin_api_key_file, self.admin_api_key_env, "admin_api_key_file")
-        if key is None:
-            raise ValueError(f"an admin key is asked for but the variable {self.admin_api_key_env} is unset or empty")
-        return key
+        return read_secret(self.admin_api_key_file, self.admin_api_key_env, "admin_api_key_file",
+                           asked="an admin key is asked for")
 
 
 def replica_url(url) -> str:
     """A replica's base URL as the router keys it (http or https, a host, no credentials, query or fragment, no
     trailing slash); ValueError otherwise. Credentials never ride in a URL: the upstream token is `api_key_env`."""
-    from urllib.parse import urlsplit
-
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
     try:
@@ -182,9 +176,10 @@ def replica_url(url) -> str:
     return url.rstrip("/")
 
 
-def read_secret(path: str | None, env: str | None, what: str) -> str | None:
+def read_secret(path: str | None, env: str | None, what: str, asked: str = "") -> str | None:
     """A secret from the first line of `path` if given, else from the environment variable `env`; ValueError naming
-    `what` when the file cannot be read or is empty (never the secret itself)."""
+    `what` when the file cannot be read or is empty (never the secret itself), or saying what `asked` for it when
+    the variable is unset or empty."""
     if path:
         try:
             with open(path) as f:
@@ -194,7 +189,10 @@ def read_secret(path: str | None, env: str | None, what: str) -> str | None:
         if not token:
             raise ValueError(f"{what} {path} is empty")
         return token
-    return environment.bearer_key(env)
+    key = environment.bearer_key(env)
+    if key is None and asked:
+        raise ValueError(f"{asked} but the variable {env} is unset or empty")
+    return key
 
 
 def is_loopback(host: str) -> bool:
@@ -207,22 +205,22 @@ def is_loopback(host: str) -> bool:
         return False  # a host name other than localhost may resolve anywhere
 
 
+def _normalized(path: str) -> str | None:
+    """`path` with its scheme kept and the rest normalised; None for a relative local path."""
+    scheme, sep, rest = path.partition("://")
+    if sep:
+        return f"{scheme}://{posixpath.normpath(rest) if rest else ''}"
+    return os.path.normpath(path) if os.path.isabs(path) else None
+
+
 def normalize_root(root: str) -> str:
     """A storage root in the form `adapter_path_error` compares against: scheme kept, path normalised."""
     if not isinstance(root, str) or not root.strip():
         raise ValueError(f"an adapter root must be a non-empty path or URL, got {root!r}")
-    scheme, sep, rest = root.partition("://")
-    if sep:
-        return f"{scheme}://{_posix_norm(rest)}"
-    if not os.path.isabs(root):
+    normal = _normalized(root)
+    if normal is None:
         raise ValueError(f"adapter root {root!r} must be an absolute path (the replicas resolve lora_path themselves)")
-    return os.path.normpath(root)
-
-
-def _posix_norm(path: str) -> str:
-    import posixpath
-
-    return posixpath.normpath(path) if path else ""
+    return normal
 
 
 def adapter_path_error(path: str, roots: list[str]) -> str | None:
@@ -232,15 +230,12 @@ def adapter_path_error(path: str, roots: list[str]) -> str | None:
     also checked after resolving symlinks."""
     if not roots:
         return None
-    scheme, sep, rest = path.partition("://")
+    _, sep, rest = path.partition("://")
     if ".." in (rest if sep else path).replace("\\", "/").split("/"):
         return f"lora_path {path!r} contains '..'"
-    if sep:
-        candidate = f"{scheme}://{_posix_norm(rest)}"
-    elif not os.path.isabs(path):
+    candidate = _normalized(path)
+    if candidate is None:
         return f"lora_path {path!r} is relative; give an absolute path under {', '.join(roots)}"
-    else:
-        candidate = os.path.normpath(path)
     real = os.path.realpath(candidate) if not sep and os.path.exists(candidate) else candidate
     for root in roots:
         if all(_under(p, root) for p in (candidate, real)):
