@@ -261,6 +261,7 @@ def main(argv=None) -> int:
     p.add_argument("path", help="a run's output folder or its loop_metrics.jsonl; or a trackio directory "
                    "($TRACKIO_DIR, or a project's .db) or a TensorBoard log directory the run reported to")
     flags, a = p.parse(argv)
+    from .progress import verdict_lines
     from .trackers import read_run
 
     try:
@@ -283,10 +284,7 @@ def main(argv=None) -> int:
     if logs:
         print(f"replica logs: {logs[0].parent} ({', '.join(p.name for p in logs)})")
     print("evidence: " + json.dumps({k: round(v, 4) for k, v in verdict.evidence.items()}))
-    for i, knob in enumerate(verdict.knobs, 1):
-        print(f"  {i}. {knob}")
-    for note in verdict.notes:
-        print(f"  note: {note}")
+    print("\n".join(verdict_lines(verdict)[1:]))  # the knobs and notes (the headline came first)
     return 0
 
 

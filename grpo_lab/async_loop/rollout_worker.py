@@ -283,12 +283,10 @@ class LabRolloutWorker(AsyncRolloutWorker):
             setter.start()
             setter.join(timeout=5.0)
             self._process.join(timeout=10)
-            if self._process.is_alive():
-                self._process.terminate()
-                self._process.join(timeout=5)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join(timeout=5)
+            for end in (self._process.terminate, self._process.kill):
+                if self._process.is_alive():
+                    end()
+                    self._process.join(timeout=5)
         else:
             self._process.join(timeout=1)
         self._process = None

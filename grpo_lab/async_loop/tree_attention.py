@@ -163,15 +163,13 @@ def flex_tree_attention(module, query, key, value, attention_mask, *, tree_kv_in
     n_pad = _padded_length(n)
     block_mask = _block_masks.get(tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k, n, lambda: _block_mask(
         _layout(tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k, n), n_pad, sliding_window))
-    score_mod = None
-    if softcap:
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return softcap * torch.tanh(score / softcap)
+    def capped(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
 
     def padded(t):
         return torch.nn.functional.pad(t.to(query.dtype), (0, 0, 0, n_pad - n))
 
-    out = _flex_attention()(padded(query), padded(key), padded(value), score_mod=score_mod,
+    out = _flex_attention()(padded(query), padded(key), padded(value), score_mod=capped if softcap else None,
                             block_mask=block_mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
     return out[:, :, :n].transpose(1, 2).contiguous(), None
 
