@@ -48,10 +48,6 @@ class Published:
                    data.get("files", {}))
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def _file_sha256(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -59,7 +55,7 @@ def _file_sha256(path: str | os.PathLike) -> str:
 
 def _digest(files: dict[str, str]) -> str:
     """One digest for the adapter: the sorted (file, sha256) pairs."""
-    return _sha256(json.dumps(sorted(files.items())).encode())
+    return hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()
 
 
 def version_of(name: str, prefix: str) -> int | None:
@@ -236,8 +232,9 @@ class AdapterStore:
         """The files under `<root>/<name>` are exactly what its manifest lists."""
         published = self.manifest(name)
         try:
-            return published is not None and all(_sha256(self.fs.cat_file(self._join(name, fname))) == sha
-                                                 for fname, sha in published.files.items())
+            return published is not None and all(
+                hashlib.sha256(self.fs.cat_file(self._join(name, fname))).hexdigest() == sha
+                for fname, sha in published.files.items())
         except FileNotFoundError:
             return False
 

@@ -102,10 +102,9 @@ class RunsAPI:
     def adapter_slots(self) -> int | None:
         """Adapter slots per replica to share out: the fewest any replica in service has (None: none known yet)."""
         known = [r.max_loras for r in self.pool.in_service() if r.max_loras]
-        slots = min(known) if known else None
         if self.config.adapter_slots is not None:
-            slots = self.config.adapter_slots if slots is None else min(slots, self.config.adapter_slots)
-        return slots
+            known.append(self.config.adapter_slots)
+        return min(known, default=None)
 
     # -- registration ------------------------------------------------------------------------------------------
     async def register(self, request: web.Request) -> web.Response:
