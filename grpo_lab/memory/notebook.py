@@ -147,7 +147,7 @@ def _preset_order(column: pd.Series) -> pd.Series:
 def run_max_batch(params: dict, out_dir: str | Path, name: str, board=None):
     """Max-batch search for every model × backend in `params`, live; saves CSV + PNG. Returns (frame, csv, png)."""
     plt = _mpl()
-    from .plots import plot_max_batch  # matplotlib: after _mpl() has chosen its backend
+    from .plots import plot_max_batch, save_png  # matplotlib: after _mpl() has chosen its backend
 
     searches = build_searches(**params)
     csv = Path(out_dir) / f"{name}.csv"
@@ -168,10 +168,7 @@ def run_max_batch(params: dict, out_dir: str | Path, name: str, board=None):
             board.figure(fig, force=(i + 1 == n))
 
     df = run_searches(searches, out_csv=csv, on_probe=on_probe, on_search=on_search)
-    plot_max_batch(df, fig=fig)
-    png = csv.with_suffix(".png")
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    png = save_png(plot_max_batch(df, fig=fig), csv.with_suffix(".png"))
     if board is not None:
         board.done(f"{len(df)} searches → {csv.name}")
     return df, csv, png

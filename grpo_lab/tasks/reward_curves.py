@@ -22,7 +22,7 @@ import torch
 from transformers.trainer_callback import PrinterCallback
 
 from grpo_lab.lab.files import write_atomically
-from grpo_lab.lab.live_board import LiveBoard, Series
+from grpo_lab.lab.live_board import LiveBoard, Series, fig_to_png
 from grpo_lab.lab.records import run_record
 from grpo_lab.loss.backends import BACKEND_COLORS, LOSS_BACKENDS, resolve_backend
 from grpo_lab.models.hf_compat import checkpointing_args, upstream_deprecations_silenced
@@ -398,8 +398,6 @@ def read_summary(csv_or_json: str | os.PathLike) -> dict:
 
 def plot_curves(df, title: str = "", rolling: int = 10, dpi: int = 90) -> bytes:
     """Reward (raw + rolling mean), loss and entropy per backend, overlaid: the parity figure."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -422,10 +420,9 @@ def plot_curves(df, title: str = "", rolling: int = 10, dpi: int = 90) -> bytes:
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    png = fig_to_png(fig, dpi=dpi)
     plt.close(fig)
-    return buf.getvalue()
+    return png
 
 
 def main(argv=None):

@@ -21,12 +21,9 @@ def fused_kernel_available() -> bool:
     """True when the Triton kernel can run here: Triton importable and a CUDA device present."""
     if not TRITON_AVAILABLE:
         return False
-    try:
-        import torch
+    import torch
 
-        return torch.cuda.is_available()
-    except Exception:  # pragma: no cover - torch always imports in this package
-        return False
+    return torch.cuda.is_available()
 
 
 def fused_linear_logprobs(hidden, weight, bias, targets, temperature=1.0, chunk_size=None, softcap=None,

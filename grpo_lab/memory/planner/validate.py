@@ -50,11 +50,7 @@ def _multi_step(row) -> bool:
 def provenance(row) -> dict:
     """The machine, versions and date a source row records (blank where it records none)."""
     def get(*names):
-        for name in names:
-            v = row.get(name)
-            if v is not None and not (isinstance(v, float) and math.isnan(v)):
-                return str(v)
-        return ""
+        return next((str(row.get(name)) for name in names if pd.notna(row.get(name))), "")
 
     return {"machine": get("gpu_name", "gpu"), "torch": get("torch"), "trl": get("trl"),
             "transformers": get("transformers"), "measured_on": get("date")[:10]}
