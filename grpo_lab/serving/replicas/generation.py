@@ -65,12 +65,10 @@ class SamplingParams:
 
     @classmethod
     def from_request(cls, body: dict) -> "SamplingParams":
-        def num(name, default, kind=float, low=None, high=None, allow_none=False):
-            value = body.get(name, default)
-            if value is None:
-                if allow_none:
-                    return None
-                value = default
+        def num(name, kind=float, low=None, high=None):
+            value = body.get(name)
+            if value is None:  # absent or null: the field's default (n: 1)
+                return getattr(cls, name, 1)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and
                                                                                   not isinstance(value, int)):
                 raise RequestError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, "
@@ -81,15 +79,13 @@ class SamplingParams:
                 raise RequestError(400, f"'{name}' = {value} is out of range [{low}, {high}]")
             return kind(value)
 
-        n = num("n", 1, int, 1)
-        if n != 1:
+        if num("n", int, 1) != 1:
             raise RequestError(400, "the CPU replica supports n=1 only (TRL sends one request per rollout)")
-        return cls(
-            max_tokens=num("max_tokens", 16, int, 1), temperature=num("temperature", 1.0, float, 0.0),
-            top_p=num("top_p", 1.0, float, 1e-9, 1.0), top_k=num("top_k", -1, int, -1),
-            min_p=num("min_p", 0.0, float, 0.0, 1.0), repetition_penalty=num("repetition_penalty", 1.0, float, 1e-9),
-            seed=num("seed", None, int, -(2**63), 2**63 - 1, allow_none=True), logprobs=num("logprobs", None, int, 0, 20, allow_none=True),
-            ignore_eos=bool(body.get("ignore_eos", False)))
+        return cls(max_tokens=num("max_tokens", int, 1), temperature=num("temperature", low=0.0),
+                   top_p=num("top_p", low=1e-9, high=1.0), top_k=num("top_k", int, -1),
+                   min_p=num("min_p", low=0.0, high=1.0), repetition_penalty=num("repetition_penalty", low=1e-9),
+                   seed=num("seed", int, -(2**63), 2**63 - 1), logprobs=num("logprobs", int, 0, 20),
+                   ignore_eos=bool(body.get("ignore_eos", False)))
 
 
 def _load_base(config: CPUReplicaConfig):

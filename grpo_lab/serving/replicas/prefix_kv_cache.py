@@ -19,7 +19,7 @@ class PrefixKVCache:
             raise ValueError("capacity_blocks must be >= 0")
         self.capacity = capacity_blocks
         self.block_size = block_size
-        self._blocks: OrderedDict[int, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self._blocks: OrderedDict[int, tuple[str, list[tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
         self._by_namespace: dict[str, set[int]] = {}  # only blocks still cached, so it stays bounded too
         self._lock = threading.Lock()
         self.query_tokens = 0
@@ -34,7 +34,7 @@ class PrefixKVCache:
                 if entry is None:
                     break
                 self._blocks.move_to_end(h)
-                found.append(entry)
+                found.append(entry[1])
             self.query_tokens += len(hashes) * self.block_size
             self.hit_tokens += len(found) * self.block_size
         return found
@@ -51,22 +51,14 @@ class PrefixKVCache:
                 if h in self._blocks:
                     self._blocks.move_to_end(h)
                     continue
-                self._blocks[h] = [(k[:, :, i * bs:(i + 1) * bs].clone(), v[:, :, i * bs:(i + 1) * bs].clone())
-                                   for k, v in layers_kv]
+                self._blocks[h] = namespace, [(k[:, :, i * bs:(i + 1) * bs].clone(),
+                                               v[:, :, i * bs:(i + 1) * bs].clone()) for k, v in layers_kv]
                 self._by_namespace.setdefault(namespace, set()).add(h)
-                while len(self._blocks) > self.capacity:
-                    self._evict_oldest()
-
-    def _evict_oldest(self) -> None:
-        """Drop the least recently used block, and its hash from its namespace (a handful of namespaces: the base
-        model and the live adapters)."""
-        h, _ = self._blocks.popitem(last=False)
-        for namespace, names in list(self._by_namespace.items()):
-            if h in names:
-                names.discard(h)
-                if not names:
-                    del self._by_namespace[namespace]
-                break
+                while len(self._blocks) > self.capacity:  # the least recently used block goes
+                    evicted, (owner, _) = self._blocks.popitem(last=False)
+                    self._by_namespace[owner].discard(evicted)
+                    if not self._by_namespace[owner]:
+                        del self._by_namespace[owner]
 
     def drop_namespace(self, namespace: str) -> None:
         """Forget an unloaded adapter's blocks, so a later adapter of the same name cannot reuse them."""
