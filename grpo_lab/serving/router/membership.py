@@ -10,10 +10,12 @@ then are cut and re-sent. The HTTP face is `admin_api`; in-process callers use `
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 from .replica_pool import ReplicaPool
 from .config import replica_url
-from ..wire.upstream import REMOVED, Replica, now
+from ..wire.upstream import IN_SERVICE, REMOVED, Replica, now
 
 POLL_S = 0.05
 
@@ -23,6 +25,23 @@ def describe(replica: Replica, pool: ReplicaPool) -> dict:
     return {"url": replica.url, "index": replica.index, "state": replica.state, "adapters": sorted(replica.adapters),
             "draining": sorted(replica.draining), "last_error": replica.last_error,
             "in_flight": pool.policy.in_flight[replica.index]}
+
+
+def wait_in_service(members: Callable[[], list[dict]], replicas: int | None, timeout: float) -> None:
+    """Block until `replicas` (default: every member) of `members()` (as `describe` gives them) are in service; an
+    OSError from `members()` (a router still starting) is tried again."""
+    deadline = time.monotonic() + timeout
+    states: list[dict] = []
+    while time.monotonic() < deadline:
+        try:
+            states = members()
+        except OSError:
+            states = []
+        want = len(states) if replicas is None else replicas
+        if states and sum(r["state"] == IN_SERVICE for r in states) >= want:
+            return
+        time.sleep(POLL_S)
+    raise TimeoutError(f"replica(s) not in service after {timeout}s: {states}")
 
 
 class Membership:

@@ -36,6 +36,7 @@ from ..adapters.slots import DEFAULT_MAX_STALENESS
 from ..replicas.processes import AnnouncingProcess, free_port
 from .admin_client import RouterAdminClient
 from .config import RouterConfig
+from .membership import wait_in_service
 from .server import Router, bind_listener
 
 log = logging.getLogger(__name__)
@@ -150,18 +151,7 @@ class SupervisedRouter:
 
     def wait_ready(self, replicas: int | None = None, timeout: float = 60.0) -> None:
         """Block until `replicas` (default: every member) replicas are in service."""
-        deadline = time.monotonic() + timeout
-        states: list = []
-        while time.monotonic() < deadline:
-            try:
-                states = self.admin.replicas()
-            except OSError:
-                states = []
-            want = len(states) if replicas is None else replicas
-            if states and sum(r["state"] == "in_service" for r in states) >= want:
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"replica(s) not in service after {timeout}s: {states}")
+        wait_in_service(self.admin.replicas, replicas, timeout)
 
     def add_replica(self, url: str, wait_s: float = 0.0) -> dict:
         return self.admin.add_replica(url, wait_s)

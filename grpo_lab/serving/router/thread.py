@@ -15,13 +15,13 @@ A failed start (a port taken) releases everything it set up before the error rea
 from __future__ import annotations
 
 import asyncio
-import time
 
 from aiohttp import web
 
 from ..adapters.slots import DEFAULT_MAX_STALENESS
 from .server import Router
 from .config import RouterConfig
+from .membership import wait_in_service
 from ..wire.app_thread import AppThread
 
 
@@ -40,16 +40,7 @@ class RouterHandle(AppThread):
 
     def wait_ready(self, replicas: int | None = None, timeout: float = 60.0) -> None:
         """Block until `replicas` (default: every member) replicas are in service."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            pool = self.router.pool
-            want = (len(pool.replicas) if pool is not None else len(self.config.replicas)) if replicas is None \
-                else replicas
-            if pool is not None and len(pool.in_service()) >= want:
-                return
-            time.sleep(0.02)
-        states = [(r.url, r.state, r.last_error) for r in self.router.pool.replicas] if self.router.pool else []
-        raise TimeoutError(f"{want} replica(s) not in service after {timeout}s: {states}")
+        wait_in_service(self.replicas, replicas, timeout)
 
     def call(self, fn, timeout: float = 30.0):
         """Run `fn()` (sync) on the router's loop, e.g. to inspect state consistently."""
