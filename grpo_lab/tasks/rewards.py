@@ -51,14 +51,6 @@ def wrap_latex(s: str) -> str:
     return f"${s}$"
 
 
-def _timeouts() -> tuple[int | None, int | None]:
-    if threading.current_thread() is threading.main_thread():
-        return 10, 5
-    logging.getLogger("math_verify.parser").setLevel(logging.ERROR)
-    logging.getLogger("math_verify.grader").setLevel(logging.ERROR)
-    return None, None
-
-
 @lru_cache(maxsize=65536)
 def _parse_cached(latex: str, main_thread: bool):
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
@@ -88,12 +80,14 @@ def grade(pred: str | None, gold: str) -> float:
         from math_verify import verify
 
         main = threading.current_thread() is threading.main_thread()
-        _, verify_timeout = _timeouts()
+        if not main:  # no timeouts there, and math-verify logs an error for each
+            for name in ("math_verify.parser", "math_verify.grader"):
+                logging.getLogger(name).setLevel(logging.ERROR)
         gold_parsed = _parse_cached(wrap_latex(gold), main)
         pred_parsed = _parse_cached(wrap_latex(pred), main)
         if not gold_parsed or not pred_parsed:
             return 0.0
-        return float(verify(gold_parsed, pred_parsed, timeout_seconds=verify_timeout))
+        return float(verify(gold_parsed, pred_parsed, timeout_seconds=5 if main else None))
     except Exception:  # noqa: BLE001 - a reward must never crash a training step
         return 0.0
 
@@ -111,5 +105,3 @@ def math_reward(completions, answer, **kwargs) -> list[float]:
     r"""TRL reward function: `answer` is the dataset column with the golds."""
     return [grade(last_boxed(completion_text(c)), str(a)) for c, a in zip(completions, answer, strict=True)]
 
-
-math_reward.__name__ = "math_reward"
