@@ -1,12 +1,9 @@
 """How many LoRA adapter slots (`--max-loras`) a replica needs for a trainer's `max_staleness`: stated once.
 
-Every launcher, the trainer's preflight, the doctor and notebook 04 take the number from here.
-
-- `min_max_loras`: TRL 1.16's own rule (`min_loras = args.max_staleness + 2` in async_grpo_trainer.py):
-  `max_staleness + 1` versions can be named by requests in flight, and each sync loads the next before it unloads
-  the oldest. Preflight refuses a server below it.
-- `max_loras_for`: one slot more, for the router's `drain` (an unloaded adapter keeps its slot until its rollouts
-  finish while TRL loads the next version).
+Every launcher, the trainer's preflight, the doctor and notebook 04 take the number from here. TRL 1.16's own rule
+(`min_loras = args.max_staleness + 2` in async_grpo_trainer.py): `max_staleness + 1` versions can be named by requests
+in flight, and each sync loads the next before it unloads the oldest; the router's `drain` needs one slot more (an
+unloaded adapter keeps its slot until its rollouts finish while TRL loads the next version).
 """
 
 from __future__ import annotations

@@ -202,9 +202,9 @@ class RayActors(Placement):
     def __init__(self, address: str | None = None, resources: dict | None = None, strategy: str = "SPREAD",
                  host: str | None = None, num_cpus: float = 1.0, max_restarts: int = 3,
                  avoid_resource: str | None = None):
-        self.address, self.resources, self.strategy = address, dict(resources or {}), strategy
-        self.host, self.num_cpus, self.max_restarts = host, num_cpus, max_restarts
-        self.avoid_resource = avoid_resource
+        self.host = host
+        self.options = dict(address=address, resources=dict(resources or {}), strategy=strategy, num_cpus=num_cpus,
+                            max_restarts=max_restarts, avoid_resource=avoid_resource)  # `RayReplicas`' own
         self.replicas: RayReplicas | None = None
         self.log_dir: str | None = None
         self.mirror: LogMirror | None = None  # the replicas' output copied to `log_dir` while watched
@@ -217,10 +217,7 @@ class RayActors(Placement):
         self.log_dir = spec.log_dir
         what = {"cpu_args": spec.cpu_args()} if spec.kind == "cpu" else {"vllm": spec.vllm_fields()}
         server = ServerSpec(spec.kind, env=dict(spec.env), host=self.host, ready_timeout_s=timeout, **what)
-        self.replicas = RayReplicas(spec.replicas, server, address=self.address, num_cpus=self.num_cpus,
-                                    resources=self.resources, strategy=self.strategy,
-                                    max_restarts=self.max_restarts, ready_timeout_s=timeout,
-                                    avoid_resource=self.avoid_resource)
+        self.replicas = RayReplicas(spec.replicas, server, ready_timeout_s=timeout, **self.options)
         if spec.kind == "vllm":  # a GPU per replica when the cluster has them (the trainer's machine may have none)
             gpus = self.replicas.connect().cluster_resources().get("GPU", 0) if spec.device == "auto" else 0
             server.device = "cuda" if spec.device == "cuda" or gpus >= 1 else "cpu"

@@ -135,8 +135,7 @@ class RayReplicas:
     @property
     def urls(self) -> list[str]:
         """The replicas' URLs now (a replica being restarted is left out)."""
-        with self._lock:
-            return [s.info["url"] for s in self.slots if s.info is not None and s.routed is not None]
+        return [info["url"] for info in self.infos() if info is not None]
 
     def infos(self) -> list[dict | None]:
         """Each replica's last `ReplicaServer.info()` (node, pids, incarnation), None while it restarts."""

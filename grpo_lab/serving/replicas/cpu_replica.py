@@ -1,10 +1,7 @@
 """A CPU replica: an OpenAI-compatible server on transformers + PEFT that honours vLLM's contract for async GRPO.
 
-It answers what TRL 1.16's AsyncGRPOTrainer and the router call (`vllm_routes`) with vLLM's shapes and status
-codes: `/health`, `/v1/models` (with `max_model_len`; adapters carry `root` = their path and `parent`),
-`/server_info?config_format=json` (with `lora_config`, `cache_config.block_size`, `data_parallel_size` 1),
-`/v1/completions` (token-id prompts, `return_token_ids`, per-token logprobs), runtime LoRA load/unload
-(400 for a name already loaded, 404 "No adapter found" for a missing path), `/pause` `/resume`, and `/metrics` with
+It answers every endpoint TRL 1.16's AsyncGRPOTrainer and the router call (`wire.vllm_routes`) with vLLM's shapes and
+status codes (a name already loaded is a 400, a missing adapter path a 404 "No adapter found"), plus `/metrics` with
 vLLM's prefix-cache counters. Use it for tests and notebooks; use `vllm serve` (see `vllm_launcher`) for real runs.
 
     python -m grpo_lab.serving.replicas.cpu_replica --model tiny-qwen3 --port 0   # prints "READY <port>" once listening

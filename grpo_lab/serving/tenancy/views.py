@@ -198,14 +198,11 @@ class RunView(PoolView):
     def state(self, body: dict) -> dict:
         """The router's state narrowed to the run: its adapters by its names, its completions per replica, its
         routing decisions and queue."""
-        run, pool, forwarder = self.run, self.router.pool, self.router.forwarder
-        live, draining = self.api.held(run)
-        usage = self.router.adapters.drainer.usage
+        run, forwarder = self.run, self.router.forwarder
         mine = lambda names: sorted(run.client_name(n) for n in names if run.owns(n))
         replicas = [{**r, "adapters": mine(r["adapters"]), "draining": mine(r["draining"]),
                      "in_flight": forwarder.run_in_flight.get((run.name, r["index"]), 0)} for r in body["replicas"]]
-        return {"run": self.api.describe(run), "replicas": replicas, "live_adapters": mine(live),
-                "draining": {run.client_name(n): {r.url: usage.in_flight(r.index, n) for r in pool.replicas
-                                                  if n in r.draining} for n in sorted(draining)},
+        return {"run": self.api.describe(run), "replicas": replicas, "live_adapters": mine(body["live_adapters"]),
+                "draining": {run.client_name(n): per for n, per in sorted(body["draining"].items()) if run.owns(n)},
                 "paused": run.paused, "block_size": body["block_size"],
                 "routing": dict(forwarder.run_routing.get(run.name, {"affinity": 0, "spilled": 0, "unmatched": 0}))}
