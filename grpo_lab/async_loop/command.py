@@ -135,13 +135,6 @@ def check_resume(output_dir: str, checkpoint_storage: str | None = None) -> str 
     return point.checkpoint
 
 
-class _PoolFlags(argparse.ArgumentParser):
-    """The pool flags alone, read before the slow imports; anything odd is left to the full parser."""
-
-    def error(self, message: str):
-        raise ValueError(message)
-
-
 def ask_the_pool_first(argv: list[str]) -> None:
     """Refuse a run name already on a shared pool (or a pool that does not answer or refuses the key) before the
     settings' slow imports: the refusal used to come ~20 s after the command started, all of it importing torch,
@@ -149,13 +142,13 @@ def ask_the_pool_first(argv: list[str]) -> None:
     `--help` nothing is asked, and `validate` asks again with every setting known."""
     if any(a in ("-h", "--help") or a.split("=", 1)[0] == "--config" for a in argv):
         return
-    parser = _PoolFlags(add_help=False, allow_abbrev=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     for flag in ("--router-url", "--pool-admin-key-file", "--run-name", "--pool-run"):
         parser.add_argument(flag)
     parser.add_argument("--resume", action="store_true")
     try:
         flags, _ = parser.parse_known_args(argv)
-    except ValueError:
+    except argparse.ArgumentError:  # anything odd is left to the full parser
         return
     if not flags.router_url:
         return

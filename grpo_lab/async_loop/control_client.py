@@ -11,7 +11,7 @@ import time
 import requests
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
-from .pool import run_headers
+from .pool import run_get, run_headers
 
 
 class ControlCallError(RuntimeError):
@@ -89,9 +89,5 @@ class BoundedVLLMClient(VLLMClient):
     def draining_adapters(self) -> set[str] | None:
         """Adapters the grpo_lab router is still draining (unloaded, completions in flight); None from a server that
         does not say (plain vLLM unloads at once)."""
-        try:
-            response = requests.get(f"{self.server_url}/router/state", timeout=min(self.control_timeout_s, 10),
-                                    headers=run_headers())
-            return set(response.json().get("draining", {})) if response.status_code == 200 else None
-        except (requests.RequestException, ValueError, AttributeError):
-            return None
+        state = run_get(self.server_url, "/router/state", min(self.control_timeout_s, 10))
+        return set(state.get("draining", {})) if state is not None else None

@@ -62,6 +62,19 @@ def run_headers() -> dict:
     return bearer(environment.run_token())
 
 
+def run_get(url: str, path: str, timeout: float, **params) -> dict | None:
+    """GET `path` of the router (or vLLM server) at `url` with the run's token: its JSON object, or None when it
+    does not answer 200 with one."""
+    import requests
+
+    try:
+        reply = requests.get(f"{url.rstrip('/')}{path}", params=params, timeout=timeout, headers=run_headers())
+        body = reply.json() if reply.status_code == 200 else None
+    except (requests.RequestException, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
 class PoolSeat:
     """This process's place in a shared pool at `url` as run `name`: `join()`, then `leave()` (or let the lease lapse
     if it dies). `rejoin` re-registers a run the pool still has (a resume: the old token stops working, its adapters

@@ -11,10 +11,9 @@ import json
 import os
 import time
 
-import requests
 from transformers import TrainerCallback
 
-from .pool import run_headers
+from .pool import run_get
 
 METRICS_FILE = "loop_metrics.jsonl"
 
@@ -22,14 +21,8 @@ METRICS_FILE = "loop_metrics.jsonl"
 def router_snapshot(url: str | None, timeout: float = 2.0) -> dict | None:
     """The router's routing counts and per-replica load, or None when there is no grpo_lab router at `url`. On a
     shared pool the run's token makes it the run's own figures (its routing, its completions per replica)."""
-    if not url:
-        return None
-    try:
-        state = requests.get(f"{url.rstrip('/')}/router/state", timeout=timeout, headers=run_headers())
-        if state.status_code != 200:
-            return None
-        body = state.json()
-    except (requests.RequestException, ValueError):
+    body = run_get(url, "/router/state", timeout) if url else None
+    if body is None:
         return None
     return {"routing": body.get("routing", {}),
             "in_flight": {r["url"]: r.get("in_flight", 0) for r in body.get("replicas", [])},

@@ -1,11 +1,8 @@
 """TRL's rollout worker, made to run without vLLM installed and to end cleanly on every fault.
 
-TRL 1.16's `AsyncRolloutWorker` speaks plain HTTP to the server, yet refuses to start unless `vllm` is importable;
-it retries a failing request for many minutes (30 attempts, back-off up to 16 s, three times over), so an unreachable
-router or a dead replica set shows up as a trainer waiting forever on an empty queue; it keeps retrying a request
-for an adapter version that has been unloaded (a 404 no retry can fix) until the worker dies; a SIGKILLed trainer
-leaves its child running; and each rollout names the version current when it starts, so the G rollouts of one
-prompt can straddle a weight sync. `LabRolloutWorker` keeps TRL's loop and changes exactly that:
+What TRL 1.16's `AsyncRolloutWorker` does as is (retries for many minutes, a 404 for an unloaded adapter retried
+until the worker dies, an orphaned child, a group's rollouts straddling a weight sync) is measured in
+docs/async_loop.md ("The trainer"). `LabRolloutWorker` keeps TRL's loop and changes exactly that:
 
 - no `vllm` import check (the child only uses aiohttp);
 - **group-consistent versions**: every rollout of a group names the version its first rollout used, and the samples

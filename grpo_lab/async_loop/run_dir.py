@@ -17,7 +17,7 @@ from pathlib import Path
 from ..lab.files import write_atomically
 from .checkpoints import is_checkpoint_name
 from .checks import check_writable_folder
-from .recorder import METRICS_FILE
+from .recorder import METRICS_FILE, read_metrics
 
 RUN_RECORD = "run.json"
 # What a run of the async loop writes into its output directory (and `--overwrite` may therefore remove).
@@ -112,19 +112,12 @@ def read_run_record(run: str | os.PathLike) -> dict | None:
 
 def last_logged_step(path: str | os.PathLike) -> int:
     """The highest step of a metrics log (-1: none, or no file)."""
-    steps = [-1]
     try:
-        lines = Path(path).read_text().splitlines()
+        rows = read_metrics(path)
     except OSError:
         return -1
-    for line in lines:
-        try:
-            step = json.loads(line).get("step")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(step, int):
-            steps.append(step)
-    return max(steps)
+    return max((row["step"] for row in rows if isinstance(row, dict) and isinstance(row.get("step"), int)),
+               default=-1)
 
 
 def snapshot_run_log(output_dir: str | os.PathLike, checkpoint: str | os.PathLike, step: int) -> list[str]:

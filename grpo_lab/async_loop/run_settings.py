@@ -15,17 +15,9 @@ from .. import __version__
 
 def server_info(url: str, timeout: float = 5.0) -> dict:
     """`/server_info?config_format=json` of a vLLM server or the router ({} when it does not answer)."""
-    import requests
+    from .pool import run_get
 
-    try:
-        from .pool import run_headers
-
-        reply = requests.get(f"{url.rstrip('/')}/server_info", params={"config_format": "json"}, timeout=timeout,
-                             headers=run_headers())
-        body = reply.json() if reply.status_code == 200 else {}
-    except (requests.RequestException, ValueError):
-        return {}
-    return body if isinstance(body, dict) else {}
+    return run_get(url, "/server_info", timeout, config_format="json") or {}
 
 
 def _config_field(info: dict, section: str, key: str):
@@ -52,9 +44,8 @@ def prompt_token_lengths(trainer, limit: int = 64) -> list[int]:
 
 
 def run_settings(loop, resumed_from: str | None = None) -> dict:
-    """The settings of `loop` (an `AsyncLoop` after `start()`) worth keeping with its run."""
-    from .loop_settings import inflight_tasks
-
+    """The settings of `loop` (an `AsyncLoop` after `start()`: TRL's trainer has resolved `max_inflight_tasks`)
+    worth keeping with its run."""
     args, cfg, trainer = loop.args, loop.loop, loop.trainer
     samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     info = server_info(loop.url)
@@ -68,7 +59,7 @@ def run_settings(loop, resumed_from: str | None = None) -> dict:
                                                                                  else None),
         "replica_urls": cfg.replica_urls, "external_router": cfg.router_url,
         "max_staleness": args.max_staleness, "samples_per_step": samples_per_step,
-        "max_inflight_tasks": inflight_tasks(args.max_inflight_tasks, args.max_staleness, samples_per_step),
+        "max_inflight_tasks": args.max_inflight_tasks,
         "autotune": bool(getattr(cfg, "autotune", False)),
         "queue_maxsize": getattr(args, "queue_maxsize", None), "max_steps": args.max_steps, "seed": args.seed,
         "loss_backend": args.loss_backend, "tree_attention": getattr(trainer, "tree_attention", args.tree_attention),
