@@ -132,13 +132,12 @@ class Router:
         self.pool = ReplicaPool(self.config, self.client, self.metrics)
         self.adapters = AdapterLifecycle(self.pool, self.client, self.config, self.metrics)
         self.forwarder = Forwarder(self.pool, self.client, self.adapters.drainer.usage, self.metrics, self.config)
-        if self.tenancy is not None:
-            self.forwarder.per_replica_cap = self.config.tenancy.max_in_flight_per_replica
-            self.tenancy.attach()
         self.membership = self.admin.membership = Membership(self.pool, self.metrics)
         self.pool.publish_states()
         self._tasks.append(asyncio.create_task(self.pool.run_health_checks(self._stop)))
         if self.tenancy is not None:
+            self.forwarder.per_replica_cap = self.config.tenancy.max_in_flight_per_replica
+            self.tenancy.attach()
             self._tasks.append(asyncio.create_task(self.tenancy.run_leases(self._stop)))
 
     async def _cleanup(self, app) -> None:
@@ -180,23 +179,20 @@ class Router:
             return error_response(503, "no replica in service", "ServiceUnavailable")
         return web.Response(text="")
 
-    async def _from_one(self, path: str, params=None) -> Reply | None:
+    async def _from_one(self, path: str, params=None) -> Reply:
+        """The first in-service replica's answer to `GET path` (one that cannot be reached leaves routing); 503."""
         for replica in self.pool.in_service():
             try:
-                reply = await self.client.call(replica, "GET", path, params=params,
-                                               timeout=self.config.health_timeout_s)
+                return await self.client.call(replica, "GET", path, params=params,
+                                              timeout=self.config.health_timeout_s)
             except TRANSPORT_ERRORS as error:
                 self.pool.mark_down(replica, f"{path}: {type(error).__name__}")
-                continue
-            return reply
-        return None
+        raise _http_error(web.HTTPServiceUnavailable, "no replica in service", 503, "ServiceUnavailable")
 
     async def models(self, request: web.Request) -> web.Response:
         """One replica's model list, with the adapters narrowed to the live ones (draining ones are gone for
         clients, and a replica may briefly hold one that is still loading elsewhere)."""
         reply = await self._from_one("/v1/models")
-        if reply is None:
-            return error_response(503, "no replica in service", "ServiceUnavailable")
         body = reply.json()
         if reply.status != 200 or not isinstance(body, dict) or not isinstance(body.get("data"), list):
             return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
@@ -210,8 +206,6 @@ class Router:
         """One replica's answer (admission already checked the others agree on the fields TRL reads), with the
         caller's share of adapter slots where it has one."""
         reply = await self._from_one("/server_info", params=dict(request.query))
-        if reply is None:
-            return error_response(503, "no replica in service", "ServiceUnavailable")
         slots = self.view_of(request).slots
         body = reply.json() if slots is not None and reply.status == 200 else None
         lora = (body.get("vllm_config") or {}).get("lora_config") if isinstance(body, dict) else None
