@@ -64,33 +64,27 @@ class AdapterSidecar:
         self.cache.close()
 
     # -- plain forwarding -----------------------------------------------------------------------------------------
-    async def _send(self, request: web.Request, body: bytes) -> tuple[int, dict, bytes]:
+    async def _relay(self, request: web.Request, body: bytes) -> web.Response:
         if self._session is None:
             # no total deadline: a completion takes as long as it takes (the router bounds each try); no decoding, so
             # the bytes and their Content-Encoding pass on together
             self._session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(
                 total=None, sock_connect=10))
-        async with self._session.request(request.method, self.upstream + request.rel_url.path_qs, data=body,
-                                         headers=_forwardable(request.headers), allow_redirects=False) as reply:
-            return reply.status, _forwardable(reply.headers), await reply.read()
-
-    async def _relay(self, request: web.Request, body: bytes) -> web.Response:
         try:
-            status, headers, data = await self._send(request, body)
+            async with self._session.request(request.method, self.upstream + request.rel_url.path_qs, data=body,
+                                             headers=_forwardable(request.headers), allow_redirects=False) as reply:
+                return web.Response(status=reply.status, headers=_forwardable(reply.headers), body=await reply.read())
         except (aiohttp.ClientError, TimeoutError, OSError) as error:
             return error_response(502, f"adapter sidecar: upstream {self.upstream} unreachable "
                                        f"({type(error).__name__}: {error})", "BadGateway")
-        return web.Response(status=status, headers=headers, body=data)
 
     async def forward(self, request: web.Request) -> web.Response:
         return await self._relay(request, await request.read())
 
     # -- the three requests it changes ----------------------------------------------------------------------------
     def _authorized(self, request: web.Request) -> bool:
-        if self._api_key is None:
-            return True
-        given = request.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self._api_key}".encode())
+        given = request.headers.get("Authorization", "").encode()
+        return self._api_key is None or hmac.compare_digest(given, f"Bearer {self._api_key}".encode())
 
     async def load_adapter(self, request: web.Request) -> web.Response:
         raw = await request.read()

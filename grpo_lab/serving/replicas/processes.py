@@ -217,15 +217,12 @@ class VLLMReplicaProcess(ReplicaProcess):
     def environment(self, base: dict) -> dict:
         return self.spec.env(base)
 
-    def health(self, timeout: float = 2.0) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as answer:
-                return answer.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
     def _ready_port(self) -> int | None:
-        return self.spec.port if self.health() else None
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2.0) as answer:
+                return self.spec.port if answer.status == 200 else None
+        except (urllib.error.URLError, OSError):
+            return None
 
     def fresh(self, env: dict | None = None) -> "VLLMReplicaProcess":
         return VLLMReplicaProcess(self.spec, self.env if env is None else env, self.ready_timeout,
