@@ -146,9 +146,6 @@ class ReplicaServer:
                 "ready_s": round(self.ready_s, 2),
                 "log": str(self.process.log_path) if self.process.log_path else None}
 
-    def tail(self, lines: int = 30) -> str:
-        return self.process.tail(lines)
-
     def read_log(self, offset: int = 0, limit: int = 1 << 20) -> tuple[str, int, str]:
         """(incarnation, next offset, text): up to `limit` bytes of the server's log file on this node from
         `offset`, so a launcher can copy the log to the run's folder on another machine (`ray_logs`)."""
