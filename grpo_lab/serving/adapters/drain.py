@@ -78,8 +78,7 @@ class Drainer:
 
     def start(self, name: str, replicas: list[Replica]) -> None:
         """Stop new completions for `name` on `replicas` now; unload it on each once drained (in the background)."""
-        done = self._done.setdefault(name, asyncio.Event())
-        done.clear()
+        self._done.setdefault(name, asyncio.Event()).clear()
         for replica in replicas:
             replica.draining.add(name)
             self._since[(replica.index, name)] = now()

@@ -42,10 +42,7 @@ class Outcome:
 async def _path_loaded_as(client: UpstreamClient, replica: Replica, name: str, timeout: float) -> str | None:
     """The path `replica` reports for adapter `name` in `/v1/models` (vLLM puts it in `root`)."""
     reply = await client.call(replica, "GET", "/v1/models", timeout=timeout)
-    for entry in (reply.json() or {}).get("data", []):
-        if entry.get("id") == name:
-            return entry.get("root")
-    return None
+    return next((e.get("root") for e in (reply.json() or {}).get("data", []) if e.get("id") == name), None)
 
 
 async def load_one(client: UpstreamClient, replica: Replica, name: str, path: str, *, deadline_s: float,

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from ...models.hf_compat import cache_keyword
 from ..adapters.cache import AdapterCache
-from ..adapters.storage import MANIFEST, local_copy_matches
+from ..adapters.storage import local_copy_matches, read_manifest
 from ..routing.prefix_hash import block_hashes
 from .prefix_kv_cache import PrefixKVCache
 from .config import CPUReplicaConfig
@@ -150,12 +150,10 @@ class Engine:
     def _check_manifest(self, path: str) -> None:
         """A directory published by grpo_lab carries a manifest: refuse files that do not match it (a partial or
         corrupted copy would otherwise be served as the policy)."""
-        manifest = os.path.join(path, MANIFEST)
-        if not os.path.isfile(manifest):
-            return
         try:
-            with open(manifest) as f:
-                files = json.load(f).get("files", {})
+            files = read_manifest(path).get("files", {})
+        except FileNotFoundError:
+            return
         except (OSError, ValueError) as error:
             raise RequestError(400, f"unreadable adapter manifest in {path}: {error}") from None
         if not local_copy_matches(path, files):
