@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from ..adapters.fanout import load_one, unload_one
+from ..adapters.fanout import broadcast, load_one, unload_one
 from ..routing.policy import RoutingPolicy
 from ..routing.registry import make_policy
 from ..wire.metrics import Registry
@@ -54,18 +54,16 @@ class ReplicaPool:
         self._stop: asyncio.Event | None = None  # set while the health checks run
         for url in config.replicas:
             self.join(url)
-        self.live_adapters: dict[str, str] = {}  # loaded on every in-service replica
-        self._paused = False
         # a router restarted after a crash takes the live set and pause state it wrote (`state_file`), not the first
         # replica's adapters (a drained one would be adopted as live and hold a slot for good)
         self.state_file = RouterStateFile(config.state_file) if config.state_file else None
         saved = self.state_file.load() if self.state_file is not None else None
         self.restored = saved is not None
-        self.saved_runs: list[dict] = saved["runs"] if saved is not None else []  # for the tenancy to take back
+        saved = saved or {"live_adapters": {}, "paused": False, "runs": []}
+        self.live_adapters: dict[str, str] = saved["live_adapters"]  # loaded on every in-service replica
+        self._paused: bool = saved["paused"]
+        self.saved_runs: list[dict] = saved["runs"]  # for the tenancy to take back
         self.runs_state: Callable[[], list[dict]] | None = None  # the tenancy's runs, written with the rest
-        if saved is not None:
-            self.live_adapters.update(saved["live_adapters"])
-            self._paused = saved["paused"]
         self.resumed_at = 0.0  # monotonic time of the last resume: per-try deadlines do not count a pause
         self.reference_info: dict | None = None
         self.control_lock = asyncio.Lock()  # admissions, load commits, unload bookkeeping and pause/resume
@@ -261,15 +259,11 @@ class ReplicaPool:
 
     async def _pause(self, replica: Replica) -> bool:
         """Pause a replica joining while the others are paused."""
-        try:
-            reply = await self.client.call(replica, "POST", "/pause", params={"mode": "keep"},
-                                           timeout=self.config.control_timeout_s)
-        except TRANSPORT_ERRORS as error:
-            replica.last_error = self.client.scrub(f"/pause: {type(error).__name__}: {error}")
-            return False
-        if reply.status != 200:
-            replica.last_error = f"/pause answered {reply.status}"
-        return reply.status == 200
+        (outcome,) = await broadcast(self.client, [replica], "POST", "/pause", params={"mode": "keep"},
+                                     timeout_s=self.config.control_timeout_s)
+        if not outcome.ok:
+            replica.last_error = self.client.scrub(f"/pause failed: {outcome.status} {outcome.message}")
+        return outcome.ok
 
     def _adopt_block_size(self, info: dict) -> None:
         block = _field(info, "cache_config", "block_size")
@@ -372,7 +366,5 @@ class ReplicaPool:
                 await self.check(replica)
             except Exception as error:  # a bug in one check must not end the watch
                 log.exception("health check of %s failed: %s", replica.url, self.client.scrub(str(error)))
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.config.health_interval_s)
-            except asyncio.TimeoutError:
-                pass
