@@ -50,6 +50,23 @@ def transform_logits(y: torch.Tensor, logit_scale: float, softcap: float | None,
     return z / temperature
 
 
+def valid_rows(targets: torch.Tensor) -> torch.Tensor | None:
+    """The indices of the rows a head computes (target >= 0: TRL's -100 rows get log-prob 0 and no gradient), or
+    None when that is every row."""
+    valid = targets >= 0
+    return None if bool(valid.all()) else valid.nonzero().squeeze(-1)
+
+
+def select_rows(rows: torch.Tensor | None, *tensors):
+    """Each of `tensors` (per-row, or None) at `rows`; as they are when `rows` is None."""
+    return tuple(t if t is None or rows is None else t.index_select(0, rows) for t in tensors)
+
+
+def scatter_rows(rows: torch.Tensor | None, n: int, *tensors):
+    """Each of `tensors` (a value per row of `rows`, or None) back at its place among `n` rows, zeros elsewhere."""
+    return tuple(t if t is None or rows is None else t.new_zeros(n).index_copy(0, rows, t) for t in tensors)
+
+
 # --- which head computation a call needs -----------------------------------------------------------------------------
 def head_mode(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """`inference` (no gradient will be asked for), `frozen` (only the hidden states need one: PEFT / LoRA, FSDP2 +

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import OPTIONAL_OUTPUTS, check_logprob_inputs, compute_dtype_of, head_mode, outputs_from_stats
+from ..contract import (OPTIONAL_OUTPUTS, check_logprob_inputs, compute_dtype_of, head_mode, outputs_from_stats,
+                        scatter_rows, select_rows, valid_rows)
 from ..frozen import entropy_grad_expected, frozen_input_grad, note_entropy_grad
 
 TOKEN_TILE = 1024
@@ -46,10 +47,8 @@ class ChunkedLogProbFunction(torch.autograd.Function):
         n, vocab = hidden.shape[0], weight.shape[0]
         vocab_tile = chunk_size or VOCAB_TILE
         inv_t = 1.0 / temperature
-        valid = targets >= 0
-        rows = valid.nonzero().squeeze(-1) if not bool(valid.all()) else None
-        h = hidden if rows is None else hidden.index_select(0, rows)
-        y = targets if rows is None else targets.index_select(0, rows)
+        rows = valid_rows(targets)
+        h, y = select_rows(rows, hidden, targets)
         m_rows = h.shape[0]
         dev = hidden.device
         running_max = torch.full((m_rows,), float("-inf"), device=dev)
@@ -108,26 +107,14 @@ class ChunkedLogProbFunction(torch.autograd.Function):
         ctx.conf = (vocab_tile, softcap, logit_scale, inv_t, rows is not None)
         ctx.has_entropy = entropy is not None
         ctx.mark_non_differentiable(*(x for x in extras if x is not None))
-
-        def scatter(x):
-            if x is None or rows is None:
-                return x
-            return x.new_zeros(n).index_copy(0, rows, x)
-
-        return (scatter(logprobs), scatter(entropy), *map(scatter, extras))
+        return scatter_rows(rows, n, logprobs, entropy, *extras)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
         hidden, weight, bias, targets, log_z, entropy, rows = ctx.saved_tensors
         vocab_tile, softcap, logit_scale, inv_t, compacted = ctx.conf
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        if compacted:
-            h = hidden.index_select(0, rows)
-            y = targets.index_select(0, rows)
-            g = None if grad_logprobs is None else grad_logprobs.index_select(0, rows)
-            ge = None if grad_entropy is None else grad_entropy.index_select(0, rows)
-        else:
-            h, y, g, ge = hidden, targets, grad_logprobs, grad_entropy
+        h, y, g, ge = select_rows(rows, hidden, targets, grad_logprobs, grad_entropy)
         g = None if g is None else g.float()
         ge = None if ge is None else ge.float()
         if ctx.frozen is not None:

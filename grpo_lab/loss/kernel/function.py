@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import OPTIONAL_OUTPUTS, check_logprob_inputs, compute_dtype_of, head_mode, outputs_from_stats
+from ..contract import (OPTIONAL_OUTPUTS, check_logprob_inputs, compute_dtype_of, head_mode, outputs_from_stats,
+                        scatter_rows, select_rows, valid_rows)
 from ..frozen import entropy_grad_expected, note_entropy_grad
 from .launch import (TL_DTYPE, choose_path, dtype_key, frozen_backward, frozen_forward, materialized_backward,
                      materialized_forward, recompute_backward, statistics_forward)
@@ -27,13 +28,9 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
         n, vocab = hidden.shape[0], weight.shape[0]
         inv_t = 1.0 / temperature
         want = {name: name in outputs for name in OPTIONAL_OUTPUTS}
-        valid = targets >= 0
-        n_valid = int(valid.sum())
-        rows = None if n_valid == n else valid.nonzero().squeeze(-1)
-        h = hidden if rows is None else hidden.index_select(0, rows)
-        y = targets if rows is None else targets.index_select(0, rows)
-        h = h.contiguous()
-        y = y.contiguous()
+        rows = valid_rows(targets)
+        n_valid = n if rows is None else rows.numel()
+        h, y = (t.contiguous() for t in select_rows(rows, hidden, targets))
         dev = hidden.device
         path = choose_path(mode, compute, softcap, n_valid, vocab, dev, hidden.shape[1])
         ctx.path, ctx.extra, ctx.mode = path, None, mode
@@ -64,13 +61,7 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
             )
         ctx.save_for_backward(hidden, weight, bias, y, log_z, entropy if entropy is not None else log_z, rows)
         ctx.conf = (softcap, logit_scale, inv_t, compute, n_valid, entropy is not None)
-
-        def scatter(x):
-            if x is None or rows is None:
-                return x
-            return x.new_zeros(n).index_copy(0, rows, x)
-
-        outs = (scatter(logprobs), scatter(entropy), *map(scatter, extras))
+        outs = scatter_rows(rows, n, logprobs, entropy, *extras)
         ctx.mark_non_differentiable(*(x for x in outs[2:] if x is not None))
         return outs
 
@@ -79,11 +70,7 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
         hidden, weight, bias, y, log_z, entropy, rows = ctx.saved_tensors
         softcap, logit_scale, inv_t, compute, n_valid, has_entropy = ctx.conf
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        if rows is not None:
-            g = None if grad_logprobs is None else grad_logprobs.index_select(0, rows)
-            ge = None if grad_entropy is None else grad_entropy.index_select(0, rows)
-        else:
-            g, ge = grad_logprobs, grad_entropy
+        g, ge = select_rows(rows, grad_logprobs, grad_entropy)
         g = None if g is None else g.float().contiguous()
         ge = None if ge is None else ge.float().contiguous()
         grads = None

@@ -51,11 +51,6 @@ def dtype_key(compute: torch.dtype) -> str:
     return "32" if compute == torch.float32 else "16"
 
 
-def _forward_kind(sink) -> str:
-    """The `configs` family of a forward launch: the frozen head's (it also stores P~) or the statistics-only one."""
-    return "frozen" if sink is not None and sink.p_mode == 1 else "fwd"
-
-
 def _config(kind: str, compute: torch.dtype):
     return TUNING.configs[f"{kind}_{dtype_key(compute)}"]
 
@@ -207,7 +202,7 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
     m_rows, k = h.shape
     vocab = weight.shape[0]
     dev = h.device
-    kind = _forward_kind(sink)
+    kind = "frozen" if sink is not None and sink.p_mode == 1 else "fwd"  # the frozen head's also stores P~
     bm, bn, bk, group_m, warps, stages = _config(kind, compute)
     t_tile = (sink.t_tile if sink is not None else None) or m_rows
     v_tile = (sink.v_tile if sink is not None else None) or bn * max(
