@@ -8,12 +8,12 @@ here, with short deadlines; a store's writability is proven by a probe object wr
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import os
 import posixpath
 import re
 import socket
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -177,6 +177,17 @@ def probe_local_folder(flag: str, path: str) -> None:
 def first_line(error: BaseException, default: str = "") -> str:
     """The first line of `error`'s message (`default` when it has none): what a one-line error shows of it."""
     return (str(error).strip().splitlines() or [default])[0]
+
+
+def failed(prog: str, error: Exception, logs: str) -> int:
+    """A command's failure after its start as one line naming the replicas' `logs` folder (where one is), exit
+    status 1; with GRPO_LAB_DEBUG=1 the traceback instead."""
+    if environment.debug():
+        raise error
+    where = f" (replica logs: {os.path.abspath(logs)})" if os.path.isdir(logs) else ""
+    print(f"{prog}: error: {type(error).__name__}: {first_line(error)}{where}; GRPO_LAB_DEBUG=1 shows the "
+          "traceback", file=sys.stderr)
+    return 1
 
 
 def describe_storage_error(error: BaseException) -> str:
@@ -371,8 +382,6 @@ def check_vllm_python(flag: str = "--replica-kind vllm") -> str:
 
 
 def cuda_available() -> bool:
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
+    import torch  # a dependency (the settings have imported it already)
 
     return torch.cuda.is_available()

@@ -25,11 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..lab import environment
 from ..lab.install import install_hint
 from .checks import (UsageError, check_model, check_pool, check_pool_name, check_port, check_ray_address,
                      check_server, check_storage, check_vllm_python, check_writable_folder, cuda_available,
-                     first_line, read_pool)
+                     failed, read_pool)
 from .pool import pool_name
 
 if TYPE_CHECKING:  # annotations only: the module imports it late (see below)
@@ -192,16 +191,9 @@ def main(argv=None) -> int:
         print("interrupted: replicas, router and rollout worker stopped", file=sys.stderr)
         return 130
     except Exception as error:  # noqa: BLE001 - one line for the user; the traceback on request
-        if environment.debug():
-            raise
         from .run_dir import REPLICA_LOGS
 
-        logs = os.path.join(os.path.abspath(s.output_dir), REPLICA_LOGS)
-        where = f" (replica logs: {logs})" if os.path.isdir(logs) else ""
-        message = first_line(error)
-        print(f"{PROG}: error: {type(error).__name__}: {message}{where}; GRPO_LAB_DEBUG=1 shows the traceback",
-              file=sys.stderr)
-        return 1
+        return failed(PROG, error, os.path.join(s.output_dir, REPLICA_LOGS))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..lab import environment
 from ..lab.settings import check_as
 from ..serving.clusters.launcher import Cluster, ClusterSpec
 from ..serving.tenancy.runs import TenancyConfig
@@ -163,7 +162,7 @@ def build_parser() -> SettingsParser:
 
 
 def main(argv=None) -> int:
-    from .checks import UsageError, check_model, check_port, check_writable_folder, first_line
+    from .checks import UsageError, check_model, check_port, check_writable_folder, failed
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -187,11 +186,7 @@ def main(argv=None) -> int:
     try:
         pool.start()
     except Exception as error:  # noqa: BLE001 - one line for the user
-        if environment.debug():
-            raise
-        print(f"{PROG}: error: {type(error).__name__}: {first_line(error)} (replica logs: "
-              f"{os.path.abspath(os.path.join(a.state_dir, 'logs'))})", file=sys.stderr)
-        return 1
+        return failed(PROG, error, os.path.join(a.state_dir, "logs"))
     key = os.path.abspath(pool.admin_key_file)
     print(f"shared pool ready: {pool.url} ({config.replicas} {config.replica_kind} replicas, {config.adapter_slots} "
           f"adapter slots each, run lease {config.lease_s:g}s)\n"
