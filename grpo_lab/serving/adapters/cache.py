@@ -60,14 +60,13 @@ class AdapterCache:
     default a temporary folder of this process (removed on `close` and at exit)."""
 
     def __init__(self, root: str | os.PathLike | None = None):
-        if root is None:
+        self.owned = root is None
+        if self.owned:
             sweep_orphans()
             self.root = Path(tempfile.mkdtemp(prefix=f"{_OWNED_PREFIX}{os.getpid()}-"))
-            self.owned = True
         else:
             self.root = Path(root)
             self.root.mkdir(parents=True, exist_ok=True)
-            self.owned = False
         self._held: dict[str, Path] = {}  # adapter name -> its local copy
         self._lock = threading.Lock()  # one download at a time: loads come once per step, and two of one name share
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.root), True) if self.owned else None

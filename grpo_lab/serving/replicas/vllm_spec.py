@@ -121,12 +121,10 @@ class VLLMReplicaSpec:
         token never appears on a command line (where `ps` would show it)."""
         env = dict(os.environ if base is None else base)
         env.update(self.flags())
-        if self.device == "cpu":
-            # with it set, vLLM sizes the cache from it and ignores --kv-cache-memory-bytes' intent
-            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-            # the project's venv must not leak into the vLLM venv's interpreter
-            env.pop("PYTHONPATH", None)
-            env.pop("VIRTUAL_ENV", None)
+        # on a CPU: with VLLM_CPU_KVCACHE_SPACE set, vLLM sizes the cache from it and ignores --kv-cache-memory-bytes'
+        # intent; the project's venv must not leak into the vLLM venv's interpreter
+        for name in ("VLLM_CPU_KVCACHE_SPACE", "PYTHONPATH", "VIRTUAL_ENV") if self.device == "cpu" else ():
+            env.pop(name, None)
         token = env.get(self.api_key_env)
         if token and self.api_key_env != "VLLM_API_KEY":
             env["VLLM_API_KEY"] = token

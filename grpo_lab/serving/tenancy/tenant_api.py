@@ -26,7 +26,7 @@ from ..adapters.slots import DEFAULT_MAX_STALENESS
 from ..wire.client_watch import client_gone
 from ..wire.upstream import now
 from ..wire.vllm_routes import error_response
-from .fair_queue import FairQueue
+from .fair_queue import FairQueue, RunShare
 from .runs import Run, RunRegistry, TenancyError
 from .views import VIEW, AdminView, RunView, forbidden
 
@@ -165,14 +165,13 @@ class RunsAPI:
 
     def describe(self, run: Run) -> dict:
         live, draining = self.held(run)
-        share = self.queue.shares.get(run.name)
+        share = self.queue.shares.get(run.name) or RunShare()  # none yet: nothing queued or granted
         weights = sum(r.weight for r in self.registry.runs.values()) or run.weight
         return {**run.describe(), "adapters": sorted(run.client_name(n) for n in live),
                 "draining": sorted(run.client_name(n) for n in draining), "slots_used": len(live | draining),
                 "weight_share": run.weight / weights, "runs_sharing": len(self.registry.runs),
-                "queued": self.queue.queued(run.name), "in_flight": share.in_flight if share else 0,
-                "granted": share.granted if share else 0,
-                "queue_wait_s": round(share.waited_s, 3) if share else 0.0}
+                "queued": self.queue.queued(run.name), "in_flight": share.in_flight, "granted": share.granted,
+                "queue_wait_s": round(share.waited_s, 3)}
 
     # -- leases and removal ----------------------------------------------------------------------------------------
     async def run_leases(self, stop: asyncio.Event) -> None:
