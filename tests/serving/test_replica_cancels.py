@@ -16,7 +16,7 @@ import requests
 
 from grpo_lab.serving.replicas.processes import CPUReplicaProcess
 
-from .conftest import REPLICA_ARGS, metric, send_then_hang_up, trl_payload, wait_for
+from .conftest import REPLICA_ARGS, metric, metrics_of, send_then_hang_up, trl_payload, wait_for
 
 PROMPT = list(range(200, 240))
 
@@ -77,3 +77,23 @@ def test_waiting_completions_stop_when_their_client_left_or_their_adapter_went(r
     # a completion sent for an adapter the replica does not hold is the misroute it counts
     assert _post(replica, token, "/v1/completions", trl_payload("gone-soon", PROMPT, seed=4)).status_code == 404
     assert metric(replica.url, "grpo_replica_unknown_model_total") == after["grpo_replica_unknown_model_total"] + 1
+
+
+def test_replica_reports_time_spent_per_kind_of_work(replica, token, adapters):
+    """A shared pool's cost shows as replica time spent on adapters: loads, unloads and completions are each counted
+    and timed (`grpo_replica_work_*{work=...}`), so a benchmark can tell generation from adapter churn."""
+    def work(kind: str) -> tuple[float, float]:
+        values = metrics_of(replica.url)
+        key = f'{{work="{kind}"}}'
+        return values.get("grpo_replica_work_total" + key, 0.0), values.get("grpo_replica_work_seconds_total" + key, 0.0)
+
+    before = {kind: work(kind) for kind in ("adapter_load", "adapter_unload", "generate")}
+    assert _post(replica, token, "/v1/load_lora_adapter",
+                 {"lora_name": "timed", "lora_path": adapters["trl-policy-v1"]}).status_code == 200
+    for seed in (5, 6):
+        assert _post(replica, token, "/v1/completions", trl_payload("timed", PROMPT, seed=seed)).status_code == 200
+    assert _post(replica, token, "/v1/unload_lora_adapter", {"lora_name": "timed"}).status_code == 200
+    for kind, times in (("adapter_load", 1), ("generate", 2), ("adapter_unload", 1)):
+        count, seconds = work(kind)
+        assert count - before[kind][0] == times, kind
+        assert seconds > before[kind][1], kind

@@ -119,6 +119,10 @@ class CPUReplica:
             reg.inc("grpo_replica_completions_total", "Completions generated, by the model's name less its -vN "
                     "version suffix (one series per adapter lineage: a shared pool's run's completions add up)",
                     count, model_family=family)
+        for work, seconds in sorted(e.work_seconds.items()):  # generate, adapter_load, adapter_unload
+            reg.inc("grpo_replica_work_seconds_total", "Wall seconds spent per kind of work (one completion at a "
+                    "time; adapter changes on a thread of their own, between tokens)", round(seconds, 6), work=work)
+            reg.inc("grpo_replica_work_total", "Times each kind of work was done", e.work_count[work], work=work)
         reg.set("grpo_replica_completions_in_progress", "Completions accepted and not answered yet",
                 self.in_progress)
         reg.set("grpo_replica_prefix_cache_blocks", "Blocks held by the prefix cache", len(e.cache))

@@ -116,6 +116,8 @@ class Engine:
         self._adapter_cache = None  # local copies of adapters published on object stores, made at the first one
         self.generated_tokens = 0
         self.requests = 0
+        self.work_seconds: dict[str, float] = {}  # wall seconds per kind of work (`_timed`), for /metrics
+        self.work_count: dict[str, int] = {}
 
     # -- adapters -------------------------------------------------------------------------------------------------
     def _visible(self, path: str) -> bool:
@@ -159,7 +161,21 @@ class Engine:
         if not local_copy_matches(path, files):
             raise RequestError(400, f"{path} does not match its manifest")
 
+    @contextlib.contextmanager
+    def _timed(self, work: str):
+        """Count `work` and the wall seconds it took: a shared pool's cost is replica time spent on adapters."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.work_seconds[work] = self.work_seconds.get(work, 0.0) + time.perf_counter() - started
+            self.work_count[work] = self.work_count.get(work, 0) + 1
+
     def load_adapter(self, name: str, path: str) -> None:
+        with self._timed("adapter_load"):
+            self._load_adapter(name, path)
+
+    def _load_adapter(self, name: str, path: str) -> None:
         if name in self.adapters or name in self.config.served_model_names:
             raise RequestError(400, f"The lora adapter '{name}' has already been loaded.")
         source = path
@@ -206,7 +222,7 @@ class Engine:
     def unload_adapter(self, name: str) -> None:
         if name not in self.adapters:
             raise RequestError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
-        with self._lock:
+        with self._timed("adapter_unload"), self._lock:
             del self.adapters[name]
             if self.adapters:
                 self.model.delete_adapter(peft_name(name))
@@ -242,7 +258,8 @@ class Engine:
         generator = torch.Generator().manual_seed(params.seed if params.seed is not None else
                                                   int.from_bytes(os.urandom(7), "little"))
         hashes = block_hashes(prompt, model_name, self.config.block_size)
-        return self._run(prompt, hashes, model_name, params, generator, aborted)
+        with self._timed("generate"):
+            return self._run(prompt, hashes, model_name, params, generator, aborted)
 
     @contextlib.contextmanager
     def _using(self, model_name: str):
