@@ -90,10 +90,7 @@ class FairQueue:
 
     def queued(self, run: str | None = None) -> int:
         """Completions of `run` waiting for a place (None: of every run)."""
-        if run is not None:
-            share = self.shares.get(run)
-            return len(share.queue) if share else 0
-        return sum(len(s.queue) for s in self.shares.values())
+        return sum(len(s.queue) for name, s in self.shares.items() if run in (None, name))
 
     def busy(self, run: str) -> bool:
         """Whether `run` has a completion running, or queued for a client still connected (a paused run's waiters

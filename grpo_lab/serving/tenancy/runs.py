@@ -166,14 +166,10 @@ class RunRegistry:
                 f"{max(free, 0)} of the pool's {capacity} are free (taken: {others}): lower max_staleness, or start "
                 f"the pool with more --max-loras", 409, "Conflict")
         token = "grpo-run-" + secrets.token_urlsafe(32)
-        if old is not None:
-            self._by_digest.pop(old.digest, None)
-            old.digest, old.max_staleness, old.weight, old.slots = _digest(token), max_staleness, float(weight), slots
-            old.touch()
-            run = old
-        else:
-            run = Run(name, max_staleness, float(weight), slots, _digest(token))
-            self.runs[name] = run
+        run = self.runs.setdefault(name, Run(name, max_staleness, float(weight), slots, _digest(token)))
+        self._by_digest.pop(run.digest, None)  # a replaced run keeps its record (and adapters), not its old token
+        run.digest, run.max_staleness, run.weight, run.slots = _digest(token), max_staleness, float(weight), slots
+        run.touch()
         self._by_digest[run.digest] = run
         return run, token
 
