@@ -156,9 +156,6 @@ class Decision:
                 f"wasted {100 * e.get('waste_share', 0):.1f}%, staleness {e.get('staleness_ratio', 0):.2f} of max, "
                 f"backpressure {100 * e.get('backpressure_share', 0):.0f}%, {e.get('steps_per_s', 0):.3f} steps/s)")
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 def slowdown(before: list[float], after: list[float]) -> float:
     """How much longer the steps `after` took than those `before`, as a fraction of the latter; 0 unless the
@@ -301,23 +298,22 @@ class Autotuner:
         if not self._raise_allowed(step, r):
             return []
         feeding = 1 / max(1 - r.wait_share, 1e-6)  # the rollout rate the trainer takes, over the rate it gets
-        factor = 1 + (min(max(feeding, 2.0), self.config.slow_start_max_factor) - 1) * self._scale("inflight", +1)
-        new = min(self.ceiling, max(self.inflight + 1, math.ceil(self.inflight * factor)))
-        return self._change(step, "inflight", new, "starving", "the trainer waits for rollouts most of the step", r,
-                            +1)
+        return self._raise(step, r, min(max(feeding, 2.0), self.config.slow_start_max_factor), "starving",
+                           "the trainer waits for rollouts most of the step", probe=False)
 
     def _on_rollout(self, step: int, r: Reading) -> list[Decision]:
         if not self._raise_allowed(step, r):
             return []
-        return self._probe_raise(step, r, "rollout", "the trainer waits for rollouts")
+        return self._raise(step, r, self.config.up_factor, "rollout", "the trainer waits for rollouts")
 
-    def _probe_raise(self, step: int, r: Reading, regime: str, reason: str) -> list[Decision]:
-        """More in flight, judged on the next `probe_steps` steps against the settled steps before it."""
-        factor = 1 + (self.config.up_factor - 1) * self._scale("inflight", +1)
+    def _raise(self, step: int, r: Reading, up: float, regime: str, reason: str, probe: bool = True) -> list[Decision]:
+        """In flight times `up` (damped after a reversal; one more at least, the ceiling at most); a `probe` is
+        judged on the next `probe_steps` steps against the settled steps before it."""
+        factor = 1 + (up - 1) * self._scale("inflight", +1)
         new = min(self.ceiling, max(self.inflight + 1, math.ceil(self.inflight * factor)))
         before = self.inflight
         decisions = self._change(step, "inflight", new, regime, reason, r, +1)
-        if decisions:
+        if decisions and probe:
             self._probe = (before, [row["perf/step_s"] for row in self._settled])
         return decisions
 
@@ -336,7 +332,7 @@ class Autotuner:
             return []
         # fewer requests than a step trains on: the trainer is fed from what queued up, and each step needs more
         # than one round of generation; on shared cores the replicas' long trickle also slows the trainer
-        return self._probe_raise(step, r, "balanced", "fewer requests in flight than a step trains on")
+        return self._raise(step, r, self.config.up_factor, "balanced", "fewer requests in flight than a step trains on")
 
     def _judge_probe(self, step: int, rows: list[dict]) -> list[Decision]:
         before, times_before = self._probe
@@ -445,4 +441,4 @@ class AutotuneCallback(TrainerCallback):
 
     def row_extra(self) -> dict:
         """What `LoopRecorder` adds to this step's row: the decisions taken at it, with their evidence."""
-        return {"autotune": [d.as_dict() for d in self.pending]} if self.pending else {}
+        return {"autotune": [asdict(d) for d in self.pending]} if self.pending else {}
