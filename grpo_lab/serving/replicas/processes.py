@@ -315,9 +315,9 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the replicas' servers bind
         try:
             s.bind((host, port))
+            return True
         except OSError:
             return False
-    return True
 
 
 def restart(replica: ReplicaProcess, env: dict | None = None, ready_timeout: float | None = None) -> ReplicaProcess:
