@@ -169,11 +169,9 @@ class LiveBoard:
         self.total = max(1, int(total))
         self._refresh(announce=False)
 
-    def set_group(self, name: str, total: int | None = None) -> None:
+    def set_group(self, name: str) -> None:
         """Start a new line in every panel (e.g. the next backend); the progress counts over all groups."""
         self.group = name
-        if total is not None:
-            self.set_total(total)
 
     def status(self, text: str) -> None:
         self.text = text

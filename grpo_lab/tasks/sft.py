@@ -11,6 +11,7 @@ import random
 import time
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from grpo_lab.models.hf_compat import cache_keyword
 from grpo_lab.tasks.rewards import grade, last_boxed
@@ -76,10 +77,7 @@ def sft_warm_start(model, tokenizer, rows: list[dict], *, target_pass_rate: floa
     model.train()
     for step in range(1, max_steps + 1):
         batch = [enc[rng.randrange(len(enc))] for _ in range(batch_size)]
-        width = max(map(len, batch))
-        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
-        for i, b in enumerate(batch):
-            ids[i, :len(b)] = torch.tensor(b)
+        ids = pad_sequence([torch.tensor(b) for b in batch], batch_first=True, padding_value=tokenizer.pad_token_id)
         labels = ids.clone()
         labels[:, :p_len] = -100
         labels[ids == tokenizer.pad_token_id] = -100

@@ -29,6 +29,7 @@ from ..probe import ProbeError, run_point
 from ..results import cli_error, make_row, target_csv, write_csv
 from ..spec import EXPANDABLE_SEGMENTS, PointSpec, parse_int_list, parse_str_list
 from .predict import GiB, PlannerConfig, max_batch, plan
+from .validate import check_row_config
 
 REL_STEP = 0.03  # notebook 02's search resolution: one search step
 
@@ -133,11 +134,7 @@ def repredict(df: pd.DataFrame) -> pd.DataFrame:
     measurements untouched): after a change of the planner, the committed CSVs show what it predicts now."""
     df = df.copy()
     for i, r in df.iterrows():
-        spec = PointSpec(model=r["model"], loss_backend=r["backend"], dtype=r["dtype"], batch_size=int(r["batch_size"]),
-                         prompt_len=int(r["prompt_len"]), completion_len=int(r["completion_len"]),
-                         lora_r=int(r["lora_r"]), fsdp=bool(r["fsdp"]), world_size=int(r["world_size"]),
-                         steps=int(r["steps"]), device="cpu" if r["memory_kind"] == "cpu_rss" else "cuda")
-        p = plan(planner_config(spec))
+        p = plan(check_row_config(r))
         df.loc[i, ["predicted_gib", "predicted_phase"]] = [p.peak_gib, p.peak_phase]
         if r["status"] == "ok" and r["peak_gib"]:
             df.loc[i, "error_pct"] = 100 * (p.peak_gib / r["peak_gib"] - 1)
@@ -179,9 +176,7 @@ def main(argv=None) -> int:
     if a.repredict:
         return _repredict_csv(Path(a.repredict))
     if a.preset is None:
-        print("error: give --preset (cpu_fsdp, heldout_h200 or nb02_expandable) or --repredict CSV",
-              file=sys.stderr)
-        return 2
+        return cli_error("give --preset (cpu_fsdp, heldout_h200 or nb02_expandable) or --repredict CSV")
     try:
         if a.preset == "cpu_fsdp":
             points = cpu_fsdp_points(backends=parse_str_list(a.backends or ",".join(REFERENCE_BACKENDS), "backends"),

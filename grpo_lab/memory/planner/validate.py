@@ -118,12 +118,17 @@ def loss_kernel_rows(df: pd.DataFrame) -> list[dict]:
     return out
 
 
+def check_row_config(r) -> PlannerConfig:
+    """The planner's view of a row written by `planner.check` (or by the harness)."""
+    return _config(r, lora_r=int(r["lora_r"]), fsdp=bool(r["fsdp"]), world_size=int(r["world_size"]),
+                   device="cpu" if r["memory_kind"] == "cpu_rss" else "cuda", optimizer_state=_multi_step(r))
+
+
 def planner_check_rows(df: pd.DataFrame, source: str, calibration: str = "") -> list[dict]:
     """Rows written by `planner.check` (the CPU gloo runs, the held-out H200 check)."""
     out = []
     for _, r in df[df["status"] == "ok"].iterrows():
-        cfg = _config(r, lora_r=int(r["lora_r"]), fsdp=bool(r["fsdp"]), world_size=int(r["world_size"]),
-                      device="cpu" if r["memory_kind"] == "cpu_rss" else "cuda", optimizer_state=_multi_step(r))
+        cfg = check_row_config(r)
         p = plan(cfg)
         out.append(_row(source, cfg, "step", r["peak_gib"], p.peak_gib, p.peak_phase, calibration=calibration,
                         note=str(r.get("point", "")), src=r))
