@@ -1,11 +1,9 @@
 """Unloading an adapter without cutting the completions that still use it.
 
-TRL unloads policy `v{N-S-1}` right after loading `vN`, while rollouts of that version may still be generating (with
-its default 128 tasks in flight they usually are). A plain fan-out unload would make them fail and be retried under a
-name nobody serves any more. So the router answers the unload at once and stops routing *new* completions to the
-name (404, as for an unknown model), but each replica only unloads it once that replica's completions for it have
-finished, or after `unload_drain_timeout_s`. Until then the adapter still occupies one of the replica's `max_loras`
-slots: a load that needs the slot waits (bounded) for the drain instead of overfilling the replica.
+TRL unloads `v{N-S-1}` right after loading `vN`, while its rollouts may still be generating; a plain fan-out unload
+would fail them. So the router answers the unload at once and routes no *new* completion to the name, and each
+replica unloads it once its own completions for it have finished (or after `unload_drain_timeout_s`), the adapter
+keeping its slot meanwhile (docs/serving.md, "Drains unloads").
 """
 
 from __future__ import annotations

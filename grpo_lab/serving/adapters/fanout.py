@@ -1,10 +1,9 @@
 """All-or-nothing LoRA adapter loads across replicas, and broadcast of the other control calls.
 
 TRL loads each new policy once and then names it in every rollout, so a load the router reports as done must be done
-on every replica in service, or on none. "No adapter found" (shared storage lag) is retried until a deadline; a
-replica that cannot be reached leaves routing and the load stands on the others (it gets the adapter when
-re-admitted); any other failure, or a cancel, rolls the load back, and a replica whose rollback fails is reported:
-it may still serve an adapter the router says nobody has.
+on every replica in service, or on none: "No adapter found" (storage lag) is retried until a deadline, a replica that
+cannot be reached leaves routing, any other failure or a cancel rolls the load back (docs/serving.md, "Loads adapters
+all-or-nothing"); a replica whose rollback fails is reported (`on_stale`).
 """
 
 from __future__ import annotations
