@@ -29,7 +29,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import psutil
-import requests
 from aiohttp import web
 
 from ..adapters.slots import DEFAULT_MAX_STALENESS
@@ -146,9 +145,6 @@ class SupervisedRouter:
             self.process.stop()
 
     # -- what a launcher calls --------------------------------------------------------------------------------
-    def state(self) -> dict:
-        return requests.get(self.url + "/router/state", timeout=10).json()
-
     def wait_ready(self, replicas: int | None = None, timeout: float = 60.0) -> None:
         """Block until `replicas` (default: every member) replicas are in service."""
         wait_in_service(self.admin.replicas, replicas, timeout)

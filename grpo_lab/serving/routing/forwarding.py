@@ -109,23 +109,18 @@ class Forwarder:
         try:
             try:
                 reply = await call
-            except asyncio.CancelledError:
+            except BaseException as error:
                 policy.finish(decision, ok=False)
-                if asyncio.current_task().cancelling():
-                    raise  # this try lost the race, or the client went away
-                return _Outcome("retry", reason="replica_down",  # cut: it left routing while the try ran
-                                problem=f"{replica.url} stopped answering ({replica.last_error})")
-            except TimeoutError:
-                policy.finish(decision, ok=False)
-                return _Outcome("timeout")
-            except TRANSPORT_ERRORS as error:
-                policy.finish(decision, ok=False)
+                if isinstance(error, asyncio.CancelledError) and not asyncio.current_task().cancelling():
+                    return _Outcome("retry", reason="replica_down",  # cut: it left routing while the try ran
+                                    problem=f"{replica.url} stopped answering ({replica.last_error})")
+                if isinstance(error, TimeoutError):
+                    return _Outcome("timeout")
+                if not isinstance(error, TRANSPORT_ERRORS):
+                    raise  # this try lost the race, the client went away, or a bug
                 probe = True
                 outcome = _Outcome("retry", reason="transport", problem=f"{replica.url}: {type(error).__name__}",
                                    elapsed_s=time.perf_counter() - t_up)
-            except BaseException:
-                policy.finish(decision, ok=False)
-                raise
         finally:
             replica.calls.discard(call)
             self.usage.end(replica.index, model)
