@@ -3,11 +3,9 @@ the recipe's commands and the committed H200 results."""
 
 from __future__ import annotations
 
-import io
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 from ..lab.outputs import committed_results as committed_folder
 from ..serving.adapters.slots import DEFAULT_MAX_STALENESS
@@ -230,29 +228,18 @@ def recipe_commands(replicas: int = LoopSettings.replicas, max_staleness: int = 
     return "\n".join(lines)
 
 
-def _committed_folder(folder: str):
-    """results/<folder> (`lab.outputs.committed_results`), or None when it is not there."""
-    root = committed_folder(folder)
-    return root if root.is_dir() else None
-
-
 def committed_results(folder: str = "async"):
     """The committed results/async CSVs (installed as `grpo_lab.reference_results`), as {name: DataFrame}."""
     import pandas as pd
 
-    root = _committed_folder(folder)
-    if root is None:
-        return {}
-    return {Path(p.name).stem: pd.read_csv(io.BytesIO(p.read_bytes())) for p in root.iterdir()
-            if p.name.endswith(".csv")}
+    return {p.stem: pd.read_csv(p) for p in committed_folder(folder).glob("*.csv")}
 
 
 def committed_figure(name: str, folder: str = "async") -> bytes | None:
     """A committed benchmark figure (e.g. results/async/autotune.png, shared_pool.png), or None when it is not
     there."""
-    root = _committed_folder(folder)
-    figure = root.joinpath(name) if root is not None else None
-    return figure.read_bytes() if figure is not None and figure.is_file() else None
+    figure = committed_folder(folder) / name
+    return figure.read_bytes() if figure.is_file() else None
 
 
 def committed_loop_runs(folder: str = "async"):
@@ -262,17 +249,14 @@ def committed_loop_runs(folder: str = "async"):
 
     import pandas as pd
 
-    root = _committed_folder(folder)
-    if root is None:
-        return pd.DataFrame()
-    out = []
-    for verdict_file in (p for p in root.iterdir() if p.name.endswith("_verdict.json")):
+    root, out = committed_folder(folder), []
+    for verdict_file in root.glob("*_verdict.json"):  # none when the folder is not there
         run = verdict_file.name[: -len("_verdict.json")]
-        csv = root.joinpath(f"{run}.csv")
+        csv = root / f"{run}.csv"
         if not csv.is_file():
             continue
         verdict = json.loads(verdict_file.read_text())
-        frame = pd.read_csv(io.BytesIO(csv.read_bytes()))
+        frame = pd.read_csv(csv)
         wide = frame.pivot_table(index="step", columns="metric", values="value")
         col = lambda name: wide[name] if name in wide else pd.Series(dtype=float)  # noqa: E731
         out.append({"run": run, "date": frame["date"].iloc[0] if "date" in frame else "",
