@@ -59,13 +59,11 @@ def size_class(max_tokens) -> int:
     return 1 << (max_tokens - 1).bit_length()
 
 
+@dataclass(slots=True)
 class _Window:
-    __slots__ = ("quantile", "samples", "stale")
-
-    def __init__(self, size: int):
-        self.samples: deque[float] = deque(maxlen=size)
-        self.quantile: float | None = None
-        self.stale = 0  # samples added since the quantile was computed
+    samples: deque[float]
+    quantile: float | None = None
+    stale: int = 0  # samples added since the quantile was computed
 
 
 class PerTryDeadlines:
@@ -81,9 +79,8 @@ class PerTryDeadlines:
     def observe(self, max_tokens, seconds: float) -> None:
         """A completion that answered 200 in `seconds` (the try that won)."""
         key = size_class(max_tokens)
-        window = self._windows.get(key)
-        if window is None:
-            window = self._windows[key] = _Window(self.config.window)
+        if (window := self._windows.get(key)) is None:
+            window = self._windows[key] = _Window(deque(maxlen=self.config.window))
         window.samples.append(seconds)
         window.stale += 1
 

@@ -61,8 +61,8 @@ class _Request:
 class _SimReplica:
     """One replica's KV cache (LRU of prompt blocks, with pins while running) and its queue."""
 
-    def __init__(self, capacity: int, block_size: int, holds_running: bool):
-        self.capacity, self.block_size, self.holds_running = capacity, block_size, holds_running
+    def __init__(self, capacity: int, holds_running: bool):
+        self.capacity, self.holds_running = capacity, holds_running
         self.cache: OrderedDict[int, int] = OrderedDict()  # block -> running requests using it (0: evictable)
         self.private = 0  # blocks running requests hold outside the prefix cache (their completions)
         self.running = 0
@@ -174,7 +174,7 @@ def replay(trace: list[TraceGroup], sim: SimConfig | None = None, policy: str = 
     routing = routing or RoutingConfig()
     router = make_policy(policy, sim.num_replicas, routing)
     bs = routing.block_size
-    replicas = [_SimReplica(sim.cache_blocks, bs, sim.cache_holds_running) for _ in range(sim.num_replicas)]
+    replicas = [_SimReplica(sim.cache_blocks, sim.cache_holds_running) for _ in range(sim.num_replicas)]
     result = ReplayResult(policy, per_replica=[0] * sim.num_replicas)
     candidates = list(range(sim.num_replicas))
     events: list = []  # (finish time, seq, replica, request)
@@ -212,11 +212,10 @@ def replay(trace: list[TraceGroup], sim: SimConfig | None = None, policy: str = 
                 seen.add(key)
                 result.first_of_kind += 1
             t0 = time.perf_counter()
-            hashes = memo.get(key) if memo_hashes else None
-            if hashes is None:
+            if not memo_hashes:
                 hashes = router.hashes_for(group.prompt_ids, name)
-                if memo_hashes:
-                    memo[key] = hashes
+            elif (hashes := memo.get(key)) is None:
+                hashes = memo[key] = router.hashes_for(group.prompt_ids, name)
             decision = router.route(hashes, candidates)
             r = decision.replica
             result.kinds[decision.kind] = result.kinds.get(decision.kind, 0) + 1

@@ -93,21 +93,17 @@ def qwen25_tokenizer():
     return tokenizer
 
 
-def chat_prompt_ids(problems: list[str], tokenizer) -> list[list[int]]:
-    """Each problem rendered in the recipe's qwen_math chat template (generation prompt included) as token ids."""
-    from ...models.chat import render_qwen_math
-
-    return tokenizer([render_qwen_math(p) for p in problems], add_special_tokens=False)["input_ids"]
-
-
 def sanity_prompt_ids(path: str, tokenizer=None) -> list[list[int]]:
     """The Sanity problems at `path` (a `datasets.load_from_disk` folder, split `train`, column `problem`), read in
-    place, as qwen_math chat prompts in Qwen2.5 tokens."""
+    place, as qwen_math chat prompts (generation prompt included) in Qwen2.5 tokens."""
     from datasets import load_from_disk
+
+    from ...models.chat import render_qwen_math
 
     data = load_from_disk(path)
     split = data["train"] if hasattr(data, "keys") else data
-    return chat_prompt_ids(list(split["problem"]), tokenizer or qwen25_tokenizer())
+    prompts = [render_qwen_math(p) for p in split["problem"]]
+    return (tokenizer or qwen25_tokenizer())(prompts, add_special_tokens=False)["input_ids"]
 
 
 def generate_trace(config: TraceConfig | None = None, prompts: list[list[int]] | None = None) -> list[TraceGroup]:
