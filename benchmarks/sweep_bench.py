@@ -40,6 +40,10 @@ from grpo_lab.lab.records import run_record
 from grpo_lab.sweep import Sweep, SweepConfig
 from grpo_lab.sweep.figures import CURVES, mean_of_last, step_rows
 
+# where a step's time goes, averaged per run past its first step: waiting for rollouts, publishing the adapter
+# (the router's all-or-nothing load on every replica), a rollout's own time, the samples' age
+WHERE_TIME_GOES = {"rollout_wait_s": "perf/rollout_wait_s", "weight_sync_s": "perf/weight_sync_s",
+                   "rollout_s": "rollout/duration_s", "staleness": "sample/staleness_mean", "step_s": "perf/step_s"}
 GRIDS = {  # K runs' grid by name: the values are cut to --runs
     "same": ("learning_rate", [5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2]),
     "mixed": ("num_generations", [2, 4, 8, 16, 6, 12]),
@@ -63,6 +67,24 @@ def pin_replicas(pool, first_core: int) -> list[int]:
             proc.cpu_affinity([core])
         cores.append(core)
     return cores
+
+
+def replica_work(pool) -> dict:
+    """The pool's replicas' time per kind of work, summed (`grpo_replica_work_*`): what generation got and what
+    adapter loads and unloads took."""
+    import requests
+
+    from grpo_lab.serving.wire.metrics import parse_text
+
+    totals: dict = {}
+    for replica in pool.cluster.replicas:
+        values = parse_text(requests.get(replica.url + "/metrics", timeout=10).text)
+        for key, value in values.items():
+            name, _, label = key.partition('{work="')
+            if name in ("grpo_replica_work_total", "grpo_replica_work_seconds_total"):
+                column = "replica_" + label.rstrip('"}') + ("_s" if name.endswith("seconds_total") else "_n")
+                totals[column] = totals.get(column, 0.0) + value
+    return {k: round(v, 2) for k, v in totals.items()}
 
 
 def run_layout(layout: str, setting: str, values: list, base: dict, replicas: int, out: Path, env: dict,
@@ -91,9 +113,11 @@ def run_layout(layout: str, setting: str, values: list, base: dict, replicas: in
         core = pin_from
         for sweep in sweeps:
             core += len(pin_replicas(sweep.pool, core))
+    work = {}
     try:
         for sweep in sweeps:
             sweep.wait()
+        work = {sweep: replica_work(sweep.pool) for sweep in sweeps}
     finally:
         for sweep in sweeps:
             sweep.close()
@@ -111,9 +135,22 @@ def run_layout(layout: str, setting: str, values: list, base: dict, replicas: in
                             "startup_s": round(rows[0]["time"] - run.started_at, 2) if rows else math.nan,
                             "steady_steps_per_s": round(steady, 3),
                             "final_reward": mean_of_last(rows, CURVES["reward"]),
+                            **{name: round(mean_of_last(rows[1:], key, last=len(rows)), 3)
+                               for name, key in WHERE_TIME_GOES.items()},
                             "started_at": run.started_at, "ended_at": run.ended_at,
-                            "layout_started_at": started})
+                            "layout_started_at": started, **work.get(sweep, {})})
     return records
+
+
+def pool_work(rows: pd.DataFrame, layout: str) -> dict:
+    """The layout's replica time, summed over its pools: one shared pool (each of its runs' rows repeats it), or
+    one pool per run. Columns: replica seconds generating and on adapter loads plus unloads, and the loads done."""
+    pools = rows.iloc[:1] if layout == "shared" else rows
+    def total(column):
+        return float(pools[column].sum()) if column in pools else math.nan
+    adapter_s = total("replica_adapter_load_s") + total("replica_adapter_unload_s")
+    return {f"generate_s_{layout}": round(total("replica_generate_s"), 1), f"adapter_s_{layout}": round(adapter_s, 1),
+            f"adapter_loads_{layout}": total("replica_adapter_load_n")}
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
@@ -135,7 +172,8 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
                     "worst_run": slowdown.idxmax() if len(slowdown) else "",
                     "jain": round(jain(list(1.0 / slowdown)), 3) if len(slowdown) else math.nan,
                     "p99_steady_slowdown": round(float(steady.quantile(0.99)), 3) if len(steady) else math.nan,
-                    "jain_steady": round(jain(list(1.0 / steady)), 3) if len(steady) else math.nan})
+                    "jain_steady": round(jain(list(1.0 / steady)), 3) if len(steady) else math.nan,
+                    **pool_work(shared, "shared"), **pool_work(separate, "separate")})
     summary = pd.DataFrame(out)
     seeds = frame.seed.nunique()
     if seeds >= 2:  # shared reward within the separate runs' seed-to-seed spread, run by run
@@ -154,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--grid", choices=sorted(GRIDS), default="mixed")
     parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--first-seed", type=int, default=1, help="seeds run are first-seed .. first-seed+seeds-1 "
+                        "(so the seeds of one comparison can be split over several device calls)")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="CSV",
+                        help="run nothing: summarize the per-run CSVs of earlier calls together into --name")
     parser.add_argument("--replica-threads", type=int, default=1)
     parser.add_argument("--pin", action="store_true", help="a core per replica (from core 0); the rest for the runs")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "sweep")
@@ -177,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--pin needs more cores than replicas: {total} cores, {args.replicas} replicas")
         os.sched_setaffinity(0, set(range(args.replicas, total)))  # the runs (children inherit it), routers
         pin_from = 0
+    if args.merge:
+        return write_summary(pd.concat([pd.read_csv(path) for path in args.merge]), args)
     records = []
-    for seed in range(1, args.seeds + 1):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         base = {"max_steps": args.steps, "seed": seed}
         for layout in ("shared", "separate"):  # one after the other, never at once
             print(f"seed {seed}: {layout} ...", flush=True)
@@ -186,18 +230,24 @@ def main(argv: list[str] | None = None) -> int:
                              args.replica_threads)
             for r in got:
                 print(f"  {r['run']}: {r['status']}, {r['steps']} steps in {r['wall_s']} s ({r['startup_s']} s to the "
-                      f"first step, then {r['steady_steps_per_s']} steps/s), reward {r['final_reward']:.3f}",
+                      f"first step, then {r['steady_steps_per_s']} steps/s), reward {r['final_reward']:.3f}; per step "
+                      f"{r['step_s']} s: rollout wait {r['rollout_wait_s']} s, weight sync {r['weight_sync_s']} s",
                       flush=True)
             records += [{**r, "seed": seed, "grid": args.grid, "replicas": args.replicas} for r in got]
             args.out.mkdir(parents=True, exist_ok=True)  # after every layout: a run cut short keeps what it measured
             pd.DataFrame(records).assign(**run_record()).to_csv(args.out / f"{args.name}.csv", index=False)
-    frame = pd.DataFrame(records)
+    return write_summary(pd.DataFrame(records), args)
+
+
+def write_summary(frame: pd.DataFrame, args: argparse.Namespace) -> int:
+    """Summarize per-run records (this call's, or merged CSVs') into `<out>/<name>_summary.csv` and print it."""
     summary = summarize(frame)
     record = run_record()
-    summary.assign(grid=args.grid, replicas=args.replicas, steps=args.steps, **record).to_csv(
-        args.out / f"{args.name}_summary.csv", index=False)
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary.assign(grid=frame.grid.iloc[0], replicas=frame.replicas.iloc[0], steps=int(frame.steps.max()),
+                   **record).to_csv(args.out / f"{args.name}_summary.csv", index=False)
     print(summary.to_string(index=False))
-    print(f"wrote {args.out / (args.name + '.csv')} and {args.name}_summary.csv", flush=True)
+    print(f"wrote {args.out / (args.name + '_summary.csv')}", flush=True)
     return 0
 
 

@@ -4,6 +4,7 @@
 # Carry .whl (trl, datasets, dill, multiprocess, math-verify, latex2sympy2_extended, antlr4 runtime: what the image
 # lacks) and run from the repo root on the GPU box:
 #     GRID=mixed SEEDS=2 bash benchmarks/sweep_gpu.sh $OUT
+# FIRST_SEED=3 NAME=... runs later seeds in another call; `sweep_bench.py --merge A.csv B.csv` summarizes them together.
 # Writes $OUT/sweep/sweep_bench_<grid>{.csv,_summary.csv} and the run's log.
 set -uo pipefail
 OUT="${1:?output folder}"
@@ -20,6 +21,6 @@ python3 -c "import torch, trl, pandas, yaml, aiohttp, psutil; print(torch.cuda.g
 torch.__version__, 'trl', trl.__version__, 'cores', len(__import__('os').sched_getaffinity(0)))" || exit 1
 # from a folder of its own: `python -m grpo_lab.cli` in the runs must import the installed grpo_lab, not the checkout
 mkdir -p /root/run && cd /root/run && timeout "${LIMIT_S:-560}" python3 "$REPO/benchmarks/sweep_bench.py" --runs "${RUNS:-4}" \
-  --replicas "${REPLICAS:-8}" --steps "${STEPS:-30}" --grid "$GRID" --seeds "${SEEDS:-2}" --pin \
-  --out "$OUT/sweep" --work /root/sweep_work/$(date +%s) --name "sweep_bench_$GRID" 2>&1 | grep -v -i warning \
-  | tee "$OUT/sweep/sweep_bench_$GRID.log" | tail -40
+  --replicas "${REPLICAS:-8}" --steps "${STEPS:-30}" --grid "$GRID" --seeds "${SEEDS:-2}" --first-seed "${FIRST_SEED:-1}" --pin \
+  --out "$OUT/sweep" --work /root/sweep_work/$(date +%s) --name "${NAME:-sweep_bench_$GRID}" 2>&1 | grep -v -i warning \
+  | tee "$OUT/sweep/${NAME:-sweep_bench_$GRID}.log" | tail -40
