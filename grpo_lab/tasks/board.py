@@ -13,8 +13,8 @@ class BoardCallback(TrainerCallback):
     """One board update per logged step (`logging_steps=1`); `keys` maps board keys to log keys, and a
     `step_time` key is filled from the wall clock when the logs have none."""
 
-    def __init__(self, board: LiveBoard, keys: dict[str, str] | None = None, step_offset: int = 0):
-        self.board, self.keys, self.step_offset = board, keys, step_offset
+    def __init__(self, board: LiveBoard | None, keys: dict[str, str] | None = None):
+        self.board, self.keys = board, keys
         self._t = None
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -28,4 +28,8 @@ class BoardCallback(TrainerCallback):
         values = {board_key: logs.get(log_key) for board_key, log_key in keys.items()}
         if "step_time" in keys and values.get("step_time") is None and self._t is not None:
             values["step_time"] = time.perf_counter() - self._t
-        self.board.update(state.global_step + self.step_offset, **values)
+        self.record(state.global_step, values)
+
+    def record(self, step: int, values: dict) -> None:
+        """What a logged step's values (board key -> value) become: a board update."""
+        self.board.update(step, **values)

@@ -9,7 +9,7 @@ from grpo_lab.lab.live_board import LiveBoard, Series
 from grpo_lab.lab.outputs import committed_results, output_dir
 from grpo_lab.loss.backends import LOSS_BACKENDS
 from grpo_lab.tasks.board import BoardCallback
-from grpo_lab.tasks.reward_curves import BOARD_SERIES, EmbeddedConfig, read_summary, run_reward_curves
+from grpo_lab.tasks.reward_curves import BOARD_SERIES, METRICS, EmbeddedConfig, read_summary, run_reward_curves
 
 QUICK = dict(steps=60, prompts_per_step=16, n_candidates=1200, n_heldout=150, eval_k=8, cpu_threads=1)
 
@@ -59,8 +59,7 @@ def committed_figures(folder: Path | None = None) -> list[dict]:
 def board_callback(total_steps: int) -> BoardCallback:
     board = LiveBoard("GRPO recipe", total=total_steps, series=BOARD_SERIES, redraw_every_s=2.0,
                       unit="step").show()
-    return BoardCallback(board, keys={"reward": "reward", "loss": "loss", "entropy": "entropy", "kl": "kl",
-                                      "clip_ratio": "clip_ratio/region_mean", "step_time": "step_time"})
+    return BoardCallback(board, keys={s.key: METRICS.get(s.key, s.key) for s in BOARD_SERIES})
 
 
 LR_CHOICES = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)

@@ -232,19 +232,13 @@ class _Recorder(BoardCallback):
     """Collects every logged step (and feeds the board when there is one)."""
 
     def __init__(self, board: LiveBoard | None):
+        super().__init__(board, keys={**METRICS, "step_time": "step_time"})
         self.rows: list[dict] = []
-        self._board = board
-        self._t = None
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        logs = logs or {}
-        if "train_runtime" in logs:
-            return
-        rec = {"step": state.global_step} | {m: logs.get(k) for m, k in METRICS.items()}
-        rec["step_time"] = logs.get("step_time", time.perf_counter() - self._t if self._t is not None else None)
-        self.rows.append(rec)
-        if self._board is not None:
-            self._board.update(state.global_step, **{k: v for k, v in rec.items() if k != "step"})
+    def record(self, step: int, values: dict) -> None:
+        self.rows.append({"step": step} | values)
+        if self.board is not None:
+            self.board.update(step, **values)
 
 
 def run_grpo(cfg: EmbeddedConfig, prep: Prepared, loss_backend: str, board: LiveBoard | None = None,
