@@ -56,11 +56,8 @@ def checkpoint_problem(folder: Path) -> str | None:
 
 def last_complete_checkpoint(output_dir: str | Path) -> ResumePoint:
     """The newest `checkpoint-N` under `output_dir` whose state files are whole (by step, as transformers orders)."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return ResumePoint(None)
-    steps = sorted(((int(m.group(1)), p) for p in root.iterdir()
-                    if p.is_dir() and (m := _CHECKPOINT.match(p.name))), reverse=True)
+    steps = sorted(((int(m.group(1)), p) for p in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+                    if p.is_dir() and (m := _CHECKPOINT.match(p.name))), reverse=True)  # none: no such folder
     skipped = []
     for _, folder in steps:
         problem = checkpoint_problem(folder)

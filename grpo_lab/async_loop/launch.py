@@ -35,13 +35,11 @@ log = logging.getLogger(__name__)
 
 
 # LoopConfig's fields that are command-line settings too, by their `LoopSettings` name: default and rule live there.
-SETTINGS_NAMES = {"replicas": "replicas", "replica_kind": "replica_kind", "router_url": "router_url",
-                  "replica_urls": "replica_url", "router_port": "port", "launcher": "launcher",
-                  "ray_address": "ray_address", "model": "model", "replica_threads": "replica_threads",
-                  "pool_run_name": "pool_run", "pool_weight": "run_weight",
-                  "pool_admin_key_file": "pool_admin_key_file", "autotune": "autotune",
-                  "ray_strategy": "replica_spread", "replicas_on_trainer_node": "replicas_on_trainer_node",
-                  "lora_rank": "lora_rank"}
+SETTINGS_NAMES = {**{name: name for name in ("replicas", "replica_kind", "router_url", "launcher", "ray_address",
+                                             "model", "replica_threads", "pool_admin_key_file", "autotune",
+                                             "replicas_on_trainer_node", "lora_rank")},
+                  "replica_urls": "replica_url", "router_port": "port", "pool_run_name": "pool_run",
+                  "pool_weight": "run_weight", "ray_strategy": "replica_spread"}
 
 
 @dataclass

@@ -36,11 +36,10 @@ POOL_FILE = "pool.json"  # in the state folder: the URL, the admin key's file an
 
 
 # PoolConfig's fields that are `grpo-lab serve-pool` settings too, by their `PoolSettings` name.
-SETTINGS_NAMES = {"replicas": "replicas", "replica_kind": "replica_kind", "model": "model",
-                  "adapter_slots": "adapter_slots", "max_lora_rank": "max_lora_rank", "max_model_len": "max_model_len",
-                  "replica_threads": "replica_threads", "host": "host", "state_dir": "state_dir",
-                  "admin_key_file": "admin_key_file", "lease_s": "run_lease",
-                  "max_in_flight_per_replica": "max_in_flight_per_replica", "allow_base_model": "base_model"}
+SETTINGS_NAMES = {**{name: name for name in ("replicas", "replica_kind", "model", "adapter_slots", "max_lora_rank",
+                                             "max_model_len", "replica_threads", "host", "state_dir",
+                                             "admin_key_file", "max_in_flight_per_replica")},
+                  "lease_s": "run_lease", "allow_base_model": "base_model"}
 
 
 @dataclass

@@ -48,9 +48,7 @@ def _untracked(key: str) -> str:
 def _trackio_db(path: Path, project: str | None) -> Path | None:
     if path.is_file() and path.suffix == ".db":
         return path
-    if not path.is_dir():
-        return None
-    dbs = sorted(path.glob("*.db"))
+    dbs = sorted(path.glob("*.db"))  # none under a file or a missing folder
     if project is not None:
         dbs = [d for d in dbs if d.stem == project]
     return dbs[0] if len(dbs) == 1 else None
@@ -79,7 +77,7 @@ def read_trackio(db: Path, run: str | None = None) -> tuple[list[dict], str]:
 def _event_files(path: Path) -> list[Path]:
     if path.is_file() and "tfevents" in path.name:
         return [path]
-    return sorted(path.rglob("events.out.tfevents.*")) if path.is_dir() else []
+    return sorted(path.rglob("events.out.tfevents.*"))  # none under a file or a missing folder
 
 
 def read_tensorboard(files: list[Path]) -> tuple[list[dict], str]:
@@ -113,6 +111,6 @@ def read_run(path: str | os.PathLike, project: str | None = None, run: str | Non
     files = _event_files(path)
     if files:
         return read_tensorboard(files)
-    if path.is_dir() and len(list(path.glob("*.db"))) > 1 and project is None:
+    if len(list(path.glob("*.db"))) > 1 and project is None:
         raise FileNotFoundError(f"{path} holds several trackio projects: name one with --project")
     raise FileNotFoundError(f"{path} is not a run: no {METRICS_FILE}, trackio .db or TensorBoard event file")
