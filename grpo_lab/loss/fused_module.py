@@ -15,11 +15,6 @@ from .heads import logprob_head
 from .reference import grpo_loss
 
 
-def _coef(config: GRPOLossConfig, entropy_coef: float | None) -> float:
-    """The entropy bonus in force: the call's (TRL's adaptive controller) or the config's."""
-    return config.entropy_coef if entropy_coef is None else entropy_coef
-
-
 class GRPOLabFusedLinearGRPOLoss(nn.Module):
     """Fused LM head + GRPO-family loss.
 
@@ -71,10 +66,11 @@ class GRPOLabFusedLinearGRPOLoss(nn.Module):
         mask = attention_mask.to(logps.dtype)
         if num_items_in_batch is None:
             num_items_in_batch = mask.sum()
+        coef = self.config.entropy_coef if entropy_coef is None else entropy_coef  # TRL's adaptive one, if passed
         out = grpo_loss(
             logps, mask, advantages, self.config,
             old_per_token_logps=old_per_token_logps, ref_per_token_logps=ref_per_token_logps,
-            entropies=entropies if entropies is None or _coef(self.config, entropy_coef) else entropies.detach(),
+            entropies=entropies if entropies is None or coef else entropies.detach(),
             importance_sampling_ratio=vllm_is_ratio, sampling_per_token_logps=sampling_per_token_logps,
             num_items_in_batch=num_items_in_batch, gradient_accumulation_steps=gradient_accumulation_steps,
             steps_per_generation=steps_per_generation, num_processes=num_processes, entropy_coef=entropy_coef,

@@ -106,9 +106,9 @@ def grpo_loss(
     completion tokens in the whole generation batch (dapo/cispo/vespo). `entropy_coef` overrides the config's (TRL's
     adaptive controller passes the coefficient in force). Without `old_per_token_logps` the step is on-policy.
     """
+    coef = getattr(config, "entropy_coef", 0.0) if entropy_coef is None else entropy_coef
     _check_inputs(per_token_logps, completion_mask, advantages, config, old_per_token_logps, ref_per_token_logps,
-                  entropies, importance_sampling_ratio, num_items_in_batch,
-                  getattr(config, "entropy_coef", 0.0) if entropy_coef is None else entropy_coef)
+                  entropies, importance_sampling_ratio, num_items_in_batch, coef)
     mask = completion_mask.to(per_token_logps.dtype)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
@@ -178,7 +178,6 @@ def grpo_loss(
     policy_loss = policy_loss.detach()
 
     metrics: dict[str, float] = {}
-    coef = config.entropy_coef if entropy_coef is None else entropy_coef
     if coef != 0.0:
         effective = mask if entropy_mask is None else mask * entropy_mask
         mean_entropy = (entropies * effective).sum() / effective.sum().clamp(min=1.0) / accumulation
