@@ -104,7 +104,7 @@ class SupervisedRouter:
             pickle.dump(replace(self.config, replicas=replicas), f)
         return RouterChild(path, self.state_dir / LOG_FILE, self.ready_timeout_s).wait_ready()
 
-    def start(self, timeout: float | None = None) -> SupervisedRouter:
+    def start(self) -> SupervisedRouter:
         Path(self.config.state_file).unlink(missing_ok=True)  # a new router: nothing of an earlier one's state
         self.process = self._spawn(list(self.config.replicas))
         self._watcher = threading.Thread(target=self._supervise, name="router-supervisor", daemon=True)

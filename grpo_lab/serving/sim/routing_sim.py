@@ -12,6 +12,7 @@ times every decision (the router's added latency).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from collections import OrderedDict, deque
@@ -79,14 +80,9 @@ class _SimReplica:
 
     def start(self, request: _Request) -> int:
         """Schedule `request`: cached prefix blocks found (a prefix), the rest cached; returns the hit count."""
-        cache, hit = self.cache, 0
+        cache = self.cache
+        hit = next((i for i, h in enumerate(request.hashes) if h not in cache), len(request.hashes))
         for h in request.hashes:
-            if h in cache:
-                cache.move_to_end(h)
-                hit += 1
-            else:
-                break
-        for h in request.hashes[hit:]:
             cache[h] = cache.get(h, 0)
             cache.move_to_end(h)
         if self.holds_running:
@@ -177,8 +173,9 @@ def replay(trace: list[TraceGroup], sim: SimConfig | None = None, policy: str = 
     replicas = [_SimReplica(sim.cache_blocks, sim.cache_holds_running) for _ in range(sim.num_replicas)]
     result = ReplayResult(policy, per_replica=[0] * sim.num_replicas)
     candidates = list(range(sim.num_replicas))
-    events: list = []  # (finish time, seq, replica, request)
-    now, seq, finished, in_flight = 0.0, 0, 0, 0
+    events: list = []  # (finish time, order, replica, request)
+    order = itertools.count()
+    now, finished, in_flight = 0.0, 0, 0
     # TRL's worker walks the groups rollout by rollout and starts one whenever a slot is free.
     stream = [(group, completion) for group in trace for completion in group.completion_tokens]
     next_request = 0
@@ -188,15 +185,13 @@ def replay(trace: list[TraceGroup], sim: SimConfig | None = None, policy: str = 
     name = ""
 
     def begin(r: int, request: _Request) -> None:
-        nonlocal seq
         replica = replicas[r]
         hit = replica.start(request)
         request.cached_tokens = hit * bs
         result.cached_tokens += request.cached_tokens
         service = (request.prompt_tokens - request.cached_tokens) * sim.prefill_s_per_token + \
             request.completion_tokens * sim.decode_s_per_token * (1 + sim.batch_slowdown * replica.running)
-        heapq.heappush(events, (now + service, seq, r, request))
-        seq += 1
+        heapq.heappush(events, (now + service, next(order), r, request))
 
     while next_request < len(stream) or events:
         while next_request < len(stream) and in_flight < sim.max_in_flight:

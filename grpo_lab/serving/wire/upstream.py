@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -37,7 +37,7 @@ class Replica:
     epoch: int = 0  # admissions so far: a load that began before the last one cannot vouch for what it holds now
     calls: set = field(default_factory=set, repr=False)  # upstream completion tasks in flight, cut when it goes down
     tries: int = 0  # completion tries under way here (their adapter usage and policy claims not yet released)
-    transitioning: dict[str, int] = field(default_factory=dict, repr=False)  # names being loaded or unloaded here
+    transitioning: Counter[str] = field(default_factory=Counter, repr=False)  # names being loaded or unloaded here
     transition_seq: int = 0
     recent_transitions: deque = field(default_factory=lambda: deque(maxlen=4096), repr=False)
 
@@ -54,15 +54,13 @@ class Replica:
 
     def begin_transition(self, name: str) -> None:
         """A load or unload of `name` is being sent here: its `/v1/models` entry may change at any moment."""
-        self.transitioning[name] = self.transitioning.get(name, 0) + 1
+        self.transitioning[name] += 1
         self._log_transition(name)
 
     def end_transition(self, name: str) -> None:
-        left = self.transitioning.get(name, 0) - 1
-        if left > 0:
-            self.transitioning[name] = left
-        else:
-            self.transitioning.pop(name, None)
+        self.transitioning[name] -= 1
+        if self.transitioning[name] <= 0:
+            del self.transitioning[name]
         self._log_transition(name)
 
     def _log_transition(self, name: str) -> None:
