@@ -147,14 +147,10 @@ class KernelTuning:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelTuning:
-        """The defaults with the `GRPO_LAB_*` variables of `environ` (the process environment by default) applied:
-        `TMA`, `FP32_MM`, `FP32_DOT`, `BWD_TOKENS`, `BWD_VOCAB`, `PERSISTENT`, `DZ_TMA`, `P_TMA`, `FROZEN`,
-        `FROZEN_RECOMPUTE_BELOW`, `MATERIALIZE_FRACTION`, `MATERIALIZE_FLAT_BELOW`, `MATERIALIZE_GIB`, `REF_STATS`,
-        `REF_STATS_PLAIN`."""
-        env = environment.kernel_variables(environ)
+        """The defaults with the `GRPO_LAB_*` variables of `environ` (the process environment by default) applied
+        (`environment.KERNEL_VARIABLES`, each documented in the class docstring)."""
+        get = environment.kernel_variables(environ).get
         tuning = cls()
-
-        get = env.get
 
         def both(name, defaults):  # a 0/1 switch: the variable sets both dtypes, else each keeps its default
             return {key: get(name, "1" if on else "0") == "1" for key, on in defaults.items()}
