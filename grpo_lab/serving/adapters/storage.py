@@ -213,8 +213,7 @@ class AdapterStore:
         if self.local:
             staging = self._join(f".{name}.staging-{uuid.uuid4().hex[:8]}")
             shutil.copytree(local_dir, staging)
-            with open(os.path.join(staging, MANIFEST), "wb") as f:
-                f.write(text)
+            Path(staging, MANIFEST).write_bytes(text)
             os.replace(staging, final)
         else:
             upload_tree(self.fs, local_dir, final, manifest)  # the manifest last: its presence means complete
