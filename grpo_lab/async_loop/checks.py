@@ -206,8 +206,6 @@ def describe_storage_error(error: BaseException) -> str:
 
 def check_server(flag: str, url: str, timeout: float = 5.0) -> None:
     """`url` answers like a vLLM server (or the grpo_lab router): `/health` 200 and `/v1/models` a model list."""
-    if not url.startswith(("http://", "https://")):
-        raise UsageError(flag, f"{url} is not an http(s) URL")
     health, models = _get(flag, url, ("/health", "/v1/models"), timeout, "start the server first")
     if models.status_code in (401, 403):
         raise UsageError(flag, f"{url} refused the request (HTTP {models.status_code}): it wants an API key; put "
@@ -223,9 +221,11 @@ def check_server(flag: str, url: str, timeout: float = 5.0) -> None:
 
 
 def _get(flag: str, url: str, paths: tuple[str, ...], timeout: float, start: str, **kwargs) -> list:
-    """GET each of `paths` under `url`; no answer is one UsageError on `flag` saying what to `start`."""
+    """GET each of `paths` under the http(s) `url`; no answer is one UsageError on `flag` saying what to `start`."""
     import requests
 
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(flag, f"{url} is not an http(s) URL")
     try:
         return [requests.get(f"{url.rstrip('/')}{path}", timeout=timeout, **kwargs) for path in paths]
     except requests.Timeout:
@@ -271,8 +271,6 @@ def read_pool(url: str, key_file: str | None, timeout: float = 5.0) -> dict | No
         key = read_admin_key(key_file)
     except ValueError as error:
         raise UsageError("--pool-admin-key-file", str(error)) from None
-    if not url.startswith(("http://", "https://")):
-        raise UsageError("--router-url", f"{url} is not an http(s) URL")
     [answer] = _get("--router-url", url, ("/router/runs",), timeout, "start the pool first (grpo-lab serve-pool)",
                     headers=bearer(key))
     if answer.status_code in (401, 403) and key_file:

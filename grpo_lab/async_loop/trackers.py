@@ -17,7 +17,6 @@ from transformers import TrainerCallback
 
 from .recorder import METRICS_FILE, read_metrics, router_figures, router_snapshot
 
-TRACKERS = ("trackio", "tensorboard", "wandb")
 SUMMARY = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
 
 
