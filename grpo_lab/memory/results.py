@@ -145,18 +145,13 @@ def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(index=pd.Index(models, name="model"))
     for b in backends:
         out[b] = [max_batch_label(cell[(m, b)]) if (m, b) in cell else "" for m in models]
-    for ref in REFERENCE_BACKENDS:
-        if ref not in backends:
-            continue
-        for b in backends:
-            if b == ref:
-                continue
-            col = []
-            for m in models:
-                num, den = cell.get((m, b)), cell.get((m, ref))
-                if num is None or den is None or bound_kind(den) or not den["max_batch"] > 0:
-                    col.append("")
-                else:
-                    col.append(f"{'≥' if bound_kind(num) else ''}{num['max_batch'] / den['max_batch']:.2f}×")
-            out[f"{b}/{ref}"] = col
+
+    def ratio(num, den) -> str:
+        if num is None or den is None or bound_kind(den) or not den["max_batch"] > 0:
+            return ""
+        return f"{'≥' if bound_kind(num) else ''}{num['max_batch'] / den['max_batch']:.2f}×"
+
+    for ref in (r for r in REFERENCE_BACKENDS if r in backends):
+        for b in (b for b in backends if b != ref):
+            out[f"{b}/{ref}"] = [ratio(cell.get((m, b)), cell.get((m, ref))) for m in models]
     return out

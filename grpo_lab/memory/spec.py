@@ -66,15 +66,7 @@ def parse_int_list(values, what: str = "batch sizes") -> list[int]:
         parts = list(values)
     if not parts:
         raise ValueError(f"{what}: give at least one positive integer.")
-    out = []
-    for p in parts:
-        if isinstance(p, str):
-            try:
-                p = int(p)
-            except ValueError:
-                raise ValueError(f"{what} must be positive integers, got {p!r}.") from None
-        out.append(check_positive_int(p, what))
-    return out
+    return [check_positive_int(p, what) for p in parts]
 
 
 def parse_str_list(values, what: str = "list") -> list[str]:
