@@ -7,8 +7,6 @@ refuse what vLLM refuses (with vLLM's message, kind and field), and merge the an
 
 from __future__ import annotations
 
-import json
-
 from .upstream import Reply
 
 MAX_COMPLETION_PROMPTS = 1024  # vLLM's VLLM_MAX_COMPLETION_PROMPTS default
@@ -66,8 +64,5 @@ def merge_batch(answers: list[dict]) -> dict:
 
 def completion_json(reply: Reply) -> dict | None:
     """The parsed body of a 200 completion, or None when it is not a completion (malformed, truncated, other)."""
-    try:
-        body = json.loads(reply.body)
-    except ValueError:
-        return None
+    body = reply.json()
     return body if isinstance(body, dict) and isinstance(body.get("choices"), list) else None
