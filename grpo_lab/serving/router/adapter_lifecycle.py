@@ -1,10 +1,8 @@
-"""The router's adapter lifecycle: loading a policy version on every replica in service, unloading it after a drain.
+"""The router's adapter lifecycle: loading a policy version on every replica in service, unloading it after a drain
+(docs/serving.md, "Loads adapters all-or-nothing" and "Drains unloads").
 
 Behind the router TRL's load and unload reach several replicas, and the router must answer each as one vLLM server
-would. A load is checked as vLLM checks it, waits for an unload of the same name and (bounded) for a slot a draining
-adapter holds, and is all-or-nothing across the replicas in service (`adapters.fanout`); replicas admitted while it
-ran load it afterwards. An unload takes the name out of routing at once and leaves each replica's unload to the drain
-(`adapters.drain`). The live set is `ReplicaPool.live_adapters`, which re-admission reloads on a returning replica.
+would. The live set is `ReplicaPool.live_adapters`, which re-admission reloads on a returning replica.
 """
 
 from __future__ import annotations

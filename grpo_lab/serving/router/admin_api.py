@@ -1,14 +1,11 @@
-"""The router's membership endpoints and who may call them.
+"""The router's membership endpoints and who may call them (docs/serving.md, "Security: binding beyond loopback").
 
     GET    /router/replicas                       the members and their states (client key, like /router/state)
     POST   /router/replicas {"url": ..., "wait_s": 30}     add a replica; wait up to wait_s for its admission
     DELETE /router/replicas {"url": ..., "drain_s": 30}    remove one; its completions may finish for drain_s
 
-Changing the membership decides where every rollout and adapter load goes, so it is guarded more strictly than the
-vLLM endpoints: with an admin key configured (`RouterConfig.admin_api_key_env` / `_file`), `POST` and `DELETE` need
-`Authorization: Bearer <admin key>` and nothing else (the client key does not open them); without one they are
-allowed only on a loopback router (behind the client key when one is set) and refused with 403 elsewhere. The key
-is compared in constant time and never logged or echoed: error messages are scrubbed of it.
+Changing the membership decides where every rollout and adapter load goes, so it takes the admin key when one is
+set, and only that key; without one it is allowed on a loopback router only (403 elsewhere).
 """
 
 from __future__ import annotations

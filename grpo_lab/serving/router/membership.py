@@ -1,10 +1,8 @@
-"""Replicas joining and leaving a running router (docs/serving.md: "Changes membership while it runs").
+"""Replicas joining and leaving a running router (docs/serving.md, "Changes membership while it runs").
 
-A launcher that places replicas on a cluster (Ray restarting a dead actor elsewhere, an autoscaler) cannot restart
-the router each time: TRL's trainer holds its URL, and the router holds the live adapters and the prefix-affinity
-table. An added replica is admitted like a restarted one (`ReplicaPool.try_admit`), so it never answers for an
-adapter it lacks; a removed one takes no new completion, and those still running there may finish for `drain_s`,
-then are cut and re-sent. The HTTP face is `admin_api`; in-process callers use `RouterHandle`.
+A launcher that places replicas on a cluster cannot restart the router each time: TRL's trainer holds its URL, and
+the router holds the live adapters and the prefix-affinity table. The HTTP face is `admin_api`; in-process callers
+use `RouterHandle`.
 """
 
 from __future__ import annotations

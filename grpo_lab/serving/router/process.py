@@ -1,19 +1,13 @@
 """The router as a supervised child process: restarted on the same port when it dies, rebuilt from the replicas and
-its state file, while its clients retry (docs/serving.md, "When the router dies").
+its state file, while its clients retry (why, and what it costs: docs/serving.md, "When the router dies").
 
     router = SupervisedRouter(RouterConfig(replicas=urls, port=0), state_dir="runs/r1/logs",
                               members=lambda: placement.urls).start()
     router.wait_ready(); ... router.url ...; router.add_replica(url) ...; router.stop()
 
-A process and not a thread of the trainer, so that it can die alone (a crash, the OOM killer, `kill -9`) and its
-event loop does not compete with the trainer for the GIL. A supervisor thread polls it every `poll_s` and starts a new
-one on the same port (TRL holds the URL) with the replicas the launcher has now (`members()`) and the same state file.
 It has the calls a launcher makes on an in-process `RouterHandle`, over the router's admin endpoints
-(`admin_client`); `events` and `recoveries_s` record each death and restart. The child runs under the replicas'
-watchdog (`replicas.processes`), so it exits with the parent even on `kill -9`.
-
-`python -m grpo_lab.serving.router.process CONFIG` is the child: it serves the pickled `RouterConfig` in `CONFIG` (a
-file the supervisor writes, mode 0600) and prints `READY <port>` once it listens.
+(`admin_client`). `python -m grpo_lab.serving.router.process CONFIG` is the child: it serves the pickled
+`RouterConfig` in `CONFIG` (a file the supervisor writes, mode 0600) and prints `READY <port>` once it listens.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""The router's replicas: health checks, taking failed ones out of routing, and re-admitting them safely.
+"""The router's replicas: health checks, taking failed ones out of routing, and re-admitting them safely
+(docs/serving.md, "Watches replicas").
 
 The published proxy kept routing to dead replicas (they looked least loaded); here a replica is routed to only while
-it is *in service*. A failed check, a dropped connection or malformed answer, or adapters other than those the router
-confirmed there take it out at once. It comes back only when healthy, consistent with the others' `/server_info`,
-holding exactly the live adapters, paused if the others are, and with its prefix ownership cleared (its KV cache is
-gone after a restart); a replica that joins (`membership`) is admitted the same way. Adapter checks also run during
-loads and unloads, leaving out the names being changed on that replica while its `/v1/models` answer was produced.
+it is *in service*, and comes back only when healthy, consistent with the others, holding exactly the live adapters,
+paused if the others are, and with its prefix ownership cleared. A replica that joins (`membership`) is admitted the
+same way.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""What a restarted router cannot learn from the replicas: which adapters are live and whether generation is paused.
+"""What a restarted router cannot learn from the replicas: which adapters are live and whether generation is paused
+(docs/serving.md, "When the router dies").
 
-The replicas' adapters alone cannot say which are live: one the trainer already unloaded may still be held while it
-drains, and adopting it would take a `max_loras` slot for good (the trainer never unloads a name twice). So the router
-writes the live set and its pause state here at every change, and a router restarted by `router.process` takes them
-back. A router shared by several runs writes its runs too (`RunRegistry.snapshot`: token digests, never a token), so
-their tokens keep working across its restart; the file is its owner's only.
+Adopting a drained adapter the replicas still hold as live would take a `max_loras` slot for good, so the router
+writes the live set, its pause state and its runs (token digests, never a token) here at every change, and a router
+restarted by `router.process` takes them back. The file is its owner's only.
 """
 
 from __future__ import annotations

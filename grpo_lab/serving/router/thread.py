@@ -8,8 +8,6 @@
     run = handle.register_run("sweep-a", max_staleness=4)          # with RouterConfig(tenancy=...): run["token"]
     handle.remove_run("sweep-a")
     handle.stop()
-
-A failed start (a port taken) releases everything it set up before the error reaches the caller.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""The routing-policy seam: what the router and the replay simulator ask of a policy, and what policies share.
+"""The routing-policy seam: what the router and the replay simulator ask of a policy, and what policies share
+(docs/serving.md, "Adding a routing policy").
 
-The router's replica pool and the replay simulator (`sim.routing_sim.replay`) drive the same policy objects through
-the same calls, so what the replay measures is what the router serves. Replicas are numbers 0..n-1; a prompt arrives
-as its chained KV-block hashes. `BasePolicy` does the shared bookkeeping (in flight per replica, decisions by kind,
-least loaded with round-robin ties), so a new policy only says where a request goes (`choose`) and, if it keeps
-state, what routing claims (`claim`) and an answer releases (`release`).
+Both drive the same policy objects through the same calls, so what the replay measures is what the router serves.
+Replicas are numbers 0..n-1; a prompt arrives as its chained KV-block hashes.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""Prefix-affinity routing: send a rollout to the replica that already holds its prompt's KV blocks.
+"""Prefix-affinity routing: send a rollout to the replica that already holds its prompt's KV blocks (the rule is
+described in docs/serving.md, "Routes by prefix").
 
 GRPO sends G rollouts of one prompt at once, so the win is keeping a group on one replica: its prompt is prefilled
-once. The rule (the proxy of the Hugging Face blog post "Async GRPO with LoRA across HF Jobs") counts only
-prompt-specific blocks: a block is *common* once every in-service replica served it or more than one distinct block
-followed it (a shared chat template, cached everywhere anyway). Unlike that proxy, blocks are *owned* only once the
-replica answered (a pending claim while in flight, dropped on failure), and only eligible replicas (in service,
-holding the adapter) are candidates. Memory is bounded: one packed int per block in an LRU of `max_blocks`, touched
-tail first so eviction drops a chain from its tail (~145 B a record, `test_record_memory`: 1,000,000 take ~140 MiB).
+once. Only prompt-specific blocks count (a shared chat template is cached everywhere anyway); unlike the blog post's
+proxy, blocks are owned only once the replica answered. Memory is bounded: one packed int per block in an LRU of
+`max_blocks` (~145 B a record, `test_record_memory`).
 """
 
 from __future__ import annotations
