@@ -25,7 +25,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..serving.adapters.storage import download_tree, is_local, tree_files, upload_tree
 from .checkpoints import (ROLLOUT_STATE, TRAINER_STATE, ResumePoint, checkpoint_step, is_checkpoint_name,
-                          last_complete_checkpoint, checkpoint_problem as local_problem)
+                          last_complete_checkpoint)
+from .checkpoints import checkpoint_problem as local_problem
 from .checks import first_line
 from .run_dir import restore_run_log, snapshot_run_log
 
