@@ -65,13 +65,10 @@ class _RetryableStatus(aiohttp.ClientError):
 
 def _die_with_parent(parent_pid: int) -> None:
     """Exit when the trainer process dies, even by SIGKILL (no `finally` runs there to stop us)."""
-    try:
+    with contextlib.suppress(OSError):  # not Linux: the watchdog below still does it
         import ctypes
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the watchdog below still does it
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
     def watch():
         while True:
