@@ -94,7 +94,8 @@ def set_loss_backend(trainer, name: str):
     if name == "liger":
         from .liger import liger_compute_loss
 
-        trainer._compute_loss = _mark(functools.partial(liger_compute_loss, trainer))
+        trainer._compute_loss = functools.partial(liger_compute_loss, trainer)
+        trainer._compute_loss._grpo_lab_original = trainer._compute_loss  # ours: the next switch removes it
     elif name != "trl":
         head = _head_of(name)
         for attr in _SCOPED_METHODS:
@@ -103,11 +104,6 @@ def set_loss_backend(trainer, name: str):
                 setattr(trainer, attr, _scoped(method, head))
     trainer.loss_backend = name
     return trainer
-
-
-def _mark(fn):
-    fn._grpo_lab_original = fn
-    return fn
 
 
 @dataclass

@@ -43,6 +43,11 @@ PRESETS = {
                  batch_sizes=[4, 8, 16, 32, 48, 64, 96], prompt_len=256, completion_len=512,
                  modes=["loss", "step"], loss_batch_sizes=[4, 16, 64]),  # the cheap loss-alone points first
 }
+# the command line's flags over a preset's fields (type of each), and the ones that need a word of help
+PRESET_FLAGS = {"model": str, "backends": str, "dtypes": str, "batch_sizes": str, "loss_batch_sizes": str,
+                "prompt_len": int, "completion_len": int, "modes": str}
+PRESET_HELP = {"backends": f"comma-separated loss backends: {','.join(DISPLAY_ORDER)}", "modes": "step,loss",
+               "dtypes": "comma-separated: fp32,bf16", "batch_sizes": "comma-separated positive ints"}
 
 
 def build_specs(model="tiny-qwen3", backends=("trl",), dtypes=("fp32",), batch_sizes=(2, 4), prompt_len=16,
@@ -156,14 +161,8 @@ def main(argv=None) -> int:
     g.add_argument("--quick", action="store_true", help="CPU-sized preset (default)")
     g.add_argument("--full", action="store_true", help="the H200 preset: Qwen3-0.6B, 256+512 tokens, 4 backends")
     p.add_argument("--out", default="results/memory_vs_batch", help="output folder (CSV + PNG)")
-    p.add_argument("--model")
-    p.add_argument("--backends", help=f"comma-separated loss backends: {','.join(DISPLAY_ORDER)}")
-    p.add_argument("--dtypes", help="comma-separated: fp32,bf16")
-    p.add_argument("--batch-sizes", help="comma-separated positive ints")
-    p.add_argument("--loss-batch-sizes")
-    p.add_argument("--prompt-len", type=int)
-    p.add_argument("--completion-len", type=int)
-    p.add_argument("--modes", help="step,loss")
+    for key, kind in PRESET_FLAGS.items():  # unset: the preset's value
+        p.add_argument("--" + key.replace("_", "-"), type=kind, help=PRESET_HELP.get(key))
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--pretrained", action="store_true", help="load real weights: --model is a hub id or a folder")
     p.add_argument("--max-minutes", type=float, default=None, help="stop starting new points after this long")
@@ -183,8 +182,7 @@ def main(argv=None) -> int:
         print("wrote " + ", ".join(map(str, paths)))
         return 0
     preset = dict(PRESETS["full" if a.full else "quick"])
-    for k in ("model", "backends", "dtypes", "batch_sizes", "loss_batch_sizes", "prompt_len", "completion_len",
-              "modes"):
+    for k in PRESET_FLAGS:
         v = getattr(a, k)
         if v is not None:
             preset[k] = v

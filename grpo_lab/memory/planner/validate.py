@@ -183,8 +183,7 @@ NOTEBOOK02_SEARCHES = ("fsdp_max_batch.csv", "fsdp_max_batch_expandable.csv", "f
 def max_batch_table() -> pd.DataFrame:
     """Every committed max-batch search of notebook 02 (the H200 runs and the CPU quick preset) against the
     planner."""
-    found = [load_reference("fsdp_max_batch", name) for name in NOTEBOOK02_SEARCHES]
-    found = [df for df in found if df is not None]
+    found = [df for name in NOTEBOOK02_SEARCHES if (df := load_reference("fsdp_max_batch", name)) is not None]
     return pd.DataFrame(max_batch_rows(pd.concat(found, ignore_index=True))) if found else pd.DataFrame()
 
 
@@ -221,8 +220,7 @@ def validation_table(extra_csvs: dict[str, Path] | None = None) -> pd.DataFrame:
     if nb02 is not None:  # less the probes seeded from planner.check's CSV: those are its rows below
         own = text_column(nb02, "seeded_from") == ""
         rows += notebook02_rows(nb02[own], "H200 notebook 02 (probes, expandable segments)")
-    grid = [load_reference("loss_kernel", name) for name in LOSS_GRID_RUNS]
-    grid = [g for g in grid if g is not None]
+    grid = [g for name in LOSS_GRID_RUNS if (g := load_reference("loss_kernel", name)) is not None]
     if grid:
         rows += loss_kernel_rows(pd.concat(grid, ignore_index=True).sort_values("date", kind="stable"))
     for name, source, calibration in (("planner_cpu_fsdp.csv", "CPU gloo FSDP2 (RSS)", "CPU_RSS_OVERHEAD_BYTES"),
