@@ -5,6 +5,7 @@ in this process or elsewhere is driven alike. The admin key comes from a variabl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.error
 import urllib.parse
@@ -47,10 +48,8 @@ class RouterAdminClient:
             text = error.read().decode("utf-8", "replace")
             if error.code == 404 and method == "DELETE":
                 return 404, {}
-            try:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
                 text = json.loads(text)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                pass
             raise RouterAdminError(f"{method} {self.url}{path} answered {error.code}: {str(text)[:500]}",
                                    error.code) from None
 

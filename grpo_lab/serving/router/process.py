@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 from aiohttp import web
 
+from ...lab.files import write_atomically
 from ..adapters.slots import DEFAULT_MAX_STALENESS
 from ..replicas.processes import AnnouncingProcess, free_port
 from .admin_client import RouterAdminClient
@@ -93,9 +94,7 @@ class SupervisedRouter:
     def _spawn(self, replicas: list[str]) -> RouterChild:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.state_dir / CONFIG_FILE
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(replace(self.config, replicas=replicas), f)
+        write_atomically(path, pickle.dumps(replace(self.config, replicas=replicas)))  # mkstemp: mode 0600
         return RouterChild(path, self.state_dir / LOG_FILE, self.ready_timeout_s).wait_ready()
 
     def start(self) -> SupervisedRouter:

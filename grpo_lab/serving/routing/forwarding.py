@@ -85,13 +85,6 @@ class Forwarder:
     def _skip_hedge(self, reason: str) -> None:
         self.metrics.inc("grpo_router_hedges_skipped_total", "Hedges put off or not sent, by reason", reason=reason)
 
-    def record_overhead(self, seconds: float) -> None:
-        self.metrics.observe("grpo_router_overhead_seconds", "Router time per completion, upstream excluded",
-                             seconds, OVERHEAD_BUCKETS)
-        self.overhead_s.append(seconds)
-        if len(self.overhead_s) > 20_000:
-            del self.overhead_s[:10_000]
-
     # -- one try -----------------------------------------------------------------------------------------------
     async def _attempt(self, t: _Try, model: str, raw: bytes, timeout: float) -> _Outcome:
         """Send the completion to `t.replica` and classify the answer. Cancelling this task (the race was lost, or
@@ -276,7 +269,12 @@ class Forwarder:
         else:
             self.metrics.inc("grpo_router_upstream_errors_total", "Non-200 completion answers",
                              replica=t.replica.url, status=str(reply.status))
-        self.record_overhead(time.perf_counter() - t_start - waited_s)
+        overhead = time.perf_counter() - t_start - waited_s
+        self.metrics.observe("grpo_router_overhead_seconds", "Router time per completion, upstream excluded",
+                             overhead, OVERHEAD_BUCKETS)
+        self.overhead_s.append(overhead)
+        if len(self.overhead_s) > 20_000:
+            del self.overhead_s[:10_000]
         return reply, outcome.answer
 
     async def _timed_out(self, replica: Replica) -> Reply:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 
 DEFAULT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0, 300.0)
@@ -75,9 +76,7 @@ class Registry:
                     lines.append(f"{name}{_labels(labels)} {_num(value)}")
                     continue
                 counts, total, n = value
-                running = 0
-                for bound, c in zip(self._buckets[name] + (math.inf,), counts):
-                    running += c
+                for bound, running in zip(self._buckets[name] + (math.inf,), itertools.accumulate(counts)):
                     le = "+Inf" if bound == math.inf else repr(bound)
                     lines.append(f"{name}_bucket{_labels({**labels, 'le': le})} {running}")
                 lines.append(f"{name}_sum{_labels(labels)} {_num(total)}")

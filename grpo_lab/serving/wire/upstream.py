@@ -122,8 +122,7 @@ class UpstreamClient:
 
     async def healthy(self, replica: Replica, timeout: float) -> bool:
         try:
-            reply = await self.call(replica, "GET", "/health", timeout=timeout)
-            return reply.status == 200
+            return (await self.call(replica, "GET", "/health", timeout=timeout)).status == 200
         except TRANSPORT_ERRORS:
             return False
 
