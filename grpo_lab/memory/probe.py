@@ -159,7 +159,7 @@ def _run_point(spec: PointSpec, timeout_s, start_method: str, capture_grads: boo
     results: list[tuple[str, object] | None] = [None] * len(procs)
     deadline = None if timeout_s is None else t0 + timeout_s
     grace_deadline = None
-    while True:
+    while None in results:
         for i, (p, c) in enumerate(zip(procs, conns)):
             if results[i] is None:
                 if c.poll(0.05):
@@ -171,12 +171,8 @@ def _run_point(spec: PointSpec, timeout_s, start_method: str, capture_grads: boo
                     if c.poll(0.2):
                         continue
                     results[i] = ("dead", p.exitcode)
-        done = all(r is not None for r in results)
-        failed = any(r is not None and r[0] != "ok" for r in results)
         now = time.perf_counter()
-        if done:
-            break
-        if failed and grace_deadline is None:
+        if grace_deadline is None and any(r is not None and r[0] != "ok" for r in results):
             grace_deadline = now + 20  # the other ranks may be stuck in a collective
         if (grace_deadline is not None and now > grace_deadline) or (deadline is not None and now > deadline):
             break
