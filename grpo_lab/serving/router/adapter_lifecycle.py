@@ -90,9 +90,7 @@ class AdapterLifecycle:
 
     def _count_load(self, outcomes: list[Outcome], ok: bool) -> None:
         for o in outcomes:
-            if o.retries:
-                self.metrics.inc("grpo_router_adapter_load_retries_total", "Load retries on 'No adapter found'",
-                                 o.retries, replica=o.replica.url)
+            self.pool.count_retries(o)
             if o.transport_error:
                 self.pool.mark_down(o.replica, f"adapter load failed: {o.message}")
         self.metrics.inc("grpo_router_adapter_loads_total", "Adapter loads, all-or-nothing across replicas",

@@ -246,12 +246,11 @@ class ReplicaPool:
             max_loras = _field(info, "lora_config", "max_loras")
             replica.max_loras = max_loras if isinstance(max_loras, int) and max_loras > 0 else None
             self.policy.forget_replica(replica.index)
-            was = replica.state
-            replica.epoch += 1
-            replica.state, replica.last_error = IN_SERVICE, ""
-            if was != STARTING:
+            if replica.state != STARTING:
                 self.metrics.inc("grpo_router_readmissions_total", "Replicas re-admitted after a failure",
                                  replica=replica.url)
+            replica.epoch += 1
+            replica.state, replica.last_error = IN_SERVICE, ""
             log.info("replica %s in service (%d live adapters)", replica.url, len(self.live_adapters))
             self.publish_states()
             return True
@@ -284,20 +283,24 @@ class ReplicaPool:
                 return False
         replica.adapters = {}
         for name, path in self.live_adapters.items():
-            if present.get(name) and present[name].rstrip("/") == path.rstrip("/"):
-                replica.adapters[name] = path
-                continue
-            outcome = await load_one(self.client, replica, name, path, deadline_s=self.config.load_retry_deadline_s,
-                                     interval_s=self.config.load_retry_interval_s, timeout_s=timeout)
-            if outcome.retries:
-                self.metrics.inc("grpo_router_adapter_load_retries_total", "Load retries on 'No adapter found'",
-                                 outcome.retries, replica=replica.url)
-            if not outcome.ok:
-                replica.last_error = f"could not load live adapter {name}: {outcome.status} {outcome.message}"
-                log.warning("replica %s not re-admitted: %s", replica.url, replica.last_error)
-                return False
+            if (present.get(name) or "").rstrip("/") != path.rstrip("/"):  # not held there from the same path
+                outcome = await load_one(self.client, replica, name, path, timeout_s=timeout,
+                                         deadline_s=self.config.load_retry_deadline_s,
+                                         interval_s=self.config.load_retry_interval_s)
+                self.count_retries(outcome)
+                if not outcome.ok:
+                    replica.last_error = (f"could not load live adapter {name}: {outcome.status} "
+                                          f"{outcome.message}")
+                    log.warning("replica %s not re-admitted: %s", replica.url, replica.last_error)
+                    return False
             replica.adapters[name] = path
         return True
+
+    def count_retries(self, outcome) -> None:
+        """Count a load's retries on "No adapter found" (shared storage not visible there yet)."""
+        if outcome.retries:
+            self.metrics.inc("grpo_router_adapter_load_retries_total", "Load retries on 'No adapter found'",
+                             outcome.retries, replica=outcome.replica.url)
 
     # -- background health --------------------------------------------------------------------------------------
     async def check(self, replica: Replica) -> None:
