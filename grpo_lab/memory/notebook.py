@@ -11,6 +11,7 @@ from grpo_lab.lab.live_board import ipython_shell
 from grpo_lab.loss.backends import BASELINE_BACKEND, REFERENCE_BACKENDS
 
 from .max_batch import PRESETS, build_searches, run_searches
+from .planner.validate import markdown_table
 from .results import load_reference, ratio_table, rows_to_frame, savings_table
 from .sweep import build_specs, run_sweep, save_figures
 
@@ -85,12 +86,9 @@ def closing_note_memory(df: pd.DataFrame | None) -> str:
              f"({LIGER_GRPO_POST}: *up to 40 %* lower at large batch):", ""]
     if t.empty:
         return "\n".join(lines + ["_no batch size where naive and a fused backend both ran_"])
-    lines.append("| dtype | batch | " + " | ".join(c.replace(" vs naive %", "") for c in t.columns) + " |")
-    lines.append("|---|---|" + "---|" * len(t.columns))
-    for (mode, dtype, b), r in t.iterrows():
-        if r.isna().all():  # naive did not run there: said below
-            continue
-        lines.append(f"| {dtype} | {b} | " + " | ".join("" if pd.isna(v) else f"{v:.0f} %" for v in r) + " |")
+    shown = t.dropna(how="all").map(lambda v: v if pd.isna(v) else f"{v:.0f} %")  # all-NaN: naive did not run
+    shown = shown.rename(columns=lambda c: c.replace(" vs naive %", "")).reset_index().drop(columns="mode")
+    lines.append(markdown_table(shown.rename(columns={"batch_size": "batch"})))
     oom = df[(df["mode"] == "step") & (df["status"] == "oom")]
     for dtype in sorted(set(df["dtype"])):
         first = oom[(oom["backend"] == BASELINE_BACKEND) & (oom["dtype"] == dtype)]["batch_size"]
@@ -184,9 +182,7 @@ def closing_note_max_batch(df: pd.DataFrame | None) -> str:
     lines = [f"**{r['gpu_name']}, FSDP2 + LoRA r={r['lora_r']}, {r['dtype']}, {r['prompt_len']}+{r['completion_len']} "
              f"tokens, world size {r['world_size']}, budget {r['budget_gib']:.1f} GiB, {alloc} ({r['date']})** — "
              f"max per-device batch ({LIGER_GRPO_POST}: *1.5–1.8×* larger with the chunked loss):", "",
-             "| model | " + " | ".join(map(str, t.columns)) + " |", "|---|" + "---|" * len(t.columns)]
-    for m, row in t.iterrows():
-        lines.append(f"| {m} | " + " | ".join(str(v) for v in row) + " |")
+             markdown_table(t, index=True)]
     missing = df[~df["status"].isin(["ok", "incomplete"])] if "status" in df else df.iloc[0:0]
     if len(missing):
         lines += ["", "Not run: " + ", ".join(f"{r['model']} {r['backend']} ({r['status']})"
