@@ -242,7 +242,6 @@ class ReplicaPool:
                 ok = await self._pause(replica)
             if not ok or replica.state == REMOVED:
                 return False
-            replica.info = info
             max_loras = _field(info, "lora_config", "max_loras")
             replica.max_loras = max_loras if isinstance(max_loras, int) and max_loras > 0 else None
             self.policy.forget_replica(replica.index)

@@ -2,11 +2,9 @@
 AsyncGRPOTrainer takes for one server.
 
 To TRL it is a vLLM server with `data_parallel_size == 1`: the endpoints of `vllm_routes`, answered with vLLM 0.31's
-status codes and error bodies (what it does, and its deliberate differences, are in docs/serving.md). The handlers
-here parse and answer; completions go through `forwarding`, adapter loads and unloads through `adapter_lifecycle`,
-replica health through `replica_pool`, and with `RouterConfig.tenancy` each request's view (`tenancy.views`) says
-what its caller sees. NCCL weight transfer cannot be fanned out, so those endpoints are refused: train a PEFT model,
-for which TRL syncs adapters only.
+status codes and error bodies (what it does, and its deliberate differences, are in docs/serving.md); with
+`RouterConfig.tenancy` each request's view (`tenancy.views`) says what its caller sees. NCCL weight transfer cannot
+be fanned out, so those endpoints are refused: train a PEFT model, for which TRL syncs adapters only.
 
 Run it with `python -m grpo_lab.serving.router.server --replica http://127.0.0.1:8001 --replica ...`, or in-process
 (notebooks, tests) with `router.thread.start_router(RouterConfig(...))`.

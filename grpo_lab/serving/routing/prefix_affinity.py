@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from .policy import AFFINITY, SPILLED, UNMATCHED, BasePolicy, Decision, RoutingConfig
 
@@ -35,14 +36,12 @@ def _with_successor(record: int, successor: int) -> int:
     return record if recorded == successor else record | _BRANCHES
 
 
+@dataclass(slots=True)
 class _Claims:
     """Requests in flight containing one block: per replica, and the successors they named (a packed record)."""
 
-    __slots__ = ("by_replica", "record")
-
-    def __init__(self):
-        self.by_replica: dict[int, int] = {}
-        self.record = 0  # successor fingerprint and branch bit, as in an LRU record (no served bits)
+    by_replica: dict[int, int] = field(default_factory=dict)
+    record: int = 0  # successor fingerprint and branch bit, as in an LRU record (no served bits)
 
 
 class AffinityRule(BasePolicy):

@@ -31,7 +31,6 @@ class Replica:
     adapters: dict[str, str] = field(default_factory=dict)  # lora name -> path
     draining: set[str] = field(default_factory=set)
     base_models: set[str] = field(default_factory=set)
-    info: dict | None = None  # the replica's `vllm_config`
     max_loras: int | None = None
     last_error: str = ""
     epoch: int = 0  # admissions so far: a load that began before the last one cannot vouch for what it holds now
