@@ -49,15 +49,6 @@ class QuickSettings:
         self.loop_settings()
         return self
 
-    @property
-    def samples_per_step(self) -> int:
-        return self.loop_settings().samples_per_step
-
-    @property
-    def inflight(self) -> int:
-        """The requests in flight these settings give (`max_inflight_tasks`, or TRL's default for -1)."""
-        return self.loop_settings().inflight
-
 
 @dataclass
 class LoopRun:
@@ -146,15 +137,13 @@ def autotune_png(run: LoopRun, dpi: int = 90) -> bytes:
 def follow_doctor(run: LoopRun) -> tuple[QuickSettings, str]:
     """The settings of the next run with the verdict's first knob turned (what the recipe's author did by hand), and
     a sentence saying what changed (or why nothing did)."""
-    s, v = run.settings, run.verdict
-    if v.bound == "staleness" and v.knobs and "replicas" in v.knobs[0]:
-        return replace(s, replicas=s.replicas + 1), f"replicas {s.replicas} -> {s.replicas + 1}"
-    if v.bound == "staleness":
-        return (replace(s, max_inflight_tasks=s.samples_per_step, queue_maxsize=s.samples_per_step),
-                f"max_inflight_tasks and queue_maxsize -> {s.samples_per_step} (one step's worth)")
-    if v.bound == "rollout":
-        if "max_inflight_tasks" in v.knobs[0]:
-            return replace(s, max_inflight_tasks=2 * s.inflight), f"max_inflight_tasks -> {2 * s.inflight}"
+    s, v, loop = run.settings, run.verdict, run.settings.loop_settings()
+    if v.bound == "staleness" and not (v.knobs and "replicas" in v.knobs[0]):
+        return (replace(s, max_inflight_tasks=loop.samples_per_step, queue_maxsize=loop.samples_per_step),
+                f"max_inflight_tasks and queue_maxsize -> {loop.samples_per_step} (one step's worth)")
+    if v.bound == "rollout" and "max_inflight_tasks" in v.knobs[0]:
+        return replace(s, max_inflight_tasks=2 * loop.inflight), f"max_inflight_tasks -> {2 * loop.inflight}"
+    if v.bound in ("staleness", "rollout"):  # the first knob is more replicas
         return replace(s, replicas=s.replicas + 1), f"replicas {s.replicas} -> {s.replicas + 1}"
     return s, f"nothing to turn for a {v.bound} loop on the embedded task (the knobs are: {'; '.join(v.knobs)})"
 
