@@ -75,7 +75,7 @@ class RouterConfig:
             `POST /router/runs` (admin key) and gets its own token, adapter namespace, share of adapter slots and fair
             share of completions. It needs an admin key and replaces the single client key. None: one client.
         log_level: logging level name for the `python -m` entry point.
-        state_file: where the router keeps the live adapters and its pause state (`state_file.RouterStateFile`),
+        state_file: where the router keeps the live adapters and its pause state (`router.state_file`),
             so that a router restarted after a crash takes them back instead of guessing them from the replicas.
             None: nothing kept (a router that is never restarted).
     """

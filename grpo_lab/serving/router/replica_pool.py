@@ -19,7 +19,7 @@ from ..routing.policy import RoutingPolicy
 from ..routing.registry import make_policy
 from ..wire.metrics import Registry
 from .config import RouterConfig
-from .state_file import RouterStateFile
+from .state_file import load_state, write_state
 from ..wire.upstream import (DOWN, IN_SERVICE, INCONSISTENT, REMOVED, STARTING, STATES, TRANSPORT_ERRORS, Replica,
                        UpstreamClient, now)
 
@@ -55,8 +55,8 @@ class ReplicaPool:
             self.join(url)
         # a router restarted after a crash takes the live set and pause state it wrote (`state_file`), not the first
         # replica's adapters (a drained one would be adopted as live and hold a slot for good)
-        self.state_file = RouterStateFile(config.state_file) if config.state_file else None
-        saved = self.state_file.load() if self.state_file is not None else None
+        self.state_file = config.state_file
+        saved = load_state(self.state_file) if self.state_file else None
         self.restored = saved is not None
         saved = saved or {"live_adapters": {}, "paused": False, "runs": []}
         self.live_adapters: dict[str, str] = saved["live_adapters"]  # loaded on every in-service replica
@@ -83,9 +83,9 @@ class ReplicaPool:
 
     def save_state(self) -> None:
         """Write the live adapters and the pause state for a restarted router (`state_file`), if it has a file."""
-        if self.state_file is not None:
-            self.state_file.save(self.live_adapters, self._paused,
-                                 self.runs_state() if self.runs_state is not None else None)
+        if self.state_file:
+            write_state(self.state_file, self.live_adapters, self._paused,
+                        self.runs_state() if self.runs_state is not None else None)
 
     def by_index(self, index: int) -> Replica:
         return self._slots[index]

@@ -15,22 +15,19 @@ from pathlib import Path
 from ...lab.files import write_atomically
 
 
-class RouterStateFile:
-    """`save(live_adapters, paused)` after each change; `load()` at start (None when there is no file yet)."""
+def load_state(path: str | os.PathLike) -> dict | None:
+    """The live adapters, pause state and runs a router wrote at `path`; None when there is no file yet."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    return {"live_adapters": {str(k): str(v) for k, v in data.get("live_adapters", {}).items()},
+            "paused": bool(data.get("paused", False)), "runs": list(data.get("runs", []))}
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
 
-    def load(self) -> dict | None:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return None
-        return {"live_adapters": {str(k): str(v) for k, v in data.get("live_adapters", {}).items()},
-                "paused": bool(data.get("paused", False)), "runs": list(data.get("runs", []))}
-
-    def save(self, live_adapters: dict[str, str], paused: bool, runs: list[dict] | None = None) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        state = {"live_adapters": live_adapters, "paused": paused, **({"runs": runs} if runs is not None else {})}
-        # a crash mid-write leaves the previous state, never half of one
-        write_atomically(self.path, json.dumps(state))  # mkstemp: readable by its owner only
+def write_state(path: str | os.PathLike, live_adapters: dict[str, str], paused: bool,
+                runs: list[dict] | None = None) -> None:
+    """Write them after each change; a crash mid-write leaves the previous state, never half of one."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    state = {"live_adapters": live_adapters, "paused": paused, **({"runs": runs} if runs is not None else {})}
+    write_atomically(path, json.dumps(state))  # mkstemp: readable by its owner only
