@@ -157,10 +157,6 @@ def ask_the_pool_first(argv: list[str]) -> None:
         check_pool_name(pool, flags.router_url, name, flags.resume, flag)
 
 
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["async-loop"]:
@@ -183,7 +179,7 @@ def main(argv=None) -> int:
     from .run import run_command  # heavy imports (torch, TRL) only once the settings are known to be good
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # the same teardown as Ctrl-C
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt: the teardown of Ctrl-C
     t0 = time.perf_counter()
     try:
         return run_command(s, found, t0, argv)
