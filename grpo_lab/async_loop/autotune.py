@@ -13,6 +13,7 @@ controller into the trainer and adds `autotune/*` metrics to the logs.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 
 from transformers import TrainerCallback
@@ -162,12 +163,8 @@ def slowdown(before: list[float], after: list[float]) -> float:
     difference of the means exceeds twice its standard error (the spread of the steps explains it)."""
     if not before or not after:
         return 0.0
-    mean_b, mean_a = sum(before) / len(before), sum(after) / len(after)
-
-    def var(xs: list[float], m: float) -> float:
-        return sum((x - m) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
-
-    error = math.sqrt(var(before, mean_b) / len(before) + var(after, mean_a) / len(after))
+    mean_b, mean_a = statistics.fmean(before), statistics.fmean(after)
+    error = math.sqrt(sum(statistics.variance(xs) / len(xs) for xs in (before, after) if len(xs) > 1))
     if mean_b <= 0 or mean_a - mean_b <= 2 * error:
         return 0.0
     return (mean_a - mean_b) / mean_b
