@@ -37,7 +37,7 @@ def token():
 
 @pytest.fixture(scope="session")
 def adapters(tmp_path_factory):
-    """Three rank-1 all-linear adapters of tiny-qwen3 with non-zero B, so they change the outputs."""
+    """Three different rank-1 all-linear adapters of tiny-qwen3 with non-zero B, so they change the outputs."""
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -46,8 +46,9 @@ def adapters(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     paths = {}
     for i in range(1, 4):
+        base = build_model("tiny-qwen3")  # seeds torch itself: the adapter's own seed comes after
         torch.manual_seed(i)
-        model = get_peft_model(build_model("tiny-qwen3"), LoraConfig(r=1, lora_alpha=2, target_modules="all-linear",
+        model = get_peft_model(base, LoraConfig(r=1, lora_alpha=2, target_modules="all-linear",
                                                                      init_lora_weights=False))
         path = root / f"trl-policy-v{i}"
         model.save_pretrained(path)

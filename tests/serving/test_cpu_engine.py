@@ -151,3 +151,28 @@ def test_adapter_names_with_dots_load_and_serve(engine, adapters):
     finally:
         engine.unload_adapter(name)
     assert name not in engine.adapters
+
+
+def test_each_completion_uses_the_adapter_it_names_across_switches_loads_and_unloads(adapters):
+    """The engine switches PEFT's active adapter only when the named one changes (a switch walks every module for
+    every adapter held): interleaved requests, a load (which may make the new adapter active) and an unload of
+    the active one must still each serve the adapter named."""
+    engine = Engine(CPUReplicaConfig(served_model_names=["tiny-qwen3"], max_loras=3, max_lora_rank=8))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def logprobs(name):
+        return engine.generate(name, PROMPT, params)["logprobs"]
+
+    engine.load_adapter("v1", adapters["trl-policy-v1"])
+    alone = {"v1": logprobs("v1"), "tiny-qwen3": logprobs("tiny-qwen3")}
+    engine.load_adapter("v2", adapters["trl-policy-v2"])
+    alone["v2"] = logprobs("v2")
+    assert alone["v1"] != pytest.approx(alone["v2"], abs=1e-4)  # the adapters differ, so a mix-up would show
+    for name in ("v1", "v2", "v2", "tiny-qwen3", "v1", "v2", "v1"):  # interleaved, as a shared pool sends them
+        assert logprobs(name) == pytest.approx(alone[name], abs=1e-5), name
+    engine.load_adapter("v3", adapters["trl-policy-v3"])  # a load between two uses of v2
+    assert logprobs("v2") == pytest.approx(alone["v2"], abs=1e-5)
+    engine.unload_adapter("v2")  # the active one goes: PEFT activates another
+    assert logprobs("v1") == pytest.approx(alone["v1"], abs=1e-5)
+    assert logprobs("v3") != pytest.approx(alone["v1"], abs=1e-4)
+    assert logprobs("v1") == pytest.approx(alone["v1"], abs=1e-5)

@@ -116,6 +116,7 @@ class Engine:
         self._adapter_cache = None  # local copies of adapters published on object stores, made at the first one
         self.generated_tokens = 0
         self.requests = 0
+        self._active: str | None = None  # the adapter PEFT has active; None after a load or unload
         self.work_seconds: dict[str, float] = {}  # wall seconds per kind of work (`_timed`), for /metrics
         self.work_count: dict[str, int] = {}
 
@@ -218,12 +219,14 @@ class Engine:
                     from None
             self.model.eval()
             self.adapters[name] = source
+            self._active = None
 
     def unload_adapter(self, name: str) -> None:
         if name not in self.adapters:
             raise RequestError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
         with self._timed("adapter_unload"), self._lock:
             del self.adapters[name]
+            self._active = None
             if self.adapters:
                 self.model.delete_adapter(peft_name(name))
             else:  # PEFT keeps at least one adapter: drop the wrapper instead
@@ -266,7 +269,9 @@ class Engine:
         """Hold the model with `model_name` active: an adapter, or the base with adapters disabled."""
         with self._lock:
             if model_name in self.adapters:
-                self.model.set_adapter(peft_name(model_name))
+                if self._active != model_name:  # PEFT's switch walks every module for every adapter held: once
+                    self.model.set_adapter(peft_name(model_name))  # per change, not per token
+                    self._active = model_name
                 yield
             elif model_name in self.config.served_model_names:
                 with self.model.disable_adapter() if self.model is not self.base else contextlib.nullcontext():
