@@ -533,9 +533,10 @@ def recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, sof
         dummy = log_z
         tri_mm = (TUNING.fp32_mm == "triton" and compute == torch.float32 and weight.dtype == torch.float32
                   and h.dtype == torch.float32)
+        mm_acc = _triton_mm_acc if tri_mm else _mm_acc
         for v0 in range(0, vocab, v_tile):
             v1 = min(v0 + v_tile, vocab)
-            w_c = None if tri_mm else weight[v0:v1].to(compute)
+            w_c = weight[v0:v1].to(compute)  # with tri_mm, fp32 already: the view itself
             if dw_buf is not None:
                 dw_buf.zero_()
             for t0 in range(0, n_valid, t_tile):
@@ -557,20 +558,12 @@ def recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, sof
                     PERSISTENT=persistent, NUM_PROGRAMS=n_progs, DZ_TMA=dz_tma,
                     num_warps=warps, num_stages=stages, **TUNING.launch_options[f"bwd_{dtype_key(compute)}"])
                 LAST_COMPILED[f"bwd_{dtype_key(compute)}"] = compiled
-                if tri_mm:
-                    if need_h:
-                        _triton_mm_acc(grad_h_valid[t0:t1], tile, weight[v0:v1])
-                    if need_w:
-                        _triton_mm_acc(grad_w[v0:v1], tile.t(), h[t0:t1])
-                if need_h and not tri_mm:
-                    _mm_acc(grad_h_valid[t0:t1], tile, w_c)
-                if need_w and not tri_mm:
-                    if n_ttiles == 1:
-                        _mm_into(grad_w[v0:v1], tile.t(), h_c[t0:t1])
-                    elif dw_buf is None:
-                        _mm_acc(grad_w[v0:v1], tile.t(), h_c[t0:t1])
-                    else:
-                        _mm_acc(dw_buf[: v1 - v0], tile.t(), h_c[t0:t1])
+                if need_h:
+                    mm_acc(grad_h_valid[t0:t1], tile, w_c)
+                if need_w and n_ttiles == 1 and not tri_mm:
+                    _mm_into(grad_w[v0:v1], tile.t(), h_c[t0:t1])
+                elif need_w:  # (dw_buf: only for a 16-bit weight, so never with tri_mm)
+                    mm_acc(grad_w[v0:v1] if dw_buf is None else dw_buf[: v1 - v0], tile.t(), h_c[t0:t1])
                 if grad_b is not None:
                     grad_b[v0:v1] += tile.sum(0, dtype=torch.float32)
             if dw_buf is not None:
