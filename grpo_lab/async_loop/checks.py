@@ -322,7 +322,7 @@ def check_ray_address(flag: str, address: str | None, timeout: float = 3.0) -> N
         return
     if address == "auto":
         address = find_ray_cluster(flag, timeout)
-    target = address[len("ray://"):] if address.startswith("ray://") else address
+    target = address.removeprefix("ray://")
     host, _, port = target.rpartition(":")
     if "://" in target or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(flag, f"{address!r} is not a Ray address: auto, host:6379 (the head's GCS port) or "

@@ -17,6 +17,7 @@ from transformers import TrainerCallback
 
 from .recorder import METRICS_FILE, read_metrics, router_figures, router_snapshot
 
+UNTRACKED = "train/"  # the prefix transformers' integrations give the trainer's names
 SUMMARY = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
 
 
@@ -37,10 +38,6 @@ class RouterFigures(TrainerCallback):
         values = {f"router/{k}": v for k, v in router_figures(snapshot, self._before).items()}
         self._before = snapshot or self._before
         return values
-
-
-def _untracked(key: str) -> str:
-    return key[len("train/"):] if key.startswith("train/") else key
 
 
 # -- reading a run back -------------------------------------------------------------------------------------------
@@ -67,7 +64,7 @@ def read_trackio(db: Path, run: str | None = None) -> tuple[list[dict], str]:
     rows = []
     for step, blob in found:
         metrics = json.loads(blob)
-        row = {_untracked(k): v for k, v in metrics.items() if isinstance(v, (int, float))}
+        row = {k.removeprefix(UNTRACKED): v for k, v in metrics.items() if isinstance(v, (int, float))}
         row["step"] = int(row.pop("global_step", step))
         rows.append(row)
     return rows, f"trackio project {db.stem}, run {run}"
@@ -89,10 +86,10 @@ def read_tensorboard(files: list[Path]) -> tuple[list[dict], str]:
     accumulator.Reload()
     by_step: dict[int, dict] = {}
     for tag in accumulator.Tags().get("scalars", []):
-        if _untracked(tag) in SUMMARY:  # the end-of-training summary shares the last step's number
+        if tag.removeprefix(UNTRACKED) in SUMMARY:  # the end-of-training summary shares the last step's number
             continue
         for event in accumulator.Scalars(tag):
-            by_step.setdefault(int(event.step), {})[_untracked(tag)] = float(event.value)
+            by_step.setdefault(int(event.step), {})[tag.removeprefix(UNTRACKED)] = float(event.value)
     rows = [{"step": step, **values} for step, values in sorted(by_step.items())]
     return rows, f"TensorBoard run {folder}"
 
