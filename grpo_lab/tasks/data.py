@@ -34,7 +34,11 @@ def shared_data_dir() -> Path:
     return path
 
 
-def _first_split(obj, split: str):
+def _local_or_hub(name: str, path, split: str) -> datasets.Dataset:
+    """`split` of the `load_from_disk` copy at `path` (its first split when it has no such one), else the hub's."""
+    if path is None:
+        return datasets.load_dataset(HUB_IDS[name], split=split)
+    obj = datasets.load_from_disk(str(path))
     if isinstance(obj, datasets.DatasetDict):
         return obj[split] if split in obj else obj[next(iter(obj))]
     return obj
@@ -60,19 +64,14 @@ def _normalise_verl(ex: dict) -> dict:
 
 def load_sanity(path: str | os.PathLike | None = None, split: str = "train") -> datasets.Dataset:
     """The Sanity set (1,460 MATH problems, golds as bare LaTeX)."""
-    if path is not None:
-        ds = _first_split(datasets.load_from_disk(str(path)), split)
-    else:
-        ds = datasets.load_dataset(HUB_IDS["sanity"], split=split)
+    ds = _local_or_hub("sanity", path, split)
     if "problem" not in ds.column_names:
         ds = ds.map(_normalise_verl, remove_columns=ds.column_names)
     return ds.select_columns(["problem", "answer"]).map(lambda ex: {"answer": str(ex["answer"])})
 
 
 def load_math500(path: str | os.PathLike | None = None, split: str = "test") -> datasets.Dataset:
-    ds = _first_split(datasets.load_from_disk(str(path)), split) if path is not None else \
-        datasets.load_dataset(HUB_IDS["math500"], split=split)
-    return ds.select_columns(["problem", "answer"])
+    return _local_or_hub("math500", path, split).select_columns(["problem", "answer"])
 
 
 def load_gsm8k(path: str | os.PathLike | None = None, split: str = "train") -> datasets.Dataset:
