@@ -12,6 +12,7 @@ import zlib
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 
 from grpo_lab.lab import environment
 from grpo_lab.models import build_model, load_model_config
@@ -170,8 +171,9 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
     return trainer
 
 
-class PhaseRecorder:
-    """Splits each optimizer step into generation and training phases and keeps the peak of each."""
+class PhaseRecorder(TrainerCallback):
+    """Splits each optimizer step into generation and training phases and keeps the peak of each (a trainer
+    callback, plus `wrap` around the trainer's scoring and loss)."""
 
     def __init__(self, meter, budget_bytes: int | None = None, capture_grads: bool = False, base: int = 0):
         self.meter, self.budget, self.capture_grads, self.base = meter, budget_bytes, capture_grads, base
@@ -182,27 +184,19 @@ class PhaseRecorder:
         self.grads: dict[str, torch.Tensor] | None = None
         self._t0 = 0.0
 
-    def callback(self):
-        from transformers import TrainerCallback
+    def on_step_begin(self, args, state, control, **kw):
+        self.meter.reset_peak()
+        self._t0 = time.perf_counter()
 
-        rec = self
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+        if self.capture_grads and model is not None:  # keeps the last step's
+            self.grads = _collect_lora_grads(model)
 
-        class _Cb(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kw):
-                rec.meter.reset_peak()
-                rec._t0 = time.perf_counter()
-
-            def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-                if rec.capture_grads and model is not None:  # keeps the last step's
-                    rec.grads = _collect_lora_grads(model)
-
-            def on_step_end(self, args, state, control, **kw):
-                rec.meter.sync()
-                rec.step_times.append(time.perf_counter() - rec._t0)
-                rec.train_peaks.append(rec.meter.peak())
-                rec._check_budget(rec.train_peaks[-1])
-
-        return _Cb()
+    def on_step_end(self, args, state, control, **kw):
+        self.meter.sync()
+        self.step_times.append(time.perf_counter() - self._t0)
+        self.train_peaks.append(self.meter.peak())
+        self._check_budget(self.train_peaks[-1])
 
     def _check_budget(self, peak: dict):
         used = peak["peak"] - self.base
@@ -251,7 +245,7 @@ def run_grpo_steps(spec: PointSpec, output_dir: str, capture_grads: bool = False
     device, meter = prepare_probe_device(spec.device, spec.budget_bytes)
     base = meter.current()
     rec = PhaseRecorder(meter, spec.budget_bytes, capture_grads, base)
-    trainer = make_trainer(spec, output_dir, device, callbacks=[rec.callback()])
+    trainer = make_trainer(spec, output_dir, device, callbacks=[rec])
     rec.wrap(trainer)
     setup_bytes = meter.current()
     trainer.train()
