@@ -52,9 +52,6 @@ class LoopProgress(TrainerCallback):
             print(f"step {state.global_step}/{state.max_steps}: {parts}", file=self.stream, flush=True)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.close()
-
-    def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
