@@ -21,7 +21,10 @@ import pandas as pd
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+try:  # an importable grpo_lab first (an older checkout's, to compare engines); else this checkout
+    import grpo_lab  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(ROOT))
 
 from grpo_lab.lab.records import run_record  # noqa: E402
 from grpo_lab.models import build_model  # noqa: E402
@@ -62,14 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--completions", type=int, default=8, help="completions per round")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--switch-every-token", action="store_true",
-                        help="switch PEFT's active adapter at every token, as the engine did before 2026-12-06 "
-                             "(the cost that grew with residency); default: only when the named adapter changes")
+    parser.add_argument("--label", default="current", help="names the engine measured in the CSV (run an older "
+                        "checkout's engine with PYTHONPATH=<its root>: an importable grpo_lab is used first)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "sweep" / "replica_adapters.csv")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # a replica of the pool has one core
-    if args.switch_every_token:  # the engine never remembers which adapter is active
-        Engine._active = property(lambda self: None, lambda self, value: None)
     paths = save_adapters(max(args.resident) + 1, Path(tempfile.mkdtemp(prefix="replica-adapters-")))
     engine = Engine(CPUReplicaConfig(max_loras=max(args.resident) + 1, prefix_cache_blocks=0, torch_threads=1))
     prompt, rows, held = list(range(100, 140)), [], 0
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
         rows.append({"resident": resident, "completion_ms": best_ms(complete, args.repeats, args.completions),
                      "load_unload_ms": best_ms(load_and_unload, args.repeats), "max_tokens": args.max_tokens,
-                     "switching": min(args.switching, held), "switch_every_token": args.switch_every_token})
+                     "switching": min(args.switching, held), "engine": args.label})
         print(f"{resident:3d} adapters resident: {rows[-1]['completion_ms']} ms a completion "
               f"({args.max_tokens} tokens), {rows[-1]['load_unload_ms']} ms a load + unload", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -176,3 +176,66 @@ def test_each_completion_uses_the_adapter_it_names_across_switches_loads_and_unl
     assert logprobs("v1") == pytest.approx(alone["v1"], abs=1e-5)
     assert logprobs("v3") != pytest.approx(alone["v1"], abs=1e-4)
     assert logprobs("v1") == pytest.approx(alone["v1"], abs=1e-5)
+
+
+def test_slot_serves_what_peft_computes_for_the_adapter(adapters):
+    """The replica's one LoRA slot (`replicas.lora_slot`) must give the logprobs PEFT itself gives the same adapter,
+    which is what the trainer computes its ratio against; here at a slot rank above the adapter's (zero-padded)."""
+    import torch
+    from peft import PeftModel
+
+    from grpo_lab.models import build_model
+
+    engine = Engine(CPUReplicaConfig(served_model_names=["tiny-qwen3"], max_loras=2, max_lora_rank=8))
+    engine.load_adapter("v2", adapters["trl-policy-v2"])
+    out = engine.generate("v2", PROMPT, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    reference = PeftModel.from_pretrained(build_model("tiny-qwen3"), adapters["trl-policy-v2"]).eval()
+    with torch.no_grad():
+        logits = reference(input_ids=torch.tensor([PROMPT + out["token_ids"]])).logits[0].float()
+    expected = torch.log_softmax(logits[len(PROMPT) - 1:-1], -1).gather(1, torch.tensor(out["token_ids"])[:, None])
+    assert out["token_ids"] == logits[len(PROMPT) - 1:-1].argmax(-1).tolist()
+    assert out["logprobs"] == pytest.approx(expected[:, 0].tolist(), abs=1e-4)
+
+
+def test_adapters_the_slot_cannot_serve_are_refused_with_400(adapters, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    engine = Engine(CPUReplicaConfig(served_model_names=["tiny-qwen3"], max_loras=4, max_lora_rank=8))
+
+    def variant(name, config_change=None, tensors_change=None):
+        folder = tmp_path / name
+        shutil.copytree(adapters["trl-policy-v1"], folder)
+        config = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps({**config, **(config_change or {})}))
+        if tensors_change:
+            tensors = load_file(folder / "adapter_model.safetensors")
+            tensors_change(tensors)
+            save_file(tensors, folder / "adapter_model.safetensors")
+        return str(folder)
+
+    def extra_module(tensors):
+        tensors["base_model.model.lm_head.lora_A.weight"] = next(iter(tensors.values())).clone()
+
+    def wrong_shape(tensors):
+        key = next(k for k in tensors if k.endswith("lora_A.weight"))
+        tensors[key] = tensors[key].repeat(2, 1)
+
+    for name, path, message in [
+            ("dora", variant("dora", {"use_dora": True}), "DoRA"),
+            ("lm-head", variant("lm-head", tensors_change=extra_module), "lm_head"),
+            ("shape", variant("shape", tensors_change=wrong_shape), "shapes"),
+            ("rank", variant("rank", {"r": 16}), "max_lora_rank 8")]:
+        with pytest.raises(RequestError, match=message) as err:
+            engine.load_adapter(name, path)
+        assert err.value.status == 400 and name not in engine.adapters
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "adapter_config.json").write_text('{"r": 1, "lora_alpha": 2}')
+    (tmp_path / "broken" / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(RequestError, match="failed to load adapter") as err:
+        engine.load_adapter("broken", str(tmp_path / "broken"))
+    assert err.value.status == 400
+    engine.load_adapter("fine", adapters["trl-policy-v1"])  # a refusal leaves the engine serving
+    assert engine.generate("fine", PROMPT, SamplingParams(max_tokens=2))["token_ids"]

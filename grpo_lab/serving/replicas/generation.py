@@ -10,7 +10,6 @@ prompt token is always recomputed, and pause (mode=keep) freezes generation betw
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import threading
@@ -25,6 +24,7 @@ from ...models.hf_compat import cache_keyword
 from ..adapters.cache import AdapterCache
 from ..adapters.storage import local_copy_matches, read_manifest
 from ..routing.prefix_hash import block_hashes
+from .lora_slot import AdapterFormatError, LoraSlot, LoraWeights
 from .prefix_kv_cache import PrefixKVCache
 from .config import CPUReplicaConfig
 
@@ -38,12 +38,6 @@ class RequestError(Exception):
 
 
 CLIENT_CLOSED = "ClientClosed"
-
-
-def peft_name(name: str) -> str:
-    """The name PEFT holds adapter `name` under: vLLM serves any name, but PEFT refuses a '.' (a module path), and a
-    pool run such as `lr0.001` names its adapters after itself; hex keeps distinct names distinct."""
-    return "a" + name.encode().hex()
 
 
 def _stop_if(aborted: Callable[[], bool]) -> None:
@@ -102,9 +96,11 @@ class Engine:
         torch.set_num_threads(config.torch_threads)
         self.config = config
         self.base = _load_base(config).eval()
-        self.model = self.base  # becomes a PeftModel once an adapter is loaded
+        self.model = self.base  # the LoRA slot's PEFT model once an adapter is loaded (`lora_slot`)
+        self.slot: LoraSlot | None = None
         self._cache_keyword = cache_keyword(self.base)
-        self.adapters: dict[str, str] = {}
+        self.adapters: dict[str, str] = {}  # name -> where it was loaded from
+        self._weights: dict[str, LoraWeights] = {}
         self.cache = PrefixKVCache(config.prefix_cache_blocks, config.block_size)
         eos = self.base.config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -116,7 +112,7 @@ class Engine:
         self._adapter_cache = None  # local copies of adapters published on object stores, made at the first one
         self.generated_tokens = 0
         self.requests = 0
-        self._active: str | None = None  # the adapter PEFT has active; None after a load or unload
+        self._active: str | None = None  # the model name whose weights fill the slot; None: unknown
         self.work_seconds: dict[str, float] = {}  # wall seconds per kind of work (`_timed`), for /metrics
         self.work_count: dict[str, int] = {}
 
@@ -197,41 +193,25 @@ class Engine:
         self._check_manifest(path)
         if len(self.adapters) >= self.config.max_loras:
             raise RequestError(400, f"cannot hold more than max_loras={self.config.max_loras} adapters; unload one")
-        try:
-            with open(os.path.join(path, "adapter_config.json")) as f:
-                adapter_config = json.load(f)
-        except (OSError, ValueError) as error:
-            raise RequestError(400, f"unreadable adapter_config.json in {path}: {error}") from None
-        rank = adapter_config.get("r", 0)
-        if not isinstance(rank, int) or rank > self.config.max_lora_rank:
-            raise RequestError(400, f"LoRA rank {rank} is greater than max_lora_rank {self.config.max_lora_rank}.")
-        from peft import PeftModel
-
         with self._lock:
-            try:
-                if self.model is self.base:
-                    self.model = PeftModel.from_pretrained(self.base, path, adapter_name=peft_name(name),
-                                                           is_trainable=False)
-                else:
-                    self.model.load_adapter(path, adapter_name=peft_name(name), is_trainable=False)
-            except Exception as error:  # a broken checkpoint is the client's problem, not a crash
-                raise RequestError(400, f"failed to load adapter from {path}: {type(error).__name__}: {error}") \
-                    from None
-            self.model.eval()
+            if self.slot is None:  # the first adapter: wrap the base once, for good
+                self.slot = LoraSlot(self.base, self.config.max_lora_rank)
+                self.model, self._active = self.slot.model, None
+        try:
+            weights = self.slot.read(path)  # a file read, not a change to the model: no lock
+        except AdapterFormatError as error:
+            raise RequestError(400, str(error)) from None
+        with self._lock:
+            self._weights[name] = weights
             self.adapters[name] = source
-            self._active = None
 
     def unload_adapter(self, name: str) -> None:
         if name not in self.adapters:
             raise RequestError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
         with self._timed("adapter_unload"), self._lock:
-            del self.adapters[name]
-            self._active = None
-            if self.adapters:
-                self.model.delete_adapter(peft_name(name))
-            else:  # PEFT keeps at least one adapter: drop the wrapper instead
-                self.model = self.model.unload()
-                self.base = self.model
+            del self.adapters[name], self._weights[name]
+            if self._active == name:
+                self._active = None
             self.cache.drop_namespace(name)
         self._forget_copy(name)
 
@@ -266,18 +246,15 @@ class Engine:
 
     @contextlib.contextmanager
     def _using(self, model_name: str):
-        """Hold the model with `model_name` active: an adapter, or the base with adapters disabled."""
+        """Hold the model with `model_name` in the LoRA slot: an adapter's weights, or none for the base. The slot is
+        filled when the name changes, not at every token."""
         with self._lock:
-            if model_name in self.adapters:
-                if self._active != model_name:  # PEFT's switch walks every module for every adapter held: once
-                    self.model.set_adapter(peft_name(model_name))  # per change, not per token
-                    self._active = model_name
-                yield
-            elif model_name in self.config.served_model_names:
-                with self.model.disable_adapter() if self.model is not self.base else contextlib.nullcontext():
-                    yield
-            else:
+            if model_name not in self.adapters and model_name not in self.config.served_model_names:
                 raise RequestError(404, f"The model `{model_name}` was unloaded during generation.", "NotFoundError")
+            if self.slot is not None and self._active != model_name:
+                self.slot.activate(self._weights.get(model_name))
+                self._active = model_name
+            yield
 
     def _run(self, prompt, hashes, namespace, params, generator, aborted) -> dict:
         self.running.wait()  # requests that arrive while paused wait before prefill
