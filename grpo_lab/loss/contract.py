@@ -67,6 +67,12 @@ def scatter_rows(rows: torch.Tensor | None, n: int, *tensors):
     return tuple(t if t is None or rows is None else t.new_zeros(n).index_copy(0, rows, t) for t in tensors)
 
 
+def scatter_grad(valid_grad: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The valid rows' input gradient as one for all of `hidden` (zero rows elsewhere), in `hidden`'s dtype."""
+    valid_grad = valid_grad.to(hidden.dtype)
+    return valid_grad if rows is None else torch.zeros_like(hidden).index_copy_(0, rows, valid_grad)
+
+
 # --- which head computation a call needs -----------------------------------------------------------------------------
 def head_mode(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """`inference` (no gradient will be asked for), `frozen` (only the hidden states need one: PEFT / LoRA, FSDP2 +

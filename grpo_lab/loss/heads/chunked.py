@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..contract import (OPTIONAL_OUTPUTS, check_logprob_inputs, compute_dtype_of, head_mode, outputs_from_stats,
-                        scatter_rows, select_rows, valid_rows)
+                        scatter_grad, scatter_rows, select_rows, valid_rows)
 from ..frozen import entropy_grad_expected, frozen_input_grad, note_entropy_grad
 
 TOKEN_TILE = 1024
@@ -104,7 +104,7 @@ class ChunkedLogProbFunction(torch.autograd.Function):
         else:
             ctx.frozen = None
         ctx.save_for_backward(hidden, weight, bias, targets, log_z, entropy if entropy is not None else log_z, rows)
-        ctx.conf = (vocab_tile, softcap, logit_scale, inv_t, rows is not None)
+        ctx.conf = (vocab_tile, softcap, logit_scale, inv_t)
         ctx.has_entropy = entropy is not None
         ctx.mark_non_differentiable(*(x for x in extras if x is not None))
         return scatter_rows(rows, n, logprobs, entropy, *extras)
@@ -112,7 +112,7 @@ class ChunkedLogProbFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
         hidden, weight, bias, targets, log_z, entropy, rows = ctx.saved_tensors
-        vocab_tile, softcap, logit_scale, inv_t, compacted = ctx.conf
+        vocab_tile, softcap, logit_scale, inv_t = ctx.conf
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         h, y, g, ge = select_rows(rows, hidden, targets, grad_logprobs, grad_entropy)
         g = None if g is None else g.float()
@@ -123,9 +123,7 @@ class ChunkedLogProbFunction(torch.autograd.Function):
             if need_h and (ge is None or acc_plogp is not None):
                 grad_h = _frozen_grad(h, weight, y, g, ge, acc_p, acc_plogp, logprobs,
                                       entropy if ctx.has_entropy else None, target_logit, softcap, logit_scale, inv_t)
-                if compacted:
-                    grad_h = torch.zeros(hidden.shape, device=hidden.device).index_copy(0, rows, grad_h)
-                return (grad_h.to(hidden.dtype), None, None, None, None, None, None, None, None, None)
+                return (scatter_grad(grad_h, hidden, rows), None, None, None, None, None, None, None, None, None)
             # an entropy gradient the forward did not prepare for: the recomputing backward below, dX only
         m_rows, vocab = h.shape[0], weight.shape[0]
         dev = hidden.device
@@ -161,10 +159,8 @@ class ChunkedLogProbFunction(torch.autograd.Function):
                         grad_w[v0:v1] += dz.t() @ h32
                     if grad_b is not None:
                         grad_b[v0:v1] += dz.sum(0)
-        if grad_h is not None and compacted:
-            grad_h = torch.zeros(hidden.shape, device=dev).index_copy(0, rows, grad_h)
         return (
-            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_h is None else scatter_grad(grad_h, hidden, rows),
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
             None, None, None, None, None, None, None,

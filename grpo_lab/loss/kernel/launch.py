@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..contract import scatter_grad
 from .policy import SPARE_BYTES, free_device_bytes, materialize_decision, record_path
 from .triton_kernels import (bwd_kernel, dz_from_p_kernel, frozen_dx_kernel, frozen_finish_kernel, fwd_kernel,
                              merge_kernel, mm_kernel, ref_logit_kernel)
@@ -146,13 +147,12 @@ class _FrozenSink:
     def views(self, t0, t1, v0, v1, bm, bn, tma_loads):
         """(p, pz, ref rows, row stride, store pz, through descriptors) for the launch on rows t0:t1 and vocabulary
         v0:v1: the buffer's planes, or descriptors of their [rows, chunk] views (`p_tma`)."""
-        p, pz = self.buf[0], self.buf[-1]
+        p, pz, through = self.buf[0], self.buf[-1], False
         if TUNING.p_tma[dtype_key(self.compute)] and tma_loads:
-            (p, tma_p), (pz, tma_pz) = (_store_target(x[: t1 - t0, : v1 - v0], bm, bn, True) for x in (p, pz))
+            (dp, tma_p), (dpz, tma_pz) = (_store_target(x[: t1 - t0, : v1 - v0], bm, bn, True) for x in (p, pz))
             if tma_p and tma_pz:
-                return p, pz, self.ref[t0:t1], self.buf.stride(1), self.buf.shape[0] == 2, True
-            p, pz = self.buf[0], self.buf[-1]
-        return p, pz, self.ref[t0:t1], self.buf.stride(1), self.buf.shape[0] == 2, False
+                p, pz, through = dp, dpz, True
+        return p, pz, self.ref[t0:t1], self.buf.stride(1), self.buf.shape[0] == 2, through
 
     def consume(self, t0, t1, v0, v1):
         w_c = self.weight[v0:v1].to(self.compute)
@@ -161,7 +161,8 @@ class _FrozenSink:
 
 
 class _RefSink:
-    """No stores: only the per-row ref the statistics are taken against (`ref_stats_plain`)."""
+    """No stores: only the per-row ref the statistics are taken against (`ref_stats_plain`). All rows per launch;
+    the vocabulary chunk follows the statistics budget (so also for `_MaterializedSink`)."""
 
     p_mode = 0
     t_tile = None
@@ -177,23 +178,19 @@ class _RefSink:
         pass
 
 
-class _MaterializedSink:
+class _MaterializedSink(_RefSink):
     """Trainable head with memory allowed for speed: e^(z − ref) of every row and vocabulary entry is kept
     (`full`, [rows, V] in the compute dtype), so the backward is an elementwise pass and two GEMMs, no recompute."""
 
     p_mode = 2
-    t_tile = None  # all rows per launch; the vocabulary chunk follows the statistics budget
-    v_tile = None
 
     def __init__(self, full, ref):
-        self.full, self.ref = full, ref
+        super().__init__(ref)
+        self.full = full
 
     def views(self, t0, t1, v0, v1, bm, bn, tma_loads):
         view = self.full[t0:t1, v0:]
         return view, view, self.ref[t0:t1], self.full.stride(0), False, False
-
-    def consume(self, t0, t1, v0, v1):
-        pass
 
 
 def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink=None):
@@ -457,12 +454,6 @@ def choose_path(mode: str, compute: torch.dtype, softcap, n_valid: int, vocab: i
     return path
 
 
-def _scatter_rows(valid_grad, hidden, rows):
-    if rows is None:
-        return valid_grad
-    return torch.zeros_like(hidden).index_copy_(0, rows, valid_grad.to(hidden.dtype))
-
-
 def frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy, tlogit, softcap, logit_scale, inv_t, compute,
                     rows):
     """dX of the frozen path: elementwise from A, B and the statistics (`frozen.frozen_input_grad`)."""
@@ -479,7 +470,7 @@ def frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy, tlogit, so
         float(inv_t * logit_scale), 1.0 / (float(softcap) * inv_t) if softcap is not None else 1.0,
         HAS_G=g is not None, HAS_GE=has_ge, HAS_B=acc.shape[0] == 2, HAS_SOFTCAP=softcap is not None,
         COMPUTE=TL_DTYPE[compute], BR=br, BH=bh, num_warps=4)
-    return _scatter_rows(out, hidden, rows)
+    return scatter_grad(out, hidden, rows)
 
 
 def materialized_backward(extra, hidden, weight, bias, y, g, ge, entropy, scale, compute, rows, need_h, need_w,
@@ -497,7 +488,7 @@ def materialized_backward(extra, hidden, weight, bias, y, g, ge, entropy, scale,
     if need_h:
         w_c = weight.to(compute)
         grad_h = torch.mm(full, w_c) if compute == torch.float32 else torch.mm(full, w_c, out_dtype=torch.float32)
-        grad_h = _scatter_rows(grad_h.to(hidden.dtype), hidden, rows)
+        grad_h = scatter_grad(grad_h, hidden, rows)
     if need_w:
         h = hidden if rows is None else hidden.index_select(0, rows)
         grad_w = torch.empty_like(weight)
@@ -570,6 +561,6 @@ def recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, sof
                 grad_w[v0:v1].copy_(dw_buf[: v1 - v0])
     grad_h = None
     if need_h:
-        grad_h = _scatter_rows(grad_h_valid.to(hidden.dtype), hidden, rows)
+        grad_h = scatter_grad(grad_h_valid, hidden, rows)
     return grad_h, grad_w, grad_b
 
