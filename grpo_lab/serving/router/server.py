@@ -39,8 +39,6 @@ from ..tenancy.views import VIEW, PoolView
 from ..wire.upstream import TRANSPORT_ERRORS, Reply, UpstreamClient, error_body, now
 from ..wire.vllm_routes import add_vllm_routes, error_response, pause_mode_refusal
 
-log = logging.getLogger(__name__)
-
 NCCL_ENDPOINTS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
                   "/get_world_size", "/init_communicator", "/close_communicator", "/update_named_param")
 NCCL_REFUSAL = ("the grpo_lab router fronts several independent replicas and cannot fan out NCCL weight transfer; "

@@ -2,7 +2,7 @@
 
 aiohttp lets a handler run on after its client disconnects, so a killed trainer's rollouts would keep replicas
 generating for nobody, hold a shared pool's places and keep its lease alive. The router runs each completion as a
-task and cancels it once the client's connection is closed (checked every `poll_s`); closing the upstream
+task and cancels it once the client's connection is closed (checked every `POLL_S`); closing the upstream
 connection makes a vLLM replica abort the generation too.
 """
 
@@ -28,13 +28,12 @@ def client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def unless_client_gone(request: web.Request, work: Awaitable[web.Response],
-                             poll_s: float = POLL_S) -> web.Response | None:
+async def unless_client_gone(request: web.Request, work: Awaitable[web.Response]) -> web.Response | None:
     """`await work`, or cancel it and return None once the client of `request` is gone."""
     task = asyncio.ensure_future(work)
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            done, _ = await asyncio.wait({task}, timeout=POLL_S)
             if done:
                 return task.result()
             if client_gone(request):
