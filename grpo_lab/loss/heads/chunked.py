@@ -51,13 +51,8 @@ class ChunkedLogProbFunction(torch.autograd.Function):
         h, y = select_rows(rows, hidden, targets)
         m_rows = h.shape[0]
         dev = hidden.device
-        running_max = torch.full((m_rows,), float("-inf"), device=dev)
-        sum_exp = torch.zeros(m_rows, device=dev)
-        z_sum_exp = torch.zeros(m_rows, device=dev)
-        sq_sum_exp = torch.zeros(m_rows, device=dev)
-        z_sum = torch.zeros(m_rows, device=dev)
-        target_logit = torch.zeros(m_rows, device=dev)
-        max_before_target = torch.full((m_rows,), float("-inf"), device=dev)
+        sum_exp, z_sum_exp, sq_sum_exp, z_sum, target_logit = torch.zeros(5, m_rows, device=dev)
+        running_max, max_before_target = torch.full((2, m_rows), float("-inf"), device=dev)
         want = {name: name in outputs for name in OPTIONAL_OUTPUTS}
         frozen = mode == "frozen"
         acc_p = torch.zeros(h.shape, device=dev) if frozen else None

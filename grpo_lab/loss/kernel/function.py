@@ -50,15 +50,8 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
                 ctx.extra = (acc, logprobs.clone(), stats[-1], pending)
             elif path == "materialized":
                 ctx.extra = (full, logprobs.clone(), shift)
-        else:
-            log_z = torch.zeros(0, device=dev)
-            logprobs = torch.zeros(0, device=dev)
-            entropy = torch.zeros(0, device=dev) if want["entropy"] else None
-            extras = (
-                torch.zeros(0, device=dev) if want["log_sum_sq_probs"] else None,
-                torch.zeros(0, device=dev) if want["mean_logits"] else None,
-                torch.zeros(0, device=dev, dtype=torch.bool) if want["is_top1"] else None,
-            )
+        else:  # no valid row: empty outputs of the right kinds
+            log_z, logprobs, entropy, extras = outputs_from_stats(*torch.zeros(7, 0, device=dev), vocab, want)
         ctx.save_for_backward(hidden, weight, bias, y, log_z, entropy if entropy is not None else log_z, rows)
         ctx.conf = (softcap, logit_scale, inv_t, compute, n_valid, entropy is not None)
         outs = scatter_rows(rows, n, logprobs, entropy, *extras)
