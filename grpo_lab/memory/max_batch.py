@@ -132,14 +132,13 @@ def search_max_batch(fits: Callable[[int], tuple[bool, dict]], start: int = 1, u
             on_probe(b, ok)
         return ok
 
-    lo, hi = 0, None  # lo fits (0 = nothing yet), hi does not fit
     for b, details in sorted((known or {}).items()):
         if details.get("status") in ("ok", "oom") and 1 <= b <= upper:
             res.results[b] = dict(details)
             res.probes.append((b, details["status"]))
             res.resumed += 1
-    fitted = [b for b, r in res.results.items() if r["status"] == "ok"]
-    lo = max(fitted, default=0)
+    # lo fits (0 = nothing yet), hi does not fit
+    lo = max((b for b, r in res.results.items() if r["status"] == "ok"), default=0)
     hi = min((b for b, r in res.results.items() if r["status"] == "oom" and b > lo), default=None)
     if not res.results:
         if out_of_time is not None and out_of_time():

@@ -509,8 +509,7 @@ def recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, sof
     grad_b = torch.zeros(vocab, device=dev, dtype=torch.float32) if (need_b and bias is not None) else None
     grad_h_valid = torch.zeros((n_valid, k), device=dev, dtype=torch.float32) if need_h else None
     if n_valid > 0 and (g is not None or ge is not None) and (need_h or need_w or need_b):
-        h = hidden if rows is None else hidden.index_select(0, rows)
-        h = h.contiguous()
+        h = (hidden if rows is None else hidden.index_select(0, rows)).contiguous()
         h_c = h.to(compute)
         bm, bn, bk, group_m, warps, stages = _config("bwd", compute)
         tokens, vocab_tile = dz_tile
