@@ -160,8 +160,6 @@ class PointSpec(StepSetting):
                              "after the model is sharded.")
         if self.budget_bytes is not None and self.budget_bytes <= 0:
             raise ValueError(f"budget must be positive, got {self.budget_bytes}.")
-        if self.mode == "step" and self.batch_size * self.world_size < 2 and self.steps < 1:
-            raise ValueError("GRPO needs at least 2 completions per step.")
 
     def _check_model(self) -> None:
         if not self.pretrained:
