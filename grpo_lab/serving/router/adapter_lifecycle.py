@@ -28,8 +28,6 @@ class AdapterLifecycle:
     def __init__(self, pool: ReplicaPool, client: UpstreamClient, config: RouterConfig, metrics: Registry):
         self.pool, self.client, self.config, self.metrics = pool, client, config, metrics
         self.drainer = Drainer(pool)
-        self._load_limits = dict(deadline_s=config.load_retry_deadline_s, interval_s=config.load_retry_interval_s,
-                                 timeout_s=config.control_timeout_s)  # how each replica's load is retried
 
     async def load(self, body: dict) -> web.Response:
         """`POST /v1/load_lora_adapter` with the JSON `body`: all or nothing across the replicas in service, after
@@ -86,7 +84,7 @@ class AdapterLifecycle:
     async def _load_everywhere(self, targets, name: str, path: str) -> tuple[bool, list[Outcome]]:
         """All or nothing on `targets`; re-admission unloads what a failed rollback left (`on_stale`)."""
         return await load_everywhere(self.client, targets, name, path, on_stale=self.pool.mark_down,
-                                     **self._load_limits)
+                                     **self.pool.load_limits)
 
     def _count_load(self, outcomes: list[Outcome], ok: bool) -> None:
         for o in outcomes:
@@ -100,7 +98,7 @@ class AdapterLifecycle:
         """Replicas admitted while the load ran (they synced the live set, which did not have it yet) load it now;
         one that cannot leaves routing and gets it at re-admission."""
         for replica in [r for r in self.pool.in_service() if name not in r.adapters]:
-            outcome = await load_one(self.client, replica, name, path, **self._load_limits)
+            outcome = await load_one(self.client, replica, name, path, **self.pool.load_limits)
             if outcome.ok:
                 replica.adapters[name] = path
             else:

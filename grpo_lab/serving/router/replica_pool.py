@@ -68,6 +68,8 @@ class ReplicaPool:
         self.control_lock = asyncio.Lock()  # admissions, load commits, unload bookkeeping and pause/resume
         self._name_locks: dict[str, list] = {}  # adapter name -> [lock, users]: loads/unloads of one name in order
         self.slot_freed = asyncio.Event()  # set (and replaced) whenever an adapter leaves a replica
+        self.load_limits = dict(deadline_s=config.load_retry_deadline_s, interval_s=config.load_retry_interval_s,
+                                timeout_s=config.control_timeout_s)  # how each replica's adapter load is retried
 
     # -- state ---------------------------------------------------------------------------------------------------
     @property
@@ -273,19 +275,16 @@ class ReplicaPool:
         if adopt:
             self.live_adapters.update(present)
             self.save_state()
-        timeout = self.config.control_timeout_s
         # a name being loaded right now is left alone: that load either commits it or rolls it back here
         for name in [n for n in present if n not in self.live_adapters and n not in replica.transitioning]:
-            outcome = await unload_one(self.client, replica, name, timeout)
+            outcome = await unload_one(self.client, replica, name, self.config.control_timeout_s)
             if not outcome.ok:
                 replica.last_error = f"could not unload stale adapter {name}: {outcome.message}"
                 return False
         replica.adapters = {}
         for name, path in self.live_adapters.items():
             if (present.get(name) or "").rstrip("/") != path.rstrip("/"):  # not held there from the same path
-                outcome = await load_one(self.client, replica, name, path, timeout_s=timeout,
-                                         deadline_s=self.config.load_retry_deadline_s,
-                                         interval_s=self.config.load_retry_interval_s)
+                outcome = await load_one(self.client, replica, name, path, **self.load_limits)
                 self.count_retries(outcome)
                 if not outcome.ok:
                     replica.last_error = (f"could not load live adapter {name}: {outcome.status} "
