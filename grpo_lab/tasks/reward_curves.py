@@ -472,8 +472,7 @@ def main(argv=None):
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but no CUDA device is visible")
     torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        cfg.validate()
+    try:  # prepare() validates the config before any work
         s = run_reward_curves(cfg, a.out, board=False, tag=a.tag or a.variant)
     except ValueError as e:  # a bad setting is a one-line message, not a traceback
         p.error(str(e))
