@@ -58,17 +58,14 @@ class ParamForm:
         if _w is None or self._display is None:
             return
         label_px = label_width_px([name.replace("_", " ") for name in self.params])
+        numbers = {bool: _w.Checkbox, int: _w.IntText, float: _w.FloatText}
         for name, value in self.params.items():
             desc = name.replace("_", " ")
             style = {"description_width": f"{label_px}px"}
             if name in self.choices:
                 c = _w.Dropdown(options=list(self.choices[name]), value=value, description=desc, style=style)
-            elif isinstance(value, bool):
-                c = _w.Checkbox(value=value, description=desc, style=style)
-            elif isinstance(value, int):
-                c = _w.IntText(value=value, description=desc, style=style)
-            elif isinstance(value, float):
-                c = _w.FloatText(value=value, description=desc, style=style)
+            elif type(value) in numbers:
+                c = numbers[type(value)](value=value, description=desc, style=style)
             else:
                 text = ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
                 c = _w.Text(value=text, description=desc, style=style,
