@@ -273,22 +273,20 @@ def parity(runs: list[dict], metrics=("reward", "loss")) -> dict:
     """Largest per-step |difference| of each metric between every backend and the first one, and the first step
     at which any backend's reward differs (where the sampled rollouts stop being the same), None if never."""
     ref = {r["step"]: r for r in runs[0]["rows"]}
-    out = {f"max_abs_delta_{m}": max([0.0, *(abs(a - b) for run in runs[1:] for r in run["rows"]
-                                              if (a := r.get(m)) is not None
-                                              and (b := ref.get(r["step"], {}).get(m)) is not None)])
-           for m in metrics}
+
+    def max_delta(m, before=None):  # over the steps both runs logged `m` at (before step `before`)
+        return max([0.0, *(abs(a - b) for run in runs[1:] for r in run["rows"]
+                           if (before is None or r["step"] < before) and (a := r.get(m)) is not None
+                           and (b := ref.get(r["step"], {}).get(m)) is not None)])
+
+    out = {f"max_abs_delta_{m}": max_delta(m) for m in metrics}
     # rollouts differ once any statistic of them does: a flipped token can swap one wrong answer for another
     # (same reward) but rarely leaves the reward spread and the completion length unchanged too
     rollout_stats = ("reward", "reward_std", "completion_length")
     diverged = [r["step"] for run in runs[1:] for r in run["rows"]
                 if r.get("reward") is not None and any(r.get(k) != ref.get(r["step"], {}).get(k) for k in rollout_stats)]
     out["first_divergent_step"] = min(diverged) if diverged else None
-    same = [r["step"] for r in runs[0]["rows"] if out["first_divergent_step"] is None
-            or r["step"] < out["first_divergent_step"]]
-    out["max_abs_delta_loss_before_divergence"] = max(
-        [abs(r["loss"] - ref[r["step"]]["loss"]) for run in runs[1:] for r in run["rows"]
-         if r["step"] in same and r.get("loss") is not None and ref.get(r["step"], {}).get("loss") is not None],
-        default=0.0)
+    out["max_abs_delta_loss_before_divergence"] = max_delta("loss", out["first_divergent_step"])
     return out
 
 
