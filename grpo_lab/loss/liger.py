@@ -75,17 +75,11 @@ def check_liger_supports(trainer) -> None:
 
 def make_liger_loss(config: GRPOLossConfig, compiled: bool = False):
     """A `LigerFusedLinearGRPOLoss` configured with TRL's semantics for `config` (not Liger's own defaults)."""
-    cls = _liger_loss_class()
-    return cls(
-        beta=config.beta, compiled=compiled, use_ref_model=config.beta != 0.0, epsilon_low=config.epsilon_low,
-        epsilon_high=config.epsilon_high_value, loss_type=config.loss_type,
-        max_completion_length=config.max_completion_length,
-        importance_sampling_level=config.importance_sampling_level, temperature=config.temperature,
-        delta=config.delta, use_bias_correction_kl=config.use_bias_correction_kl,
-        sapo_temperature_pos=config.sapo_temperature_pos, sapo_temperature_neg=config.sapo_temperature_neg,
-        vespo_k_pos=config.vespo_k_pos, vespo_lambda_pos=config.vespo_lambda_pos, vespo_k_neg=config.vespo_k_neg,
-        vespo_lambda_neg=config.vespo_lambda_neg,
-    )
+    same_name = ("beta", "loss_type", "max_completion_length", "importance_sampling_level", "temperature", "delta",
+                 "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                 "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")  # Liger's argument = the config's field
+    return _liger_loss_class()(compiled=compiled, use_ref_model=config.beta != 0.0, epsilon_low=config.epsilon_low,
+                               epsilon_high=config.epsilon_high_value, **{k: getattr(config, k) for k in same_name})
 
 
 def _last_hidden_state(model, input_ids, attention_mask, logits_to_keep):
