@@ -80,15 +80,12 @@ def as_llama(model):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     c = model.config
-    config = LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        rope_parameters=dict(c.rope_parameters), tie_word_embeddings=True, attention_bias=True, mlp_bias=False,
-        hidden_act=c.hidden_act, pad_token_id=c.pad_token_id, eos_token_id=c.eos_token_id,
-        bos_token_id=c.bos_token_id)
-    llama = LlamaForCausalLM(config)
+    same = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "hidden_act", "pad_token_id",
+            "eos_token_id", "bos_token_id")
+    llama = LlamaForCausalLM(LlamaConfig(
+        **{k: getattr(c, k) for k in same}, head_dim=c.hidden_size // c.num_attention_heads,
+        rope_parameters=dict(c.rope_parameters), tie_word_embeddings=True, attention_bias=True, mlp_bias=False))
     state = dict(model.state_dict())
     for name, param in llama.state_dict().items():
         if name.endswith("o_proj.bias"):
