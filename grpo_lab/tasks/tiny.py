@@ -7,7 +7,7 @@ the recipe's math reward grades them; the pairs are split once into a training a
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -48,13 +48,9 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig | 
     """A random-init Qwen2-architecture causal LM sized for the character vocabulary (the tokenizer's eos and pad
     reach its generation config through the model config)."""
     cfg = cfg or TinyModelConfig()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id, use_cache=True,
-    )
+    config = Qwen2Config(vocab_size=len(tokenizer), **asdict(cfg), tie_word_embeddings=True, use_cache=True,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.eos_token_id)  # TinyModelConfig's fields are Qwen2Config's
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
