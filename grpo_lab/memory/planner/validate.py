@@ -69,16 +69,12 @@ def notebook01_rows(df: pd.DataFrame) -> list[dict]:
     """Notebook 01 (Qwen3-0.6B, full fine-tuning, 2 steps, no FSDP): training steps and the loss alone."""
     out = []
     for _, r in df[df["status"] == "ok"].iterrows():
-        if r["mode"] == "step":
-            cfg = _config(r, lora_r=0, fsdp=False, optimizer_state=True)
-            p = plan(cfg)
-            out.append(_row("H200 notebook 01 (step)", cfg, "step", r["peak_gib"], p.peak_gib, p.peak_phase, src=r))
-        else:
-            cfg = _config(r, lora_r=0, fsdp=False)
-            p = plan_loss_only(cfg)
-            note = OLD_KERNEL_NB01 if r["backend"] == "grpo_lab" else ""
-            out.append(_row("H200 notebook 01 (loss alone)", cfg, "loss", r["peak_gib"], p.peak_gib, p.peak_phase,
-                            note=note, src=r))
+        step = r["mode"] == "step"
+        cfg = _config(r, lora_r=0, fsdp=False)
+        p = plan(cfg) if step else plan_loss_only(cfg)
+        note = OLD_KERNEL_NB01 if not step and r["backend"] == "grpo_lab" else ""
+        out.append(_row(f"H200 notebook 01 ({'step' if step else 'loss alone'})", cfg, r["mode"], r["peak_gib"],
+                        p.peak_gib, p.peak_phase, note=note, src=r))
     return out
 
 
