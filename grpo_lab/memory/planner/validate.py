@@ -79,15 +79,8 @@ def notebook01_rows(df: pd.DataFrame) -> list[dict]:
 
 
 def notebook02_rows(df: pd.DataFrame, source: str = "H200 notebook 02 (probes)") -> list[dict]:
-    """Notebook 02's probes (FSDP2 + LoRA, world size 1, one step)."""
-    out = []
-    for _, r in df[df["status"] == "ok"].iterrows():
-        cfg = _config(r, lora_r=int(r["lora_r"]), fsdp=True, world_size=int(r["world_size"]),
-                      optimizer_state=_multi_step(r))
-        p = plan(cfg)
-        out.append(_row(source, cfg, "step", r["peak_gib"], p.peak_gib, p.peak_phase,
-                        calibration="CUDA_WORKSPACE_BYTES", src=r))
-    return out
+    """Notebook 02's probes (FSDP2 + LoRA, world size 1, one step): harness rows, as `planner.check` writes."""
+    return planner_check_rows(df, source, calibration="CUDA_WORKSPACE_BYTES")
 
 
 def loss_kernel_rows(df: pd.DataFrame) -> list[dict]:
