@@ -84,7 +84,7 @@ def set_loss_backend(trainer, name: str):
     """
     name = resolve_backend(name)
     if name == "liger":  # refuse before touching the trainer: a failed switch leaves it as it was
-        from .liger import check_liger_supports
+        from .liger import check_liger_supports, liger_compute_loss
 
         check_liger_supports(trainer)
     for attr in (*_SCOPED_METHODS, "_compute_loss"):
@@ -92,8 +92,6 @@ def set_loss_backend(trainer, name: str):
         if current is not None and hasattr(current, "_grpo_lab_original"):
             del trainer.__dict__[attr]  # back to the class's own method
     if name == "liger":
-        from .liger import liger_compute_loss
-
         trainer._compute_loss = functools.partial(liger_compute_loss, trainer)
         trainer._compute_loss._grpo_lab_original = trainer._compute_loss  # ours: the next switch removes it
     elif name != "trl":
