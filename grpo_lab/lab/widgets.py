@@ -26,6 +26,11 @@ def _ipython_display():
     return display
 
 
+def widget_module():
+    """ipywidgets when there is a kernel to show them in, else None."""
+    return _w if _ipython_display() is not None else None
+
+
 CHAR_PX = 8  # a generous average width of a 13 px UI font character, so labels and values are never cut
 
 

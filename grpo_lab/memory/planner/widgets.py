@@ -9,8 +9,8 @@ import html
 
 import pandas as pd
 
-from grpo_lab.lab.live_board import fig_to_png, ipython_shell
-from grpo_lab.lab.widgets import label_width_px
+from grpo_lab.lab.live_board import fig_to_png
+from grpo_lab.lab.widgets import label_width_px, widget_module
 from grpo_lab.loss.backends import BASELINE_BACKEND, DEFAULT_LOSS_BACKEND, DISPLAY_ORDER
 from grpo_lab.models import known_model_names
 
@@ -101,7 +101,7 @@ class PlannerPanel:
             raise ValueError(f"Unknown model {model!r}: use one of {', '.join(self.models)}.")
         self.controls: dict = {}
         self.summary = self.plot = None
-        self._w = _widgets()
+        self._w = widget_module()  # None: `show` displays a static summary and figure
 
     def current(self) -> dict:
         """The panel's values: the controls' where shown, else the ones it was made with."""
@@ -191,17 +191,6 @@ def _png(fig):
         return Image(data=fig_to_png(fig, dpi=90))
     finally:
         plt.close(fig)
-
-
-def _widgets():
-    """ipywidgets inside a kernel, else None (then `show` displays a static summary and figure)."""
-    if ipython_shell() is None:
-        return None
-    try:
-        import ipywidgets
-    except ImportError:
-        return None
-    return ipywidgets
 
 
 def searches_against_planner(searches: pd.DataFrame | None) -> pd.DataFrame:
