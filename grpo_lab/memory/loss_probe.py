@@ -42,11 +42,9 @@ def run_loss_probe(spec: PointSpec) -> dict:
     else:
         fn = logprob_head(spec.loss_backend)
         # the vocabulary tile TRL's trainer passes to every backend (trl/trainer/utils.py), unless overridden
-        try:
-            from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as trl_chunk
-        except ImportError:
-            trl_chunk = 32768
-        chunk = spec.chunk_size or trl_chunk
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+        chunk = spec.chunk_size or _CHUNKED_LOGPROB_CHUNK_SIZE
 
         def step():
             out = fn(hidden.view(B * T, H), weight, None, targets.view(-1), 1.0, chunk, None, 1.0,
