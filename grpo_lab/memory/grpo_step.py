@@ -102,10 +102,7 @@ def num_generations_for(batch_size: int, world_size: int) -> tuple[int, int]:
     total = batch_size * world_size
     if total == 1:
         return 2, 2
-    for g in range(2, total + 1):
-        if total % g == 0:
-            return g, 1
-    return total, 1
+    return next(g for g in range(2, total + 1) if total % g == 0), 1
 
 
 def model_config_of(spec: PointSpec):

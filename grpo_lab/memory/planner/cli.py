@@ -68,8 +68,7 @@ def main(argv=None) -> int:
         if a.expandable_segments and a.headroom is not None:
             raise ValueError("give --headroom or --expandable-segments, not both")
         base = PlannerConfig(model=a.model, loss_backend=a.loss_backend, dtype=a.dtype, lora_r=a.lora_r,
-                             world_size=a.gpus,
-                             fsdp=True if (a.gpus > 1 or a.fsdp_single) else False, prompt_len=a.prompt,
+                             world_size=a.gpus, fsdp=a.gpus > 1 or a.fsdp_single, prompt_len=a.prompt,
                              completion_len=a.completion, gradient_checkpointing=not a.no_checkpointing,
                              batch_size=a.batch or 1, expandable_segments=a.expandable_segments)
         sizes = _world_sizes(a.world_sizes) if a.world_sizes else None
@@ -104,8 +103,8 @@ def main(argv=None) -> int:
     if sizes:
         print("max batch per GPU over GPU counts (predicted):")
         print("  GPUs  " + "  ".join(f"{w:>6}" for w in sizes))
-        row = [max_batch(base.replace(world_size=w, fsdp=True if (w > 1 or base.fsdp) else False), a.gib,
-                         headroom=a.headroom).batch for w in sizes]
+        row = [max_batch(base.replace(world_size=w, fsdp=w > 1 or base.fsdp), a.gib, headroom=a.headroom).batch
+               for w in sizes]
         print("  batch " + "  ".join(f"{b:>6}" for b in row))
     return 0
 

@@ -44,7 +44,7 @@ def world_size_table(base: PlannerConfig, budget_gib: float, backends=DISPLAY_OR
     rows = []
     for backend in backends:
         for w in world_sizes:
-            cfg = base.replace(loss_backend=backend, world_size=w, fsdp=True if (w > 1 or base.fsdp) else base.fsdp)
+            cfg = base.replace(loss_backend=backend, world_size=w, fsdp=w > 1 or base.fsdp)
             m = max_batch(cfg, budget_gib, upper=upper)
             rows.append({"model": base.model, "backend": backend, "world_size": w, "budget_gib": budget_gib,
                          "max_batch": m.batch, "peak_gib": m.peak_bytes / 2**30, "capped": m.capped,
