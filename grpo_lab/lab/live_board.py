@@ -14,6 +14,7 @@ PNGs redrawn at most every `redraw_every_s` (the last always, by `done`/`close`)
 
 from __future__ import annotations
 
+import contextlib
 import html
 import io
 import time
@@ -122,15 +123,13 @@ class LiveBoard:
             except Exception:  # noqa: BLE001 - no widget frontend after all
                 self.mode = "handle"
         if self.mode == "handle":
-            try:
+            with contextlib.suppress(Exception):
                 from IPython.display import HTML, display
 
                 for part, body in (("header", self._header_html()), ("plot", "")):
                     self._handles[part] = display(HTML(body), display_id=True)
                 if None not in self._handles.values():  # display() returns no handle outside IPython
                     return self
-            except Exception:  # noqa: BLE001
-                pass
             self.mode = "print"
         return self
 

@@ -16,6 +16,7 @@ command run from the root resolve to the same folders.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from importlib import resources
 from pathlib import Path
@@ -38,12 +39,10 @@ def repo_root(start: str | os.PathLike | None = None) -> Path | None:
 
 def committed_results(folder: str) -> Path:
     """The committed `results/<folder>`: shipped as `grpo_lab.reference_results` when installed, else the checkout's."""
-    try:
+    with contextlib.suppress(ModuleNotFoundError, FileNotFoundError):
         path = Path(str(resources.files("grpo_lab.reference_results").joinpath(folder)))
         if path.is_dir():
             return path
-    except (ModuleNotFoundError, FileNotFoundError):
-        pass
     return Path(__file__).resolve().parents[2] / "results" / folder
 
 

@@ -6,6 +6,7 @@ that made it; `run_record` builds them for every writer.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
@@ -44,13 +45,11 @@ def gpu_name() -> str:
     """The first GPU's name from nvidia-smi, so recording never initialises CUDA in the calling process; torch's
     name only when CUDA is already initialised here. "" without a GPU."""
     if shutil.which("nvidia-smi"):
-        try:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
             out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                                  text=True, timeout=20).stdout.strip().splitlines()
             if out:
                 return out[0].strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
     try:
         import torch
     except ImportError:
@@ -80,12 +79,10 @@ def run_record(device: str = "auto") -> dict:
     """Machine, versions, torch's thread count, the load on the machine and the UTC date, as flat string-ish
     columns. `device`: "auto" or "cuda" looks for a GPU, "cpu" records the CPU only."""
     record = dict(_machine(device))
-    try:
+    with contextlib.suppress(ImportError):
         import torch
 
         record["torch_threads"] = torch.get_num_threads()  # CPU figures depend on it (summation order, speed)
-    except ImportError:
-        pass
     record["load_avg_1m"] = f"{os.getloadavg()[0]:.2f}"  # other work on the machine skews timings
     record["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return record

@@ -7,6 +7,7 @@ a CPU budget overrun or a SIGKILL from the OOM killer) and `error` (`ProbeError`
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -87,27 +88,23 @@ def _child(spec: PointSpec, rank: int, port: int, conn, capture_grads: bool) -> 
         conn.send((status, f"{type(exc).__name__}: {exc}" if status == "oom" else traceback.format_exc()))
     finally:
         conn.close()
-        try:
+        with contextlib.suppress(Exception):
             import torch.distributed as dist
 
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def _return_freed_memory_to_os() -> None:
     """glibc: serve every allocation above 64 KiB with mmap and return it on free, so the process's peak RSS tracks
     the peak of live tensors instead of what malloc kept cached (CPU probes only)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD (also turns off the dynamic threshold)
         libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
         libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 _CONTEXTS: dict[str, mp.context.BaseContext] = {}
