@@ -62,14 +62,11 @@ def build_specs(model="tiny-qwen3", backends=("trl",), dtypes=("fp32",), batch_s
     batch_sizes = parse_int_list(batch_sizes, "batch sizes")
     loss_batch_sizes = parse_int_list(loss_batch_sizes, "loss batch sizes") if loss_batch_sizes else batch_sizes
     modes = parse_str_list(modes, "modes")
-    specs = []
-    for mode, dtype, backend in itertools.product(modes, dtypes, backends):
-        for b in (batch_sizes if mode == "step" else loss_batch_sizes):
-            specs.append(PointSpec(model=model, loss_backend=backend, dtype=dtype, batch_size=b, prompt_len=prompt_len,
-                                   completion_len=completion_len, mode=mode, steps=steps, lora_r=lora_r,
-                                   device=device, generation=generation, budget_bytes=budget_bytes,
-                                   pretrained=pretrained))
-    return specs
+    return [PointSpec(model=model, loss_backend=backend, dtype=dtype, batch_size=b, prompt_len=prompt_len,
+                      completion_len=completion_len, mode=mode, steps=steps, lora_r=lora_r, device=device,
+                      generation=generation, budget_bytes=budget_bytes, pretrained=pretrained)
+            for mode, dtype, backend in itertools.product(modes, dtypes, backends)
+            for b in (batch_sizes if mode == "step" else loss_batch_sizes)]
 
 
 def _series_key(s: PointSpec):
