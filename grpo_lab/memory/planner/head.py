@@ -187,6 +187,4 @@ def head_backward(loss_backend: str, shape: ModelShape, rows: int, b: int, devic
 def head_saves_rows(loss_backend: str, trainable: bool) -> bool:
     """Whether the head's autograd node keeps its input rows until its backward (the fused functions save them;
     the naive matmul needs them only for a weight gradient; Liger keeps its own dX instead)."""
-    if loss_backend == "liger":
-        return False
-    return loss_backend != "naive" or trainable
+    return loss_backend != "liger" and (loss_backend != "naive" or trainable)
