@@ -161,11 +161,15 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
         separate = rows[rows.layout == "separate"].set_index("run")
         span = {name: part.ended_at.max() - part.started_at.min() for name, part in (("shared", shared),
                                                                                       ("separate", separate))}
+        # past start-up (imports, CUDA, the trainer, joining: the same in both layouts): first step to last end
+        trained = {name: part.ended_at.max() - (part.started_at + part.startup_s).min()
+                   for name, part in (("shared", shared), ("separate", separate))}
         slowdown = (shared.wall_s / separate.wall_s).dropna()
         steady = (separate.steady_steps_per_s / shared.steady_steps_per_s).dropna()  # past start-up
         out.append({"seed": seed, "runs": len(shared), "makespan_shared_s": round(span["shared"], 1),
                     "makespan_separate_s": round(span["separate"], 1),
                     "makespan_ratio": round(span["shared"] / span["separate"], 3),
+                    "training_span_ratio": round(trained["shared"] / trained["separate"], 3),
                     "tok_s_shared": round(shared.trained_tokens.sum() / span["shared"], 1),
                     "tok_s_separate": round(separate.trained_tokens.sum() / span["separate"], 1),
                     "p99_slowdown": round(float(slowdown.quantile(0.99)), 3) if len(slowdown) else math.nan,
