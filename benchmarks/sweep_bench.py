@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
 def write_summary(frame: pd.DataFrame, args: argparse.Namespace) -> int:
     """Summarize per-run records (this call's, or merged CSVs') into `<out>/<name>_summary.csv` and print it."""
     summary = summarize(frame)
-    record = run_record()
+    record = run_record()  # merged CSVs keep the machine, versions and date they were measured with
+    record = {key: frame[key].iloc[0] if key in frame else value for key, value in record.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     summary.assign(grid=frame.grid.iloc[0], replicas=frame.replicas.iloc[0], steps=int(frame.steps.max()),
                    **record).to_csv(args.out / f"{args.name}_summary.csv", index=False)
