@@ -30,8 +30,7 @@ def _title_suffix(df: pd.DataFrame) -> str:
     if df.empty:
         return ""
     r = df.iloc[0]
-    where = r.get("gpu_name", "")
-    return f"{r['model']} · {where} · {r.get('date', '')}"
+    return f"{r['model']} · {r.get('gpu_name', '')} · {r.get('date', '')}"
 
 
 def plot_memory_vs_batch(df: pd.DataFrame, mode: str = "step", fig=None, dtypes=("fp32", "bf16")):
