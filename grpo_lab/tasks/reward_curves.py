@@ -9,6 +9,7 @@ and a JSON summary; `python -m grpo_lab.tasks.reward_curves --variant gpu --out 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -185,13 +186,10 @@ def prepare(cfg: EmbeddedConfig, log=print) -> Prepared:
 
 
 def available_backends(backends) -> tuple[str, ...]:
-    """Drop 'liger' when liger-kernel cannot be imported (and say so)."""
-    if "liger" in backends:
-        try:
-            import liger_kernel  # noqa: F401
-        except ImportError:
-            print("liger-kernel not installed: skipping the 'liger' backend")
-            return tuple(b for b in backends if b != "liger")
+    """Drop 'liger' when liger-kernel is not installed (and say so)."""
+    if "liger" in backends and importlib.util.find_spec("liger_kernel") is None:
+        print("liger-kernel not installed: skipping the 'liger' backend")
+        return tuple(b for b in backends if b != "liger")
     return tuple(backends)
 
 
