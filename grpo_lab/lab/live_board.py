@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import html
+import importlib.util
 import io
 import time
 from collections.abc import Sequence
@@ -64,11 +65,7 @@ def display_frontend() -> str:
     shell = ipython_shell()
     if shell is None:
         return "print"
-    if getattr(shell, "kernel", None) is None:
-        return "handle"
-    try:
-        import ipywidgets  # noqa: F401
-    except ImportError:
+    if getattr(shell, "kernel", None) is None or importlib.util.find_spec("ipywidgets") is None:
         return "handle"
     return "widgets"
 
