@@ -79,10 +79,9 @@ def rows_to_frame(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def write_csv(rows_or_df, path: str | Path) -> Path:
+def write_csv(df: pd.DataFrame, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    df = rows_or_df if isinstance(rows_or_df, pd.DataFrame) else rows_to_frame(rows_or_df)
     df.to_csv(path, index=False)
     return path
 
