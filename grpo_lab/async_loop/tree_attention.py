@@ -163,6 +163,7 @@ def flex_tree_attention(module, query, key, value, attention_mask, *, tree_kv_in
     n_pad = _padded_length(n)
     block_mask = _block_masks.get(tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k, n, lambda: _block_mask(
         _layout(tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k, n), n_pad, sliding_window))
+
     def capped(score, b, h, q_idx, kv_idx):
         return softcap * torch.tanh(score / softcap)
 

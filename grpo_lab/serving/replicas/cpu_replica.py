@@ -37,6 +37,8 @@ from ..wire.vllm_routes import add_vllm_routes, error_response
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")
+
+
 class CPUReplica:
     def __init__(self, config: CPUReplicaConfig, engine: Engine | None = None):
         self.config = config
