@@ -224,7 +224,8 @@ def test_adapters_the_slot_cannot_serve_are_refused_with_400(adapters, tmp_path)
         tensors[key] = tensors[key].repeat(2, 1)
 
     for name, path, message in [
-            ("dora", variant("dora", {"use_dora": True}), "DoRA"),
+            ("dora", variant("dora", {"use_dora": True}), "use_dora"),
+            ("alpha-pattern", variant("alpha-pattern", {"alpha_pattern": {"q_proj": 8}}), "alpha_pattern"),
             ("lm-head", variant("lm-head", tensors_change=extra_module), "lm_head"),
             ("shape", variant("shape", tensors_change=wrong_shape), "shapes"),
             ("rank", variant("rank", {"r": 16}), "max_lora_rank 8")]:

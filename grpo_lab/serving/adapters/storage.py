@@ -27,6 +27,7 @@ import fsspec
 log = logging.getLogger(__name__)
 
 MANIFEST = "grpo_lab_manifest.json"
+ADAPTER_CONFIG = "adapter_config.json"  # what makes a folder a PEFT adapter
 HISTORY = ".history"
 VERSION_RE = re.compile(r"^(?P<prefix>.+)-v(?P<version>\d+)$")
 
@@ -196,8 +197,8 @@ class AdapterStore:
                 step: int | None = None) -> Published:
         """Copy the adapter in `local_dir` to `<root>/<name>` atomically; refuses a name published before."""
         local_dir = Path(local_dir)
-        if not (local_dir / "adapter_config.json").is_file():
-            raise FileNotFoundError(f"{local_dir} holds no adapter_config.json: not a PEFT adapter directory")
+        if not (local_dir / ADAPTER_CONFIG).is_file():
+            raise FileNotFoundError(f"{local_dir} holds no {ADAPTER_CONFIG}: not a PEFT adapter directory")
         self._fresh()
         history_entry = self._join(HISTORY, f"{name}.json")
         if self.fs.exists(history_entry) or self.fs.exists(self._join(name)):

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from ...models.hf_compat import cache_keyword
 from ..adapters.cache import AdapterCache
-from ..adapters.storage import local_copy_matches, read_manifest
+from ..adapters.storage import ADAPTER_CONFIG, local_copy_matches, read_manifest
 from ..routing.prefix_hash import block_hashes
 from .lora_slot import AdapterFormatError, LoraSlot, LoraWeights
 from .prefix_kv_cache import PrefixKVCache
@@ -122,7 +122,7 @@ class Engine:
             first = self._first_seen.setdefault(path, time.monotonic())
             if time.monotonic() - first < self.config.storage_lag_s:
                 return False
-        return os.path.isfile(os.path.join(path, "adapter_config.json"))
+        return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
 
     def _local_copy(self, name: str, url: str) -> str:
         """An adapter published on an object store (an fsspec URL): copied to this replica's cache and checked against

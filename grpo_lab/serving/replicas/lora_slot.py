@@ -16,9 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..adapters.storage import ADAPTER_CONFIG
+
 SLOT = "slot"
 PREFIX = "base_model.model."  # how PEFT's saved keys start
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# adapter_config.json fields the slot cannot honour: per-module ranks or scales, DoRA, extra trained modules
+UNSERVED = ("use_dora", "modules_to_save", "fan_in_fan_out", "rank_pattern", "alpha_pattern")
 
 
 class AdapterFormatError(ValueError):
@@ -50,18 +54,18 @@ class LoraSlot:
     def read(self, path: str) -> LoraWeights:
         """The adapter saved in folder `path` (PEFT's `save_pretrained` layout), checked against the slot."""
         try:
-            with open(os.path.join(path, "adapter_config.json")) as f:
+            with open(os.path.join(path, ADAPTER_CONFIG)) as f:
                 config = json.load(f)
         except (OSError, ValueError) as error:
-            raise AdapterFormatError(f"unreadable adapter_config.json in {path}: {error}") from None
+            raise AdapterFormatError(f"unreadable {ADAPTER_CONFIG} in {path}: {error}") from None
         rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
         if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
-            raise AdapterFormatError(f"adapter_config.json in {path} has no valid r / lora_alpha")
+            raise AdapterFormatError(f"{ADAPTER_CONFIG} in {path} has no valid r / lora_alpha")
         if rank > self.max_rank:
             raise AdapterFormatError(f"LoRA rank {rank} is greater than max_lora_rank {self.max_rank}.")
-        if config.get("use_dora") or config.get("modules_to_save") or config.get("fan_in_fan_out"):
-            raise AdapterFormatError(f"adapter in {path} uses DoRA, modules_to_save or fan_in_fan_out, which this "
-                                     "replica does not serve")
+        unserved = [key for key in UNSERVED if config.get(key)]
+        if unserved:  # one rank and one scale for every module, plain A and B: what the slot computes
+            raise AdapterFormatError(f"adapter in {path} sets {', '.join(unserved)}, which this replica does not serve")
         state = _read_state(path)
         tensors: dict[str, list] = {}
         for key, tensor in state.items():
