@@ -12,6 +12,7 @@ only adds). Printed, and written to `--out` as CSV with the machine, versions an
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         while held < resident:
             engine.load_adapter(f"a{held}", paths[held])
             held += 1
-        turn = iter(range(10**9))
+        turn = itertools.count()
 
         def complete():
             i = next(turn)

@@ -14,8 +14,9 @@ last steps); per layout the makespan (first start to last end) and the trained t
 Printed and written to `<out>/sweep_bench.csv` (one row per layout, seed and run) and `sweep_bench_summary.csv`:
 makespan shared / separate, each run's slowdown (its wall time shared over separate: the separate layout is the run
 alone on its share of the replicas), the p99 over runs, Jain's fairness index of the runs' speeds (separate over
-shared wall time), the same two past start-up (steady steps/s) and, with `--seeds` >= 2, whether each run's shared final reward lies within the seed-to-seed spread
-of its separate runs. Every row carries the machine, versions and date (`grpo_lab.lab.records`).
+shared wall time), the same two past start-up (steady steps/s) and, with `--seeds` >= 2, whether each run's shared
+final reward lies within the seed-to-seed spread of its separate runs. Every row carries the machine, versions and
+date (`grpo_lab.lab.records`).
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ def pool_work(rows: pd.DataFrame, layout: str) -> dict:
     """The layout's replica time, summed over its pools: one shared pool (each of its runs' rows repeats it), or
     one pool per run. Columns: replica seconds generating and on adapter loads plus unloads, and the loads done."""
     pools = rows.iloc[:1] if layout == "shared" else rows
+
     def total(column):
         return float(pools[column].sum()) if column in pools else math.nan
     adapter_s = total("replica_adapter_load_s") + total("replica_adapter_unload_s")
@@ -207,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                         "under outputs/sweep_bench)")
     parser.add_argument("--name", default="sweep_bench")
     args = parser.parse_args(argv)
+    if args.merge:  # nothing runs, so nothing else is checked or pinned
+        return write_summary(pd.concat([pd.read_csv(path) for path in args.merge]), args)
     if args.replicas % args.runs:
         parser.error(f"--replicas ({args.replicas}) must be a multiple of --runs ({args.runs}): the separate layout "
                      "gives each run the same share")
@@ -223,8 +227,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--pin needs more cores than replicas: {total} cores, {args.replicas} replicas")
         os.sched_setaffinity(0, set(range(args.replicas, total)))  # the runs (children inherit it), routers
         pin_from = 0
-    if args.merge:
-        return write_summary(pd.concat([pd.read_csv(path) for path in args.merge]), args)
     records = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         base = {"max_steps": args.steps, "seed": seed}
