@@ -70,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
                         "checkout's engine with PYTHONPATH=<its root>: an importable grpo_lab is used first)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "sweep" / "replica_adapters.csv")
     args = parser.parse_args(argv)
+    for flag, values in (("--resident", args.resident), ("--switching", [args.switching]),
+                         ("--completions", [args.completions]), ("--max-tokens", [args.max_tokens]),
+                         ("--repeats", [args.repeats])):
+        if min(values) < 1:
+            parser.error(f"{flag} must be >= 1, got {min(values)}")
     torch.set_num_threads(1)  # a replica of the pool has one core
     paths = save_adapters(max(args.resident) + 1, Path(tempfile.mkdtemp(prefix="replica-adapters-")))
     engine = Engine(CPUReplicaConfig(max_loras=max(args.resident) + 1, prefix_cache_blocks=0, torch_threads=1))
