@@ -60,6 +60,9 @@ def body_of(response: requests.Response):
         return response.text
 
 
+LOAD_RETRY_DEADLINE_S = 3
+
+
 @pytest.fixture(scope="module")
 def transcript(replicas, adapters, token, tmp_path_factory):
     """Every step's answer from vLLM (replica 0, directly) and from the router (in front of replica 1)."""
@@ -71,8 +74,8 @@ def transcript(replicas, adapters, token, tmp_path_factory):
     vllm_side, routed_side = replicas
     missing = str(tmp_path_factory.mktemp("nothing") / "no-such-adapter")
     router = start_router(RouterConfig(replicas=[routed_side.url], port=0, api_key_env=TOKEN_ENV,
-                                       health_interval_s=0.5, load_retry_deadline_s=3, control_timeout_s=120,
-                                       upstream_timeout_s=120))
+                                       health_interval_s=0.5, load_retry_deadline_s=LOAD_RETRY_DEADLINE_S,
+                                       control_timeout_s=120, upstream_timeout_s=120))
     answers = {}
     try:
         router.wait_ready(1, timeout=120)
@@ -159,4 +162,7 @@ def test_missing_adapter_path_waits_for_the_retry_deadline(transcript):
     at once; both refuse the load."""
     answer = transcript["load_missing_path"]
     assert answer.vllm[0] == 404 and answer.router[0] >= 400
-    assert answer.router_s > 2.0 > 10 * answer.vllm_s
+    # vLLM's answer takes what the machine's load makes it (0.34 s seen on a busy 2-core CI machine); the router's
+    # adds the retry deadline on top, so the gap is what is asserted, not a ratio.
+    assert answer.router_s - answer.vllm_s > 0.6 * LOAD_RETRY_DEADLINE_S
+    assert answer.vllm_s < 0.6 * LOAD_RETRY_DEADLINE_S
