@@ -379,7 +379,7 @@ def test_a_run_killed_mid_sync_with_completions_queued_and_running_is_still_recl
 
 def test_completions_of_a_flooding_run_do_not_starve_another(token, admin_key):
     a = FakeVLLM(max_loras=14)
-    a.completion_delay_s = 0.02
+    a.completion_delay_s = 0.1
     with FakeCluster(a), pool(a, max_in_flight_per_replica=1) as router:
         flood = Client(router.url, router.register_run("flood", max_staleness=0)["token"])
         small = Client(router.url, router.register_run("small", max_staleness=0)["token"])
@@ -392,7 +392,8 @@ def test_completions_of_a_flooding_run_do_not_starve_another(token, admin_key):
         waited = time.monotonic() - t0
         for t in threads:
             t.join(30)
-        assert waited < 10 * a.completion_delay_s + 0.3, waited  # about one completion, not 40
+        # about one completion (0.1 s), not the flood's 40 (4 s); a quarter of the flood leaves room for a busy machine
+        assert waited < 10 * a.completion_delay_s, waited
         metrics = requests.get(router.url + "/metrics", timeout=5, headers=small.headers).text
         assert 'grpo_router_run_completions_total{run="small",status="200"} 1' in metrics
         assert 'run="flood"' not in metrics
