@@ -25,22 +25,12 @@ class BlogProxyPolicy(AffinityRule):
         self._successor: dict[int, int] = {}  # block -> first successor recorded
         self._branches: set[int] = set()  # blocks with a second, different successor recorded
 
-    def _matches(self, hashes: list[int], candidates: Sequence[int]) -> list[int]:
-        everyone = (1 << self.num_replicas) - 1
-        matches = [0] * len(candidates)
-        alive = list(range(len(candidates)))
-        for h in hashes:
-            served = self._served.get(h)
-            if served is None:
-                break
-            common = served == everyone or h in self._branches
-            alive = [j for j in alive if (served >> candidates[j]) & 1]
-            for j in alive:
-                if not common:
-                    matches[j] += 1
-            if not alive:
-                break
-        return matches
+    def _block(self, hashes: list[int], i: int, candidates_mask: int) -> tuple[int, bool] | None:
+        """Held by the replicas routed to; common when every replica (not only the candidates) was, or it branches."""
+        served = self._served.get(hashes[i])
+        if served is None:
+            return None
+        return served, served == (1 << self.num_replicas) - 1 or hashes[i] in self._branches
 
     def claim(self, decision: Decision) -> None:
         """Ownership and successors at routing time, as the published proxy does."""

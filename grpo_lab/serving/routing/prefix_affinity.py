@@ -45,11 +45,31 @@ class _Claims:
 
 
 class AffinityRule(BasePolicy):
-    """What every prefix-affinity rule here shares: the choice between affinity, spill and unmatched given each
-    candidate's matched blocks. Subclasses say how blocks match (`_matches`) and what routing records (`claim`)."""
+    """What every prefix-affinity rule here shares: the walk along the prompt's blocks and the choice between
+    affinity, spill and unmatched. Subclasses say who holds a block (`_block`) and what routing records (`claim`)."""
+
+    def _block(self, hashes: list[int], i: int, candidates_mask: int) -> tuple[int, bool] | None:
+        """Block `i` of the prompt: the bitmask of replicas holding it, and whether it is common (not
+        prompt-specific); None when no replica does."""
+        raise NotImplementedError
 
     def _matches(self, hashes: list[int], candidates: Sequence[int]) -> list[int]:
-        raise NotImplementedError
+        """Per candidate, how many prompt-specific blocks of the longest cached prefix it holds."""
+        candidates_mask = sum(1 << r for r in set(candidates))
+        matches = [0] * len(candidates)
+        alive = range(len(candidates))
+        for i in range(len(hashes)):
+            block = self._block(hashes, i, candidates_mask)
+            if block is None:
+                break
+            holders, common = block
+            alive = [j for j in alive if (holders >> candidates[j]) & 1]
+            if not alive:
+                break
+            if not common:
+                for j in alive:
+                    matches[j] += 1
+        return matches
 
     def choose(self, hashes: list[int], candidates: Sequence[int]) -> Decision:
         """The candidate holding the most prompt-specific blocks, unless it is more than K in flight ahead of the
@@ -73,40 +93,23 @@ class PrefixAffinityPolicy(AffinityRule):
         self._blocks: OrderedDict[int, int] = OrderedDict()  # block hash -> packed record (see _SUCCESSOR_MASK)
         self._pending: dict[int, _Claims] = {}  # block hash -> requests in flight containing it; only while in flight
 
-    def _matches(self, hashes: list[int], candidates: Sequence[int]) -> list[int]:
-        """Per candidate, how many prompt-specific blocks of the longest cached prefix it holds."""
-        all_mask = sum(1 << r for r in set(candidates))
-        matches = [0] * len(candidates)
-        alive = list(range(len(candidates)))
-        last = len(hashes) - 1
-        for i, h in enumerate(hashes):
-            record = self._blocks.get(h)
-            claims = self._pending.get(h)
-            if record is None and claims is None:
-                break
-            record = record or 0
-            pending = None
-            if claims is not None:
-                pending = claims.by_replica
-                if claims.record & _SUCCESSOR_MASK:
-                    record = _with_successor(record, claims.record & _SUCCESSOR_MASK)
-                record |= claims.record & _BRANCHES
-            served = record >> _SERVED_SHIFT
-            successor = record & _SUCCESSOR_MASK
-            # This request branching off the recorded successor makes the block common already.
-            common = bool(record & _BRANCHES) or (served & all_mask) == all_mask or (
-                i < last and successor != 0 and successor != _fingerprint(hashes[i + 1]))
-            still = []
-            for j in alive:
-                r = candidates[j]
-                if (served >> r) & 1 or (pending and pending.get(r)):
-                    if not common:
-                        matches[j] += 1
-                    still.append(j)
-            alive = still
-            if not alive:
-                break
-        return matches
+    def _block(self, hashes: list[int], i: int, candidates_mask: int) -> tuple[int, bool] | None:
+        """Held by the replicas that answered it or have a request containing it in flight; common when it branches
+        (this request branching off the recorded successor counts) or every candidate answered it."""
+        record, claims = self._blocks.get(hashes[i]), self._pending.get(hashes[i])
+        if record is None and claims is None:
+            return None
+        record = record or 0
+        served = holders = record >> _SERVED_SHIFT
+        if claims is not None:
+            holders |= sum(1 << r for r in claims.by_replica)
+            if claims.record & _SUCCESSOR_MASK:
+                record = _with_successor(record, claims.record & _SUCCESSOR_MASK)
+            record |= claims.record & _BRANCHES
+        successor = record & _SUCCESSOR_MASK
+        common = bool(record & _BRANCHES) or (served & candidates_mask) == candidates_mask or (
+            i + 1 < len(hashes) and successor != 0 and successor != _fingerprint(hashes[i + 1]))
+        return holders, common
 
     # -- the policy --------------------------------------------------------------------------------------------
     def claim(self, decision: Decision) -> None:
