@@ -62,7 +62,6 @@ class Drainer:
     def __init__(self, pool):
         self.pool = pool
         self.usage = AdapterUsage()
-        self._done: dict[str, asyncio.Event] = {}  # adapter name -> set when no replica drains it any more
         self._tasks: set[asyncio.Task] = set()
         self._since: dict[tuple[int, str], float] = {}  # (replica number, adapter) -> when its drain began
 
@@ -76,22 +75,26 @@ class Drainer:
 
     def start(self, name: str, replicas: list[Replica]) -> None:
         """Stop new completions for `name` on `replicas` now; unload it on each once drained (in the background)."""
-        self._done.setdefault(name, asyncio.Event()).clear()
         for replica in replicas:
             replica.draining.add(name)
             self._since[(replica.index, name)] = now()
             task = asyncio.get_running_loop().create_task(self._drain(replica, name))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        self._maybe_done(name)
 
     def is_draining(self, name: str) -> bool:
         return any(name in r.draining for r in self.pool.replicas)
 
     async def wait_done(self, name: str, timeout_s: float) -> bool:
-        """Wait until no replica drains `name` any more (a load of the same name must not race its unload)."""
-        event = self._done.get(name)
-        return event is None or not self.is_draining(name) or await set_within(event, timeout_s)
+        """Wait until no replica drains `name` any more (a load of the same name must not race its unload); every
+        drain that ends frees a slot, so the pool's `slot_freed` says when to look again."""
+        deadline = now() + timeout_s
+        while self.is_draining(name):
+            left = deadline - now()
+            if left <= 0:
+                return False
+            await set_within(self.pool.slot_freed, left)
+        return True
 
     async def wait_for_slots(self, replicas: list[Replica], timeout_s: float) -> None:
         """Wait (at most `timeout_s`) until each replica that is at its `max_loras` because of adapters still
@@ -116,7 +119,6 @@ class Drainer:
         `max_staleness` behind the one being loaded, so what those completions would bring is dropped as too stale
         anyway, while the overfilled replica would refuse the load (the CPU replica) or evict a live adapter
         (vLLM)."""
-        ended: set[str] = set()  # the adapters whose drain was cut somewhere
         for replica in replicas:
             while replica.max_loras is not None and replica.slots_used() >= replica.max_loras and replica.draining:
                 name = min(replica.draining, key=lambda n: self._since.get((replica.index, n), 0.0))
@@ -126,14 +128,11 @@ class Drainer:
                                       "needed", replica=replica.url)
                 log.warning("adapter %s unloaded from %s before its %d completion(s) finished: a load needs the slot",
                             name, replica.url, self.usage.in_flight(replica.index, name))
-                ended.add(name)
                 if not outcome.ok:  # it may still hold it: out of routing, re-admission unloads it
                     self.pool.mark_down(replica, f"unload of draining adapter {name} failed: {outcome.status} "
                                                  f"{outcome.message}")
                     break
             self.pool.notify_slot_freed()
-        for name in ended:
-            self._maybe_done(name)
 
     async def _drain(self, replica: Replica, name: str) -> None:
         pool, config = self.pool, self.pool.config
@@ -157,13 +156,6 @@ class Drainer:
             replica.draining.discard(name)
             self._since.pop((replica.index, name), None)
             pool.notify_slot_freed()
-            self._maybe_done(name)
-
-    def _maybe_done(self, name: str) -> None:
-        if not self.is_draining(name):
-            event = self._done.pop(name, None)
-            if event is not None:
-                event.set()
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from ...models.hf_compat import cache_keyword
-from ..adapters.cache import AdapterCache
+from ..adapters.cache import AdapterCache, is_remote
 from ..adapters.storage import ADAPTER_CONFIG, local_copy_matches, read_manifest
 from ..routing.prefix_hash import block_hashes
 from .lora_slot import AdapterFormatError, LoraSlot, LoraWeights
@@ -168,24 +168,17 @@ class Engine:
             self.work_seconds[work] = self.work_seconds.get(work, 0.0) + time.perf_counter() - started
             self.work_count[work] = self.work_count.get(work, 0) + 1
 
-    def load_adapter(self, name: str, path: str) -> None:
+    def load_adapter(self, name: str, source: str) -> None:
         with self._timed("adapter_load"):
-            self._load_adapter(name, path)
-
-    def _load_adapter(self, name: str, path: str) -> None:
-        if name in self.adapters or name in self.config.served_model_names:
-            raise RequestError(400, f"The lora adapter '{name}' has already been loaded.")
-        source = path
-        if path.startswith("file://"):
-            path = path.removeprefix("file://")
-        elif "://" in path:
-            path = self._local_copy(name, path)
-        try:
-            self._load_local(name, path, source)
-        except RequestError:
-            if path != source:
-                self._forget_copy(name)  # a copy nothing uses
-            raise
+            if name in self.adapters or name in self.config.served_model_names:
+                raise RequestError(400, f"The lora adapter '{name}' has already been loaded.")
+            path = self._local_copy(name, source) if is_remote(source) else source.removeprefix("file://")
+            try:
+                self._load_local(name, path, source)
+            except RequestError:
+                if is_remote(source):
+                    self._forget_copy(name)  # a copy nothing uses
+                raise
 
     def _load_local(self, name: str, path: str, source: str) -> None:
         if not self._visible(path):

@@ -15,8 +15,6 @@ import torch
 
 class PrefixKVCache:
     def __init__(self, capacity_blocks: int, block_size: int):
-        if capacity_blocks < 0:
-            raise ValueError("capacity_blocks must be >= 0")
         self.capacity = capacity_blocks
         self.block_size = block_size
         self._blocks: OrderedDict[int, tuple[str, list[tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
