@@ -78,8 +78,7 @@ class AdminAPI:
         return web.json_response({"replicas": self.membership.members()})
 
     async def add(self, request: web.Request) -> web.Response:
-        refused = self._refusal(request)
-        if refused is not None:
+        if (refused := self._refusal(request)) is not None:
             return refused
         try:
             url, wait_s = await self._body(request, "wait_s", 0.0)
@@ -92,8 +91,7 @@ class AdminAPI:
         return web.json_response({**replica, "added": not known})
 
     async def remove(self, request: web.Request) -> web.Response:
-        refused = self._refusal(request)
-        if refused is not None:
+        if (refused := self._refusal(request)) is not None:
             return refused
         try:
             url, drain_s = await self._body(request, "drain_s", self.config.remove_drain_timeout_s)

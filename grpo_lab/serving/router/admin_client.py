@@ -41,7 +41,7 @@ class RouterAdminClient:
             self._headers["Authorization"] = f"Bearer {key}"
 
     def __repr__(self) -> str:
-        return f"RouterAdminClient({self.url!r})"
+        return f"{type(self).__name__}({self.url!r})"
 
     def _call(self, method: str, body: dict | None, timeout_s: float, path: str = "/router/replicas"
               ) -> tuple[int, dict]:

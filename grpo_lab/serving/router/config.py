@@ -147,15 +147,11 @@ class RouterConfig:
 
     def read_client_api_key(self) -> str | None:
         """The key clients must present, or None; an authentication that was asked for but is empty is an error."""
-        if not self.client_api_key_env and not self.client_api_key_file:
-            return None
         return read_secret(self.client_api_key_file, self.client_api_key_env, "client_api_key_file",
                            asked="client authentication is on")
 
     def read_admin_api_key(self) -> str | None:
         """The key that may change the membership, or None; asked for but empty is an error, as for the client key."""
-        if not self.admin_api_key_env and not self.admin_api_key_file:
-            return None
         return read_secret(self.admin_api_key_file, self.admin_api_key_env, "admin_api_key_file",
                            asked="an admin key is asked for")
 
@@ -179,7 +175,7 @@ def replica_url(url) -> str:
 def read_secret(path: str | None, env: str | None, what: str, asked: str = "") -> str | None:
     """A secret from the first line of `path` if given, else from the environment variable `env`; ValueError naming
     `what` when the file cannot be read or is empty (never the secret itself), or saying what `asked` for it when
-    the variable is unset or empty."""
+    the variable `env` is named but unset or empty."""
     if path:
         try:
             with open(path) as f:
@@ -190,7 +186,7 @@ def read_secret(path: str | None, env: str | None, what: str, asked: str = "") -
             raise ValueError(f"{what} {path} is empty")
         return token
     key = environment.bearer_key(env)
-    if key is None and asked:
+    if key is None and asked and env:
         raise ValueError(f"{asked} but the variable {env} is unset or empty")
     return key
 

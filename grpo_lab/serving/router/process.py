@@ -26,7 +26,6 @@ import psutil
 from aiohttp import web
 
 from ...lab.files import write_atomically
-from ..adapters.slots import DEFAULT_MAX_STALENESS
 from ..replicas.processes import AnnouncingProcess, free_port
 from .admin_client import RouterAdminClient
 from .config import RouterConfig
@@ -61,7 +60,7 @@ class RouterChild(AnnouncingProcess):
         return children[0].pid if children else None
 
 
-class SupervisedRouter:
+class SupervisedRouter(RouterAdminClient):
     """A router child process, restarted on the same port whenever it dies (at most `max_restarts` times).
 
     Args:
@@ -82,13 +81,9 @@ class SupervisedRouter:
         self.process: RouterChild | None = None
         self.events: list[tuple[float, str, str]] = []
         self.recoveries_s: list[float] = []
-        self.admin = RouterAdminClient(self.url, key_env=config.admin_api_key_env, key_file=config.admin_api_key_file)
+        super().__init__(f"http://{config.host}:{port}", config.admin_api_key_env, config.admin_api_key_file)
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.config.host}:{self.config.port}"
 
     # -- the child ------------------------------------------------------------------------------------------------
     def _spawn(self, replicas: list[str]) -> RouterChild:
@@ -140,34 +135,18 @@ class SupervisedRouter:
     # -- what a launcher calls --------------------------------------------------------------------------------
     def wait_ready(self, replicas: int | None = None, timeout: float = 60.0) -> None:
         """Block until `replicas` (default: every member) replicas are in service."""
-        wait_in_service(self.admin.replicas, replicas, timeout)
-
-    def add_replica(self, url: str, wait_s: float = 0.0) -> dict:
-        return self.admin.add_replica(url, wait_s)
-
-    def remove_replica(self, url: str, drain_s: float | None = None) -> dict | None:
-        return self.admin.remove_replica(url, drain_s)
+        wait_in_service(self.replicas, replicas, timeout)
 
     def replica_died(self, url: str, why: str) -> bool:
         """Out of routing now, its completions re-sent; it rejoins (admitted once it serves with the live adapters)."""
-        if self.admin.remove_replica(url, 0.0) is None:
+        if self.remove_replica(url, 0.0) is None:
             return False
-        self.admin.add_replica(url)
+        self.add_replica(url)
         return True
 
-    def replicas(self) -> list[dict]:
-        return self.admin.replicas()
-
-    # -- runs sharing the replicas (RouterConfig.tenancy), as on the in-process handle ---------------------------
-    def register_run(self, name: str, max_staleness: int = DEFAULT_MAX_STALENESS, weight: float = 1.0,
-                     replace: bool = False) -> dict:
-        return self.admin.register_run(name, max_staleness, weight, replace)
-
-    def remove_run(self, name: str) -> dict | None:
-        return self.admin.remove_run(name)
-
     def runs(self) -> list[dict]:
-        return self.admin.runs()["runs"]
+        """The registered runs, as `RouterHandle.runs` lists them (the admin client's answer also has the slots)."""
+        return super().runs()["runs"]
 
 
 def main(argv=None) -> None:

@@ -81,11 +81,6 @@ class Router:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
-    @property
-    def overhead_s(self) -> list[float]:
-        """Router-side time per completion (parse, route, bookkeeping), the last 10k or more."""
-        return self.forwarder.overhead_s if self.forwarder is not None else []
-
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._authenticate])
@@ -213,14 +208,8 @@ class Router:
         return web.json_response(body)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        self.refresh_gauges()
-        if self.tenancy is not None:
-            self.tenancy.publish_gauges()
-        text = self.metrics.render(self.view_of(request).keep)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
-
-    def refresh_gauges(self) -> None:
-        """Set the gauges that describe the pool now (in flight, draining, block records, live adapters)."""
+        """The metrics, with the gauges that describe the pool now (in flight, draining, block records, live
+        adapters) set first."""
         policy, pool, usage = self.pool.policy, self.pool, self.adapters.drainer.usage
         for r in pool.replicas:
             self.metrics.set("grpo_router_in_flight", "Completions in flight per replica", policy.in_flight[r.index],
@@ -232,6 +221,10 @@ class Router:
         self.metrics.set("grpo_router_prefix_blocks", "Block records held by the routing policy", policy.num_blocks)
         self.metrics.set("grpo_router_live_adapters", "Adapters loaded on every in-service replica",
                          len(pool.live_adapters))
+        if self.tenancy is not None:
+            self.tenancy.publish_gauges()
+        text = self.metrics.render(self.view_of(request).keep)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def state(self, request: web.Request) -> web.Response:
         """Router state (replicas, adapters, draining adapters, routing counts, overhead percentiles) for notebooks
@@ -242,10 +235,10 @@ class Router:
             "live_adapters": sorted(pool.live_adapters), "draining": self.adapters.drainer.draining(),
             "paused": pool.paused,
             "routing": dict(pool.policy.counts), "block_size": pool.policy.config.block_size,
-            "overhead_ms": _percentiles(self.overhead_s), "hedging": self.forwarder.state(),
+            "overhead_ms": _percentiles(self.forwarder.overhead_s), "hedging": self.forwarder.state(),
         }))
         if request.query.get("reset_overhead") == "1":
-            self.overhead_s.clear()
+            self.forwarder.overhead_s.clear()
         return answer
 
     async def refuse_nccl(self, request: web.Request) -> web.Response:
@@ -340,9 +333,8 @@ class Router:
 
     # -- pause/resume ---------------------------------------------------------------------------------------
     async def pause(self, request: web.Request) -> web.Response:
-        refused = pause_mode_refusal(request.query.get("mode", "abort"))
-        if refused is not None:  # what vLLM's query validation answers
-            return refused
+        if (refused := pause_mode_refusal(request.query.get("mode", "abort"))) is not None:
+            return refused  # what vLLM's query validation answers
         return await self.view_of(request).pause(True, dict(request.query))
 
     async def resume(self, request: web.Request) -> web.Response:
