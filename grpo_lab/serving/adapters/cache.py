@@ -7,7 +7,6 @@ reused. A default (temporary) cache a SIGKILL left is removed by the next one on
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shutil
@@ -16,22 +15,12 @@ import threading
 import weakref
 from pathlib import Path
 
-from .storage import fetch_adapter, read_manifest
+import psutil
 
-log = logging.getLogger(__name__)
+from .storage import fetch_adapter, read_manifest
 
 _OWNED_PREFIX = "grpo-lab-adapters-"
 _OWNED = re.compile(rf"^{_OWNED_PREFIX}(\d+)-")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        pass
-    return True
 
 
 def sweep_orphans(parent: str | os.PathLike | None = None) -> list[str]:
@@ -40,7 +29,7 @@ def sweep_orphans(parent: str | os.PathLike | None = None) -> list[str]:
     removed = []
     for entry in parent.glob(f"{_OWNED_PREFIX}*"):
         m = _OWNED.match(entry.name)
-        if m and entry.is_dir() and not _pid_alive(int(m.group(1))):
+        if m and entry.is_dir() and not psutil.pid_exists(int(m.group(1))):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(str(entry))
     return removed
