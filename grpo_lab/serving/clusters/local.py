@@ -6,22 +6,16 @@
 
 from __future__ import annotations
 
-from ..adapters.slots import DEFAULT_MAX_STALENESS
 from .launcher import Cluster, ClusterSpec, LocalProcesses
 
 
 class LocalCluster(Cluster):
-    """`launcher.Cluster` with CPU replica subprocesses, under the arguments notebooks and tests use; no restarts by
-    default (`max_restarts`): they kill and restart replicas by hand."""
+    """`launcher.Cluster` with CPU replica subprocesses: `ClusterSpec`'s fields (the LoRA rank as `max_lora_rank`, the
+    CPU replica's flag); no restarts by default (`max_restarts`): notebooks and tests kill and restart replicas by
+    hand."""
 
-    def __init__(self, replicas: int = 2, model: str = "tiny-qwen3", max_staleness: int = DEFAULT_MAX_STALENESS,
-                 max_lora_rank: int = 16, replica_args: list[str] | None = None, env: dict | None = None,
-                 router: dict | None = None, log_dir: str | None = None, adapter_slots: int | None = None,
-                 max_restarts: int = 0):
-        super().__init__(ClusterSpec(replicas=replicas, kind="cpu", model=model, max_staleness=max_staleness,
-                                     adapter_slots=adapter_slots, lora_rank=max_lora_rank,
-                                     replica_args=list(replica_args or []), env=dict(env or {}),
-                                     router=dict(router or {}), log_dir=log_dir),
+    def __init__(self, max_lora_rank: int = ClusterSpec.lora_rank, max_restarts: int = 0, **fields):
+        super().__init__(ClusterSpec(kind="cpu", lora_rank=max_lora_rank, **fields),
                          LocalProcesses(max_restarts=max_restarts))
 
     @property
