@@ -110,15 +110,6 @@ class StepSetting:
         for name in names:
             object.__setattr__(self, name, check_positive_int(getattr(self, name), name.replace("_", " ")))
 
-    @classmethod
-    def with_defaults(cls, **defaults) -> type:
-        """`cls` with other defaults for some of the six coordinates (same fields, same order, same checks): the
-        base of a dataclass that asks about another typical setting."""
-        types = {f.name: f.type for f in dataclasses.fields(cls)}
-        fields = [(name, types[name], field(default=value)) for name, value in defaults.items()]
-        return dataclasses.make_dataclass(f"{cls.__name__}Defaults", fields, bases=(cls,), frozen=True,
-                                          namespace={"__module__": cls.__module__})
-
     def replace(self, **changes) -> Self:
         return dataclasses.replace(self, **changes)
 

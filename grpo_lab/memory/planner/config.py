@@ -14,8 +14,7 @@ ATTENTIONS = ("auto", "flash", "math", "cpu_flash")
 
 
 @dataclass(frozen=True)
-class PlannerConfig(StepSetting.with_defaults(model="Qwen3-0.6B", dtype="bf16", batch_size=8, prompt_len=256,
-                                              completion_len=512)):
+class PlannerConfig(StepSetting):
     r"""
     One GRPO training setting whose per-device peak memory the planner predicts: the six coordinates of
     `grpo_lab.memory.spec.StepSetting` (checked there), with a one-GPU default setting, and how the step runs.
@@ -60,6 +59,11 @@ class PlannerConfig(StepSetting.with_defaults(model="Qwen3-0.6B", dtype="bf16", 
             `EXPANDABLE_SEGMENTS_HEADROOM` of the budget for fragmentation instead of `ALLOCATOR_HEADROOM`.
     """
 
+    model: str = "Qwen3-0.6B"  # the six coordinates' one-GPU defaults (same order, same checks as StepSetting's)
+    dtype: str = "bf16"
+    batch_size: int = 8
+    prompt_len: int = 256
+    completion_len: int = 512
     lora_r: int = 16
     lora_targets: tuple[str, ...] = LORA_TARGETS
     world_size: int = 1

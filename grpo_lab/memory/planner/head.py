@@ -60,7 +60,7 @@ def _chunked_tiles(rows: int, vocab: int, counts: tuple[int, int]) -> tuple[int,
 UNTOUCHED = " (untouched)"  # suffix of a term that is allocated but never written: it is not in a CPU RSS
 
 
-def _trl_tile_buffer(n: int, vocab: int, b: int, device: str) -> dict[str, float]:
+def _trl_tile_buffer(n: int, vocab: int, b: int) -> dict[str, float]:
     """TRL's [min(N, 4096), 32768] tile buffer. With a vocabulary under 32768 only its first `vocab` columns are
     ever written, so on CPU the rest of each row is never paged in (RSS); a CUDA allocation counts whole."""
     used = n * min(vocab, TRL_VOCAB_CHUNK) * b
@@ -87,7 +87,7 @@ def _widened(rows: int, tokens: int, vocab_tile: int, vocab: int) -> int:
 
 
 def head_forward(loss_backend: str, shape: ModelShape, rows: int, b: int, device: str, trainable: bool,
-                 batch: int, completion_len: int) -> dict[str, float]:
+                 completion_len: int) -> dict[str, float]:
     """Bytes the head allocates in its forward, at its peak (beyond its input rows)."""
     v, h = shape.vocab, shape.hidden
     if loss_backend == "naive":
@@ -95,7 +95,7 @@ def head_forward(loss_backend: str, shape: ModelShape, rows: int, b: int, device
         return {"naive.logits_and_softmax": (b + 4 * FP32) * v * rows}
     if loss_backend == "trl":
         n = min(rows, TRL_TOKEN_CHUNK)
-        out = {**_trl_tile_buffer(n, v, b, device), "trl.row_stats": 7 * FP32 * rows}
+        out = {**_trl_tile_buffer(n, v, b), "trl.row_stats": 7 * FP32 * rows}
         if device == "cpu":
             out["trl.cpu_tile_temporaries"] = TRL_CPU_FWD_TILES * FP32 * n * min(v, TRL_VOCAB_CHUNK)
         return out
@@ -126,7 +126,7 @@ def head_forward(loss_backend: str, shape: ModelShape, rows: int, b: int, device
         chunk = 4 * FP32 * seq * vt + FP32 * h * seq + (FP32 * vt * h if b < FP32 else 0)
         if trainable:  # the accumulator, each chunk's fp32 dW and its cast to the weight's dtype
             chunk += FP32 * v * h + (b * v * h if b < FP32 else 0)
-        grad_input = b * h * batch * completion_len
+        grad_input = b * h * rows  # Liger's rows: every completion position (`plan`, `plan_loss_only`)
         out = {"liger.grad_input": grad_input, "liger.chunk_or_concat": max(chunk, grad_input)}
         if trainable:
             out["liger.grad_weight"] = b * v * h
@@ -146,7 +146,7 @@ def head_backward(loss_backend: str, shape: ModelShape, rows: int, b: int, devic
                 "naive.grad_logits": (3 if entropy_grad else 2) * FP32 * v * rows}
     if loss_backend == "trl":
         n = min(rows, TRL_TOKEN_CHUNK)
-        out = {**_trl_tile_buffer(n, v, b, device), "trl.grad_hidden_fp32": FP32 * h * rows}
+        out = {**_trl_tile_buffer(n, v, b), "trl.grad_hidden_fp32": FP32 * h * rows}
         if b < FP32:
             out["trl.grad_hidden_cast"] = b * h * rows
         if trainable:

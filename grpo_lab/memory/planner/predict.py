@@ -68,12 +68,9 @@ class MemoryPlan:
     def phase_bytes(self) -> dict[str, float]:
         """The live bytes of each phase as the device meters them (CUDA: allocated; CPU: resident — a term
         allocated but never written, marked `(untouched)`, is left out)."""
-        return {name: sum(v for k, v in terms.items() if not (self._rss and k.endswith(UNTOUCHED)))
+        rss = self.config.device == "cpu"
+        return {name: sum(v for k, v in terms.items() if not (rss and k.endswith(UNTOUCHED)))
                 for name, terms in self.phases.items()}
-
-    @property
-    def _rss(self) -> bool:
-        return self.config.device == "cpu"
 
     @property
     def peak_phase(self) -> str:
@@ -148,19 +145,15 @@ def plan(config: PlannerConfig) -> MemoryPlan:
     levels = backward_levels(saved, sh, b, kernel, seq)
     layer_peak_stage = max(levels, key=levels.get)
     layer_peak = levels[layer_peak_stage]
-    if c.gradient_checkpointing:
-        # each layer's input is kept (non-reentrant checkpoint); the layer being differentiated is recomputed
-        below_head = {"checkpoints": sh.layers * b * sh.hidden * n_tok}
+    # checkpointing: each layer's input is kept (non-reentrant checkpoint), the layer being differentiated is
+    # recomputed; else every layer keeps its saved tensors
+    ckpt = c.gradient_checkpointing
+    kept, per_layer = ("checkpoints", b * sh.hidden) if ckpt else ("saved_activations", saved_layer)
+    below_head = {kept: sh.layers * per_layer * n_tok}
 
-        def layers_alive(k):  # layers 0..k keep their checkpoint; layer k is recomputed
-            return {"checkpoints": (k + 1) * b * sh.hidden * n_tok,
-                    f"layer_backward[{layer_peak_stage}]": layer_peak * n_tok}
-    else:
-        below_head = {"saved_activations": sh.layers * saved_layer * n_tok}
-
-        def layers_alive(k):
-            return {"saved_activations": k * saved_layer * n_tok,
-                    f"layer_backward[{layer_peak_stage}]": layer_peak * n_tok}
+    def layers_alive(k):  # the backward of layer k: layers below it (and k's own checkpoint) still kept
+        return {kept: (k + 1 if ckpt else k) * per_layer * n_tok,
+                f"layer_backward[{layer_peak_stage}]": layer_peak * n_tok}
     final_norm = {"final_norm_saved": (FP32 * sh.hidden + FP32) * n_tok + (b * sh.hidden * n_tok if full else 0)}
 
     # --- gradients of full fine-tuning (sharded after each FSDP2 group's reduce-scatter) -----------------------
@@ -175,7 +168,7 @@ def plan(config: PlannerConfig) -> MemoryPlan:
     phases: dict[str, dict[str, float]] = {}
     phases["head_forward"] = {**static, **step, **below_head, **final_norm, **loss,
                               "last_hidden_state": b * sh.hidden * n_tok, **head_in,
-                              **head_forward(c.loss_backend, sh, rows, b, c.device, full, batch, c.completion_len)}
+                              **head_forward(c.loss_backend, sh, rows, b, c.device, full, c.completion_len)}
     head_keep = head_in if head_saves_rows(c.loss_backend, full) else {}
     phases["head_backward"] = {**static, **step, **below_head, **final_norm, **loss, **head_keep,
                                **head_backward(c.loss_backend, sh, rows, b, c.device, full)}
@@ -238,7 +231,7 @@ def plan_loss_only(config: PlannerConfig, trainable: bool = True, entropy_grad: 
             inputs["cuda_workspace"] = CUDA_WORKSPACE_BYTES
     hidden_grad = {"hidden_grad": b * sh.hidden * rows}
     weight_grad = {"weight_grad": b * sh.vocab * sh.hidden} if trainable else {}
-    fwd = head_forward(c.loss_backend, sh, rows, b, c.device, trainable, c.batch_size, c.completion_len)
+    fwd = head_forward(c.loss_backend, sh, rows, b, c.device, trainable, c.completion_len)
     if c.loss_backend == "liger":  # the whole fwd + bwd runs in Liger's forward; its backward scales the kept dX / dW
         kept = {"liger.saved_grad_input": b * sh.hidden * rows}
         if trainable:
@@ -269,10 +262,9 @@ def usable_budget(config: PlannerConfig, budget_bytes: float, headroom: float | 
     """The share of a device budget the predicted allocated peak may use (CUDA: less the allocator's headroom)."""
     if config.device == "cpu":
         return budget_bytes
-    if headroom is None and config.expandable_segments:
-        headroom = EXPANDABLE_SEGMENTS_HEADROOM
     if headroom is None:
-        headroom = ALLOCATOR_HEADROOM["naive" if config.loss_backend == "naive" else "fused"]
+        headroom = (EXPANDABLE_SEGMENTS_HEADROOM if config.expandable_segments
+                    else ALLOCATOR_HEADROOM["naive" if config.loss_backend == "naive" else "fused"])
     return budget_bytes * (1.0 - headroom)
 
 

@@ -58,8 +58,6 @@ class ModelShape:
 
     def lora_layer_params(self, r: int, targets) -> int:
         """LoRA parameters of one decoder layer: A [r, in] + B [out, r] per targeted projection."""
-        if r <= 0:
-            return 0
         return sum(r * (a + b) for name, (a, b) in self.linears().items() if name in targets)
 
     def down_proj_params(self) -> int:
