@@ -12,11 +12,6 @@ QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within
 PROMPT_FORMATS = ("qwen_math", "plain")
 
 
-def qwen_math_messages(problem: str) -> list[dict[str, str]]:
-    """The chat prompt of the recipe (conversational: TRL applies the tokenizer's chat template)."""
-    return [{"role": "system", "content": QWEN_MATH_SYSTEM}, {"role": "user", "content": problem}]
-
-
 def render_qwen_math(problem: str) -> str:
     """The same prompt as ChatML text with the generation prompt appended (what Qwen2.5's template renders)."""
     return (f"<|im_start|>system\n{QWEN_MATH_SYSTEM}<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n"
@@ -24,8 +19,10 @@ def render_qwen_math(problem: str) -> str:
 
 
 def make_prompt(problem: str, fmt: str = "qwen_math"):
+    """The prompt of `problem` in format `fmt`: `qwen_math` is the recipe's chat (TRL applies the tokenizer's chat
+    template), `plain` one line of text."""
     if fmt == "qwen_math":
-        return qwen_math_messages(problem)
+        return [{"role": "system", "content": QWEN_MATH_SYSTEM}, {"role": "user", "content": problem}]
     if fmt == "plain":
         return f"{problem}\nPut your final answer within \\boxed{{}}.\n"
     raise ValueError(f"Unknown prompt format {fmt!r}; choose one of {PROMPT_FORMATS}.")

@@ -43,14 +43,12 @@ def load_model_config(name: str) -> PretrainedConfig:
     short = _strip_org(name)
     if short in TINY_CONFIGS:
         fields = dict(TINY_CONFIGS[short])
-        return AutoConfig.for_model(fields.pop("model_type"), **fields)
-    if short in shipped_model_names():
+    elif short in shipped_model_names():
         text = resources.files("grpo_lab.data_files").joinpath("configs", f"{short}.json").read_text()
-        fields = json.loads(text)
-        fields.pop("architectures", None)
-        fields.pop("torch_dtype", None)
-        return AutoConfig.for_model(fields.pop("model_type"), **fields)
-    raise ValueError(f"Unknown model {name!r}. Known offline: {', '.join(known_model_names())}.")
+        fields = {k: v for k, v in json.loads(text).items() if k not in ("architectures", "torch_dtype")}
+    else:
+        raise ValueError(f"Unknown model {name!r}. Known offline: {', '.join(known_model_names())}.")
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def build_model(name: str, dtype: torch.dtype | str = torch.float32, seed: int = 0, device: str | None = None):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from ..backends import LOGPROB_BACKENDS, resolve_backend
+from ..backends import resolve_backend
 
 __all__ = ["logprob_head"]
 
@@ -17,7 +17,6 @@ __all__ = ["logprob_head"]
 def logprob_head(name: str) -> Callable:
     """The log-prob function of backend `name`, with TRL's `ChunkedLogProbFunction.apply` signature. An unknown name
     and `liger` (which has no log-prob head) raise `backends.resolve_backend`'s `ValueError`."""
-    if not isinstance(name, str) or name not in LOGPROB_BACKENDS:
-        resolve_backend(name, logprob_head=True)  # raises: the one place that words a bad name's error
+    name = resolve_backend(name, logprob_head=True)  # the one place that words a bad name's error
     # each head is the module of this package named after its backend, its function `<name>_logprobs`
     return getattr(importlib.import_module(f"{__name__}.{name}"), f"{name}_logprobs")
