@@ -18,6 +18,7 @@ import contextlib
 import html
 import importlib.util
 import io
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,13 +37,8 @@ class Series:
 
 def rolling_mean(values: Sequence[float], window: int) -> list[float]:
     """Trailing mean over `window` points (shorter at the start)."""
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
+    sums = [0.0, *itertools.accumulate(values)]
+    return [(sums[i + 1] - sums[max(0, i + 1 - window)]) / min(i + 1, window) for i in range(len(values))]
 
 
 def fig_to_png(fig, dpi: int = 90) -> bytes:

@@ -1,6 +1,6 @@
 """Execute the notebooks headless (papermill over nbclient), in quick mode by default.
 
-    python -m grpo_lab.lab.runner notebooks/01_memory_vs_batch.ipynb       # → executed copy + results/
+    python -m grpo_lab.lab.runner notebooks/01_memory_vs_batch.ipynb       # → executed copy + outputs/
     grpo-lab reproduce --quick                                                   # every notebook under notebooks/
 
 Each notebook runs in its own folder with `QUICK=True` injected after its `parameters` cell and writes to the scratch
@@ -95,14 +95,9 @@ def timed_out_cells(nb, timeout_s: float) -> list[tuple[int, float]]:
     return cells
 
 
-def run_all(folder: str | Path = "notebooks", executed_dir: str | Path | None = None, quick: bool = True,
-            only: list[str] | None = None, stop_on_error: bool = False,
-            refresh_results: bool = False) -> list[tuple[Path, str, float]]:
-    """Execute every notebook in `folder` (or those whose name contains one of `only`); returns
-    (notebook, "ok" | error message, seconds) per notebook."""
-    notebooks = find_notebooks(folder)
-    if only:
-        notebooks = [p for p in notebooks if any(o in p.name for o in only)]
+def run_all(notebooks: list[Path], executed_dir: str | Path | None = None, quick: bool = True,
+            stop_on_error: bool = False, refresh_results: bool = False) -> list[tuple[Path, str, float]]:
+    """Execute `notebooks` into one `executed_dir`; returns (notebook, "ok" | error message, seconds) per notebook."""
     if executed_dir is None:
         executed_dir = Path(tempfile.mkdtemp(prefix="grpo_lab_executed_"))
     if notebooks:
@@ -123,26 +118,44 @@ def run_all(folder: str | Path = "notebooks", executed_dir: str | Path | None = 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m grpo_lab.lab.runner", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("notebooks", nargs="*", help="notebook files (default: every notebook under notebooks/)")
-    ap.add_argument("--full", action="store_true", help="do not inject QUICK=True")
-    ap.add_argument("--executed-dir", default=None)
+    """`grpo-lab reproduce` and `python -m grpo_lab.lab.runner`: the notebooks named, else those of `--notebooks`."""
+    ap = argparse.ArgumentParser(prog="grpo-lab reproduce",
+                                 description="Execute the notebooks headless; what they measure goes to outputs/ "
+                                             "(git-ignored) unless --refresh-results.")
+    ap.add_argument("paths", nargs="*", help="notebook files (default: every notebook of --notebooks)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", default=True, help="CPU quick mode (default)")
+    mode.add_argument("--full", action="store_true",
+                      help="execute with the notebooks' own parameters (as committed they show the H200 results; "
+                           "measuring needs RUN_HERE=True in a notebook and a GPU)")
+    ap.add_argument("--notebooks", default="notebooks", help="folder of notebooks (default: notebooks/)")
+    ap.add_argument("--only", nargs="*", default=None, help="run only notebooks whose name contains one of these")
+    ap.add_argument("--executed-dir", default=None, help="where executed copies go (default: a temporary folder)")
+    ap.add_argument("--stop-on-error", action="store_true")
+    ap.add_argument("--refresh-results", action="store_true",
+                    help="write the measured files into the committed results/ (maintainers refreshing them) "
+                         "instead of outputs/")
     a = ap.parse_args(argv)
-    failed = 0
-    paths = [Path(p) for p in a.notebooks] or find_notebooks("notebooks")
-    for p in paths:
-        if not p.is_file():
-            print(f"error: no notebook {p}", file=sys.stderr)
-            return 2
-        t0 = time.perf_counter()
-        try:
-            out = run_notebook(p, executed_dir=a.executed_dir, quick=not a.full)
-            print(f"{p.name}: ok ({time.perf_counter() - t0:.0f}s) → {out}")
-        except NotebookFailed as e:
-            failed += 1
-            print(f"{p.name}: FAILED: {e}", file=sys.stderr)
-    return 1 if failed else 0
+    notebooks = [Path(p) for p in a.paths]
+    missing = [p for p in notebooks if not p.is_file()]
+    if missing:
+        print(f"error: no notebook {missing[0]}", file=sys.stderr)
+        return 2
+    if not notebooks and not Path(a.notebooks).is_dir():
+        print(f"error: no notebooks folder {a.notebooks!r} (run from the repository root or pass --notebooks)",
+              file=sys.stderr)
+        return 2
+    notebooks = [p for p in notebooks or find_notebooks(a.notebooks) if not a.only or any(o in p.name for o in a.only)]
+    report = run_all(notebooks, executed_dir=a.executed_dir, quick=not a.full, stop_on_error=a.stop_on_error,
+                     refresh_results=a.refresh_results)
+    if not report:
+        print("error: no notebooks found", file=sys.stderr)
+        return 2
+    bad = [r for r in report if r[1] != "ok"]
+    print(f"{len(report) - len(bad)}/{len(report)} notebooks ok")
+    for nb, status, _ in bad:
+        print(f"FAILED {nb.name}: {status}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
