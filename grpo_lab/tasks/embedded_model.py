@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import tempfile
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -35,19 +34,15 @@ CHARS = list("0123456789+-*=?}{. \n") + [chr(c) for c in range(ord("a"), ord("z"
 MAX_POSITIONS = 128  # RoPE: a config number, not weights, so it can exceed what SFT saw
 
 
-def chat_template() -> str:
-    """Qwen3's chat template, as TRL ships it (so TRL's response parser knows it)."""
+def build_chat_tokenizer():
+    """A fast tokenizer: ChatML specials, `\\boxed{` as one token, one token per other character, and Qwen3's chat
+    template as TRL ships it (so TRL's response parser knows it)."""
     from trl.chat_template_utils import qwen3_chat_template
 
-    return qwen3_chat_template
-
-
-def build_chat_tokenizer():
-    """A fast tokenizer: ChatML specials, `\\boxed{` as one token, one token per other character."""
     from grpo_lab.tasks.tiny import char_tokenizer
 
     fast = char_tokenizer(SPECIALS, CHARS, pad_token=PAD, eos_token=IM_END, additional_special_tokens=[IM_START])
-    fast.chat_template = chat_template()
+    fast.chat_template = qwen3_chat_template
     return fast
 
 
@@ -65,10 +60,6 @@ def build_chat_model(tokenizer, seed: int = 0):
     from grpo_lab.tasks.tiny import TinyModelConfig, build_tiny_model
 
     return build_tiny_model(tokenizer, TinyModelConfig(max_position_embeddings=MAX_POSITIONS), seed=seed)
-
-
-def shipped_warm_start() -> Path:
-    return Path(str(resources.files("grpo_lab.data_files").joinpath("mini", WARM_START_FILE)))
 
 
 def as_llama(model):
@@ -97,11 +88,11 @@ def as_llama(model):
 
 def load_embedded_model(warm_start: str | os.PathLike | None = None):
     """(model, tokenizer) with the shipped (or given) SFT weights, in float32, on the CPU."""
-    from grpo_lab.tasks.reward_curves import load_warm_start
+    from grpo_lab.tasks.sft import load_warm_start, shipped_warm_start
 
     tokenizer = build_chat_tokenizer()
     model = build_chat_model(tokenizer)
-    path = Path(warm_start) if warm_start is not None else shipped_warm_start()
+    path = Path(warm_start) if warm_start is not None else shipped_warm_start(WARM_START_FILE)
     if not path.is_file():
         raise FileNotFoundError(f"no warm start at {path}; regenerate it with `python -m grpo_lab.tasks.embedded_model "
                                 f"--train --out {path}`")
@@ -131,7 +122,9 @@ def write_embedded_model(directory: str | os.PathLike, warm_start: str | os.Path
 
 def _fingerprint() -> str:
     """Changes whenever the shipped weights or this module's layout change, so a stale cached copy is not reused."""
-    h = hashlib.sha256(shipped_warm_start().read_bytes())
+    from grpo_lab.tasks.sft import shipped_warm_start
+
+    h = hashlib.sha256(shipped_warm_start(WARM_START_FILE).read_bytes())
     h.update(json.dumps([SPECIALS, BOX, CHARS, MAX_POSITIONS, "llama"]).encode())
     return h.hexdigest()[:12]
 

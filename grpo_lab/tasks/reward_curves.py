@@ -16,7 +16,6 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from grpo_lab.models.hf_compat import checkpointing_args, upstream_deprecations_
 from grpo_lab.tasks.board import BoardCallback
 from grpo_lab.tasks.rewards import math_reward
 from grpo_lab.tasks.sanity import sanity_filter
-from grpo_lab.tasks.sft import pass_rates, sft_warm_start
+from grpo_lab.tasks.sft import load_warm_start, pass_rates, sft_warm_start, shipped_warm_start
 from grpo_lab.tasks.tiny import TinyModelConfig, addition_problems, build_char_tokenizer, build_tiny_model
 
 METRICS = {  # CSV metric name -> TRL log key
@@ -38,7 +37,6 @@ METRICS = {  # CSV metric name -> TRL log key
     "clip_ratio": "clip_ratio/region_mean", "frac_reward_zero_std": "frac_reward_zero_std",
     "completion_length": "completions/mean_length", "grad_norm": "grad_norm",
 }
-WARM_START_FILE = "tiny_addition_sft.safetensors"
 
 
 @dataclass
@@ -126,19 +124,6 @@ class Prepared:
     train_rows: list[dict]
     heldout_rows: list[dict]
     info: dict
-
-
-def shipped_warm_start() -> Path:
-    return Path(str(resources.files("grpo_lab.data_files").joinpath("mini", WARM_START_FILE)))
-
-
-def load_warm_start(model, path):
-    """Load a warm start saved without the tied lm_head (safetensors does not store shared tensors twice)."""
-    from safetensors.torch import load_file
-
-    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise ValueError(f"Warm start {path} does not match the model: missing {missing}, unexpected {unexpected}")
 
 
 def prepare(cfg: EmbeddedConfig, log=print) -> Prepared:
@@ -436,8 +421,6 @@ def main(argv=None):
                    help="torch CPU threads (1 is far faster on a shared 2-core box: no OpenMP oversubscription)")
     p.add_argument("--tag", default=None)
     a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
     if a.replot:
         import pandas as pd
 
@@ -459,7 +442,7 @@ def main(argv=None):
                       eval_k=4)
     over = {"device": a.device, "steps": a.steps, "learning_rate": a.lr, "lora_r": a.rank, "num_generations": a.G,
             "backends": tuple(b.strip() for b in a.backends.split(",") if b.strip()) if a.backends else None}
-    over |= {"prompts_per_step": a.prompts_per_step, "sft_max_steps": a.sft_max_steps}
+    over |= {"prompts_per_step": a.prompts_per_step, "sft_max_steps": a.sft_max_steps, "cpu_threads": a.threads}
     cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
     if a.hidden or a.layers:
         h = a.hidden or cfg.model.hidden_size

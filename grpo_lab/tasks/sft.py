@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import random
 import time
+from importlib import resources
+from pathlib import Path
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -16,6 +18,8 @@ from torch.nn.utils.rnn import pad_sequence
 from grpo_lab.models.hf_compat import cache_keyword
 from grpo_lab.tasks.rewards import grade, last_boxed
 from grpo_lab.tasks.tiny import completion_for
+
+WARM_START_FILE = "tiny_addition_sft.safetensors"
 
 
 @torch.no_grad()
@@ -102,11 +106,25 @@ def sft_warm_start(model, tokenizer, rows: list[dict], *, target_pass_rate: floa
 
 def save_warm_start(model, out, **metadata) -> None:
     """The SFT weights as safetensors, `metadata` as strings; the tied lm_head is left out (stored once, as the
-    embeddings: `reward_curves.load_warm_start` loads it so)."""
+    embeddings: `load_warm_start` loads it so)."""
     from safetensors.torch import save_file
 
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(out), metadata={k: str(v) for k, v in metadata.items()})
+
+
+def load_warm_start(model, path) -> None:
+    """Load a warm start saved without the tied lm_head (safetensors does not store shared tensors twice)."""
+    from safetensors.torch import load_file
+
+    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ValueError(f"Warm start {path} does not match the model: missing {missing}, unexpected {unexpected}")
+
+
+def shipped_warm_start(name: str = WARM_START_FILE) -> Path:
+    """The warm start `name` shipped in `data/mini/` (by default the tiny task's, which `main` regenerates)."""
+    return Path(str(resources.files("grpo_lab.data_files").joinpath("mini", name)))
 
 
 def main(argv=None):
