@@ -84,7 +84,7 @@ def resolve_bounds(config: AutotuneConfig, start_inflight: int, start_queue: int
     """Bounds of a run: `config`'s, or derived from its settings (see `AutotuneConfig`). A start below the floors is
     kept as the floor (a loop started at 1 in flight climbs from there); a start above the budget is not a bound:
     the controller clamps it before the first request."""
-    from .config import inflight_tasks
+    from .loop_settings import inflight_tasks
 
     trl_default = inflight_tasks(-1, max_staleness, samples_per_step)
     budget = config.budget_steps * samples_per_step if config.budget_steps else trl_default
@@ -196,7 +196,6 @@ class Autotuner:
         self.ceiling = self.bounds.max_inflight  # no raise goes above (lowered by waste and by failed probes)
         self.decisions: list[Decision] = []
         self.recommendations: list[str] = []
-        self.regime = "warmup"
         self._rows: list[tuple[int, dict]] = []  # (step, logged row) since the last change
         self._seen = 0
         self._settled_after = -1  # readings use the steps after this one
@@ -250,7 +249,6 @@ class Autotuner:
         if reading is None:
             return []
         regime = classify(reading, self.config)
-        self.regime = regime
         self._streak = (regime, self._streak[1] + 1 if self._streak[0] == regime else 1)
         urgent = regime == "starving" or (regime == "staleness" and reading.waste_share >= self.config.wasting)
         if not urgent and (self._streak[1] < self.config.patience or reading.steps < self.config.window):

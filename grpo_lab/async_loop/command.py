@@ -86,8 +86,9 @@ def validate(s: LoopSettings) -> Checked:
     if s.adapter_storage:
         check_storage("--adapter-storage", s.adapter_storage)
     if s.router_url:
-        found.pool = check_pool(s.router_url, s.pool_admin_key_file, s.pool_name, s.max_staleness, s.resume,
-                                s.run_weight, name_flag=s.pool_name_flag)
+        name, flag = pool_name(s.run_name, s.pool_run)
+        found.pool = check_pool(s.router_url, s.pool_admin_key_file, name, s.max_staleness, s.resume, s.run_weight,
+                                name_flag=flag)
     elif s.pool_admin_key_file:
         raise UsageError("--pool-admin-key-file", "joins a shared pool: give its --router-url")
     for flag, given in (("--run-weight", s.run_weight != LoopSettings.run_weight), ("--pool-run", s.pool_run)):

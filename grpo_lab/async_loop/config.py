@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
+from ..lab.settings import check_as
 from ..loss.backends import BACKEND_HELP, DEFAULT_LOSS_BACKEND, resolve_backend
-from .loop_settings import LoopSettings, check_setting, inflight_tasks  # noqa: F401 - inflight_tasks: its old import path
-from .tree_attention import CHOICES as TREE_ATTENTION_CHOICES
+from .loop_settings import LoopSettings, inflight_tasks  # noqa: F401 - inflight_tasks: its old import path
 
 
 @dataclass
@@ -43,12 +43,10 @@ class AsyncGRPOLabConfig(AsyncGRPOConfig):
         if self.loss_backend == "liger":
             raise ValueError("loss_backend='liger' is not available with AsyncGRPOTrainer: its loss (token-level "
                              "clip normalised by the global token count) is not one Liger computes.")
-        if self.tree_attention not in TREE_ATTENTION_CHOICES:
-            raise ValueError(f"tree_attention must be one of {', '.join(TREE_ATTENTION_CHOICES)}, "
-                             f"got {self.tree_attention!r}")
-        if self.rollout_failure_timeout_s <= 0 or self.control_timeout_s <= 0:
-            raise ValueError("rollout_failure_timeout_s and control_timeout_s must be > 0")
-        check_setting(LoopSettings, "max_staleness", self.max_staleness)
+        check_as(LoopSettings, self, {"tree_attention": "tree_attention", "max_staleness": "max_staleness",
+                                      "rollout_failure_timeout_s": "rollout_failure_timeout"})
+        if self.control_timeout_s <= 0:
+            raise ValueError(f"control_timeout_s must be > 0, got {self.control_timeout_s}")
         if self.bf16 is None and not self.fp16:
             import torch
 

@@ -127,11 +127,11 @@ def embedded_trainer_args(output_dir: str, settings: LoopSettings | None = None,
     return AsyncGRPOLabConfig(**values)
 
 
-def embedded_peft_config(r: int = LoopSettings.lora_rank, alpha: int | None = None):
-    """The policy's LoRA adapter when none is given: rank `r`, alpha `2r` unless given, on every linear layer."""
+def embedded_peft_config(r: int = LoopSettings.lora_rank):
+    """The policy's LoRA adapter when none is given: rank `r`, alpha `2r`, on every linear layer."""
     from peft import LoraConfig
 
-    return LoraConfig(r=r, lora_alpha=2 * r if alpha is None else alpha, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+    return LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
 
 
 @contextlib.contextmanager
@@ -288,11 +288,6 @@ class AsyncLoop:
         """Only what this loop's own start() wrote is there (replica logs, the adapter store's root)."""
         folder = Path(self.args.output_dir)
         return all(entry.name in ("logs", ".vllm_lora") for entry in folder.iterdir())
-
-    def doctor_config(self):
-        from .doctor import DoctorConfig
-
-        return DoctorConfig.for_replicas(self.loop.replica_kind)
 
     def verdict(self):
         """The doctor's verdict on this run so far, by its own settings (`run.json`) and its whole metrics log."""

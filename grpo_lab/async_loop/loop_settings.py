@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..lab.settings import FileName, Range, SettingError, check_fields, check_setting, setting  # noqa: F401 - their old home
+from ..lab.settings import FileName, Range, SettingError, check_fields, setting
 from ..loss.backends import DEFAULT_LOSS_BACKEND, LOGPROB_BACKENDS
 from ..serving.adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
 from ..serving.clusters.ray_placement import TRAINER_NODE_RESOURCE, parse_resources
@@ -191,11 +191,6 @@ class LoopSettings:
     def pool_name(self) -> str:
         """The run's name on a shared pool: `--pool-run`, else `--run-name` (the one rule: `pool.pool_name`)."""
         return pool_name(self.run_name, self.pool_run)[0]
-
-    @property
-    def pool_name_flag(self) -> str:
-        """The flag `pool_name` came from, for a message about it."""
-        return pool_name(self.run_name, self.pool_run)[1]
 
     @property
     def trackers(self) -> list[str]:

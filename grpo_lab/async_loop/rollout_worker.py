@@ -1,28 +1,19 @@
 """TRL's rollout worker, made to run without vLLM installed and to end cleanly on every fault.
 
-What TRL 1.16's `AsyncRolloutWorker` does as is (retries for many minutes, a 404 for an unloaded adapter retried
-until the worker dies, an orphaned child, a group's rollouts straddling a weight sync) is measured in
-docs/async_loop.md ("The trainer"). `LabRolloutWorker` keeps TRL's loop and changes exactly that:
+`LabRolloutWorker` keeps TRL 1.16's loop and changes what docs/async_loop.md measures ("The trainer"):
 
 - no `vllm` import check (the child only uses aiohttp);
-- **group-consistent versions**: every rollout of a group names the version its first rollout used, and the samples
-  are stamped with that version, so staleness is measured on the policy that really generated them;
-- a group whose version falls out of the staleness window (the trainer would drop its samples anyway, and the
-  adapter is being unloaded) is abandoned instead of retried: its remaining rollouts are not sent, and a rollout of
-  it answered "no such adapter" (the server unloaded that version) ends the group the same way; only a version still
-  inside the window answered so counts as lost (`rollout/stale_adapter_total`);
-- failing requests are retried with back-off for at most `rollout_failure_timeout_s`, then the worker fails with a
-  message naming the URL and the last error; a 4xx other than a stale adapter fails at once (retrying the same
-  payload cannot fix it);
+- **group-consistent versions**: a group's rollouts, and its samples' stamps, name its first rollout's version;
+- a group out of the staleness window, or answered "no such adapter", is abandoned instead of retried (a
+  version still inside the window counts as lost: `rollout/stale_adapter_total`);
+- failing requests are retried for at most `rollout_failure_timeout_s`; a 4xx other than a stale adapter fails
+  at once;
 - a run on a shared pool sends its token (`pool.run_headers`, inherited through the environment);
-- the child exits when the trainer process dies (parent-death signal plus a watchdog), and `check_health` notices a
-  dead child at once instead of after `heartbeat_stale_after_s`;
-- with `live_knobs` (autotune), the requests in flight and the rollout queue's bound are read live from values the
-  trainer shares with the child (`live_knobs.LiveKnobs`): TRL draws up to the knobs' upper bound of rollouts, and
-  only `live_knobs.inflight` of them send a request at a time (the rest wait in FIFO order, their group's version
-  pinned when their first rollout is admitted, not when it was drawn); a sample goes to the queue only while it
-  holds fewer than `live_knobs.queue_bound`, and no request is admitted while the queue and the finished groups
-  waiting to be scored hold that many.
+- the child exits with the trainer (parent-death signal plus a watchdog); `check_health` notices it at once;
+- with `live_knobs` (autotune, docs/async_loop.md "Autotune"), TRL draws up to the knobs' upper bounds and only
+  `live_knobs.inflight` rollouts send a request at a time (FIFO, a group's version pinned at its first
+  admission); a sample is queued, and a request admitted, only while the queue and the groups waiting to be
+  scored hold fewer than `live_knobs.queue_bound`.
 """
 
 from __future__ import annotations
@@ -252,16 +243,14 @@ class LabRolloutWorker(AsyncRolloutWorker):
 
     _loop_cls = LabRolloutLoop
 
-    def __init__(self, *, max_staleness: int = DEFAULT_MAX_STALENESS, group_consistent_versions: bool = True,
-                 rollout_failure_timeout_s: float = LoopSettings.rollout_failure_timeout, live_knobs: LiveKnobs | None = None, **kwargs):
+    def __init__(self, *, live_knobs: LiveKnobs | None = None, **kwargs):
+        """TRL's arguments, forwarded as TRL does to the loop (`LabRolloutLoop`'s own among them)."""
         if live_knobs is not None:  # TRL's slots and queue sized for the knobs' upper bounds; the live values cap them
-            kwargs["max_inflight_tasks"] = live_knobs.max_inflight
-            kwargs["queue_maxsize"] = live_knobs.max_queue
-            kwargs["live_knobs"] = live_knobs
+            kwargs.update(max_inflight_tasks=live_knobs.max_inflight, queue_maxsize=live_knobs.max_queue,
+                          live_knobs=live_knobs)
         self.live_knobs = live_knobs
         with _vllm_check_skipped():
-            super().__init__(max_staleness=max_staleness, group_consistent_versions=group_consistent_versions,
-                             rollout_failure_timeout_s=rollout_failure_timeout_s, parent_pid=os.getpid(), **kwargs)
+            super().__init__(parent_pid=os.getpid(), **kwargs)
 
     @property
     def pid(self) -> int | None:

@@ -10,6 +10,7 @@ import sys
 import time
 
 from .checkpoints import checkpoint_step
+from .doctor import DoctorConfig
 from .launch import AsyncLoop, LoopConfig, embedded_trainer_args
 from .loop_settings import LoopSettings
 from .progress import verdict_lines
@@ -55,6 +56,6 @@ def run_command(s: LoopSettings, found, t0: float, argv: list[str]) -> int:
                                 "pool_run": loop.loop.pool_run_name or "",
                                 "tree_attention": loop.trainer.tree_attention,
                                 "wall_s": round(time.perf_counter() - t0, 1)},
-                         doctor=loop.doctor_config())
+                         doctor=DoctorConfig.for_replicas(s.replica_kind))
         print(f"wrote {path}", flush=True)
     return 0

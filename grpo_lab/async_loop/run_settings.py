@@ -11,13 +11,7 @@ import statistics
 import time
 
 from .. import __version__
-
-
-def server_info(url: str, timeout: float = 5.0) -> dict:
-    """`/server_info?config_format=json` of a vLLM server or the router ({} when it does not answer)."""
-    from .pool import run_get
-
-    return run_get(url, "/server_info", timeout, config_format="json") or {}
+from .pool import run_get
 
 
 def _config_field(info: dict, section: str, key: str):
@@ -48,25 +42,25 @@ def run_settings(loop, resumed_from: str | None = None) -> dict:
     worth keeping with its run."""
     args, cfg, trainer = loop.args, loop.loop, loop.trainer
     samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    info = server_info(loop.url)
+    info = run_get(loop.url, "/server_info", 5.0, config_format="json") or {}  # {} when it does not answer
     try:
         lengths = prompt_token_lengths(trainer)
     except Exception:  # noqa: BLE001 - a custom dataset or tokenizer: the record just lacks the prompt lengths
         lengths = []
     settings = {
         "grpo_lab": __version__, "model": loop.model, "router": loop.url,
-        "launcher": cfg.launcher, "replica_kind": cfg.replica_kind, "replicas": len(cfg.replica_urls) or (cfg.replicas if cfg.starts_replicas
-                                                                                 else None),
+        "launcher": cfg.launcher, "replica_kind": cfg.replica_kind,
+        "replicas": len(cfg.replica_urls) or (cfg.replicas if cfg.starts_replicas else None),
         "replica_urls": cfg.replica_urls, "external_router": cfg.router_url,
         "max_staleness": args.max_staleness, "samples_per_step": samples_per_step,
         "max_inflight_tasks": args.max_inflight_tasks,
-        "autotune": bool(getattr(cfg, "autotune", False)),
-        "queue_maxsize": getattr(args, "queue_maxsize", None), "max_steps": args.max_steps, "seed": args.seed,
-        "loss_backend": args.loss_backend, "tree_attention": getattr(trainer, "tree_attention", args.tree_attention),
+        "autotune": bool(cfg.autotune), "queue_maxsize": args.queue_maxsize, "max_steps": args.max_steps,
+        "seed": args.seed, "loss_backend": args.loss_backend, "tree_attention": trainer.tree_attention,
         "adapter_storage": trainer.adapter_store.url,
         "block_size": _config_field(info, "cache_config", "block_size"),
         "max_loras": _config_field(info, "lora_config", "max_loras"),
-        "run_name": args.run_name, "pool_run": cfg.pool_run_name, "pool_weight": cfg.pool_weight if cfg.pool_run_name else None,
+        "run_name": args.run_name, "pool_run": cfg.pool_run_name,
+        "pool_weight": cfg.pool_weight if cfg.pool_run_name else None,
         "prompt_tokens_median": statistics.median(lengths) if lengths else None,
         "prompt_tokens_max": max(lengths) if lengths else None,
     }

@@ -187,7 +187,7 @@ def _autotuner(autotune, args: AsyncGRPOLabConfig):
     from the run's own in-flight and queue settings."""
     if autotune is None or autotune is False:
         return None, None
-    from .config import inflight_tasks
+    from .loop_settings import inflight_tasks
 
     config = AutotuneConfig() if autotune is True else autotune
     samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
