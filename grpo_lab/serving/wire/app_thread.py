@@ -54,14 +54,13 @@ class AppThread:
             self._runner, self.port = self._loop.run_until_complete(serve_app(self.app(), self.host, self.port))
         except BaseException as error:  # surfaced to the caller of start(), once everything is released
             self._error = error
-            try:
-                self._shut_down()
-            finally:
-                self._ready.set()
-            return
-        self._ready.set()
-        self._loop.run_forever()
-        self._shut_down()
+        else:
+            self._ready.set()
+            self._loop.run_forever()
+        try:
+            self._shut_down()
+        finally:
+            self._ready.set()
 
     def _shut_down(self) -> None:
         """Run the application's cleanup (the router stops its health checks and closes its upstream session; the
