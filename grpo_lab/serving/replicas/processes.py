@@ -244,10 +244,6 @@ class SidecarProcess(AnnouncingProcess):
         return [sys.executable, "-u", "-m", "grpo_lab.serving.adapters.sidecar", "--upstream", self.upstream,
                 "--port", str(self.port or 0), *extra]
 
-    def fresh(self, env: dict | None = None) -> "SidecarProcess":
-        return SidecarProcess(self.upstream, self.cache_dir, self.port, self.env if env is None else env,
-                              self.ready_timeout, self.log_path)
-
 
 def _start_all(makers: list[Callable[[], ReplicaProcess]]) -> list:
     """Start every replica (they start in parallel), then wait for each; stop them all if one fails."""

@@ -46,7 +46,7 @@ class RunsAPI:
     """Runs of one `Router` (built by it when `RouterConfig.tenancy` is set): `/router/runs`, who is calling, leases."""
 
     def __init__(self, router, admin_key: str):
-        self.router = router
+        self.router, self.metrics = router, router.metrics
         self.config = router.config.tenancy
         self.registry = RunRegistry(self.config)
         self.queue = FairQueue(self._capacity)
@@ -65,10 +65,6 @@ class RunsAPI:
     @property
     def pool(self):
         return self.router.pool
-
-    @property
-    def metrics(self):
-        return self.router.metrics
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
         r.add_post(RUNS, self.register)
