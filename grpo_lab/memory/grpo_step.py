@@ -18,7 +18,7 @@ from grpo_lab.lab import environment
 from grpo_lab.models import build_model, load_model_config
 
 from .fsdp import apply_lora, init_process_group, keep_trainer_from_rewrapping, shard_fsdp2
-from .meter import BudgetExceeded, device_info, prepare_probe_device
+from .meter import check_budget, device_info, prepare_probe_device
 from .spec import PointSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -66,10 +66,9 @@ def build_dataset(tokenizer, vocab_size: int, prompt_len: int, n_prompts: int, s
     return Dataset.from_dict({"prompt": prompts})
 
 
-def length_reward(completions, completion_ids=None, **kwargs):
-    """A deterministic, content-dependent reward so advantages are non-zero (its value is irrelevant to memory)."""
-    if completion_ids is None:
-        return [float(zlib.crc32(c.encode()) % 5) for c in completions]
+def length_reward(completions, completion_ids, **kwargs):
+    """A deterministic, content-dependent reward so advantages are non-zero (its value is irrelevant to memory).
+    TRL passes every reward function the completions' token ids."""
     return [float(sum(ids) % 5) for ids in completion_ids]
 
 
@@ -193,13 +192,7 @@ class PhaseRecorder(TrainerCallback):
         self.meter.sync()
         self.step_times.append(time.perf_counter() - self._t0)
         self.train_peaks.append(self.meter.peak())
-        self._check_budget(self.train_peaks[-1])
-
-    def _check_budget(self, peak: dict):
-        used = peak["peak"] - self.base
-        if self.budget is not None and self.meter.kind == "cpu_rss" and used > self.budget:
-            raise BudgetExceeded(f"peak RSS above baseline {used / 2**30:.3f} GiB over the budget "
-                                 f"{self.budget / 2**30:.3f} GiB")
+        check_budget(self.meter, self.train_peaks[-1]["peak"] - self.base, self.budget)
 
     def wrap(self, trainer):
         original_gen = trainer._generate_and_score_completions
@@ -209,7 +202,7 @@ class PhaseRecorder(TrainerCallback):
             out = original_gen(*a, **k)
             self.meter.sync()
             self.gen_peaks.append(self.meter.peak())
-            self._check_budget(self.gen_peaks[-1])
+            check_budget(self.meter, self.gen_peaks[-1]["peak"] - self.base, self.budget)
             self.meter.reset_peak()
             return out
 

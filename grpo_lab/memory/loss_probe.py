@@ -13,7 +13,7 @@ import torch
 from grpo_lab.loss.heads import logprob_head
 
 from .grpo_step import TORCH_DTYPES, model_config_of
-from .meter import BudgetExceeded, device_info, prepare_probe_device
+from .meter import check_budget, device_info, prepare_probe_device
 from .spec import PointSpec
 
 
@@ -65,8 +65,7 @@ def run_loss_probe(spec: PointSpec) -> dict:
     meter.sync()
     elapsed = time.perf_counter() - t0
     peak = meter.peak()
-    if spec.budget_bytes is not None and meter.kind == "cpu_rss" and peak["peak"] - base > spec.budget_bytes:
-        raise BudgetExceeded("loss probe over the memory budget")
+    check_budget(meter, peak["peak"] - base, spec.budget_bytes)
     return {"peak_bytes": peak["peak"], "reserved_bytes": peak.get("reserved"), "base_bytes": base,
             "setup_bytes": base, "step_time_s": elapsed, "memory_kind": meter.kind, "peak_generation_bytes": None,
             "steps_done": 1, "loss": None, "phase_reset": getattr(meter, "resettable", True), **device_info(device)}

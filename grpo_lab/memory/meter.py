@@ -96,6 +96,12 @@ class BudgetExceeded(MemoryError):
     """A CPU probe whose measured peak went over the memory budget: recorded as out-of-memory."""
 
 
+def check_budget(meter, used: int, budget: int | None) -> None:
+    """CPU: a peak RSS `used` above the baseline over `budget` is out of memory (CUDA: the allocator's cap)."""
+    if budget is not None and meter.kind == "cpu_rss" and used > budget:
+        raise BudgetExceeded(f"peak RSS above baseline {used / GiB:.3f} GiB over the budget {budget / GiB:.3f} GiB")
+
+
 def is_oom_error(exc: BaseException) -> bool:
     """Out-of-memory from any layer: torch's CUDA OOM, a host `MemoryError`, allocator messages, a budget overrun."""
     if isinstance(exc, MemoryError | torch.cuda.OutOfMemoryError):  # BudgetExceeded is a MemoryError

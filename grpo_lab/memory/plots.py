@@ -9,7 +9,7 @@ from matplotlib.ticker import NullFormatter
 
 from grpo_lab.loss.backends import BACKEND_COLORS, BACKEND_MARKERS, REFERENCE_BACKENDS, in_display_order
 
-from .results import bound_kind, max_batch_label
+from .results import bound_kind, max_batch_label, max_batch_ratio
 
 
 def save_png(fig, path) -> Path:
@@ -110,7 +110,7 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
                 bar.set_hatch("//")
                 bar.set_facecolor("none")
                 bar.set_edgecolor(color)
-        for m, sel, p, v, kind in zip(models, sels, pos, vals, bounds):
+        for m, sel, p, v in zip(models, sels, pos, vals):
             f = failed[(failed["model"] == m) & (failed["backend"] == backend)]
             if len(f):
                 ax.text(p, top * 0.01, str(f["status"].iloc[0]), ha="center", va="bottom", fontsize=7, rotation=90)
@@ -120,11 +120,8 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
             labels = [max_batch_label(sel.iloc[0])]
             for ref in REFERENCE_BACKENDS:
                 rr = df[(df["model"] == m) & (df["backend"] == ref)]
-                if backend == ref or not len(rr) or not pd.notna(rr["max_batch"].iloc[0]) or rr["max_batch"].iloc[0] <= 0:
-                    continue
-                if bound_kind(rr.iloc[0]):  # a lower bound over a lower bound says nothing
-                    continue
-                labels.append(f"{'≥' if kind else ''}{v / rr['max_batch'].iloc[0]:.2f}×{ref[0]}")
+                if backend != ref and len(rr) and (ratio := max_batch_ratio(sel.iloc[0], rr.iloc[0])):
+                    labels.append(ratio + ref[0])
             if crowded:  # one rotated line per bar, so neighbouring labels do not run into each other
                 ax.text(p, v + top * 0.01, " ".join(labels), ha="center", va="bottom", fontsize=7, rotation=90)
             else:

@@ -130,6 +130,14 @@ def max_batch_label(row) -> str:
     return f"≥{v}" if kind == "capped" else f"{v}–{int(row['first_oom']) - 1}" if kind == "incomplete" else str(v)
 
 
+def max_batch_ratio(num, den) -> str:
+    """One search's max batch over another's ("1.52×"; "≥1.52×" from a lower bound), "" where the reference
+    is missing, not positive or itself a lower bound (a lower bound over a lower bound says nothing)."""
+    if num is None or den is None or bound_kind(den) or not den["max_batch"] > 0:
+        return ""
+    return f"{'≥' if bound_kind(num) else ''}{num['max_batch'] / den['max_batch']:.2f}×"
+
+
 def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
     """Max batch per model × backend with the ratios to naive and to trl, as display strings: "≥1024" where the
     search hit its cap, "246–325" where it was cut short with the limit bracketed (ratios then "≥"), and no ratio
@@ -144,13 +152,7 @@ def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(index=pd.Index(models, name="model"))
     for b in backends:
         out[b] = [max_batch_label(cell[(m, b)]) if (m, b) in cell else "" for m in models]
-
-    def ratio(num, den) -> str:
-        if num is None or den is None or bound_kind(den) or not den["max_batch"] > 0:
-            return ""
-        return f"{'≥' if bound_kind(num) else ''}{num['max_batch'] / den['max_batch']:.2f}×"
-
     for ref in (r for r in REFERENCE_BACKENDS if r in backends):
         for b in (b for b in backends if b != ref):
-            out[f"{b}/{ref}"] = [ratio(cell.get((m, b)), cell.get((m, ref))) for m in models]
+            out[f"{b}/{ref}"] = [max_batch_ratio(cell.get((m, b)), cell.get((m, ref))) for m in models]
     return out

@@ -78,11 +78,6 @@ def notebook01_rows(df: pd.DataFrame) -> list[dict]:
     return out
 
 
-def notebook02_rows(df: pd.DataFrame, source: str = "H200 notebook 02 (probes)") -> list[dict]:
-    """Notebook 02's probes (FSDP2 + LoRA, world size 1, one step): harness rows, as `planner.check` writes."""
-    return planner_check_rows(df, source, calibration="CUDA_WORKSPACE_BYTES")
-
-
 def loss_kernel_rows(df: pd.DataFrame) -> list[dict]:
     """`benchmarks/loss_bench.py`'s grid (the LM head alone, peak above the inputs, entropy detached); the latest
     run per point. The materialised head (`grpo_lab+mem`, opt-in) is not planned."""
@@ -202,13 +197,15 @@ def validation_table(extra_csvs: dict[str, Path] | None = None) -> pd.DataFrame:
     nb01 = load_reference("memory_vs_batch", "memory_vs_batch.csv")
     if nb01 is not None:
         rows += notebook01_rows(nb01)
-    nb02 = load_reference("fsdp_max_batch", "fsdp_max_batch_probes.csv")
-    if nb02 is not None:
-        rows += notebook02_rows(nb02)
-    nb02 = load_reference("fsdp_max_batch", "fsdp_max_batch_expandable_probes.csv")
-    if nb02 is not None:  # less the probes seeded from planner.check's CSV: those are its rows below
-        own = text_column(nb02, "seeded_from") == ""
-        rows += notebook02_rows(nb02[own], "H200 notebook 02 (probes, expandable segments)")
+    # notebook 02's probes (FSDP2 + LoRA, world size 1, one step): harness rows, as planner.check writes; less
+    # those seeded from planner.check's CSV (they are its rows below)
+    for name, source in (("fsdp_max_batch_probes.csv", "H200 notebook 02 (probes)"),
+                         ("fsdp_max_batch_expandable_probes.csv",
+                          "H200 notebook 02 (probes, expandable segments)")):
+        nb02 = load_reference("fsdp_max_batch", name)
+        if nb02 is not None:
+            own = text_column(nb02, "seeded_from") == ""
+            rows += planner_check_rows(nb02[own], source, calibration="CUDA_WORKSPACE_BYTES")
     grid = [g for name in LOSS_GRID_RUNS if (g := load_reference("loss_kernel", name)) is not None]
     if grid:
         rows += loss_kernel_rows(pd.concat(grid, ignore_index=True).sort_values("date", kind="stable"))
