@@ -396,10 +396,6 @@ class Autotuner:
         if text not in self.recommendations:
             self.recommendations.append(text)
 
-    def metrics(self) -> dict:
-        """The `autotune/*` values logged at every step."""
-        return {"autotune/inflight": float(self.inflight), "autotune/queue_bound": float(self.queue_bound)}
-
 
 class AutotuneCallback(TrainerCallback):
     """Runs `Autotuner` at every log of the trainer, first among the callbacks (so the trackers and the metrics log
@@ -427,7 +423,8 @@ class AutotuneCallback(TrainerCallback):
         for decision in decisions:
             self.say(decision.line())
         self.knobs.inflight, self.knobs.queue_bound = self.tuner.inflight, self.tuner.queue_bound
-        logs.update(self.tuner.metrics())
+        logs.update({"autotune/inflight": float(self.tuner.inflight),
+                     "autotune/queue_bound": float(self.tuner.queue_bound)})
         self.pending, self._initial = self._initial + decisions, []
         if self.pending:  # the step-0 clamps count with the first step, as its row records them
             logs["autotune/changes_total"] = float(len(self.pending))

@@ -98,7 +98,6 @@ class AsyncGRPOLabTrainer(AsyncGRPOTrainer):
             self.callback_handler.callbacks.insert(0, self.autotune_callback)
         self.tree_attention = tree_attention.install(self.accelerator.unwrap_model(self.model), args.tree_attention)
         set_loss_backend(self, args.loss_backend)
-        self._lora_dir = self.adapter_store.url
         self._reconciled = False
         self._live_versions: list[int] = []  # versions this process published that may still be requested
         self.published: list[dict] = []  # what this process published: name, version, digest, step

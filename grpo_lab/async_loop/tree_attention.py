@@ -180,9 +180,8 @@ IMPLEMENTATIONS = {"sdpa": sdpa_tree_attention, "flex": flex_tree_attention}
 
 def fa3_available() -> bool:
     """TRL's Hub kernel can run here: the `kernels` package, a Hopper GPU, and the Hub (or its cache) reachable."""
-    if importlib.util.find_spec("kernels") is None or not torch.cuda.is_available():
-        return False
-    if torch.cuda.get_device_capability() != (9, 0):
+    if (importlib.util.find_spec("kernels") is None or not torch.cuda.is_available()
+            or torch.cuda.get_device_capability() != (9, 0)):
         return False
     try:
         from trl.experimental.async_grpo.packing import _flash_attn
