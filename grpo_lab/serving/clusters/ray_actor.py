@@ -17,8 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..replicas.processes import (AnnouncingProcess, CPUReplicaProcess, ReplicaProcess, VLLMReplicaProcess, free_port,
-                                  vllm_cpu_python)
+from ..replicas.processes import CPUReplicaProcess, ReplicaProcess, VLLMReplicaProcess, free_port, vllm_cpu_python
 from ..replicas.vllm_spec import VLLMReplicaSpec
 
 KINDS = ("cpu", "vllm", "fake")
@@ -81,19 +80,10 @@ class GuardedVLLMReplica(VLLMReplicaProcess):
         return guarded(super().command())
 
 
-class FakeReplicaProcess(AnnouncingProcess):
-    """`python -m grpo_lab.serving.replicas.fake_replica` on `host`, ready when it prints `READY <port>`."""
+class GuardedFakeReplica(GuardedCPUReplica):
+    """The model-free `fake_replica` in the CPU replica's place (it also prints `READY <port>`), with its own args."""
 
-    name = "fake replica"
-
-    def __init__(self, host: str, env: dict | None = None, ready_timeout: float = 60.0,
-                 log_path: str | os.PathLike | None = None):
-        self.host = host
-        super().__init__(env, ready_timeout, log_path)
-
-    def command(self) -> list[str]:
-        return guarded([sys.executable, "-u", "-m", "grpo_lab.serving.replicas.fake_replica", "--host", self.host,
-                        "--ports", "0", "--delay-s", "0.05"])
+    name, module = "fake replica", "grpo_lab.serving.replicas.fake_replica"
 
 
 def start_server(spec: ServerSpec, host: str, index: int) -> tuple[ReplicaProcess, str]:
@@ -101,9 +91,9 @@ def start_server(spec: ServerSpec, host: str, index: int) -> tuple[ReplicaProces
     if spec.kind != "vllm":  # the output also goes to a file on the node (vLLM's does already): `read_log`
         fd, log_path = tempfile.mkstemp(prefix=f"grpo-lab-replica-{index}-", suffix=".log")
         os.close(fd)
-        process = (GuardedCPUReplica(["--host", host, "--port", "0", *spec.cpu_args], spec.env, spec.ready_timeout_s,
-                                     log_path)
-                   if spec.kind == "cpu" else FakeReplicaProcess(host, spec.env, spec.ready_timeout_s, log_path))
+        kind, args = ((GuardedCPUReplica, ["--port", "0", *spec.cpu_args]) if spec.kind == "cpu"
+                      else (GuardedFakeReplica, ["--ports", "0", "--delay-s", "0.05"]))
+        process = kind(["--host", host, *args], spec.env, spec.ready_timeout_s, log_path)
         return process.wait_ready(), f"http://{host}:{process.port}"
     fields = dict(spec.vllm)
     if spec.device == "cpu":

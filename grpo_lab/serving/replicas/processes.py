@@ -175,9 +175,10 @@ class AnnouncingProcess(ReplicaProcess):
 
 
 class CPUReplicaProcess(AnnouncingProcess):
-    """A `python -m grpo_lab.serving.replicas.cpu_replica` child."""
+    """A `python -m grpo_lab.serving.replicas.cpu_replica` child (`module`) with `args`."""
 
     name = "CPU replica"
+    module = "grpo_lab.serving.replicas.cpu_replica"
 
     def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 120.0,
                  log_path: str | os.PathLike | None = None):
@@ -185,7 +186,7 @@ class CPUReplicaProcess(AnnouncingProcess):
         super().__init__(env, ready_timeout, log_path)
 
     def command(self) -> list[str]:
-        return [sys.executable, "-u", "-m", "grpo_lab.serving.replicas.cpu_replica", *self.args]
+        return [sys.executable, "-u", "-m", self.module, *self.args]
 
     def fresh(self, env: dict | None = None) -> "CPUReplicaProcess":
         args = list(self.args)
