@@ -356,7 +356,7 @@ def check_port(flag: str, port: int, host: str = "127.0.0.1") -> None:
         raise UsageError(flag, f"port {port} is in use; pick another or 0 for a free one")
 
 
-def check_vllm_python(flag: str = "--replica-kind vllm") -> str:
+def check_vllm_python(flag: str) -> str:
     """The interpreter of the vLLM CPU venv, and that it can import vLLM (found, not imported: seconds, not a
     minute)."""
     from ..serving.replicas.processes import vllm_cpu_python

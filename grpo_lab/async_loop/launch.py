@@ -28,7 +28,7 @@ from ..serving.clusters.ray_placement import TRAINER_NODE_RESOURCE
 from ..serving.replicas.vllm_spec import round_lora_rank
 from .checkpoints import checkpoint_step, resume_checkpoint
 from .loop_settings import LoopSettings, PoolSettings
-from .run_dir import RunDirError, holds_a_run, truncate_metrics, write_run_record
+from .run_dir import REPLICA_LOGS, RunDirError, holds_a_run, truncate_metrics, write_run_record
 from .run_settings import run_settings
 
 log = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ class AsyncLoop:
     @property
     def replica_log_dir(self) -> str:
         """`<output_dir>/logs`: each replica's output, the place to look when a rollout fails with a 5xx."""
-        path = os.path.join(os.path.abspath(self.args.output_dir), "logs")
+        path = os.path.join(os.path.abspath(self.args.output_dir), REPLICA_LOGS)
         os.makedirs(path, exist_ok=True)
         return path
 
@@ -287,7 +287,7 @@ class AsyncLoop:
     def _fresh_record(self) -> bool:
         """Only what this loop's own start() wrote is there (replica logs, the adapter store's root)."""
         folder = Path(self.args.output_dir)
-        return all(entry.name in ("logs", ".vllm_lora") for entry in folder.iterdir())
+        return all(entry.name in (REPLICA_LOGS, ".vllm_lora") for entry in folder.iterdir())
 
     def verdict(self):
         """The doctor's verdict on this run so far, by its own settings (`run.json`) and its whole metrics log."""

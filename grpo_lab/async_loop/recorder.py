@@ -51,9 +51,8 @@ def router_figures(snapshot: dict | None, before: dict | None) -> dict:
 class LoopRecorder(TrainerCallback):
     """Appends `{"step", "time", **logs, "router": {...}}` to `<output_dir>/loop_metrics.jsonl` at every log."""
 
-    def __init__(self, router_url: str | None = None, path: str | None = None):
+    def __init__(self, router_url: str | None = None):
         self.router_url = router_url
-        self.path = path
         self.extras: list = []  # callables returning more of the row (the autotune decisions of the step)
         self.rows: list[dict] = []
 
@@ -67,9 +66,8 @@ class LoopRecorder(TrainerCallback):
         for extra in self.extras:
             row.update(extra())
         self.rows.append(row)
-        path = self.path or os.path.join(args.output_dir, METRICS_FILE)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "a") as f:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, METRICS_FILE), "a") as f:
             f.write(json.dumps(row, default=float) + "\n")
 
 
