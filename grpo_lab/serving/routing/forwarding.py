@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..wire.completion_batches import completion_json
 from .per_try import PerTryDeadlines
@@ -51,7 +51,6 @@ class _Try:
     hedge_blocked: bool = False  # no hedge can follow this try (no other replica, or no sends left)
     not_before: float = 0.0  # a due hedge put off (paused replicas, hedge budget spent) until then
     over_budget: bool = False  # its hedge was put off for the budget (counted once)
-    task: asyncio.Task | None = field(default=None, repr=False)
 
 
 class Forwarder:
@@ -191,12 +190,12 @@ class Forwarder:
                 counts = self.run_routing.setdefault(run, {"affinity": 0, "spilled": 0, "unmatched": 0})
                 counts[decision.kind] = counts.get(decision.kind, 0) + 1
             t = _Try(replica, decision, now(), hedge, run)
-            t.task = asyncio.create_task(self._attempt(t, model, raw, remaining))
-            running[t.task] = t
+            task = asyncio.create_task(self._attempt(t, model, raw, remaining))
+            running[task] = t
             if hedge:
                 hedged = True
                 self.hedges_in_flight += 1
-                t.task.add_done_callback(self._hedge_done)
+                task.add_done_callback(self._hedge_done)
             return True
 
         launch(hedge=False)
