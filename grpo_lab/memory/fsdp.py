@@ -25,11 +25,11 @@ def init_process_group(device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def apply_lora(model, r: int, dropout: float = 0.0):
+def apply_lora(model, r: int):
     """LoRA adapters in the model's dtype (`autocast_adapter_dtype=False`), so each FSDP2 group has one dtype."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", lora_dropout=dropout, task_type="CAUSAL_LM")
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
     return get_peft_model(model, config, autocast_adapter_dtype=False)
 
 
@@ -57,8 +57,7 @@ def keep_trainer_from_rewrapping(trainer, model) -> None:
     accelerator.prepare_model = prepare_model
 
 
-def shard_fsdp2(model, device: torch.device, reshard_after_forward: bool = True, replicate_root: bool = False,
-                flag: bool = True):
+def shard_fsdp2(model, device: torch.device, replicate_root: bool = False, flag: bool = True):
     """`fully_shard` each decoder layer, then the whole (PEFT) model as root; returns the same object, sharded.
 
     `replicate_root`: the root's (frozen) parameters stay replicated, for a loss that reads the head weight outside
@@ -75,9 +74,10 @@ def shard_fsdp2(model, device: torch.device, reshard_after_forward: bool = True,
         ignored = {p for p in model.parameters() if id(p) not in in_layers}
         if any(p.requires_grad for p in ignored):
             raise ValueError("replicate_root needs the root-level parameters frozen (LoRA)")
+    # resharded after forward, the root too (torch's default, None, would keep the root gathered until backward)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=ignored)
     # transformers' contract for pre-sharded models: no .to(), no DDP wrap (Trainer._prepare_for_training, >= 5.19);
     # `keep_trainer_from_rewrapping` covers older releases
     if flag:

@@ -124,7 +124,8 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
     n_prompts = max(1, global_batch // num_generations) * (spec.steps + 1)
     dataset = build_dataset(tokenizer, model_config.vocab_size, spec.prompt_len, n_prompts, spec.seed)
 
-    extra: dict[str, Any] = {"gradient_checkpointing": True} if spec.gradient_checkpointing else {}
+    # TRL's default activation checkpointing stays on (what the planner's `gradient_checkpointing=True` models)
+    extra: dict[str, Any] = {}
     if spec.generation == "model":
         extra["generation_kwargs"] = {"min_new_tokens": spec.completion_len}
     args = GRPOLabConfig(

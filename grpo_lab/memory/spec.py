@@ -125,7 +125,6 @@ class PointSpec(StepSetting):
     fsdp: bool = False  # FSDP2 through accelerate (needs a process group; set up by the launcher)
     world_size: int = 1
     budget_bytes: int | None = None  # CUDA: per-process memory cap; CPU: peak RSS above the baseline over it = OOM
-    gradient_checkpointing: bool = False
     seed: int = 0
     beta: float = 0.0  # KL coefficient (0 = no reference model, TRL's default); > 0 adds the reference forward
     num_iterations: int = 1  # TRL's mu: > 1 reuses each generation batch (adds the old-log-prob forward)

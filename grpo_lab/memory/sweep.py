@@ -74,9 +74,8 @@ def _series_key(s: PointSpec):
 
 
 def run_sweep(specs: list[PointSpec], out_csv: str | Path | None = None,
-              on_point: Callable[[dict, int, int], None] | None = None, skip_after_oom: bool = True,
-              max_seconds: float | None = None, figure: str = FIGURE, keep_going: bool = False,
-              append: bool = False, resume: bool = False) -> pd.DataFrame:
+              on_point: Callable[[dict, int, int], None] | None = None, max_seconds: float | None = None,
+              keep_going: bool = False, append: bool = False, resume: bool = False) -> pd.DataFrame:
     """Measure every spec in order, rewriting the CSV after each point (an interrupted sweep keeps what it measured).
 
     A non-memory failure raises `ProbeError` (`keep_going`: recorded as `error`, the rest of its series skipped).
@@ -98,7 +97,7 @@ def run_sweep(specs: list[PointSpec], out_csv: str | Path | None = None,
     t0 = time.perf_counter()
     for i, spec in enumerate(specs):
         key = _series_key(spec)
-        if skip_after_oom and key in oom_at and spec.batch_size > oom_at[key]:
+        if key in oom_at and spec.batch_size > oom_at[key]:
             result = {"status": "oom", "message": f"not run: batch {oom_at[key]} already out of memory"}
         elif key in failed:
             result = {"status": "error", "message": "not run: an earlier point of this series failed"}
@@ -115,7 +114,7 @@ def run_sweep(specs: list[PointSpec], out_csv: str | Path | None = None,
                 failed.add(key)
             if result["status"] == "oom":
                 oom_at[key] = min(oom_at.get(key, spec.batch_size), spec.batch_size)
-        row = make_row(figure, spec, result, env)
+        row = make_row(FIGURE, spec, result, env)
         rows.append(row)
         if out_csv is not None:
             frame = rows_to_frame(rows)

@@ -58,12 +58,11 @@ def measured_points(searches: pd.DataFrame | None, config: PlannerConfig, budget
     return same[["backend", "world_size", "max_batch"]]
 
 
-def world_size_figure(config: PlannerConfig, budget_gib: float, searches: pd.DataFrame | None = None,
-                      world_sizes=range(1, 9)):
+def world_size_figure(config: PlannerConfig, budget_gib: float, searches: pd.DataFrame | None = None):
     """Predicted max batch over world size for the baseline (naive) and the chosen backend, measured searches
     overlaid."""
     backends = tuple(dict.fromkeys((BASELINE_BACKEND, config.loss_backend)))
-    table = world_size_table(config, budget_gib, backends=backends, world_sizes=world_sizes, upper=1 << 14)
+    table = world_size_table(config, budget_gib, backends=backends)
     measured = measured_points(searches, config, budget_gib)
     ckpt = "" if config.gradient_checkpointing else ", no checkpointing"
     title = (f"{config.model} {config.dtype}, FSDP2 + LoRA r={config.lora_r}, {config.prompt_len}+"
