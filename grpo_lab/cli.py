@@ -25,10 +25,11 @@ import sys
 
 
 # each command's module, imported only when that command runs (they pull in torch, transformers, Jupyter, ...)
-COMMANDS = {"reproduce": "grpo_lab.lab.runner", "memory": "grpo_lab.memory.sweep", "lab": "grpo_lab.lab.jupyter",
-            "max-batch": "grpo_lab.memory.max_batch", "plan": "grpo_lab.memory.planner.cli",
-            "async-loop": "grpo_lab.async_loop.command", "serve-pool": "grpo_lab.async_loop.serve_pool",
-            "doctor": "grpo_lab.async_loop.doctor", "sweep": "grpo_lab.sweep.command"}
+COMMANDS = {"reproduce": "grpo_lab.lab.runner", "memory": "grpo_lab.memory.sweep",
+            "lab": "grpo_lab.lab.jupyter", "max-batch": "grpo_lab.memory.max_batch",
+            "plan": "grpo_lab.memory.planner.cli", "async-loop": "grpo_lab.async_loop.command",
+            "serve-pool": "grpo_lab.async_loop.serve_pool", "doctor": "grpo_lab.async_loop.doctor",
+            "sweep": "grpo_lab.sweep.command"}
 
 
 def main(argv=None) -> int:

@@ -97,7 +97,8 @@ def timed_out_cells(nb, timeout_s: float) -> list[tuple[int, float]]:
 
 def run_all(notebooks: list[Path], executed_dir: str | Path | None = None, quick: bool = True,
             stop_on_error: bool = False, refresh_results: bool = False) -> list[tuple[Path, str, float]]:
-    """Execute `notebooks` into one `executed_dir`; returns (notebook, "ok" | error message, seconds) per notebook."""
+    """Execute `notebooks` into one `executed_dir`; returns (notebook, "ok" | error message, seconds) per
+    notebook."""
     if executed_dir is None:
         executed_dir = Path(tempfile.mkdtemp(prefix="grpo_lab_executed_"))
     if notebooks:
@@ -118,7 +119,7 @@ def run_all(notebooks: list[Path], executed_dir: str | Path | None = None, quick
 
 
 def main(argv=None) -> int:
-    """`grpo-lab reproduce` and `python -m grpo_lab.lab.runner`: the notebooks named, else those of `--notebooks`."""
+    """`grpo-lab reproduce` (also `python -m` of this module): the notebooks named, else all of the folder."""
     ap = argparse.ArgumentParser(prog="grpo-lab reproduce",
                                  description="Execute the notebooks headless; what they measure goes to outputs/ "
                                              "(git-ignored) unless --refresh-results.")
@@ -145,7 +146,8 @@ def main(argv=None) -> int:
         print(f"error: no notebooks folder {a.notebooks!r} (run from the repository root or pass --notebooks)",
               file=sys.stderr)
         return 2
-    notebooks = [p for p in notebooks or find_notebooks(a.notebooks) if not a.only or any(o in p.name for o in a.only)]
+    notebooks = [p for p in notebooks or find_notebooks(a.notebooks)
+                 if not a.only or any(o in p.name for o in a.only)]
     report = run_all(notebooks, executed_dir=a.executed_dir, quick=not a.full, stop_on_error=a.stop_on_error,
                      refresh_results=a.refresh_results)
     if not report:

@@ -7,6 +7,7 @@ without a widget frontend a form shows nothing and `values()` returns the parame
 
 from __future__ import annotations
 
+import contextlib
 import html
 from collections.abc import Callable
 
@@ -89,12 +90,10 @@ class ParamForm:
     def _clicked(self, _):
         self.message.value = "<i>running…</i>"
         try:
-            if self.output is None:
-                self.on_run(self.values())
-            else:
+            if self.output is not None:
                 self.output.clear_output()
-                with self.output:
-                    self.on_run(self.values())
+            with contextlib.nullcontext() if self.output is None else self.output:
+                self.on_run(self.values())
             self.message.value = "done"
         except ValueError as e:  # bad input: a clear message, no traceback
             self.message.value = f"<span style='color:#b00'>{html.escape(str(e))}</span>"

@@ -19,8 +19,8 @@ def render_qwen_math(problem: str) -> str:
 
 
 def make_prompt(problem: str, fmt: str = "qwen_math"):
-    """The prompt of `problem` in format `fmt`: `qwen_math` is the recipe's chat (TRL applies the tokenizer's chat
-    template), `plain` one line of text."""
+    """The prompt of `problem` in format `fmt`: `qwen_math` the recipe's chat (TRL applies the tokenizer's
+    chat template), `plain` one line of text."""
     if fmt == "qwen_math":
         return [{"role": "system", "content": QWEN_MATH_SYSTEM}, {"role": "user", "content": problem}]
     if fmt == "plain":

@@ -10,11 +10,12 @@ from grpo_lab.lab.live_board import LiveBoard
 
 
 class BoardCallback(TrainerCallback):
-    """One board update per logged step (`logging_steps=1`); `keys` maps board keys to log keys, and a
-    `step_time` key is filled from the wall clock when the logs have none."""
+    """One board update per logged step (`logging_steps=1`), each also kept in `rows`; `keys` maps board keys
+    to log keys (needed without a board); `step_time` is filled from the wall clock if the logs have none."""
 
     def __init__(self, board: LiveBoard | None, keys: dict[str, str] | None = None):
         self.board, self.keys = board, keys
+        self.rows: list[dict] = []
         self._t = None
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -31,5 +32,7 @@ class BoardCallback(TrainerCallback):
         self.record(state.global_step, values)
 
     def record(self, step: int, values: dict) -> None:
-        """What a logged step's values (board key -> value) become: a board update."""
-        self.board.update(step, **values)
+        """A logged step's values (board key -> value): a row, and a board update when there is a board."""
+        self.rows.append({"step": step} | values)
+        if self.board is not None:
+            self.board.update(step, **values)

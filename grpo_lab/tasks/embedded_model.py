@@ -35,8 +35,8 @@ MAX_POSITIONS = 128  # RoPE: a config number, not weights, so it can exceed what
 
 
 def build_chat_tokenizer():
-    """A fast tokenizer: ChatML specials, `\\boxed{` as one token, one token per other character, and Qwen3's chat
-    template as TRL ships it (so TRL's response parser knows it)."""
+    """A fast tokenizer: ChatML specials, `\\boxed{` as one token, one token per other character, and
+    Qwen3's chat template as TRL ships it (so TRL's response parser knows it)."""
     from trl.chat_template_utils import qwen3_chat_template
 
     from grpo_lab.tasks.tiny import char_tokenizer

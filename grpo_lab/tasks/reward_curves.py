@@ -211,23 +211,10 @@ def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, loss_backend: st
     return trainer
 
 
-class _Recorder(BoardCallback):
-    """Collects every logged step (and feeds the board when there is one)."""
-
-    def __init__(self, board: LiveBoard | None):
-        super().__init__(board, keys={**METRICS, "step_time": "step_time"})
-        self.rows: list[dict] = []
-
-    def record(self, step: int, values: dict) -> None:
-        self.rows.append({"step": step} | values)
-        if self.board is not None:
-            self.board.update(step, **values)
-
-
 def run_grpo(cfg: EmbeddedConfig, prep: Prepared, loss_backend: str, board: LiveBoard | None = None,
              heldout_start: float | None = None, log=print) -> dict:
     """One GRPO run; returns per-step records and the held-out pass rate before/after."""
-    rec = _Recorder(board)
+    rec = BoardCallback(board, keys={**METRICS, "step_time": "step_time"})
     # PEFT (wrapping the model) and TRL (around generation) read the deprecated `is_gradient_checkpointing`
     with tempfile.TemporaryDirectory(prefix="grpo_lab_rc_") as tmp, upstream_deprecations_silenced():
         trainer = build_embedded_trainer(cfg, prep, loss_backend, tmp, callbacks=[rec])
@@ -442,7 +429,8 @@ def main(argv=None):
                       eval_k=4)
     over = {"device": a.device, "steps": a.steps, "learning_rate": a.lr, "lora_r": a.rank, "num_generations": a.G,
             "backends": tuple(b.strip() for b in a.backends.split(",") if b.strip()) if a.backends else None}
-    over |= {"prompts_per_step": a.prompts_per_step, "sft_max_steps": a.sft_max_steps, "cpu_threads": a.threads}
+    over |= {"prompts_per_step": a.prompts_per_step, "sft_max_steps": a.sft_max_steps,
+             "cpu_threads": a.threads}
     cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
     if a.hidden or a.layers:
         h = a.hidden or cfg.model.hidden_size

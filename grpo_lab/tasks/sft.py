@@ -123,7 +123,7 @@ def load_warm_start(model, path) -> None:
 
 
 def shipped_warm_start(name: str = WARM_START_FILE) -> Path:
-    """The warm start `name` shipped in `data/mini/` (by default the tiny task's, which `main` regenerates)."""
+    """The warm start `name` shipped in `data/mini/` (by default the tiny task's: `main` regenerates it)."""
     return Path(str(resources.files("grpo_lab.data_files").joinpath("mini", name)))
 
 
