@@ -55,11 +55,7 @@ class RecipeConfig:
         return self.max_context - self.max_completion_length
 
     def validate(self):
-        if self.lora_r < 1:
-            raise ValueError(f"lora_r must be >= 1 (got {self.lora_r}); rank 0 is no adapter at all.")
-        if self.num_generations < 2:
-            raise ValueError(f"num_generations (G) must be >= 2 (got {self.num_generations}): the group-relative "
-                             "advantage of a group of one is always 0.")
+        check_lora_grpo(self.lora_r, self.num_generations, self.learning_rate)
         if self.completions_per_step < 1 or self.micro_batch_size < 1:
             raise ValueError(f"completions_per_step ({self.completions_per_step}) and micro_batch_size "
                              f"({self.micro_batch_size}) must be >= 1.")
@@ -77,9 +73,18 @@ class RecipeConfig:
         if self.max_completion_length < 1 or self.max_prompt_length < 1:
             raise ValueError(f"max_completion_length={self.max_completion_length} leaves no room for a prompt in "
                              f"max_context={self.max_context}.")
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate must be > 0 (got {self.learning_rate}).")
         return self
+
+
+def check_lora_grpo(lora_r: int, num_generations: int, learning_rate: float) -> None:
+    """The rules the recipe and the embedded default share (a ValueError naming the setting at fault)."""
+    if lora_r < 1:
+        raise ValueError(f"lora_r must be >= 1 (got {lora_r}); rank 0 is no adapter at all.")
+    if num_generations < 2:
+        raise ValueError(f"num_generations (G) must be >= 2 (got {num_generations}): GRPO's advantage is the "
+                         "reward minus its group mean, which is always 0 for a group of one.")
+    if learning_rate <= 0:
+        raise ValueError(f"learning_rate must be > 0 (got {learning_rate}).")
 
 
 def prompt_token_lengths(tokenizer, prompts) -> list[int]:

@@ -27,6 +27,7 @@ from grpo_lab.lab.records import run_record
 from grpo_lab.loss.backends import BACKEND_COLORS, LOSS_BACKENDS, resolve_backend
 from grpo_lab.models.hf_compat import checkpointing_args, upstream_deprecations_silenced
 from grpo_lab.tasks.board import BoardCallback
+from grpo_lab.tasks.recipe import check_lora_grpo
 from grpo_lab.tasks.rewards import math_reward
 from grpo_lab.tasks.sanity import sanity_filter
 from grpo_lab.tasks.sft import load_warm_start, pass_rates, sft_warm_start, shipped_warm_start
@@ -75,11 +76,7 @@ class EmbeddedConfig:
     cpu_threads: int | None = None   # torch CPU threads for the run (1 avoids OpenMP oversubscription on a shared box)
 
     def validate(self, prompt_lengths: list[int] | None = None):
-        if self.lora_r < 1:
-            raise ValueError(f"lora_r must be >= 1 (got {self.lora_r}); rank 0 is no adapter at all.")
-        if self.num_generations < 2:
-            raise ValueError(f"num_generations (G) must be >= 2 (got {self.num_generations}): GRPO's advantage is "
-                             "the reward minus its group mean, which is always 0 for a group of one.")
+        check_lora_grpo(self.lora_r, self.num_generations, self.learning_rate)
         if self.prompts_per_step < 1 or self.steps < 1:
             raise ValueError("prompts_per_step and steps must be >= 1.")
         if not self.backends:
@@ -91,8 +88,6 @@ class EmbeddedConfig:
             raise ValueError(f"Each backend once (got {list(self.backends)}): the curves are keyed by backend name.")
         if self.eval_k < 1:
             raise ValueError(f"eval_k must be >= 1 (got {self.eval_k}): samples per held-out problem.")
-        if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate must be > 0 (got {self.learning_rate}).")
         if self.max_completion_length >= self.max_context:
             raise ValueError(f"max_completion_length {self.max_completion_length} leaves no room for a prompt in "
                              f"a context of {self.max_context}.")
