@@ -97,8 +97,7 @@ def timed_out_cells(nb, timeout_s: float) -> list[tuple[int, float]]:
 
 def run_all(notebooks: list[Path], executed_dir: str | Path | None = None, quick: bool = True,
             stop_on_error: bool = False, refresh_results: bool = False) -> list[tuple[Path, str, float]]:
-    """Execute `notebooks` into one `executed_dir`; returns (notebook, "ok" | error message, seconds) per
-    notebook."""
+    """Execute `notebooks` into one `executed_dir`: (notebook, "ok" | error message, seconds) for each."""
     if executed_dir is None:
         executed_dir = Path(tempfile.mkdtemp(prefix="grpo_lab_executed_"))
     if notebooks:
