@@ -33,14 +33,6 @@ def apply_lora(model, r: int):
     return get_peft_model(model, config, autocast_adapter_dtype=False)
 
 
-def decoder_layers(model) -> list[torch.nn.Module]:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = getattr(getattr(base, "model", base), "layers", None)
-    if layers is None:
-        raise ValueError(f"no decoder layers found on {type(base).__name__}")
-    return list(layers)
-
-
 def keep_trainer_from_rewrapping(trainer, model) -> None:
     """Make `trainer.accelerator` prepare the pre-sharded `model` without DDP and without moving it.
 
@@ -67,7 +59,10 @@ def shard_fsdp2(model, device: torch.device, replicate_root: bool = False, flag:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    layers = decoder_layers(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(base, "model", base), "layers", None)
+    if layers is None:
+        raise ValueError(f"no decoder layers found on {type(base).__name__}")
     ignored = None
     if replicate_root:  # found before the layers are sharded (sharding replaces their Parameter objects)
         in_layers = {id(p) for layer in layers for p in layer.parameters()}

@@ -84,14 +84,6 @@ class CudaMeter:
         torch.cuda.synchronize(self.device)
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        return torch.device("cuda", environment.local_rank())
-    return torch.device("cpu")
-
-
 class BudgetExceeded(MemoryError):
     """A CPU probe whose measured peak went over the memory budget: recorded as out-of-memory."""
 
@@ -122,13 +114,13 @@ def device_info(device: torch.device) -> dict:
 
 
 def prepare_probe_device(spec_device: str, budget_bytes: int | None):
-    """The probe's device and meter; on CUDA the allocator is capped at `budget_bytes`, so an over-budget point
-    fails as a real out-of-memory rather than by a check after the fact."""
-    device = resolve_device(spec_device)
-    meter = CudaMeter(device) if device.type == "cuda" else CpuRssMeter()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        if budget_bytes is not None:
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
-    return device, meter
+    """The probe's device (`auto`: CUDA if there is one) and meter; on CUDA the allocator is capped at
+    `budget_bytes`, so an over-budget point fails as a real out-of-memory rather than by a check after the fact."""
+    if spec_device == "cpu" or (spec_device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu"), CpuRssMeter()
+    device = torch.device("cuda", environment.local_rank())
+    torch.cuda.set_device(device)
+    if budget_bytes is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+    return device, CudaMeter(device)
