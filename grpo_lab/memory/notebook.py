@@ -38,8 +38,8 @@ def reference_memory_vs_batch() -> pd.DataFrame | None:
     return load_reference("memory_vs_batch", "memory_vs_batch.csv")
 
 
-def run_memory_vs_batch(params: dict, out_dir: str | Path, name: str, board=None):
-    """Run the sweep for `params` (build_specs keywords), updating `board` live; save CSV + PNGs.
+def run_memory_vs_batch(params: dict, out_dir: str | Path, name: str, board):
+    """Run the sweep for `params` (build_specs keywords), updating `board` (a `LiveBoard`) live; save CSV + PNGs.
 
     Returns (frame, csv_path, [png paths])."""
     plt = _mpl()
@@ -49,24 +49,21 @@ def run_memory_vs_batch(params: dict, out_dir: str | Path, name: str, board=None
     csv = Path(out_dir) / f"{name}.csv"
     rows: list[dict] = []
     fig = plt.figure(figsize=(11, 4.2))
-    if board is not None:
-        board.set_total(len(specs))
-        board.status(f"{len(specs)} points, each in a fresh process")
+    board.set_total(len(specs))
+    board.status(f"{len(specs)} points, each in a fresh process")
 
     def on_point(row, i, n):
         rows.append(row)
-        if board is not None:
-            peak = (f"{row['peak_gib']:.3f} GiB" if row["status"] == "ok" and row["peak_gib"] is not None
-                    else row["status"].upper())
-            board.step(f"{row['mode']} {row['dtype']} {row['backend']} B={row['batch_size']}: {peak}")
-            plot_memory_vs_batch(rows_to_frame(rows), mode=row["mode"], fig=fig)
-            board.figure(fig, force=(i + 1 == n))
+        peak = (f"{row['peak_gib']:.3f} GiB" if row["status"] == "ok" and row["peak_gib"] is not None
+                else row["status"].upper())
+        board.step(f"{row['mode']} {row['dtype']} {row['backend']} B={row['batch_size']}: {peak}")
+        plot_memory_vs_batch(rows_to_frame(rows), mode=row["mode"], fig=fig)
+        board.figure(fig, force=(i + 1 == n))
 
     df = run_sweep(specs, out_csv=csv, on_point=on_point)
     plt.close(fig)
     pngs = save_figures(df, csv.parent, name)
-    if board is not None:
-        board.done(f"{len(df)} points → {csv.name}")
+    board.done(f"{len(df)} points → {csv.name}")
     return df, csv, pngs
 
 
@@ -142,33 +139,30 @@ def _preset_order(column: pd.Series) -> pd.Series:
     return column.map(lambda v: order.index(v) if v in order else len(order))
 
 
-def run_max_batch(params: dict, out_dir: str | Path, name: str, board=None):
-    """Max-batch search for every model × backend in `params`, live; saves CSV + PNG. Returns (frame, csv, png)."""
+def run_max_batch(params: dict, out_dir: str | Path, name: str, board):
+    """Max-batch search for every model × backend in `params`, live on `board`; saves CSV + PNG. Returns (frame,
+    csv, png)."""
     plt = _mpl()
     from .plots import plot_max_batch, save_png  # matplotlib: after _mpl() has chosen its backend
 
     searches = build_searches(**params)
     csv = Path(out_dir) / f"{name}.csv"
     fig = plt.figure(figsize=(11, 4.5))
-    if board is not None:
-        board.set_total(len(searches))
-        board.status(f"{len(searches)} searches (model × backend)")
+    board.set_total(len(searches))
+    board.status(f"{len(searches)} searches (model × backend)")
 
     def on_probe(spec, outcome):
-        if board is not None:
-            board.status(f"{spec.model} {spec.loss_backend}: B={spec.batch_size} → {outcome}")
+        board.status(f"{spec.model} {spec.loss_backend}: B={spec.batch_size} → {outcome}")
 
     def on_search(frame, i, n):
-        if board is not None:
-            r = frame.iloc[-1]
-            board.step(f"{r['model']} {r['backend']}: max batch {r['max_batch']}")
-            plot_max_batch(frame, fig=fig)
-            board.figure(fig, force=(i + 1 == n))
+        r = frame.iloc[-1]
+        board.step(f"{r['model']} {r['backend']}: max batch {r['max_batch']}")
+        plot_max_batch(frame, fig=fig)
+        board.figure(fig, force=(i + 1 == n))
 
     df = run_searches(searches, out_csv=csv, on_probe=on_probe, on_search=on_search)
     png = save_png(plot_max_batch(df, fig=fig), csv.with_suffix(".png"))
-    if board is not None:
-        board.done(f"{len(df)} searches → {csv.name}")
+    board.done(f"{len(df)} searches → {csv.name}")
     return df, csv, png
 
 
