@@ -23,9 +23,9 @@ WARM_START_FILE = "tiny_addition_sft.safetensors"
 
 
 @torch.no_grad()
-def sample(model, tokenizer, problems: list[str], k: int = 1, temperature: float = 1.0, max_new_tokens: int = 8,
-           seed: int = 0, batch_size: int = 4096) -> list[list[str]]:
-    """k sampled completions per problem (problems must tokenize to equal length). Returns texts, [len][k]."""
+def sample(model, tokenizer, problems: list[str], k: int = 1, max_new_tokens: int = 8, seed: int = 0,
+           batch_size: int = 4096) -> list[list[str]]:
+    """k completions per problem at temperature 1 (problems of one token length): texts, [len][k]."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -42,11 +42,8 @@ def sample(model, tokenizer, problems: list[str], k: int = 1, temperature: float
         for _ in range(max_new_tokens):
             res = model(input_ids=step_in, use_cache=True, **cache_kw)
             cache_kw = {keyword: res[keyword]}  # the output names the cache as the forward takes it
-            logits = res.logits[:, -1, :].float()
-            if temperature > 0:
-                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen).squeeze(1)
-            else:
-                nxt = logits.argmax(-1)
+            probs = torch.softmax(res.logits[:, -1, :].float(), -1)
+            nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
             seq = torch.cat([seq, nxt[:, None]], 1)
             step_in = nxt[:, None]
@@ -58,9 +55,9 @@ def sample(model, tokenizer, problems: list[str], k: int = 1, temperature: float
     return [out[i * k:(i + 1) * k] for i in range(len(problems))]
 
 
-def pass_rates(model, tokenizer, rows: list[dict], k: int = 8, seed: int = 0, temperature: float = 1.0):
+def pass_rates(model, tokenizer, rows: list[dict], k: int = 8, seed: int = 0):
     """Per-problem fraction of k sampled completions graded correct."""
-    comps = sample(model, tokenizer, [r["problem"] for r in rows], k=k, seed=seed, temperature=temperature)
+    comps = sample(model, tokenizer, [r["problem"] for r in rows], k=k, seed=seed)
     return [sum(grade(last_boxed(c), r["answer"]) for c in cs) / k for cs, r in zip(comps, rows, strict=True)]
 
 
