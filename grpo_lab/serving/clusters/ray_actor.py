@@ -37,12 +37,7 @@ except (AttributeError, OSError):
     pass  # not Linux: the watchdog alone guards the server
 if os.getppid() != watchdog:
     os.killpg(0, signal.SIGKILL)  # it died before the guard was set
-child = subprocess.Popen(sys.argv[1:])
-while True:
-    try:
-        sys.exit(child.wait())
-    except InterruptedError:
-        continue
+sys.exit(subprocess.Popen(sys.argv[1:]).wait())  # a signal handled above does not break the wait (PEP 475)
 """
 
 
