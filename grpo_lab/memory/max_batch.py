@@ -106,7 +106,7 @@ def linear_guess(results: dict[int, dict], budget: float | None) -> int | None:
 
 def search_max_batch(fits: Callable[[int], tuple[bool, dict]], start: int = 1, upper: int = 1024,
                      rel_tol: float = 0.0, budget: float | None = None, guess: bool = True,
-                     on_probe: Callable[[int, bool], None] | None = None, known: dict[int, dict] | None = None,
+                     known: dict[int, dict] | None = None,
                      out_of_time: Callable[[], bool] | None = None) -> SearchResult:
     """The largest batch in [1, upper] for which the monotone `fits(b)` -> (fitted, details) holds, to within a gap
     of max(1, rel_tol × B).
@@ -128,8 +128,6 @@ def search_max_batch(fits: Callable[[int], tuple[bool, dict]], start: int = 1, u
         details["status"] = "ok" if ok else "oom"
         res.results[b] = details
         res.probes.append((b, details["status"]))
-        if on_probe is not None:
-            on_probe(b, ok)
         return ok
 
     for b, details in sorted((known or {}).items()):
