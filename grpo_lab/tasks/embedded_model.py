@@ -149,7 +149,7 @@ def train_warm_start(out: str | os.PathLike, seed: int = 0, target_pass_rate: fl
     train_pool, _ = addition_problems(seed=seed)
     rows = [dict(r, problem=render_prompt(tokenizer, r["problem"])) for r in train_pool]
     info = sft_warm_start(model, tokenizer, rows, target_pass_rate=target_pass_rate, lr=lr, seed=seed,
-                          eval_every=25, log=log)
+                          log=log)
     save_warm_start(model, out, seed=seed, steps=info["steps"], pass_rate=f"{info['pass_rate']:.4f}", lr=lr,
                     format="chat")
     return info

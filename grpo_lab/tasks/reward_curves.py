@@ -140,7 +140,7 @@ def prepare(cfg: EmbeddedConfig, log=print) -> Prepared:
     else:
         sft = sft_warm_start(model, tok, train_pool, target_pass_rate=cfg.sft_target_pass_rate,
                              max_steps=cfg.sft_max_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch_size,
-                             seed=cfg.seed, eval_every=25, log=log)
+                             seed=cfg.seed, log=log)
         info["sft"] = {k: v for k, v in sft.items() if k != "history"} | {"source": "trained"}
         if not sft["reached"]:
             log(f"warning: SFT stopped at pass rate {sft['pass_rate']:.3f} < target {cfg.sft_target_pass_rate}")

@@ -62,7 +62,7 @@ def pass_rates(model, tokenizer, rows: list[dict], k: int = 8, seed: int = 0):
 
 
 def sft_warm_start(model, tokenizer, rows: list[dict], *, target_pass_rate: float = 0.4, max_steps: int = 3000,
-                   batch_size: int = 128, lr: float = 3e-3, eval_every: int = 50, eval_problems: int = 256,
+                   batch_size: int = 128, lr: float = 3e-3, eval_every: int = 25, eval_problems: int = 256,
                    seed: int = 0, log=None) -> dict:
     """Teacher-forced SFT on `problem -> \\boxed{answer}<eos>` until the sampled pass rate reaches the target."""
     rng = random.Random(seed)
@@ -140,7 +140,7 @@ def main(argv=None):
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed=a.seed)
     train_pool, _ = addition_problems(seed=a.seed)
-    info = sft_warm_start(model, tok, train_pool, target_pass_rate=a.target, lr=a.lr, seed=a.seed, eval_every=25,
+    info = sft_warm_start(model, tok, train_pool, target_pass_rate=a.target, lr=a.lr, seed=a.seed,
                           log=lambda s: print(s, flush=True))
     save_warm_start(model, a.out, seed=a.seed, steps=info["steps"], pass_rate=f"{info['pass_rate']:.4f}", lr=a.lr)
     print({k: v for k, v in info.items() if k != "history"})
