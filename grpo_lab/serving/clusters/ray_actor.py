@@ -130,13 +130,11 @@ class ReplicaServer:
         return {"url": self.url, "index": self.index, "incarnation": self.incarnation, "node_id": self.node_id,
                 "node_ip": self.node_ip, "actor_pid": os.getpid(), "server_pid": self.process.pid,
                 "ready_s": round(self.ready_s, 2),
-                "log": str(self.process.log_path) if self.process.log_path else None}
+                "log": str(self.process.log_path)}
 
     def read_log(self, offset: int = 0, limit: int = 1 << 20) -> tuple[str, int, str]:
         """(incarnation, next offset, text): up to `limit` bytes of the server's log file on this node from
         `offset`, so a launcher can copy the log to the run's folder on another machine (`ray_logs`)."""
-        if self.process.log_path is None:
-            return self.incarnation, offset, ""
         with open(self.process.log_path, "rb") as f:
             f.seek(offset)
             chunk = f.read(limit)

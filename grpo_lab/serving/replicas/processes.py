@@ -156,8 +156,7 @@ class ReplicaProcess:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout)
         self.kill()
-        if self.proc.stdin:
-            self.proc.stdin.close()
+        self.proc.stdin.close()
 
 
 class AnnouncingProcess(ReplicaProcess):
