@@ -21,11 +21,6 @@ def save_png(fig, path) -> Path:
     return Path(path)
 
 
-def _style(backend: str) -> dict:
-    """The backend's colour and marker (`grpo_lab.loss.backends`); none for a name that is not a backend."""
-    return {k: v for k, v in (("color", BACKEND_COLORS.get(backend)), ("marker", BACKEND_MARKERS.get(backend))) if v}
-
-
 def _title_suffix(df: pd.DataFrame) -> str:
     if df.empty:
         return ""
@@ -47,7 +42,8 @@ def plot_memory_vs_batch(df: pd.DataFrame, mode: str = "step", fig=None, dtypes=
         ymax = part["peak_gib"].max() if part["peak_gib"].notna().any() else 1.0
         for backend in in_display_order(part["backend"]):
             b = part[part["backend"] == backend].sort_values("batch_size")
-            style = _style(backend)
+            style = {k: v for k, v in (("color", BACKEND_COLORS.get(backend)),  # none for a name not a backend
+                                       ("marker", BACKEND_MARKERS.get(backend))) if v}
             ok = b[b["status"] == "ok"]
             ax.plot(ok["batch_size"], ok["peak_gib"], label=backend, lw=2, ms=5, **style)
             oom = b[b["status"] == "oom"]

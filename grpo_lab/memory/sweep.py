@@ -177,11 +177,8 @@ def main(argv=None) -> int:
         paths = save_figures(pd.read_csv(csv), csv.parent, csv.stem)
         print("wrote " + ", ".join(map(str, paths)))
         return 0
-    preset = dict(PRESETS["full" if a.full else "quick"])
-    for k in PRESET_FLAGS:
-        v = getattr(a, k)
-        if v is not None:
-            preset[k] = v
+    preset = {**PRESETS["full" if a.full else "quick"],
+              **{k: getattr(a, k) for k in PRESET_FLAGS if getattr(a, k) is not None}}
     if a.batch_sizes is not None and a.loss_batch_sizes is None:  # one list given: it is meant for both kinds
         preset["loss_batch_sizes"] = a.batch_sizes
     try:
