@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -390,16 +390,17 @@ def main(argv=None):
     p.add_argument("--replot", default=None, help="only render <csv>'s PNG next to it (no training)")
     p.add_argument("--device", default=None)
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--backends", default=None, help=f"comma list of {','.join(LOSS_BACKENDS)} (the first is the "
-                   "parity reference)")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--rank", type=int, default=None)
-    p.add_argument("--G", type=int, default=None)
+    # the flags named after an EmbeddedConfig field (`dest`) override it when given
+    p.add_argument("--backends", type=lambda s: tuple(b.strip() for b in s.split(",") if b.strip()),
+                   help=f"comma list of {','.join(LOSS_BACKENDS)} (the first is the parity reference)")
+    p.add_argument("--lr", dest="learning_rate", type=float, default=None)
+    p.add_argument("--rank", dest="lora_r", type=int, default=None)
+    p.add_argument("--G", dest="num_generations", type=int, default=None)
     p.add_argument("--prompts-per-step", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None, help="model width (the CPU default: 128)")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--sft-max-steps", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", dest="cpu_threads", type=int, default=None,
                    help="torch CPU threads (1 is far faster on a shared 2-core box: no OpenMP oversubscription)")
     p.add_argument("--tag", default=None)
     a = p.parse_args(argv)
@@ -422,11 +423,8 @@ def main(argv=None):
     elif a.variant == "tiny":
         cfg = replace(cfg, steps=3, prompts_per_step=4, num_generations=4, n_candidates=400, n_heldout=20,
                       eval_k=4)
-    over = {"device": a.device, "steps": a.steps, "learning_rate": a.lr, "lora_r": a.rank, "num_generations": a.G,
-            "backends": tuple(b.strip() for b in a.backends.split(",") if b.strip()) if a.backends else None}
-    over |= {"prompts_per_step": a.prompts_per_step, "sft_max_steps": a.sft_max_steps,
-             "cpu_threads": a.threads}
-    cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
+    names = {f.name for f in fields(EmbeddedConfig)}
+    cfg = replace(cfg, **{k: v for k, v in vars(a).items() if k in names and v is not None})
     if a.hidden or a.layers:
         h = a.hidden or cfg.model.hidden_size
         cfg = replace(cfg, model=replace(cfg.model, hidden_size=h, intermediate_size=2 * h,
