@@ -141,23 +141,15 @@ class PlannerPanel:
         style = {"description_width": f"{label_width_px(LABELS.values())}px"}
         box = w.Layout(width="330px")
 
-        def number(name, lo, hi):
-            return w.BoundedIntText(value=v[name], min=lo, max=hi, description=LABELS[name], style=style, layout=box)
-
-        def choice(name, options):
-            return w.Dropdown(options=list(options), value=v[name], description=LABELS[name], style=style, layout=box)
-
-        def check(name):
-            return w.Checkbox(value=v[name], description=LABELS[name], style=style, layout=box)
-
-        self.controls = {
-            "model": choice("model", self.models), "gpus": number("gpus", 1, 64),
-            "gib": w.BoundedFloatText(value=v["gib"], min=0.1, max=4096, description=LABELS["gib"], style=style,
-                                      layout=box),
-            "dtype": choice("dtype", ("bf16", "fp32")), "lora_r": number("lora_r", 0, 1024),
-            "loss_backend": choice("loss_backend", DISPLAY_ORDER), "prompt_len": number("prompt_len", 1, 131072),
-            "completion_len": number("completion_len", 1, 131072), "checkpointing": check("checkpointing"),
-            "expandable_segments": check("expandable_segments")}
+        num, choice, tick = w.BoundedIntText, w.Dropdown, w.Checkbox
+        kinds = {"model": (choice, dict(options=list(self.models))), "gpus": (num, dict(min=1, max=64)),
+                 "gib": (w.BoundedFloatText, dict(min=0.1, max=4096)),
+                 "dtype": (choice, dict(options=["bf16", "fp32"])), "lora_r": (num, dict(min=0, max=1024)),
+                 "loss_backend": (choice, dict(options=list(DISPLAY_ORDER))),
+                 "prompt_len": (num, dict(min=1, max=2**17)), "completion_len": (num, dict(min=1, max=2**17)),
+                 "checkpointing": (tick, {}), "expandable_segments": (tick, {})}
+        self.controls = {name: kind(value=v[name], description=LABELS[name], style=style, layout=box, **extra)
+                         for name, (kind, extra) in kinds.items()}
         self.summary, self.plot = w.HTML(), w.Output()
         for c in self.controls.values():
             c.observe(lambda _change: self.update(), names="value")
