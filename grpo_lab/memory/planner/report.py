@@ -19,8 +19,10 @@ from grpo_lab.loss.backends import BACKEND_COLORS, BASELINE_BACKEND, DISPLAY_ORD
 
 from .predict import PlannerConfig, max_batch
 from .validate import markdown_table
-from ..results import load_reference
+from ..results import load_reference, text_column
+from ..spec import EXPANDABLE_SEGMENTS
 
+H200_GIB = 140.4  # what torch reports for one H200 (notebook 02's committed budget)
 # The Hugging Face blog post "Liger GRPO meets TRL" (huggingface.co/blog/liger-grpo, 2025-05): "a multi-GPU GRPO
 # training plot using FSDP and PEFT ... the maximum training batch size possible with and without the Liger Loss
 # across different Qwen3 model sizes ... around 1.5 to 1.8x". It states no GPU count or memory, lengths, LoRA rank
@@ -74,6 +76,20 @@ def article_setting(models=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def measured_points(searches: pd.DataFrame | None, config: PlannerConfig, budget_gib: float) -> pd.DataFrame:
+    """The finished searches of `searches` (notebook 02's CSV) made in `config`'s setting (allocator included)
+    under the same budget (±1 GiB)."""
+    if searches is None or searches.empty:
+        return pd.DataFrame(columns=["backend", "world_size", "max_batch"])
+    expandable = text_column(searches, "cuda_alloc_conf").str.contains(EXPANDABLE_SEGMENTS, regex=False)
+    same = searches[(expandable == bool(config.expandable_segments))
+                    & (searches["model"] == config.model) & (searches["dtype"] == config.dtype)
+                    & (searches["lora_r"] == config.lora_r) & (searches["prompt_len"] == config.prompt_len)
+                    & (searches["completion_len"] == config.completion_len) & (searches["status"] == "ok")
+                    & ((searches["budget_gib"] - budget_gib).abs() <= 1.0)]
+    return same[["backend", "world_size", "max_batch"]]
+
+
 def plot_world_sizes(table: pd.DataFrame, measured: pd.DataFrame | None = None, title: str = ""):
     """Max batch over world size per backend (lines: predicted), measured searches overlaid (markers)."""
     import matplotlib.pyplot as plt
@@ -123,9 +139,9 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     searches = load_reference("fsdp_max_batch", "fsdp_max_batch.csv")
-    ws = pd.concat([world_size_table(  # notebook 02's setting on the H200 (140 GiB), world sizes 1..8
-        PlannerConfig(model=model, lora_r=16, prompt_len=256, completion_len=512, fsdp=True), 140.4, upper=4096)
-        for model in ARTICLE["models"]], ignore_index=True)
+    base = PlannerConfig(model="Qwen3-8B", lora_r=16, prompt_len=256, completion_len=512, fsdp=True)
+    ws = pd.concat([world_size_table(base.replace(model=m), H200_GIB, upper=4096) for m in ARTICLE["models"]],
+                   ignore_index=True)  # notebook 02's setting on the H200, world sizes 1..8
     ws.loc[ws["world_size"] == 1, "status"] = "predicted (measured in validation_max_batch.csv)"
     ws.to_csv(out / "world_sizes.csv", index=False)
     try:
@@ -134,12 +150,9 @@ def main(argv=None) -> int:
         matplotlib.use("Agg", force=False)
         from ..plots import save_png
 
-        one = ws[ws["model"] == "Qwen3-8B"]
-        measured = None
-        if searches is not None:
-            measured = searches[(searches["model"] == "Qwen3-8B") & (searches["status"] == "ok")][
-                ["backend", "world_size", "max_batch"]]
-        save_png(plot_world_sizes(one, measured, "Qwen3-8B, FSDP2 + LoRA r=16, 256+512 tokens, 140 GiB per GPU"),
+        measured = measured_points(searches, base, H200_GIB)
+        save_png(plot_world_sizes(ws[ws["model"] == "Qwen3-8B"], measured,
+                                  "Qwen3-8B, FSDP2 + LoRA r=16, 256+512 tokens, 140 GiB per GPU"),
                  out / "planner_world_sizes.png")
     except ImportError as e:
         print(f"note: no PNG ({e})", file=sys.stderr)

@@ -15,13 +15,11 @@ from grpo_lab.loss.backends import BASELINE_BACKEND, DEFAULT_LOSS_BACKEND, DISPL
 from grpo_lab.models import known_model_names
 
 from .predict import GiB, PlannerConfig, max_batch, plan, usable_budget
-from .report import plot_world_sizes, world_size_table
+from .report import H200_GIB, measured_points, plot_world_sizes, world_size_table
 from .validate import max_batch_rows
 from ..notebook import reference_max_batch
 from ..results import text_column
-from ..spec import EXPANDABLE_SEGMENTS
 
-H200_GIB = 140.4  # what torch reports for one H200 (notebook 02's committed budget)
 LABELS = {"model": "model", "gpus": "GPUs", "gib": "GiB per GPU", "dtype": "dtype", "lora_r": "LoRA r",
           "loss_backend": "backend", "prompt_len": "prompt len", "completion_len": "completion len",
           "checkpointing": "checkpointing", "expandable_segments": "expandable segments"}
@@ -42,20 +40,6 @@ def summary_html(config: PlannerConfig, budget_gib: float) -> str:
             f"{best.batch * config.world_size} sequences per step on {gpus}); peak there "
             f"<b>{at.peak_gib:.1f} GiB</b> of {usable:.1f} GiB usable (the budget less the allocator's headroom), "
             f"in <code>{html.escape(at.peak_phase)}</code> (GiB: {html.escape(terms)} …)")
-
-
-def measured_points(searches: pd.DataFrame | None, config: PlannerConfig, budget_gib: float) -> pd.DataFrame:
-    """The finished searches of `searches` (notebook 02's CSV) made in `config`'s setting (allocator included)
-    under the same budget (±1 GiB)."""
-    if searches is None or searches.empty:
-        return pd.DataFrame(columns=["backend", "world_size", "max_batch"])
-    expandable = text_column(searches, "cuda_alloc_conf").str.contains(EXPANDABLE_SEGMENTS, regex=False)
-    same = searches[(expandable == bool(config.expandable_segments))
-                    & (searches["model"] == config.model) & (searches["dtype"] == config.dtype)
-                    & (searches["lora_r"] == config.lora_r) & (searches["prompt_len"] == config.prompt_len)
-                    & (searches["completion_len"] == config.completion_len) & (searches["status"] == "ok")
-                    & ((searches["budget_gib"] - budget_gib).abs() <= 1.0)]
-    return same[["backend", "world_size", "max_batch"]]
 
 
 def world_size_figure(config: PlannerConfig, budget_gib: float, searches: pd.DataFrame | None = None):
