@@ -67,7 +67,6 @@ class ReplicaProcess:
         self.log_path = Path(log_path) if log_path is not None else None
         self.output: deque[str] = deque(maxlen=OUTPUT_LINES)  # the last lines printed (stdout and stderr)
         self.ready = False
-        self.ready_s: float | None = None
         log = open(self.log_path, "a", buffering=1, errors="replace") if self.log_path is not None else None
         self.proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, *self.command()], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
@@ -136,7 +135,7 @@ class ReplicaProcess:
                 self.kill()
                 raise TimeoutError(f"{self.name} not ready in {timeout:.0f}s{where}:\n{self.tail()}")
             time.sleep(self.ready_poll_s)
-        self.port, self.ready, self.ready_s = port, True, time.monotonic() - self.started_at
+        self.port, self.ready = port, True
         return self
 
     def _signal_group(self, sig: int) -> None:
