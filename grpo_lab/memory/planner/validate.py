@@ -119,11 +119,6 @@ def planner_check_rows(df: pd.DataFrame, source: str, calibration: str = "") -> 
     return out
 
 
-def search_step(batch: int, rel_tol: float) -> int:
-    """The search's resolution at `batch` (`max_batch.search_max_batch`: max(1, floor(rel_tol × B)))."""
-    return max(1, math.floor(rel_tol * max(batch, 1)))
-
-
 def max_batch_rows(searches: pd.DataFrame) -> list[dict]:
     """Max-batch searches (notebook 02's CSV: any device or world size) against the planner's max batch for the
     same budget. The search brackets the limit in [max_batch, first_oom); the prediction is within one search step
@@ -139,7 +134,7 @@ def max_batch_rows(searches: pd.DataFrame) -> list[dict]:
         upper = int(r["max_batch"]) if bool(r["capped"]) else 1 << 14
         pred = max_batch(cfg.replace(batch_size=1), float(r["budget_gib"]), upper=upper)
         measured, first_oom = int(r["max_batch"]), (None if pd.isna(r["first_oom"]) else int(r["first_oom"]))
-        step = search_step(measured, float(r["rel_tol"]))
+        step = max(1, math.floor(float(r["rel_tol"]) * measured))  # its resolution, as search_max_batch's gap
         hi = measured if first_oom is None else first_oom - 1
         within = measured - step <= pred.batch <= hi + step
         band = max_batch_band(cfg, float(r["budget_gib"]), upper=upper) if not bool(r["capped"]) else None
