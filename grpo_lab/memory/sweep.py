@@ -24,7 +24,6 @@ from .probe import ProbeError, run_point
 from .results import cli_error, make_row, rows_to_frame, savings_table, target_csv, write_csv
 from .spec import (
     PointSpec,
-    check_model,
     normalize_dtype,
     parse_int_list,
     parse_str_list,
@@ -51,20 +50,18 @@ PRESET_HELP = {"backends": f"comma-separated loss backends: {','.join(DISPLAY_OR
 
 
 def build_specs(model="tiny-qwen3", backends=("trl",), dtypes=("fp32",), batch_sizes=(2, 4), prompt_len=16,
-                completion_len=16, modes=("step",), loss_batch_sizes=None, steps=2, lora_r=0, device="auto",
-                generation="synthetic", budget_bytes=None, pretrained=False) -> list[PointSpec]:
-    """The grid, validated up front (unknown model/backend/dtype or non-positive sizes → ValueError).
-    `pretrained=True` loads real weights with `from_pretrained(model)` (a hub id online, or a local folder)."""
-    if not pretrained:
-        check_model(model)
+                completion_len=16, modes=("step",), loss_batch_sizes=None, device="auto",
+                pretrained=False) -> list[PointSpec]:
+    """The grid, validated up front (unknown model/backend/dtype or non-positive sizes → ValueError; the model is
+    checked by each `PointSpec`). `pretrained=True` loads real weights with `from_pretrained(model)` (a hub id
+    online, or a local folder)."""
     backends = [resolve_backend(b) for b in parse_str_list(backends, "backends")]
     dtypes = [normalize_dtype(d) for d in parse_str_list(dtypes, "dtypes")]
     batch_sizes = parse_int_list(batch_sizes, "batch sizes")
     loss_batch_sizes = parse_int_list(loss_batch_sizes, "loss batch sizes") if loss_batch_sizes else batch_sizes
     modes = parse_str_list(modes, "modes")
     return [PointSpec(model=model, loss_backend=backend, dtype=dtype, batch_size=b, prompt_len=prompt_len,
-                      completion_len=completion_len, mode=mode, steps=steps, lora_r=lora_r, device=device,
-                      generation=generation, budget_bytes=budget_bytes, pretrained=pretrained)
+                      completion_len=completion_len, mode=mode, device=device, pretrained=pretrained)
             for mode, dtype, backend in itertools.product(modes, dtypes, backends)
             for b in (batch_sizes if mode == "step" else loss_batch_sizes)]
 
