@@ -122,7 +122,7 @@ class PointSpec(StepSetting):
     generation: str = "synthetic"
     steps: int = 2  # optimizer steps; the first one allocates AdamW state, the peak is the max over all of them
     lora_r: int = 0  # 0 = full fine-tuning; > 0 = LoRA on all linear layers (alpha = 2r)
-    fsdp: bool = False  # FSDP2 through accelerate (needs a process group; set up by the launcher)
+    fsdp: bool = False  # FSDP2 by torch's fully_shard (`memory.fsdp`; the probe sets up the process group)
     world_size: int = 1
     budget_bytes: int | None = None  # CUDA: per-process memory cap; CPU: peak RSS above the baseline over it = OOM
     seed: int = 0
@@ -135,7 +135,7 @@ class PointSpec(StepSetting):
 
     def __post_init__(self):
         super().__post_init__()
-        self._check_positive("steps", "world_size")
+        self._check_positive("steps", "world_size", "num_iterations")
         if self.mode not in MODES:
             raise ValueError(f"Unknown mode {self.mode!r}: use one of {', '.join(MODES)}.")
         if self.generation not in GENERATIONS:
@@ -144,7 +144,6 @@ class PointSpec(StepSetting):
             raise ValueError(f"Unknown device {self.device!r}: use auto, cpu or cuda.")
         if self.lora_r < 0:
             raise ValueError(f"lora_r must be >= 0, got {self.lora_r}.")
-        check_positive_int(self.num_iterations, "num iterations")
         if self.fsdp and self.lora_r > 0 and self.beta != 0.0:
             raise ValueError("beta > 0 with FSDP2 + LoRA is not supported here: TRL would add its reference adapter "
                              "after the model is sharded.")
