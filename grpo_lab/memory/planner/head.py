@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 
+from .layer import FP32
 from .shapes import ModelShape
 
-FP32 = 4
 MiB = 2**20
 
 # TRL 1.16: `_CHUNKED_LOGPROB_CHUNK_SIZE` (the vocabulary width its trainer passes) and `TOKEN_CHUNK_SIZE`

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from .config import PlannerConfig
-from .head import UNTOUCHED, head_backward, head_forward, head_rows, head_saves_rows
+from .head import FP32, UNTOUCHED, MiB, head_backward, head_forward, head_rows, head_saves_rows
 from .layer import backward_levels, saved_tensors
 from .shapes import ModelShape, shape_for
 
@@ -25,8 +25,6 @@ __all__ = ["ALLOCATOR_HEADROOM", "CPU_RSS_OVERHEAD_BYTES", "CPU_RSS_SLACK", "CUD
            "max_batch", "max_batch_band", "plan", "plan_loss_only"]
 
 GiB = 2**30
-MiB = 2**20
-FP32 = 4
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 # Allocated on CUDA besides tensors: the cuBLAS and cuBLASLt workspaces (32 MiB each on Hopper), which torch takes
