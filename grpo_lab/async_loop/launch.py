@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..lab import environment
+from ..lab.lifecycle import StartStop
 from ..lab.settings import check_as
 from ..serving.clusters.launcher import Cluster, ClusterSpec, GivenReplicas, LocalProcesses, RayActors
 from ..serving.clusters.ray_placement import TRAINER_NODE_RESOURCE
@@ -156,7 +157,7 @@ def quiet_setup():
             transformers.utils.logging.enable_progress_bar()
 
 
-class AsyncLoop:
+class AsyncLoop(StartStop):
     """Replicas + router + `AsyncGRPOLabTrainer`: `start()` (or `with`), `train()`, `stop()`. The trainer's arguments
     default to the embedded task; `args.vllm_server_base_url` is set to the router's URL. `progress` False (a
     notebook, which shows the live board) leaves out the progress bar. Without `peft_config` the policy's adapter
@@ -309,11 +310,5 @@ class AsyncLoop:
         cluster, self.cluster = self.cluster, None
         if cluster is not None:
             cluster.stop()
-
-    def __enter__(self) -> "AsyncLoop":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 

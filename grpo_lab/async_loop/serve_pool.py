@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..lab.lifecycle import StartStop
 from ..lab.settings import check_as
 from ..serving.clusters.launcher import Cluster, ClusterSpec
 from ..serving.tenancy.runs import TenancyConfig
@@ -89,7 +90,7 @@ def write_admin_key(path: str | os.PathLike) -> Path:
     return path
 
 
-class SharedPool:
+class SharedPool(StartStop):
     """Replicas + a tenancy router (a child process this one restarts if it dies): `start()` (or `with`), `url`,
     `admin_key_file`, `runs()`, `stop()`."""
 
@@ -144,12 +145,6 @@ class SharedPool:
         cluster, self.cluster = self.cluster, None
         if cluster is not None:
             cluster.stop()
-
-    def __enter__(self) -> "SharedPool":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def build_parser() -> SettingsParser:

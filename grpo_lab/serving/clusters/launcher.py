@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from grpo_lab.lab.lifecycle import StartStop
 from grpo_lab.lab.settings import Range, check_fields, setting
 
 from ..adapters.slots import DEFAULT_MAX_STALENESS, max_loras_for
@@ -255,7 +256,7 @@ class GivenReplicas(Placement):
         return self.urls
 
 
-class Cluster:
+class Cluster(StartStop):
     """The replicas `spec` describes, placed by `placement` (default: local child processes), and a router in front
     of them: on a thread of this process, or with `router_dir` a supervised child process (`router.process`),
     restarted on the same port when it dies, its state file, config and log in `router_dir`."""
@@ -300,9 +301,3 @@ class Cluster:
         if self.router is not None:
             self.router.stop()
         self.placement.stop()
-
-    def __enter__(self) -> Cluster:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

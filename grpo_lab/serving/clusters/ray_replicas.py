@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from ...lab.install import install_hint
+from ...lab.lifecycle import StartStop
 from .ray_actor import ReplicaServer, ServerSpec
 from .ray_placement import placement_options
 
@@ -52,7 +53,7 @@ def _ray():
     return ray
 
 
-class RayReplicas:
+class RayReplicas(StartStop):
     """`n` replica actors of `spec` (`ray_actor.ServerSpec`), placed by a placement group; `start()`, `urls`,
     `watch(router)`, `stop()`. `address` None joins the connected cluster or starts a local one (disconnected at
     `stop()`); `max_restarts` -1: without limit; `watch` polls every `poll_s` and removes an actor silent for
@@ -233,9 +234,3 @@ class RayReplicas:
         if self._connected_here:
             ray.shutdown()
             self._connected_here = False
-
-    def __enter__(self) -> RayReplicas:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
