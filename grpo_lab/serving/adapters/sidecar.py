@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import signal
@@ -26,7 +25,7 @@ from grpo_lab.lab import environment
 
 from .cache import AdapterCache, is_remote
 from ..wire.app_thread import AppThread, serve_app
-from ..wire.vllm_routes import error_response
+from ..wire.vllm_routes import error_response, unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +81,6 @@ class AdapterSidecar:
         return await self._relay(request, await request.read())
 
     # -- the three requests it changes ----------------------------------------------------------------------------
-    def _authorized(self, request: web.Request) -> bool:
-        given = request.headers.get("Authorization", "").encode()
-        return self._api_key is None or hmac.compare_digest(given, f"Bearer {self._api_key}".encode())
-
     async def load_adapter(self, request: web.Request) -> web.Response:
         raw = await request.read()
         try:
@@ -95,8 +90,8 @@ class AdapterSidecar:
         name, url = (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
         if not (isinstance(name, str) and name and isinstance(url, str) and is_remote(url)):
             return await self._relay(request, raw)  # a local path, or a request vLLM answers itself
-        if not self._authorized(request):
-            return web.json_response({"error": "Unauthorized"}, status=401)
+        if refused := unauthorized(request, self._api_key):  # never a download for a caller vLLM turns away
+            return refused
         try:
             local = await asyncio.get_running_loop().run_in_executor(None, self.cache.materialize, name, url)
         except FileNotFoundError:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import logging
 import os
 import signal
@@ -33,7 +32,7 @@ from ..wire.app_thread import serve_app
 from ..wire.client_watch import client_gone
 from ..wire.metrics import Registry
 from .config import CPUReplicaConfig
-from ..wire.vllm_routes import add_vllm_routes, error_response
+from ..wire.vllm_routes import add_vllm_routes, error_response, unauthorized
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")
@@ -61,10 +60,8 @@ class CPUReplica:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self._api_key and request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self._api_key}".encode()):
-                return web.json_response({"error": "Unauthorized"}, status=401)
+        if request.path not in OPEN_PATHS and (refused := unauthorized(request, self._api_key)):
+            return refused
         return await handler(request)
 
     async def _body(self, request: web.Request) -> dict:

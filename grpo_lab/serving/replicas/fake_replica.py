@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import random
 
@@ -19,6 +18,7 @@ from aiohttp import web
 from grpo_lab.lab import environment
 
 from ..wire.app_thread import serve_app
+from ..wire.vllm_routes import unauthorized
 
 ANSWER = {"object": "text_completion", "model": "fake",
           "choices": [{"index": 0, "text": "", "token_ids": [1, 2, 3],
@@ -34,9 +34,8 @@ def make_app(delay_s: float, jitter: float = 0.0, model: str = "fake") -> web.Ap
 
     @web.middleware
     async def auth(request, handler):  # like vLLM's --api-key: everything but /health needs the bearer token
-        given = request.headers.get("Authorization", "").encode()
-        if token and request.path != "/health" and not hmac.compare_digest(given, f"Bearer {token}".encode()):
-            return web.json_response({"error": "Unauthorized"}, status=401)
+        if request.path != "/health" and (refused := unauthorized(request, token)):
+            return refused
         return await handler(request)
 
     app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[auth])

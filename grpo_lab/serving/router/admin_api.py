@@ -10,7 +10,6 @@ set, and only that key; without one it is allowed on a loopback router only (403
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 
@@ -18,7 +17,7 @@ from aiohttp import web
 
 from .membership import Membership
 from .config import RouterConfig, is_loopback
-from ..wire.vllm_routes import error_response
+from ..wire.vllm_routes import error_response, unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +32,6 @@ class AdminAPI:
     def __init__(self, membership: Membership, config: RouterConfig, admin_key: str | None, read_json):
         self.membership, self.config, self._read_json = membership, config, read_json
         self._key = admin_key
-        self._expected = f"Bearer {admin_key}".encode() if admin_key else None
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_get(PATH, self.list)
@@ -42,14 +40,11 @@ class AdminAPI:
 
     def bypasses_client_auth(self, request: web.Request) -> bool:
         """A membership change with an admin key configured is checked against that key only."""
-        return self._expected is not None and request.path == PATH and request.method in ("POST", "DELETE")
+        return bool(self._key) and request.path == PATH and request.method in ("POST", "DELETE")
 
     def _refusal(self, request: web.Request) -> web.Response | None:
-        if self._expected is not None:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, self._expected):
-                return web.json_response({"error": "Unauthorized"}, status=401)
-            return None
+        if self._key:
+            return unauthorized(request, self._key)
         if not is_loopback(self.config.host):
             return error_response(403, "membership changes are disabled on a router that is not on loopback unless an "
                                   "admin key is set (--admin-api-key-env or --admin-api-key-file)", "Forbidden")

@@ -13,7 +13,6 @@ Run it with `python -m grpo_lab.serving.router.server --replica http://127.0.0.1
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -37,7 +36,7 @@ from .config import RouterConfig
 from ..tenancy.tenant_api import RunsAPI
 from ..tenancy.views import VIEW, PoolView
 from ..wire.upstream import TRANSPORT_ERRORS, Reply, UpstreamClient, error_body, now
-from ..wire.vllm_routes import add_vllm_routes, error_response, pause_mode_refusal
+from ..wire.vllm_routes import add_vllm_routes, error_response, pause_mode_refusal, unauthorized
 
 NCCL_ENDPOINTS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
                   "/get_world_size", "/init_communicator", "/close_communicator", "/update_named_param")
@@ -66,8 +65,7 @@ class Router:
         self.config = config
         self.metrics = Registry()
         self._api_key = config.read_api_key()
-        client_key = config.read_client_api_key()
-        self._client_auth = f"Bearer {client_key}".encode() if client_key else None
+        self._client_key = config.read_client_api_key()
         self._admin_key = config.read_admin_api_key()
         self.pool: ReplicaPool | None = None
         self.adapters: AdapterLifecycle | None = None
@@ -111,10 +109,9 @@ class Router:
         if self.tenancy is not None:
             refused = self.tenancy.authenticate(request)
             return refused if refused is not None else await handler(request)
-        if self._client_auth is not None and not self.admin.bypasses_client_auth(request):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, self._client_auth):
-                return web.json_response({"error": "Unauthorized"}, status=401)  # vLLM's answer
+        refused = None if self.admin.bypasses_client_auth(request) else unauthorized(request, self._client_key)
+        if refused is not None:
+            return refused
         return await handler(request)
 
     async def _startup(self, app) -> None:

@@ -8,6 +8,7 @@ with `error_response` (vLLM 0.31's `{"error": {message, type, param, code}}`). E
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -59,6 +60,15 @@ def pause_mode_refusal(mode: str) -> web.Response | None:
         return None
     return error_response(400, f"1 validation error:\n  query.mode: Input should be 'abort', 'wait' or 'keep' (got "
                           f"{mode!r})", "Bad Request", param="mode")
+
+
+def unauthorized(request: web.Request, key: str | None) -> web.Response | None:
+    """vLLM's 401 unless the request carries `Bearer <key>` (compared in constant time); None when it does or when
+    `key` is unset (no key: no check)."""
+    given = request.headers.get("Authorization", "").encode()
+    if not key or hmac.compare_digest(given, f"Bearer {key}".encode()):
+        return None
+    return web.json_response({"error": "Unauthorized"}, status=401)
 
 
 def error_response(status: int, message: str, kind: str = "BadRequestError", param: str | None = None
