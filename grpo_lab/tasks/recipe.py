@@ -7,6 +7,7 @@ the tokenizer and weights: without them it fails early with `RecipeUnavailableEr
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from grpo_lab.loss.backends import DEFAULT_LOSS_BACKEND, resolve_backend
@@ -115,42 +116,36 @@ def check_prompts_fit(tokenizer, prompts, cfg: RecipeConfig) -> int:
     return lengths[worst]
 
 
-def _unavailable(what: str, name: str, err: Exception) -> RecipeUnavailableError:
-    return RecipeUnavailableError(
-        f"The recipe needs the {what} of {name!r}, which could not be loaded ({type(err).__name__}: "
-        f"{str(err).splitlines()[0][:200]}). It downloads from the Hugging Face hub: check the network and "
-        "HF_HUB_OFFLINE, or point model_name/dataset_path at local copies. Offline, use the embedded default "
-        "(grpo_lab.tasks.reward_curves.EmbeddedConfig).")
-
-
-def load_recipe_tokenizer(cfg: RecipeConfig):
-    from transformers import AutoTokenizer
-
+@contextlib.contextmanager
+def _needs_hub(what: str, name: str, errors: tuple = (Exception,)):
+    """A failure to load the recipe's `what` of `name` (OSError, LocalEntryNotFoundError, HTTP errors...) as one
+    RecipeUnavailableError that says where it comes from and what to do."""
     try:
-        return AutoTokenizer.from_pretrained(cfg.model_name, padding_side="left", truncation_side="left")
-    except Exception as e:  # noqa: BLE001 - OSError, LocalEntryNotFoundError, HTTP errors...
-        raise _unavailable("tokenizer", cfg.model_name, e) from e
+        yield
+    except errors as e:
+        raise RecipeUnavailableError(
+            f"The recipe needs the {what} of {name!r}, which could not be loaded ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]}). It downloads from the Hugging Face hub: check the network and "
+            "HF_HUB_OFFLINE, or point model_name/dataset_path at local copies. Offline, use the embedded default "
+            "(grpo_lab.tasks.reward_curves.EmbeddedConfig).") from e
 
 
 def build_recipe_trainer(cfg: RecipeConfig | None = None, callbacks=(), train_dataset=None):
     """Validate, load tokenizer -> data -> weights (failing early offline), and return the GRPO trainer."""
     import torch
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = (cfg or RecipeConfig()).validate()
-    tok = load_recipe_tokenizer(cfg)                     # first: the cheapest thing that needs the network
+    with _needs_hub("tokenizer", cfg.model_name):  # first: the cheapest thing that needs the network
+        tok = AutoTokenizer.from_pretrained(cfg.model_name, padding_side="left", truncation_side="left")
     if train_dataset is None:
-        try:
+        with _needs_hub("dataset", cfg.dataset, (OSError, ConnectionError)):
             ds = load_task_dataset(cfg.dataset, cfg.dataset_path)
-        except (OSError, ConnectionError) as e:
-            raise _unavailable("dataset", cfg.dataset, e) from e
         train_dataset = to_grpo_dataset(ds, cfg.prompt_format)
     check_prompts_fit(tok, train_dataset["prompt"], cfg)
-    try:
+    with _needs_hub("weights", cfg.model_name):
         model = AutoModelForCausalLM.from_pretrained(cfg.model_name, dtype=torch.bfloat16 if cfg.bf16 else None)
-    except Exception as e:  # noqa: BLE001
-        raise _unavailable("weights", cfg.model_name, e) from e
     from grpo_lab.loss import GRPOLabConfig, GRPOLabTrainer
 
     vllm = {"use_vllm": True, "vllm_mode": cfg.vllm_mode, "vllm_max_model_length": cfg.max_context} \
