@@ -290,20 +290,18 @@ class Autotuner:
         return True
 
     def _on_starving(self, step: int, r: Reading) -> list[Decision]:
-        if not self._raise_allowed(step, r):
-            return []
         feeding = 1 / max(1 - r.wait_share, 1e-6)  # the rollout rate the trainer takes, over the rate it gets
         return self._raise(step, r, min(max(feeding, 2.0), self.config.slow_start_max_factor), "starving",
                            "the trainer waits for rollouts most of the step", probe=False)
 
     def _on_rollout(self, step: int, r: Reading) -> list[Decision]:
-        if not self._raise_allowed(step, r):
-            return []
         return self._raise(step, r, self.config.up_factor, "rollout", "the trainer waits for rollouts")
 
     def _raise(self, step: int, r: Reading, up: float, regime: str, reason: str, probe: bool = True) -> list[Decision]:
         """In flight times `up` (damped after a reversal; one more at least, the ceiling at most); a `probe` is
-        judged on the next `probe_steps` steps against the settled steps before it."""
+        judged on the next `probe_steps` steps against the settled steps before it. Nothing unless `_raise_allowed`."""
+        if not self._raise_allowed(step, r):
+            return []
         factor = 1 + (up - 1) * self._scale("inflight", +1)
         new = min(self.ceiling, max(self.inflight + 1, math.ceil(self.inflight * factor)))
         before = self.inflight

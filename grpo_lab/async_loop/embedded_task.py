@@ -16,10 +16,7 @@ from ..tasks.tiny import addition_problems
 REWARD_FUNCS = [math_reward]
 
 
-def addition_dataset(n: int | None = 1024, seed: int = 0, split: str = "train") -> Dataset:
-    """`n` problems (all when None) of the training pool (`split="train"`) or the held-out pool."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    train, heldout = addition_problems(seed=seed)
-    rows = (train if split == "train" else heldout)[:n]
-    return Dataset.from_list([{"prompt": chat_messages(r["problem"]), "answer": r["answer"]} for r in rows])
+def addition_dataset(n: int = 1024, seed: int = 0) -> Dataset:
+    """`n` problems of the training pool (the held-out pool is left for evaluation)."""
+    train, _ = addition_problems(seed=seed)
+    return Dataset.from_list([{"prompt": chat_messages(r["problem"]), "answer": r["answer"]} for r in train[:n]])

@@ -231,13 +231,6 @@ def _failure_hint(error: BaseException) -> str:
     return "Is the router (or the vLLM server) running, with at least one replica in service?"
 
 
-@contextlib.contextmanager
-def _vllm_check_skipped():
-    """TRL's worker only speaks HTTP; its `vllm` import check is what would stop it here."""
-    with mock.patch.object(trl_worker, "is_vllm_available", lambda: True):
-        yield
-
-
 class LabRolloutWorker(AsyncRolloutWorker):
     """TRL's `AsyncRolloutWorker` running `LabRolloutLoop` (see the module docstring)."""
 
@@ -249,7 +242,7 @@ class LabRolloutWorker(AsyncRolloutWorker):
             kwargs.update(max_inflight_tasks=live_knobs.max_inflight, queue_maxsize=live_knobs.max_queue,
                           live_knobs=live_knobs)
         self.live_knobs = live_knobs
-        with _vllm_check_skipped():
+        with mock.patch.object(trl_worker, "is_vllm_available", lambda: True):  # TRL's worker only speaks HTTP
             super().__init__(parent_pid=os.getpid(), **kwargs)
 
     @property
