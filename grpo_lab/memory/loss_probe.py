@@ -68,4 +68,4 @@ def run_loss_probe(spec: PointSpec) -> dict:
     check_budget(meter, peak["peak"] - base, spec.budget_bytes)
     return {"peak_bytes": peak["peak"], "reserved_bytes": peak.get("reserved"), "base_bytes": base,
             "setup_bytes": base, "step_time_s": elapsed, "memory_kind": meter.kind, "peak_generation_bytes": None,
-            "steps_done": 1, "loss": None, "phase_reset": getattr(meter, "resettable", True), **device_info(device)}
+            "steps_done": 1, **device_info(device)}

@@ -104,13 +104,11 @@ def is_oom_error(exc: BaseException) -> bool:
 
 
 def device_info(device: torch.device) -> dict:
-    """What the probe itself sees: the accelerator's name and total memory (CPU: the machine)."""
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return {"device_name": props.name, "device_total_bytes": props.total_memory}
-    import platform
-
-    return {"device_name": "", "device_total_bytes": None, "host_cpu": platform.machine()}
+    """What the probe itself sees of its accelerator: name and total memory (nothing on CPU)."""
+    if device.type != "cuda":
+        return {}
+    props = torch.cuda.get_device_properties(device)
+    return {"device_name": props.name, "device_total_bytes": props.total_memory}
 
 
 def prepare_probe_device(spec_device: str, budget_bytes: int | None):

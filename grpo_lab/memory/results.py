@@ -32,11 +32,9 @@ def make_row(figure: str, spec, result: dict, env: dict) -> dict:
     def gib(x):
         return None if x is None else x / GiB
 
-    if ok and kind == "cpu_rss":
-        peak = raw - base
-        gen = None if result.get("peak_generation_bytes") is None else result["peak_generation_bytes"] - base
-    else:
-        peak, gen = (raw, result.get("peak_generation_bytes")) if ok else (None, None)
+    above = base if kind == "cpu_rss" else 0  # CPU: the peak RSS above the baseline; CUDA: allocated bytes
+    gen = result.get("peak_generation_bytes")
+    peak, gen = (raw - above, None if gen is None else gen - above) if ok else (None, None)
     row = {
         "figure": figure, "model": spec.model, "backend": spec.loss_backend, "dtype": spec.dtype, "mode": spec.mode,
         "generation": spec.generation if spec.mode == "step" else "none", "batch_size": spec.batch_size,
