@@ -283,12 +283,11 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
     env = run_record(searches[0].base.device if searches else "auto")
     rows, probe_rows = [], []
     previous = previous_probes = None
-    if append and out_csv is not None and (Path(out_csv).is_file() or _probes_path(out_csv).is_file()):
+    if append and out_csv is not None:
         # the probes CSV is written after every probe, the main one after every search: a job killed during its
         # first search leaves only the former, and resume must still find it
-        previous = pd.read_csv(out_csv) if Path(out_csv).is_file() else None
-        if _probes_path(out_csv).is_file():
-            previous_probes = pd.read_csv(_probes_path(out_csv))
+        previous, previous_probes = (pd.read_csv(p) if p.is_file() else None
+                                     for p in (Path(out_csv), _probes_path(out_csv)))
         done = {(s.base.model, s.base.loss_backend) for s in searches}
         if previous is not None:
             previous = previous[[(m, b) not in done for m, b in zip(previous["model"], previous["backend"])]]
@@ -495,14 +494,11 @@ def main(argv=None) -> int:
             return cli_error(f"no CSV {csv}")
         print(f"wrote {_save_png(pd.read_csv(csv), csv.with_suffix('.png'))}")
         return 0
+    given = {k: getattr(a, k) for k in (*PRESET_FLAGS, "device", "expandable_segments") if getattr(a, k) is not None}
     preset = dict(PRESETS["full" if a.full else "quick"])
-    for k in (*PRESET_FLAGS, "device", "expandable_segments"):
-        v = getattr(a, k)
-        if v is not None:
-            preset[k] = v
-            if k in ("budget_gib", "budget_fraction"):
-                preset.pop("budget_above_one_gib", None)
-                preset["budget_fraction" if k == "budget_gib" else "budget_gib"] = None
+    if given.keys() & {"budget_gib", "budget_fraction"}:  # a budget given replaces the preset's
+        preset.update(budget_gib=None, budget_fraction=None, budget_above_one_gib=None)
+    preset.update(given)
     if a.expandable_segments is None and preset["device"] == "cpu":
         preset["expandable_segments"] = False  # the preset's allocator setting is for CUDA; on CPU it has no meaning
     try:

@@ -147,15 +147,6 @@ def _print(row, i, n):
           f"({row['point']}): measured {measured}, predicted {row['predicted_gib']:.3f} GiB{err}", flush=True)
 
 
-def _repredict_csv(path: Path) -> int:
-    """`--repredict CSV`: the prediction columns of an existing CSV recomputed in place."""
-    if not path.is_file():
-        return cli_error(f"no CSV {path}")
-    write_csv(repredict(pd.read_csv(path)), path)
-    print(f"rewrote the predictions in {path}")
-    return 0
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m grpo_lab.memory.planner.check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,8 +163,13 @@ def main(argv=None) -> int:
     ap.add_argument("--overwrite", action="store_true", help="replace an existing CSV")
     ap.add_argument("--repredict", metavar="CSV", help="only recompute the prediction columns of an existing CSV")
     a = ap.parse_args(argv)
-    if a.repredict:
-        return _repredict_csv(Path(a.repredict))
+    if a.repredict:  # the prediction columns of an existing CSV recomputed in place
+        path = Path(a.repredict)
+        if not path.is_file():
+            return cli_error(f"no CSV {path}")
+        write_csv(repredict(pd.read_csv(path)), path)
+        print(f"rewrote the predictions in {path}")
+        return 0
     if a.preset is None:
         return cli_error("give --preset (cpu_fsdp, heldout_h200 or nb02_expandable) or --repredict CSV")
     try:
