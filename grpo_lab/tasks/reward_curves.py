@@ -103,13 +103,16 @@ def check_prompt_lengths(lengths: list[int], max_context: int, max_completion_le
                          "long prompts.")
 
 
-GPU_VARIANT = dict(  # the bigger variant for one H200 (~5 min): the warm start retrained from scratch on the GPU,
-    # 4/3 x the candidates, 2x the prompts per step (64 x 8 = 512 completions), all four backends, fp32, TF32 off.
+VARIANTS = {  # --variant: changes to the embedded default (the CPU run)
+    "embedded": {},
+    # the bigger variant for one H200 (~5 min): the warm start retrained from scratch on the GPU, 4/3 x the
+    # candidates, 2x the prompts per step (64 x 8 = 512 completions), all four backends, fp32, TF32 off.
     # The model keeps the CPU architecture: a 2x wider one (--hidden 256) was still on the SFT plateau (sampled pass
     # rate < 0.1) after 1,200 steps in a CPU check, where the default width leaves it at ~525 steps.
-    warm_start=None, sft_max_steps=4000, n_candidates=4000, n_heldout=500, steps=300, prompts_per_step=64,
-    backends=LOSS_BACKENDS, device="cuda",
-)
+    "gpu": dict(warm_start=None, sft_max_steps=4000, n_candidates=4000, n_heldout=500, steps=300, prompts_per_step=64,
+                backends=LOSS_BACKENDS, device="cuda"),
+    "tiny": dict(steps=3, prompts_per_step=4, num_generations=4, n_candidates=400, n_heldout=20, eval_k=4),
+}
 
 
 @dataclass
@@ -206,8 +209,8 @@ def build_embedded_trainer(cfg: EmbeddedConfig, prep: Prepared, loss_backend: st
     return trainer
 
 
-def run_grpo(cfg: EmbeddedConfig, prep: Prepared, loss_backend: str, board: LiveBoard | None = None,
-             heldout_start: float | None = None, log=print) -> dict:
+def run_grpo(cfg: EmbeddedConfig, prep: Prepared, loss_backend: str, heldout_start: float,
+             board: LiveBoard | None = None, log=print) -> dict:
     """One GRPO run; returns per-step records and the held-out pass rate before/after."""
     rec = BoardCallback(board, keys={**METRICS, "step_time": "step_time"})
     # PEFT (wrapping the model) and TRL (around generation) read the deprecated `is_gradient_checkpointing`
@@ -223,9 +226,8 @@ def run_grpo(cfg: EmbeddedConfig, prep: Prepared, loss_backend: str, board: Live
     out = {"backend": loss_backend, "rows": rec.rows, "seconds": seconds, "heldout_start": heldout_start,
            "heldout_end": held_end, "reward_start": _mean(rewards[:w]), "reward_end": _mean(rewards[-w:]),
            "window": w}
-    held = f"{heldout_start:.3f}" if heldout_start is not None else "?"
     log(f"[{loss_backend}] {len(rec.rows)} steps in {seconds:.0f}s: reward {out['reward_start']:.3f} -> "
-        f"{out['reward_end']:.3f} (first/last {w} steps); held-out {held} -> {held_end:.3f}")
+        f"{out['reward_end']:.3f} (first/last {w} steps); held-out {heldout_start:.3f} -> {held_end:.3f}")
     return out
 
 
@@ -384,7 +386,7 @@ def plot_curves(df, title: str = "", rolling: int = 10, dpi: int = 90) -> bytes:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Reward curves of the embedded default (CPU) or its GPU variant.")
-    p.add_argument("--variant", choices=["embedded", "gpu", "tiny"], default="embedded",
+    p.add_argument("--variant", choices=list(VARIANTS), default="embedded",
                    help="embedded: the CPU default; gpu: the bigger H200 variant; tiny: a seconds-long smoke run")
     p.add_argument("--out", help="output folder for <tag>.csv/.png/.json")
     p.add_argument("--replot", default=None, help="only render <csv>'s PNG next to it (no training)")
@@ -417,12 +419,7 @@ def main(argv=None):
         return
     if not a.out:
         p.error("--out is required")
-    cfg = EmbeddedConfig()
-    if a.variant == "gpu":
-        cfg = replace(cfg, **GPU_VARIANT)
-    elif a.variant == "tiny":
-        cfg = replace(cfg, steps=3, prompts_per_step=4, num_generations=4, n_candidates=400, n_heldout=20,
-                      eval_k=4)
+    cfg = replace(EmbeddedConfig(), **VARIANTS[a.variant])
     names = {f.name for f in fields(EmbeddedConfig)}
     cfg = replace(cfg, **{k: v for k, v in vars(a).items() if k in names and v is not None})
     if a.hidden or a.layers:
