@@ -1,15 +1,7 @@
 """`AsyncGRPOLabTrainer`: TRL 1.16's `AsyncGRPOTrainer`, runnable on a CPU or any GPU offline, safe across kills.
 
-What it changes, and why (each measured on TRL 1.16.0; docs/async_loop.md):
-
-- **Runs anywhere**: no MFU off CUDA (TRL asks CUDA for peak FLOPs), `LabRolloutWorker` (TRL's refuses to start
-  without `vllm` importable, though it only speaks HTTP), and `tree_attention` instead of a Hub fa3 kernel only.
-- **Fails early and clearly** (`preflight`): each setting that would fail later raises before a model is loaded.
-- **Adapters on shared storage** (`AdapterStore`): published atomically under names never used before.
-- **Resume without stale serving**: the first sync numbers on from the highest version ever published or held, and
-  unloads and deletes what a killed run left: `trl-policy-v7` never names two different weights.
-- **Autotune**: live knobs (`live_knobs`) turned between steps by `autotune.AutotuneCallback`.
-- **Bounded faults**: control calls time out, failing rollouts stop the worker, a failed sync still resumes.
+What it changes and why, each measured on TRL 1.16.0, is the table of docs/async_loop.md ("The trainer"); autotune's
+live knobs (`live_knobs`) are turned between steps by `autotune.AutotuneCallback`.
 """
 
 from __future__ import annotations
