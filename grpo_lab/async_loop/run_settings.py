@@ -14,14 +14,6 @@ from .. import __version__
 from .pool import run_get
 
 
-def _config_field(info: dict, section: str, key: str):
-    for holder in (info.get("vllm_config") or {}, info):
-        value = (holder.get(section) or {}).get(key) if isinstance(holder, dict) else None
-        if value is not None:
-            return value
-    return None
-
-
 def prompt_token_lengths(trainer, limit: int = 64) -> list[int]:
     """Token counts of the first `limit` training prompts, rendered as the rollout worker renders them."""
     tokenizer, dataset = trainer.processing_class, trainer.train_dataset
@@ -42,7 +34,8 @@ def run_settings(loop, resumed_from: str | None = None) -> dict:
     worth keeping with its run."""
     args, cfg, trainer = loop.args, loop.loop, loop.trainer
     samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    info = run_get(loop.url, "/server_info", 5.0, config_format="json") or {}  # {} when it does not answer
+    # the replicas' vLLM config, as TRL's client reads it; {} when the server does not answer
+    info = (run_get(loop.url, "/server_info", 5.0, config_format="json") or {}).get("vllm_config") or {}
     try:
         lengths = prompt_token_lengths(trainer)
     except Exception:  # noqa: BLE001 - a custom dataset or tokenizer: the record just lacks the prompt lengths
@@ -57,8 +50,8 @@ def run_settings(loop, resumed_from: str | None = None) -> dict:
         "autotune": bool(cfg.autotune), "queue_maxsize": args.queue_maxsize, "max_steps": args.max_steps,
         "seed": args.seed, "loss_backend": args.loss_backend, "tree_attention": trainer.tree_attention,
         "adapter_storage": trainer.adapter_store.url,
-        "block_size": _config_field(info, "cache_config", "block_size"),
-        "max_loras": _config_field(info, "lora_config", "max_loras"),
+        "block_size": (info.get("cache_config") or {}).get("block_size"),
+        "max_loras": (info.get("lora_config") or {}).get("max_loras"),
         "run_name": args.run_name, "pool_run": cfg.pool_run_name,
         "pool_weight": cfg.pool_weight if cfg.pool_run_name else None,
         "prompt_tokens_median": statistics.median(lengths) if lengths else None,
