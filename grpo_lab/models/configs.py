@@ -34,13 +34,9 @@ def known_model_names() -> list[str]:
     return shipped_model_names() + sorted(TINY_CONFIGS)
 
 
-def _strip_org(name: str) -> str:
-    return name.split("/", 1)[1] if name.startswith(("Qwen/", "qwen/")) else name
-
-
 def load_model_config(name: str) -> PretrainedConfig:
     """The config for `name`: a shipped exact config ("Qwen3-0.6B" or "Qwen/Qwen3-0.6B") or a tiny preset."""
-    short = _strip_org(name)
+    short = name.split("/", 1)[1] if name.startswith(("Qwen/", "qwen/")) else name
     if short in TINY_CONFIGS:
         fields = dict(TINY_CONFIGS[short])
     elif short in shipped_model_names():
