@@ -35,19 +35,14 @@ from .replica_pool import ReplicaPool
 from .config import RouterConfig
 from ..tenancy.tenant_api import RunsAPI
 from ..tenancy.views import VIEW, PoolView
-from ..wire.upstream import TRANSPORT_ERRORS, Reply, UpstreamClient, error_body, now
-from ..wire.vllm_routes import add_vllm_routes, error_response, pause_mode_refusal, unauthorized
+from ..wire.upstream import TRANSPORT_ERRORS, Reply, UpstreamClient, now
+from ..wire.vllm_routes import add_vllm_routes, error_response, http_error, pause_mode_refusal, unauthorized
 
 NCCL_ENDPOINTS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
                   "/get_world_size", "/init_communicator", "/close_communicator", "/update_named_param")
 NCCL_REFUSAL = ("the grpo_lab router fronts several independent replicas and cannot fan out NCCL weight transfer; "
                 "adapter-only sync is required: train a PEFT (LoRA) model and start every replica with "
                 "--enable-lora so AsyncGRPOTrainer syncs by /v1/load_lora_adapter")
-
-
-def _http_error(cls, message: str, status: int, kind: str = "BadRequestError", **kwargs) -> web.HTTPException:
-    """aiohttp's exception `cls` carrying vLLM's error body."""
-    return cls(text=json.dumps(error_body(message, status, kind)), content_type="application/json", **kwargs)
 
 
 def _percentiles(xs: list[float]) -> dict:
@@ -145,18 +140,18 @@ class Router:
                 raw = await request.read()  # is read without yielding to the loop
         except web.HTTPRequestEntityTooLarge:
             limit = self.config.max_body_bytes
-            raise _http_error(web.HTTPRequestEntityTooLarge, f"request body over {limit} bytes", 413,
-                              "RequestEntityTooLarge", max_size=limit, actual_size=request.content_length or 0
-                              ) from None
+            raise http_error(web.HTTPRequestEntityTooLarge, f"request body over {limit} bytes",
+                             "RequestEntityTooLarge", max_size=limit, actual_size=request.content_length or 0
+                             ) from None
         except asyncio.TimeoutError:
-            raise _http_error(web.HTTPRequestTimeout, f"the request body did not arrive within "
-                              f"{self.config.body_read_timeout_s}s", 408, "RequestTimeout") from None
+            raise http_error(web.HTTPRequestTimeout, f"the request body did not arrive within "
+                             f"{self.config.body_read_timeout_s}s", "RequestTimeout") from None
         try:
             body = json.loads(raw) if raw else {}
         except ValueError as error:
-            raise _http_error(web.HTTPBadRequest, f"malformed JSON body: {error}", 400) from None
+            raise http_error(web.HTTPBadRequest, f"malformed JSON body: {error}") from None
         if not isinstance(body, dict):
-            raise _http_error(web.HTTPBadRequest, "the JSON body must be an object", 400)
+            raise http_error(web.HTTPBadRequest, "the JSON body must be an object")
         return body, raw
 
     # -- read-only endpoints ----------------------------------------------------------------------------------
@@ -175,7 +170,7 @@ class Router:
                                               timeout=self.config.health_timeout_s)
             except TRANSPORT_ERRORS as error:
                 self.pool.mark_down(replica, f"{path}: {type(error).__name__}")
-        raise _http_error(web.HTTPServiceUnavailable, "no replica in service", 503, "ServiceUnavailable")
+        raise http_error(web.HTTPServiceUnavailable, "no replica in service", "ServiceUnavailable")
 
     async def models(self, request: web.Request) -> web.Response:
         """One replica's model list, with the adapters narrowed to the live ones (draining ones are gone for

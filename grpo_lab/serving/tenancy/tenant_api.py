@@ -25,7 +25,7 @@ from ..adapters.drain import set_within
 from ..adapters.slots import DEFAULT_MAX_STALENESS
 from ..wire.client_watch import client_gone
 from ..wire.upstream import now
-from ..wire.vllm_routes import error_response
+from ..wire.vllm_routes import error_response, http_error
 from .fair_queue import FairQueue, RunShare
 from .runs import Run, RunRegistry, TenancyError
 from .views import VIEW, AdminView, RunView, forbidden
@@ -138,23 +138,18 @@ class RunsAPI:
                                   "adapter_slots": self.adapter_slots(),
                                   "slots_taken": self.registry.slots_taken(), "lease_s": self.config.lease_s})
 
-    def _named_run(self, request: web.Request) -> Run | web.Response:
+    def _named_run(self, request: web.Request) -> Run:
         name = request.match_info["name"]
-        run = self.registry.runs.get(name)
-        if run is None:
-            return error_response(404, f"no run '{name}' on this router", "NotFoundError")
+        if (run := self.registry.runs.get(name)) is None:
+            raise http_error(web.HTTPNotFound, f"no run '{name}' on this router", "NotFoundError")
         return run
 
     async def get_run(self, request: web.Request) -> web.Response:
         run = self._named_run(request)
-        if isinstance(run, web.Response):
-            return run
         return web.json_response({**self.describe(run), "lease_s": self.config.lease_s})
 
     async def delete_run(self, request: web.Request) -> web.Response:
         run = self._named_run(request)
-        if isinstance(run, web.Response):
-            return run
         by = "admin" if _is_admin(request) else "run"
         unloaded = await self.remove(run, by, f"DELETE {RUNS}/{run.name}")
         return web.json_response({"name": run.name, "removed": True, "unloaded": unloaded})

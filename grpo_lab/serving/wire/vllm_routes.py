@@ -9,6 +9,7 @@ with `error_response` (vLLM 0.31's `{"error": {message, type, param, code}}`). E
 from __future__ import annotations
 
 import hmac
+import json
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -75,3 +76,10 @@ def error_response(status: int, message: str, kind: str = "BadRequestError", par
                    ) -> web.Response:
     """An error answered the way vLLM answers it."""
     return web.json_response(error_body(message, status, kind, param), status=status)
+
+
+def http_error(cls: type[web.HTTPException], message: str, kind: str = "BadRequestError", **kwargs
+               ) -> web.HTTPException:
+    """aiohttp's exception `cls` carrying vLLM's error body, for a helper that refuses by raising."""
+    return cls(text=json.dumps(error_body(message, cls.status_code, kind)), content_type="application/json",
+               **kwargs)
