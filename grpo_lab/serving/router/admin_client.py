@@ -11,9 +11,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from grpo_lab.lab import environment
-
 from ..adapters.slots import DEFAULT_MAX_STALENESS
+from .config import read_secret
 
 
 class RouterAdminError(RuntimeError):
@@ -30,12 +29,7 @@ class RouterAdminClient:
     def __init__(self, url: str, key_env: str | None = None, key_file: str | None = None, timeout_s: float = 60.0):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        key = None
-        if key_file:
-            with open(key_file) as f:
-                key = f.readline().strip() or None
-        elif key_env:
-            key = environment.bearer_key(key_env)
+        key = read_secret(key_file, key_env, "admin key file")  # the file wins over the variable
         self._headers = {"Content-Type": "application/json"}
         if key:
             self._headers["Authorization"] = f"Bearer {key}"

@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from ..adapters.drain import set_within
 from ..adapters.fanout import broadcast, load_one, unload_one
 from ..routing.policy import RoutingPolicy
 from ..routing.registry import make_policy
@@ -366,5 +367,4 @@ class ReplicaPool:
                 await self.check(replica)
             except Exception as error:  # a bug in one check must not end the watch
                 log.exception("health check of %s failed: %s", replica.url, self.client.scrub(str(error)))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.config.health_interval_s)
+            await set_within(stop, self.config.health_interval_s)

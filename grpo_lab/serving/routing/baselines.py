@@ -57,13 +57,10 @@ class BlogProxyPolicy(AffinityRule):
 
 
 class RoundRobinPolicy(BasePolicy):
-    """Each request to the next candidate in turn (registered as "round_robin")."""
-
-    def __init__(self, num_replicas: int, config: RoutingConfig | None = None):
-        super().__init__(num_replicas, config)
-        self._turn = 0
+    """Each request to the next candidate in turn (registered as "round_robin"): the base's turn counter, which
+    `least_loaded` uses only to break ties, is the whole rule here."""
 
     def choose(self, hashes: list[int], candidates: Sequence[int]) -> Decision:
-        pick = candidates[self._turn % len(candidates)]
-        self._turn += 1
+        pick = candidates[self._rr % len(candidates)]
+        self._rr += 1
         return Decision(pick)
