@@ -11,9 +11,9 @@ from grpo_lab.lab.live_board import LiveBoard
 
 class BoardCallback(TrainerCallback):
     """One board update per logged step (`logging_steps=1`), each also kept in `rows`; `keys` maps board keys
-    to log keys (needed without a board); `step_time` is filled from the wall clock if the logs have none."""
+    to log keys; `step_time` is filled from the wall clock if the logs have none."""
 
-    def __init__(self, board: LiveBoard | None, keys: dict[str, str] | None = None):
+    def __init__(self, board: LiveBoard | None, keys: dict[str, str]):
         self.board, self.keys = board, keys
         self.rows: list[dict] = []
         self._t = None
@@ -25,9 +25,8 @@ class BoardCallback(TrainerCallback):
         logs = logs or {}
         if "train_runtime" in logs:  # the end-of-training summary, not a step
             return
-        keys = self.keys or {s.key: s.key for s in self.board.series}
-        values = {board_key: logs.get(log_key) for board_key, log_key in keys.items()}
-        if "step_time" in keys and values.get("step_time") is None and self._t is not None:
+        values = {board_key: logs.get(log_key) for board_key, log_key in self.keys.items()}
+        if "step_time" in self.keys and values.get("step_time") is None and self._t is not None:
             values["step_time"] = time.perf_counter() - self._t
         self.record(state.global_step, values)
 

@@ -143,7 +143,6 @@ def train_warm_start(out: str | os.PathLike, seed: int = 0, target_pass_rate: fl
     from grpo_lab.tasks.sft import save_warm_start, sft_warm_start
     from grpo_lab.tasks.tiny import addition_problems
 
-    torch.manual_seed(seed)
     tokenizer = build_chat_tokenizer()
     model = build_chat_model(tokenizer, seed=seed)
     train_pool, _ = addition_problems(seed=seed)

@@ -136,7 +136,6 @@ def main(argv=None):
     p.add_argument("--target", type=float, default=0.4)
     p.add_argument("--lr", type=float, default=3e-3)
     a = p.parse_args(argv)
-    torch.manual_seed(a.seed)
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed=a.seed)
     train_pool, _ = addition_problems(seed=a.seed)
