@@ -130,13 +130,9 @@ def allocator_comparison() -> pd.DataFrame:
     bounded = both["capped_default"].astype(bool) | both["capped_expandable"].astype(bool)
     gain = 100 * (both["max_batch_expandable"] / both["max_batch_default"] - 1)
     out["gain"] = ["" if b else f"{g:+.0f} %" for g, b in zip(gain, bounded)]
-    return out.sort_values(key, key=_preset_order).set_index(key)
-
-
-def _preset_order(column: pd.Series) -> pd.Series:
-    """Rows in the full preset's order (models by size, then naive, trl, grpo_lab, liger); others after them."""
-    order = list(PRESETS["full"]["models"]) + list(PRESETS["full"]["backends"])
-    return column.map(lambda v: order.index(v) if v in order else len(order))
+    # the full preset's order (models by size, then naive, trl, grpo_lab, liger); others after them
+    rank = {v: i for i, v in enumerate([*PRESETS["full"]["models"], *PRESETS["full"]["backends"]])}
+    return out.sort_values(key, key=lambda c: c.map(lambda v: rank.get(v, len(rank)))).set_index(key)
 
 
 def run_max_batch(params: dict, out_dir: str | Path, name: str, board):

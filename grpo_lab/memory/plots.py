@@ -21,13 +21,6 @@ def save_png(fig, path) -> Path:
     return Path(path)
 
 
-def _title_suffix(df: pd.DataFrame) -> str:
-    if df.empty:
-        return ""
-    r = df.iloc[0]
-    return f"{r['model']} · {r.get('gpu_name', '')} · {r.get('date', '')}"
-
-
 def plot_memory_vs_batch(df: pd.DataFrame, mode: str = "step", fig=None, dtypes=("fp32", "bf16")):
     """FP32 and BF16 panels side by side: peak GiB vs batch size per backend; out-of-memory points as ×."""
     import matplotlib.pyplot as plt
@@ -66,7 +59,9 @@ def plot_memory_vs_batch(df: pd.DataFrame, mode: str = "step", fig=None, dtypes=
             ax.set_ylim(0, ymax * 1.12)
             ax.legend(title="loss backend (× = OOM)", fontsize=8)
     what = "GRPO training step (fwd+bwd+AdamW)" if mode == "step" else "loss stage alone (fwd+bwd)"
-    fig.suptitle(f"Peak memory vs batch size — {what}\n{_title_suffix(d)}", fontsize=10)
+    r = d.iloc[0] if len(d) else None
+    where = "" if r is None else f"{r['model']} · {r.get('gpu_name', '')} · {r.get('date', '')}"
+    fig.suptitle(f"Peak memory vs batch size — {what}\n{where}", fontsize=10)
     fig.tight_layout()
     return fig
 
