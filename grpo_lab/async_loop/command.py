@@ -1,16 +1,9 @@
 """`grpo-lab async-loop`: replicas + router + `AsyncGRPOLabTrainer` from a terminal, checked before anything starts.
 
-    grpo-lab async-loop --max-steps 20 --output-dir runs/demo                 # offline: 2 CPU replicas + router
-    grpo-lab async-loop --max-steps 40 --output-dir runs/demo --resume        # after a crash
-    grpo-lab async-loop --replica-url http://node1:8001 --replica-url http://node2:8001   # replicas started elsewhere
-    grpo-lab async-loop --router-url http://pool:8000 --run-name sweep-a --pool-admin-key-file runs/pool/admin.key
-                                                                               # one run of a shared pool (serve-pool)
-    grpo-lab async-loop --config sweep.yaml --max-steps 40                    # settings from a file, a flag on top
-
-The flags are generated from `loop_settings.LoopSettings`. Every setting that can be checked without starting a
-process is checked first (`checks`): a bad one is one line naming its flag, exit status 2, nothing started or
-written. A failure after the start is one line too (exit status 1, the replicas' logs named); `GRPO_LAB_DEBUG=1`
-shows the traceback.
+Examples: the top of docs/async_loop.md. The flags are generated from `loop_settings.LoopSettings`. Every
+setting that can be checked without starting a process is checked first (`checks`): a bad one is one line
+naming its flag, exit status 2, nothing started or written. A failure after the start is one line too (exit
+status 1, the replicas' logs named); `GRPO_LAB_DEBUG=1` shows the traceback.
 """
 
 from __future__ import annotations

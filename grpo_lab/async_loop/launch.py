@@ -1,15 +1,11 @@
 """The whole async loop in one call: replicas, the router and the trainer over one storage root, torn down always.
 
-    from grpo_lab.async_loop.launch import AsyncLoop, LoopConfig, embedded_trainer_args
-
-    with AsyncLoop(LoopConfig(replicas=2), embedded_trainer_args("runs/demo", max_steps=20)) as loop:
-        loop.train()
-
-or `grpo-lab async-loop --max-steps 20 --output-dir runs/demo` (`command`). `LoopConfig` says what serves the
-rollouts: replicas this process starts, replicas started elsewhere (`replica_urls`), a router already running
-(`router_url`), possibly a shared pool the run joins as a tenant (`pool_run_name`). Replicas and the router are
-supervised children that die with this process (even by SIGKILL); a normal exit, an exception, Ctrl-C and SIGTERM
-all stop every one of them. An output directory holds one run (`run_dir`).
+`with AsyncLoop(LoopConfig(), embedded_trainer_args("runs/demo")) as loop: loop.train()` (docs/async_loop.md),
+or `grpo-lab async-loop` (`command`). `LoopConfig` says what serves the rollouts: replicas this process
+starts, replicas started elsewhere (`replica_urls`), a router already running (`router_url`), possibly a
+shared pool the run joins as a tenant (`pool_run_name`). Replicas and the router are supervised children that
+die with this process (even by SIGKILL); a normal exit, an exception, Ctrl-C and SIGTERM all stop every one of
+them. An output directory holds one run (`run_dir`).
 """
 
 from __future__ import annotations

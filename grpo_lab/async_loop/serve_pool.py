@@ -1,17 +1,9 @@
 """`grpo-lab serve-pool`: one replica pool and a tenancy router, started once, that several training runs share.
 
-    grpo-lab serve-pool --replicas 2 --port 8000                       # prints the URL and where the admin key is
-    grpo-lab async-loop --router-url http://127.0.0.1:8000 --run-name sweep-a --pool-admin-key-file runs/pool/admin.key
-
-or in Python:
-
-    with SharedPool(PoolConfig(replicas=2)) as pool:
-        AsyncLoop(LoopConfig(router_url=pool.url, pool_run_name="sweep-a",
-                             pool_admin_key_file=pool.admin_key_file), args).train()
-
-The replicas get `--max-loras` = `adapter_slots` (the slots shared out: each run takes `max_staleness + 3`), the
-router `RouterConfig.tenancy` (`serving.tenancy.runs`): runs register with the admin key, which this command generates
-into a file only its owner can read and never prints; each run then gets a token of its own.
+From a terminal or in Python (`SharedPool`), as docs/shared_pool.md shows ("Start a pool, join it"). The
+replicas get `--max-loras` = `adapter_slots` (the slots shared out: each run takes `max_staleness + 3`), the
+router `RouterConfig.tenancy` (`serving.tenancy.runs`): runs register with the admin key, which this command
+generates into a file only its owner can read and never prints; each run then gets a token of its own.
 """
 
 from __future__ import annotations
