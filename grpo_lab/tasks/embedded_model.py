@@ -29,7 +29,6 @@ EMBEDDED_MODEL_NAME = "grpo-lab/tiny-addition-chat"
 WARM_START_FILE = "tiny_addition_chat_sft.safetensors"
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 SPECIALS = [PAD, IM_START, IM_END, "<unk>"]
-BOX = "\\boxed{"
 CHARS = list("0123456789+-*=?}{. \n") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
 MAX_POSITIONS = 128  # RoPE: a config number, not weights, so it can exceed what SFT saw
 
@@ -123,6 +122,7 @@ def write_embedded_model(directory: str | os.PathLike, warm_start: str | os.Path
 def _fingerprint() -> str:
     """Changes whenever the shipped weights or this module's layout change, so a stale cached copy is not reused."""
     from grpo_lab.tasks.sft import shipped_warm_start
+    from grpo_lab.tasks.tiny import BOX
 
     h = hashlib.sha256(shipped_warm_start(WARM_START_FILE).read_bytes())
     h.update(json.dumps([SPECIALS, BOX, CHARS, MAX_POSITIONS, "llama"]).encode())

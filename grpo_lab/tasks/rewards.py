@@ -46,18 +46,15 @@ def last_boxed(text: str) -> str | None:
 def wrap_latex(s: str) -> str:
     """Wrap bare LaTeX as `$...$` unless already delimited."""
     s = s.strip()
-    if s.startswith("$") or s.startswith("\\(") or s.startswith("\\["):
-        return s
-    return f"${s}$"
+    return s if s.startswith(("$", "\\(", "\\[")) else f"${s}$"
 
 
 @lru_cache(maxsize=65536)
 def _parse_cached(latex: str, main_thread: bool):
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-    timeout = 10 if main_thread else None
     return parse(latex, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-                 parsing_timeout=timeout)
+                 parsing_timeout=10 if main_thread else None)
 
 
 def _int_or_none(s: str) -> int | None:
