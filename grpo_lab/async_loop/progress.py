@@ -27,16 +27,13 @@ def figures(logs: dict, short: bool = False) -> dict[str, str]:
 class LoopProgress(TrainerCallback):
     """A tqdm bar over the run's steps (starting at the resumed step), or a line per step when not on a TTY."""
 
-    def __init__(self, stream=None, bar: bool | None = None):
-        self.stream = stream or sys.stderr
-        self.bar_wanted = self.stream.isatty() if bar is None else bar
-        self.bar = None
+    bar = None  # the tqdm bar, while a run on a terminal trains
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.bar_wanted and state.is_world_process_zero:
+        if sys.stderr.isatty() and state.is_world_process_zero:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, unit="step", file=self.stream,
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, unit="step", file=sys.stderr,
                             dynamic_ncols=True, desc="async loop",
                             bar_format="{desc} {percentage:3.0f}%|{bar:12}| {n_fmt}/{total_fmt} "
                                        "[{elapsed}<{remaining}]{postfix}")
@@ -49,7 +46,7 @@ class LoopProgress(TrainerCallback):
             self.bar.update(state.global_step - self.bar.n)
         else:
             parts = ", ".join(f"{label} {value}" for label, value in figures(logs).items())
-            print(f"step {state.global_step}/{state.max_steps}: {parts}", file=self.stream, flush=True)
+            print(f"step {state.global_step}/{state.max_steps}: {parts}", file=sys.stderr, flush=True)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:

@@ -24,7 +24,6 @@ class SettingsParser(TrlParser):
     def __init__(self, settings_type, prog: str, description: str):
         self._groups: dict[str, argparse._ArgumentGroup] = {}
         super().__init__(settings_type, prog=prog, description=description, formatter_class=DefaultsFormatter)
-        self.settings_type = settings_type
         self.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=(
             "read settings from a YAML file (the flags' names with '_' as keys; flags given here override it)"))
 
