@@ -9,7 +9,7 @@ needs the Hub (weights) unless `model` is a local copy, and GPUs for the replica
 from __future__ import annotations
 
 from ..serving.adapters.slots import DEFAULT_MAX_STALENESS
-from .launch import AsyncLoop, LoopConfig, embedded_peft_config, no_checkpointing
+from .launch import AsyncLoop, LoopConfig, no_checkpointing
 
 
 def sanity_args(output_dir: str = "runs/sanity-async", **overrides):
@@ -33,5 +33,4 @@ def sanity_loop(router_url: str, model: str = "Qwen/Qwen2.5-Math-1.5B", dataset_
 
     dataset = to_grpo_dataset(load_task_dataset("sanity", dataset_path), "qwen_math")
     return AsyncLoop(LoopConfig(router_url=router_url, model=model), sanity_args(output_dir, **overrides),
-                     reward_funcs=[math_reward], train_dataset=dataset, peft_config=embedded_peft_config(),
-                     callbacks=callbacks)
+                     reward_funcs=[math_reward], train_dataset=dataset, callbacks=callbacks)
