@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Any
 
 import torch
 from transformers import TrainerCallback
@@ -125,9 +124,6 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
     dataset = build_dataset(tokenizer, model_config.vocab_size, spec.prompt_len, n_prompts, spec.seed)
 
     # TRL's default activation checkpointing stays on (what the planner's `gradient_checkpointing=True` models)
-    extra: dict[str, Any] = {}
-    if spec.generation == "model":
-        extra["generation_kwargs"] = {"min_new_tokens": spec.completion_len}
     args = GRPOLabConfig(
         output_dir=output_dir, per_device_train_batch_size=spec.batch_size, gradient_accumulation_steps=1,
         steps_per_generation=steps_per_generation, num_generations=num_generations,
@@ -135,7 +131,8 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
         num_iterations=spec.num_iterations, bf16=spec.dtype == "bf16", seed=spec.seed, data_seed=spec.seed,
         logging_strategy="no", save_strategy="no", log_level="error", report_to="none", disable_tqdm=True,
         use_cpu=device.type == "cpu", dataloader_num_workers=0, shuffle_dataset=False,
-        loss_backend=spec.loss_backend, **extra)
+        loss_backend=spec.loss_backend,
+        generation_kwargs={"min_new_tokens": spec.completion_len} if spec.generation == "model" else None)
     # The model is created on its device in its final dtype (no fp32 master copy): the `bf16` points are pure bf16
     # training, the `fp32` points pure fp32. LoRA is applied here (not by TRL) so the FSDP2 path can shard the PEFT
     # model before the trainer wraps it; under FSDP2 every rank builds the full model, then shards it.

@@ -20,16 +20,13 @@ from ..spec import parse_int_list
 
 
 def _world_sizes(text: str) -> list[int]:
-    if "-" in text:
-        lo, hi = text.split("-", 1)
-        try:
-            lo_i, hi_i = int(lo), int(hi)
-        except ValueError:
-            raise ValueError(f"--world-sizes: give e.g. 1-8 or 1,2,4,8, got {text!r}") from None
-        if not 1 <= lo_i <= hi_i:
-            raise ValueError(f"--world-sizes: give an increasing range of positive integers, got {text!r}")
-        return list(range(lo_i, hi_i + 1))
-    return parse_int_list(text, "world sizes")
+    """"1-8" (a range) or "1,2,4,8"."""
+    if "-" not in text:
+        return parse_int_list(text, "world sizes")
+    lo, hi = parse_int_list(text.split("-", 1), "--world-sizes")
+    if lo > hi:
+        raise ValueError(f"--world-sizes: give an increasing range of positive integers, got {text!r}")
+    return list(range(lo, hi + 1))
 
 
 def build_parser() -> argparse.ArgumentParser:
