@@ -130,11 +130,8 @@ class LiveBoard:
         elapsed = time.perf_counter() - self._t0
         rate = self.value / elapsed if elapsed > 0 else 0.0
         eta = f", ETA {(self.total - self.value) / rate:.0f}s" if 0 < self.value < self.total and rate > 0 else ""
-        latest = []
-        for s in self.series:
-            points = self.data.get(self.group or "", {}).get(s.key)
-            if points:
-                latest.append(f"{s.label or s.key} {points[-1][1]:.4g}")
+        now = self.data.get(self.group or "", {})  # the current group's points
+        latest = [f"{s.label or s.key} {now[s.key][-1][1]:.4g}" for s in self.series if now.get(s.key)]
         group = f"[{self.group}] " if self.group else ""
         parts = [f"{group}{self.value}/{self.total} ({100.0 * self.value / self.total:.0f}%), {elapsed:.0f}s{eta}"]
         return " | ".join(parts + ([self.text] if self.text else []) + latest)
