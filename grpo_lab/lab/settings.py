@@ -100,13 +100,10 @@ def check_fields(settings) -> None:
         if value is None and type(None) in typing.get_args(kind):
             continue
         kind = without_none(kind)
-        if typing.get_origin(kind) is list:
-            if isinstance(value, str):  # `report_to: trackio` in a config file
-                value = [value]
-                setattr(settings, f.name, value)
-            items = value
-        else:
-            items = [value]
+        if typing.get_origin(kind) is list and isinstance(value, str):  # `report_to: trackio` in a config file
+            value = [value]
+            setattr(settings, f.name, value)
+        items = value if typing.get_origin(kind) is list else [value]
         choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else f.metadata.get("choices")
         for item in items:
             if choices and item not in choices:

@@ -6,7 +6,6 @@ from a model that is right some of the time, like the recipe's base model on its
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from importlib import resources
@@ -98,7 +97,7 @@ def sft_warm_start(model, tokenizer, rows: list[dict], *, target_pass_rate: floa
                 break
     model.eval()
     return {"steps": step, "pass_rate": rate, "seconds": time.perf_counter() - t0, "history": history,
-            "reached": rate >= target_pass_rate and not math.isnan(rate)}
+            "reached": rate >= target_pass_rate}
 
 
 def save_warm_start(model, out, **metadata) -> None:
