@@ -59,8 +59,7 @@ def check_tokenizer(tokenizer) -> None:
 def check_rewards(reward_funcs, tools=None, environment_factory=None) -> None:
     """Everything the rollout worker receives is pickled into a spawned process."""
     funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    items = [(getattr(f, "__name__", repr(f)), f) for f in funcs if f is not None]
-    items += [(getattr(t, "__name__", repr(t)), t) for t in tools or []]
+    items = [(getattr(f, "__name__", repr(f)), f) for f in [*funcs, *(tools or [])] if f is not None]
     if environment_factory is not None:
         items.append(("environment_factory", environment_factory))
     for name, obj in items:

@@ -101,13 +101,6 @@ class SharedPool(StartStop):
     def url(self) -> str:
         return self.handle.url
 
-    def _router_fields(self) -> dict:
-        c = self.config
-        tenancy = TenancyConfig(lease_s=c.lease_s, max_in_flight_per_replica=c.max_in_flight_per_replica,
-                                allow_base_model=c.allow_base_model)
-        return {"host": c.host, "port": c.port, "admin_api_key_file": self.admin_key_file, "tenancy": tenancy,
-                **c.router}
-
     def start(self) -> "SharedPool":
         c = self.config
         model = c.model
@@ -118,9 +111,13 @@ class SharedPool(StartStop):
         write_admin_key(self.admin_key_file)
         logs = self.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        tenancy = TenancyConfig(lease_s=c.lease_s, max_in_flight_per_replica=c.max_in_flight_per_replica,
+                                allow_base_model=c.allow_base_model)
+        router = {"host": c.host, "port": c.port, "admin_api_key_file": self.admin_key_file, "tenancy": tenancy,
+                  **c.router}
         spec = ClusterSpec(replicas=c.replicas, kind=c.replica_kind, model=model, adapter_slots=c.adapter_slots,
                            lora_rank=c.max_lora_rank, max_model_len=c.max_model_len,
-                           replica_threads=c.replica_threads, router=self._router_fields(), log_dir=str(logs))
+                           replica_threads=c.replica_threads, router=router, log_dir=str(logs))
         # the router in a supervised child process, restarted on its port with the runs and live adapters it had
         self.cluster = Cluster(spec, router_dir=str(self.state_dir / "router")).start(timeout=c.ready_timeout_s)
         (self.state_dir / POOL_FILE).write_text(json.dumps(
