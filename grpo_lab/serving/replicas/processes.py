@@ -285,6 +285,20 @@ def vllm_cpu_python() -> str:
     return str(python)
 
 
+def bind_listener(host: str, port: int):
+    """A listening socket on (host, port), or None when the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError:
+        listener.close()
+        return None
+    listener.listen(1024)
+    return listener
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free right now (the replica binds it a moment later; a clash shows up as a start-up failure)."""
     with socket.socket() as s:
@@ -306,13 +320,10 @@ def start_vllm_replicas(n: int, model: str, device: str = "cpu", env: dict | Non
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the replicas' servers bind
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
+    listener = bind_listener(host, port)  # SO_REUSEADDR, as the replicas' servers bind
+    if listener is not None:
+        listener.close()
+    return listener is not None
 
 
 def restart(replica: ReplicaProcess, env: dict | None = None, ready_timeout: float | None = None) -> ReplicaProcess:

@@ -26,11 +26,11 @@ import psutil
 from aiohttp import web
 
 from ...lab.files import write_atomically
-from ..replicas.processes import AnnouncingProcess, free_port
+from ..replicas.processes import AnnouncingProcess, bind_listener, free_port
 from .admin_client import RouterAdminClient
 from .config import RouterConfig
 from .membership import wait_in_service
-from .server import Router, bind_listener
+from .server import Router
 
 log = logging.getLogger(__name__)
 

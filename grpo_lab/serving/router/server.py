@@ -25,6 +25,7 @@ from grpo_lab.lab.settings_parser import ConfigParser
 from ..adapters.fanout import broadcast
 from .adapter_lifecycle import AdapterLifecycle
 from .admin_api import AdminAPI
+from ..replicas.processes import bind_listener
 from ..wire.client_watch import unless_client_gone
 from ..wire.completion_batches import PromptError, merge_batch, split_prompt
 from ..tenancy.fair_queue import ClientGone
@@ -397,22 +398,6 @@ def main(argv=None) -> None:
     port = listener.getsockname()[1]
     print(f"grpo_lab router on http://{config.host}:{port} -> {len(config.replicas)} replica(s)", flush=True)
     web.run_app(router.app(), sock=listener, access_log=None, print=None)
-
-
-def bind_listener(host: str, port: int):
-    """A listening socket on (host, port), or None when the port is taken."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind((host, port))
-    except OSError:
-        listener.close()
-        return None
-    listener.listen(1024)
-    return listener
 
 
 if __name__ == "__main__":
