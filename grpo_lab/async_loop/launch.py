@@ -265,11 +265,10 @@ class AsyncLoop(StartStop):
         `checkpoint_storage` first where set), and the metrics log is cut back to its step. Without a resume, an
         output directory that already holds a run is refused (RunDirError): two runs would mix their files."""
         if resume_from_checkpoint is True:
-            store = getattr(self.args, "checkpoint_storage", None)
-            if store:  # a fresh machine: the newest complete checkpoint may only be on the store
+            if self.args.checkpoint_storage:  # a fresh machine: the newest complete checkpoint may only be there
                 from .checkpoint_store import pull_last_checkpoint
 
-                pull_last_checkpoint(store, self.args.output_dir, log.warning)
+                pull_last_checkpoint(self.args.checkpoint_storage, self.args.output_dir, log.warning)
             resume_from_checkpoint = resume_checkpoint(self.args.output_dir, log.warning)
         if resume_from_checkpoint:
             truncate_metrics(self.args.output_dir, checkpoint_step(resume_from_checkpoint))

@@ -30,9 +30,8 @@ def run_frame(rows: list[dict], run: str, device: str = "auto", extra: dict | No
     for row in training_rows(rows):
         values = {k: row[k] for k in KEEP if isinstance(row.get(k), (int, float))}
         derived = board_values(row, previous_router)
-        for k in ("completions_per_s", "affinity", "load_imbalance"):
-            if derived.get(k) is not None:
-                values[k] = derived[k]
+        values.update({k: derived[k] for k in ("completions_per_s", "affinity", "load_imbalance")
+                       if derived.get(k) is not None})
         previous_router = row.get("router") or previous_router
         records += [{"run": run, "step": row["step"], "metric": k, "value": float(v)} for k, v in values.items()]
     frame = pd.DataFrame.from_records(records, columns=["run", "step", "metric", "value"])
