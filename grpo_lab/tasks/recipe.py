@@ -60,12 +60,10 @@ class RecipeConfig:
         if self.completions_per_step < 1 or self.micro_batch_size < 1:
             raise ValueError(f"completions_per_step ({self.completions_per_step}) and micro_batch_size "
                              f"({self.micro_batch_size}) must be >= 1.")
-        if self.completions_per_step % self.num_generations:
-            raise ValueError(f"completions_per_step={self.completions_per_step} must be a multiple of "
-                             f"num_generations={self.num_generations}.")
-        if self.completions_per_step % self.micro_batch_size:
-            raise ValueError(f"completions_per_step={self.completions_per_step} must be a multiple of "
-                             f"micro_batch_size={self.micro_batch_size}.")
+        for name in ("num_generations", "micro_batch_size"):  # whole groups, whole micro-batches per step
+            if self.completions_per_step % getattr(self, name):
+                raise ValueError(f"completions_per_step={self.completions_per_step} must be a multiple of "
+                                 f"{name}={getattr(self, name)}.")
         if self.dataset not in DATASET_NAMES:
             raise ValueError(f"Unknown dataset {self.dataset!r}; choose one of {DATASET_NAMES}.")
         if self.prompt_format not in PROMPT_FORMATS:
