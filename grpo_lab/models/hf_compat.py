@@ -3,16 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import warnings
-
-
-@functools.lru_cache(maxsize=1)
-def _training_argument_names() -> frozenset[str]:
-    from transformers import TrainingArguments
-
-    return frozenset(f.name for f in dataclasses.fields(TrainingArguments))
 
 
 def checkpointing_args(enabled: bool) -> dict:
@@ -20,9 +11,10 @@ def checkpointing_args(enabled: bool) -> dict:
 
     Always pass one: TRL's configs default `gradient_checkpointing=True`, and transformers 5.x warns about the
     deprecated name (a FutureWarning per trainer, pink blocks in a notebook) unless the new one is set."""
-    if "activation_checkpointing" in _training_argument_names():
-        return {"activation_checkpointing": bool(enabled)}
-    return {"gradient_checkpointing": bool(enabled)}
+    from transformers import TrainingArguments
+
+    new = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    return {"activation_checkpointing" if new else "gradient_checkpointing": bool(enabled)}
 
 
 # Deprecations raised inside TRL 1.16's own code under transformers 5.x, which a user of the kit cannot act on (TRL
