@@ -153,14 +153,12 @@ def ask_the_pool_first(argv: list[str]) -> None:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["async-loop"]:
-        argv = argv[1:]
     try:
         ask_the_pool_first(argv)
     except UsageError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
-    from .run_dir import RunDirError  # heavy (transformers): after the pool's quick answer
+    from .run_dir import REPLICA_LOGS, RunDirError  # heavy (transformers): after the pool's quick answer
 
     try:
         s = parse_settings(argv)
@@ -181,8 +179,6 @@ def main(argv=None) -> int:
         print("interrupted: replicas, router and rollout worker stopped", file=sys.stderr)
         return 130
     except Exception as error:  # noqa: BLE001 - one line for the user; the traceback on request
-        from .run_dir import REPLICA_LOGS
-
         return failed(PROG, error, os.path.join(s.output_dir, REPLICA_LOGS))
 
 
