@@ -135,23 +135,12 @@ class AdapterSidecar:
         return web.json_response(listing)
 
 
-class SidecarHandle(AppThread):
-    """A sidecar running on its own event loop in a daemon thread of this process (tests, notebooks)."""
-
-    what = "adapter sidecar"
-
-    def __init__(self, sidecar: AdapterSidecar, host: str, port: int):
-        super().__init__(host, port, "adapter-sidecar")
-        self.sidecar = sidecar
-
-    def app(self) -> web.Application:
-        return self.sidecar.app()
-
-
 def start_sidecar(upstream: str, port: int = 0, host: str = "127.0.0.1", cache_dir: str | None = None,
-                  api_key_env: str = "VLLM_API_KEY") -> SidecarHandle:
-    """A sidecar for `upstream` in this process (port 0: a free one); `.url`, `.stop()`."""
-    return SidecarHandle(AdapterSidecar(upstream, cache_dir, api_key_env), host, port).start()
+                  api_key_env: str = "VLLM_API_KEY") -> AppThread:
+    """A sidecar for `upstream` on its own event loop in a daemon thread of this process (port 0: a free one);
+    `.url`, `.stop()`."""
+    sidecar = AdapterSidecar(upstream, cache_dir, api_key_env)
+    return AppThread(sidecar.app, host, port, "adapter-sidecar", "adapter sidecar").start()
 
 
 def build_parser() -> argparse.ArgumentParser:

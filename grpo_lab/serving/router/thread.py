@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 
-from aiohttp import web
-
 from ..adapters.slots import DEFAULT_MAX_STALENESS
 from .server import Router
 from .config import RouterConfig
@@ -26,15 +24,10 @@ from ..wire.app_thread import AppThread
 class RouterHandle(AppThread):
     """A router running on its own event loop in a daemon thread (notebooks, tests)."""
 
-    what = "router"
-
     def __init__(self, config: RouterConfig):
-        super().__init__(config.host, config.port, "grpo-router")
         self.config = config
         self.router = Router(config)
-
-    def app(self) -> web.Application:
-        return self.router.app()
+        super().__init__(self.router.app, config.host, config.port, "grpo-router", "router")
 
     def wait_ready(self, replicas: int | None = None, timeout: float = 60.0) -> None:
         """Block until `replicas` (default: every member) replicas are in service."""

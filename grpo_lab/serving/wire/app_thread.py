@@ -1,5 +1,5 @@
 """An aiohttp application served on its own event loop in a daemon thread of this process (notebooks, tests): what
-the in-process router (`router.thread.RouterHandle`) and the adapter sidecar (`adapters.sidecar.SidecarHandle`) share.
+the in-process router (`router.thread.RouterHandle`) and the adapter sidecar (`adapters.sidecar.start_sidecar`) share.
 
 A failed start (a port taken) releases everything the application set up before the error reaches the caller.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from typing import Self
 
 from aiohttp import web
@@ -28,21 +29,18 @@ async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.App
 
 
 class AppThread:
-    """Serves `app()` on `host`:`port` (port 0: a free one, `.port` once started). Subclasses give `app()` and
-    `what` (named in errors)."""
+    """Serves the application `make_app()` builds on `host`:`port` (port 0: a free one, `.port` once started);
+    `what` names it in errors."""
 
-    what = "server"
-
-    def __init__(self, host: str, port: int, thread_name: str):
-        self.host, self.port = host, port
+    def __init__(self, make_app: Callable[[], web.Application], host: str, port: int, thread_name: str,
+                 what: str = "server"):
+        self.host, self.port, self.what = host, port, what
+        self._make_app = make_app
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
-
-    def app(self) -> web.Application:
-        raise NotImplementedError
 
     @property
     def url(self) -> str:
@@ -51,7 +49,8 @@ class AppThread:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
-            self._runner, self.port = self._loop.run_until_complete(serve_app(self.app(), self.host, self.port))
+            serving = serve_app(self._make_app(), self.host, self.port)
+            self._runner, self.port = self._loop.run_until_complete(serving)
         except BaseException as error:  # surfaced to the caller of start(), once everything is released
             self._error = error
         else:
