@@ -13,8 +13,8 @@ import torch
 from grpo_lab.lab import environment
 
 
-def init_process_group(device: torch.device) -> tuple[int, int]:
-    """Join (or create) the default process group from the torchrun-style environment; returns (rank, world)."""
+def init_process_group(device: torch.device) -> None:
+    """Join (or create) the default process group from the torchrun-style environment."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -22,7 +22,6 @@ def init_process_group(device: torch.device) -> tuple[int, int]:
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=backend, rank=environment.distributed_rank(),
                                 world_size=environment.world_size(), **kwargs)
-    return dist.get_rank(), dist.get_world_size()
 
 
 def apply_lora(model, r: int):

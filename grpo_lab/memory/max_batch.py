@@ -124,9 +124,7 @@ def search_max_batch(fits: Callable[[int], tuple[bool, dict]], start: int = 1, u
         if b in res.results:
             return res.results[b]["status"] == "ok"
         ok, details = fits(b)
-        details = dict(details or {})
-        details["status"] = "ok" if ok else "oom"
-        res.results[b] = details
+        details = res.results[b] = {**(details or {}), "status": "ok" if ok else "oom"}
         res.probes.append((b, details["status"]))
         return ok
 

@@ -20,10 +20,6 @@ from .head import FP32, UNTOUCHED, MiB, head_backward, head_forward, head_rows, 
 from .layer import backward_levels, saved_tensors
 from .shapes import ModelShape, shape_for
 
-__all__ = ["ALLOCATOR_HEADROOM", "CPU_RSS_OVERHEAD_BYTES", "CPU_RSS_SLACK", "CUDA_WORKSPACE_BYTES",
-           "DEFAULT_ALLOCATOR_BAND", "EXPANDABLE_SEGMENTS_HEADROOM", "MaxBatch", "MemoryPlan", "PlannerConfig",
-           "max_batch", "max_batch_band", "plan", "plan_loss_only"]
-
 GiB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
