@@ -232,8 +232,7 @@ def build_searches(models=("tiny-qwen3",), backends=("trl",), dtype="bf16", prom
         raise ValueError(f"rel_tol must be in [0, 1), got {rel_tol}: the search's gap as a fraction of the batch")
     if lora_r is None or int(lora_r) <= 0:
         raise ValueError("the FSDP max-batch search trains LoRA adapters: lora_r must be a positive integer")
-    @functools.cache
-    def no_gpu() -> bool:
+    def no_gpu() -> bool:  # asked only where it matters (it may query nvidia-smi, once per process)
         return device == "cpu" or (device == "auto" and not gpu_present())
 
     common = dict(dtype=dtype, prompt_len=prompt_len, completion_len=completion_len, lora_r=int(lora_r), fsdp=True,

@@ -113,10 +113,9 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
                 rr = df[(df["model"] == m) & (df["backend"] == ref)]
                 if backend != ref and len(rr) and (ratio := max_batch_ratio(sel.iloc[0], rr.iloc[0])):
                     labels.append(ratio + ref[0])
-            if crowded:  # one rotated line per bar, so neighbouring labels do not run into each other
-                ax.text(p, v + top * 0.01, " ".join(labels), ha="center", va="bottom", fontsize=7, rotation=90)
-            else:
-                ax.text(p, v + top * 0.01, "\n".join(labels), ha="center", va="bottom", fontsize=7)
+            # crowded: one rotated line per bar, so neighbouring labels do not run into each other
+            ax.text(p, v + top * 0.01, (" " if crowded else "\n").join(labels), ha="center", va="bottom", fontsize=7,
+                    rotation=90 if crowded else 0)
     ax.set_xticks(x, models)
     ax.set_ylabel("max per-device batch that fits")
     ax.set_ylim(0, top * (1.45 if crowded else 1.3))
