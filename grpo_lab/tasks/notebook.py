@@ -69,8 +69,7 @@ def lr_options(lr: float) -> list[tuple[str, float]]:
     """The learning-rate slider's stops: a log grid plus `lr` itself, as (label, exact value). A SelectionSlider
     sends back the chosen stop's index, so the kernel gets exactly `lr` until the user moves it (a FloatLogSlider
     snaps its value to its step grid in the browser: 3e-3 came back as 0.0031622...)."""
-    values = sorted(set(LR_CHOICES) | {float(lr)})
-    return [(f"{v:g}", v) for v in values]
+    return [(f"{v:g}", v) for v in sorted({*LR_CHOICES, float(lr)})]
 
 
 def controls(cfg: EmbeddedConfig, out_dir: str | Path | None = None):

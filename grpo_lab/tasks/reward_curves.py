@@ -302,14 +302,11 @@ def _summarise(cfg: EmbeddedConfig, prep: Prepared, runs: list[dict], held_start
 
     env = run_record("cuda" if str(cfg.device).startswith("cuda") else "cpu")
     rows = []
-    for run in runs:
-        for r in run["rows"]:
-            for m in list(METRICS) + ["step_time"]:
-                if r.get(m) is not None:
-                    rows.append({"backend": run["backend"], "step": r["step"], "metric": m, "value": r[m]})
-        rows.append({"backend": run["backend"], "step": 0, "metric": "heldout_pass_rate", "value": held_start})
-        rows.append({"backend": run["backend"], "step": cfg.steps, "metric": "heldout_pass_rate",
-                     "value": run["heldout_end"]})
+    for run in runs:  # each run's logged values by step, then its held-out pass rate before and after
+        points = [(r["step"], m, r[m]) for r in run["rows"] for m in [*METRICS, "step_time"]
+                  if r.get(m) is not None]
+        points += [(0, "heldout_pass_rate", held_start), (cfg.steps, "heldout_pass_rate", run["heldout_end"])]
+        rows += [{"backend": run["backend"], "step": s, "metric": m, "value": v} for s, m, v in points]
     df = pd.DataFrame(rows)
     df["device"] = env["gpu_name"]                     # full machine/versions/date: the JSON sidecar
     df["versions"] = f"torch {env['torch']} transformers {env['transformers']} trl {env['trl']}"
