@@ -270,7 +270,7 @@ class Router:
         if model is not None and not self.pool.known_model(model):
             return error_response(404, f"The model `{shown or model}` does not exist.", "NotFoundError",
                                   param="model")
-        model = model or self._base_model()
+        model = model or next((min(r.base_models) for r in self.pool.in_service() if r.base_models), None)
         if model is None:
             return error_response(503, "no replica in service", "ServiceUnavailable")
         deadline = now() + self.config.upstream_timeout_s
@@ -311,9 +311,6 @@ class Router:
             return web.json_response({**answer, "model": shown} if "model" in answer else answer)
         return web.Response(body=reply.body.replace(upstream.encode(), shown.encode()), status=reply.status,
                             content_type=reply.content_type)
-
-    def _base_model(self) -> str | None:
-        return next((min(r.base_models) for r in self.pool.in_service() if r.base_models), None)
 
     # -- adapters (`adapter_lifecycle`) -------------------------------------------------------------------------
     async def load_adapter(self, request: web.Request) -> web.Response:
