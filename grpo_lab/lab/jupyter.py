@@ -43,10 +43,8 @@ def lab_command(root: str | os.PathLike | None = None, port: int = 8888, open_br
 def kernel_mismatch() -> str | None:
     """A warning when the `python3` kernel JupyterLab will start is not this Python (a user-level kernelspec of
     that name shadows the environment's own), else None."""
-    try:
-        from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
-    except ImportError:
-        return None
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel  # JupyterLab's, which main checked
+
     try:
         spec = KernelSpecManager().get_kernel_spec("python3")
     except NoSuchKernel:

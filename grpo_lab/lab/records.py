@@ -47,13 +47,9 @@ def gpu_name() -> str:
                                  text=True, timeout=20).stdout.strip().splitlines()
             if out:
                 return out[0].strip()
-    try:
-        import torch
-    except ImportError:
-        return ""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.get_device_name(0)
-    return ""
+    import torch  # a dependency of grpo-lab, imported here only when a record is made
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() and torch.cuda.is_initialized() else ""
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,11 +71,10 @@ def _machine(device: str) -> dict:
 def run_record(device: str = "auto") -> dict:
     """Machine, versions, torch's thread count, the load on the machine and the UTC date, as flat string-ish
     columns. `device`: "auto" or "cuda" looks for a GPU, "cpu" records the CPU only."""
-    record = dict(_machine(device))
-    with contextlib.suppress(ImportError):
-        import torch
+    import torch
 
-        record["torch_threads"] = torch.get_num_threads()  # CPU figures depend on it (summation order, speed)
+    record = dict(_machine(device))
+    record["torch_threads"] = torch.get_num_threads()  # CPU figures depend on it (summation order, speed)
     record["load_avg_1m"] = f"{os.getloadavg()[0]:.2f}"  # other work on the machine skews timings
     record["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return record
