@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -209,11 +210,8 @@ class RayReplicas(StartStop):
         """Stop every server and actor and remove the placement group; safe to call twice, and after a failed
         start."""
         self.unwatch()
-        try:
-            ray = _ray()
-        except ImportError:
-            return
-        if not ray.is_initialized():
+        ray = sys.modules.get("ray")  # never imported: nothing was started
+        if ray is None or not ray.is_initialized():
             return
         stops = []
         for slot in self.slots:
