@@ -298,8 +298,8 @@ class Autotuner:
         return self._raise(step, r, self.config.up_factor, "rollout", "the trainer waits for rollouts")
 
     def _raise(self, step: int, r: Reading, up: float, regime: str, reason: str, probe: bool = True) -> list[Decision]:
-        """In flight times `up` (damped after a reversal; one more at least, the ceiling at most); a `probe` is
-        judged on the next `probe_steps` steps against the settled steps before it. Nothing unless `_raise_allowed`."""
+        """In flight times `up` (damped after a reversal; one more at least, the ceiling at most) if `_raise_allowed`;
+        a `probe` is judged on the next `probe_steps` steps against the settled steps before it."""
         if not self._raise_allowed(step, r):
             return []
         factor = 1 + (up - 1) * self._scale("inflight", +1)

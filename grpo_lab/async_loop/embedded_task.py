@@ -18,5 +18,5 @@ REWARD_FUNCS = [math_reward]
 
 def addition_dataset(n: int = 1024, seed: int = 0) -> Dataset:
     """`n` problems of the training pool (the held-out pool is left for evaluation)."""
-    train, _ = addition_problems(seed=seed)
-    return Dataset.from_list([{"prompt": chat_messages(r["problem"]), "answer": r["answer"]} for r in train[:n]])
+    rows = addition_problems(seed=seed)[0][:n]
+    return Dataset.from_list([{"prompt": chat_messages(r["problem"]), "answer": r["answer"]} for r in rows])

@@ -265,7 +265,7 @@ class AsyncLoop(StartStop):
         `checkpoint_storage` first where set), and the metrics log is cut back to its step. Without a resume, an
         output directory that already holds a run is refused (RunDirError): two runs would mix their files."""
         if resume_from_checkpoint is True:
-            if self.args.checkpoint_storage:  # a fresh machine: the newest complete checkpoint may only be there
+            if self.args.checkpoint_storage:  # a fresh machine: the newest checkpoint may be on the store only
                 from .checkpoint_store import pull_last_checkpoint
 
                 pull_last_checkpoint(self.args.checkpoint_storage, self.args.output_dir, log.warning)

@@ -242,7 +242,7 @@ class LabRolloutWorker(AsyncRolloutWorker):
             kwargs.update(max_inflight_tasks=live_knobs.max_inflight, queue_maxsize=live_knobs.max_queue,
                           live_knobs=live_knobs)
         self.live_knobs = live_knobs
-        with mock.patch.object(trl_worker, "is_vllm_available", lambda: True):  # TRL's worker only speaks HTTP
+        with mock.patch.object(trl_worker, "is_vllm_available", lambda: True):  # it only speaks HTTP
             super().__init__(parent_pid=os.getpid(), **kwargs)
 
     @property

@@ -113,8 +113,8 @@ class SharedPool(StartStop):
         logs.mkdir(parents=True, exist_ok=True)
         tenancy = TenancyConfig(lease_s=c.lease_s, max_in_flight_per_replica=c.max_in_flight_per_replica,
                                 allow_base_model=c.allow_base_model)
-        router = {"host": c.host, "port": c.port, "admin_api_key_file": self.admin_key_file, "tenancy": tenancy,
-                  **c.router}
+        router = {"host": c.host, "port": c.port, "admin_api_key_file": self.admin_key_file,
+                  "tenancy": tenancy, **c.router}
         spec = ClusterSpec(replicas=c.replicas, kind=c.replica_kind, model=model, adapter_slots=c.adapter_slots,
                            lora_rank=c.max_lora_rank, max_model_len=c.max_model_len,
                            replica_threads=c.replica_threads, router=router, log_dir=str(logs))

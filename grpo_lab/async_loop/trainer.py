@@ -1,7 +1,7 @@
 """`AsyncGRPOLabTrainer`: TRL 1.16's `AsyncGRPOTrainer`, runnable on a CPU or any GPU offline, safe across kills.
 
-What it changes and why, each measured on TRL 1.16.0, is the table of docs/async_loop.md ("The trainer"); autotune's
-live knobs (`live_knobs`) are turned between steps by `autotune.AutotuneCallback`.
+What it changes and why, each measured on TRL 1.16.0, is the table of docs/async_loop.md ("The trainer");
+autotune's live knobs (`live_knobs`) are turned between steps by `autotune.AutotuneCallback`.
 """
 
 from __future__ import annotations
