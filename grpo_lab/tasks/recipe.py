@@ -88,19 +88,16 @@ def check_lora_grpo(lora_r: int, num_generations: int, learning_rate: float) -> 
 
 def prompt_token_lengths(tokenizer, prompts) -> list[int]:
     """Token count of each prompt as the trainer will render it (chat template when the tokenizer has one)."""
-    out = []
-    for p in prompts:
-        if isinstance(p, list):
-            if getattr(tokenizer, "chat_template", None):
-                ids = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
-                ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-            else:
-                user = [m["content"] for m in p if m["role"] == "user"][-1]
-                ids = tokenizer(render_qwen_math(user))["input_ids"]
-        else:
-            ids = tokenizer(p)["input_ids"]
-        out.append(len(ids))
-    return out
+    def length(p) -> int:
+        if not isinstance(p, list):
+            return len(tokenizer(p)["input_ids"])
+        if not getattr(tokenizer, "chat_template", None):
+            user = [m["content"] for m in p if m["role"] == "user"][-1]
+            return len(tokenizer(render_qwen_math(user))["input_ids"])
+        ids = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding on transformers 5.x
+
+    return [length(p) for p in prompts]
 
 
 def check_prompts_fit(tokenizer, prompts, cfg: RecipeConfig) -> int:
