@@ -56,13 +56,15 @@ def provenance(row) -> dict:
             "transformers": get("transformers"), "measured_on": get("date")[:10]}
 
 
-def _row(source, cfg: PlannerConfig, mode, measured, predicted, phase, calibration="", note="", src=None) -> dict:
-    return {**(provenance(src) if src is not None else dict.fromkeys(PROVENANCE, "")), "source": source,
-            "model": cfg.model, "backend": cfg.loss_backend, "dtype": cfg.dtype, "mode": mode,
-            "batch_size": cfg.batch_size, "prompt_len": cfg.prompt_len, "completion_len": cfg.completion_len,
-            "lora_r": cfg.lora_r, "world_size": cfg.world_size, "fsdp": cfg.fsdp, "device": cfg.device,
-            "measured_gib": measured, "predicted_gib": predicted, "error_pct": 100 * (predicted / measured - 1),
-            "phase": phase, "calibration": calibration, "note": note}
+def _row(source, p, mode, measured, src, calibration="", note="") -> dict:
+    """A point of source row `src`: its measured peak (GiB) against the plan `p` of its setting."""
+    cfg = p.config
+    return {**provenance(src), "source": source, "model": cfg.model, "backend": cfg.loss_backend,
+            "dtype": cfg.dtype, "mode": mode, "batch_size": cfg.batch_size, "prompt_len": cfg.prompt_len,
+            "completion_len": cfg.completion_len, "lora_r": cfg.lora_r, "world_size": cfg.world_size,
+            "fsdp": cfg.fsdp, "device": cfg.device, "measured_gib": measured, "predicted_gib": p.peak_gib,
+            "error_pct": 100 * (p.peak_gib / measured - 1), "phase": p.peak_phase, "calibration": calibration,
+            "note": note}
 
 
 def notebook01_rows(df: pd.DataFrame) -> list[dict]:
@@ -73,8 +75,8 @@ def notebook01_rows(df: pd.DataFrame) -> list[dict]:
         cfg = _config(r, lora_r=0, fsdp=False)
         p = plan(cfg) if step else plan_loss_only(cfg)
         note = OLD_KERNEL_NB01 if not step and r["backend"] == "grpo_lab" else ""
-        out.append(_row(f"H200 notebook 01 ({'step' if step else 'loss alone'})", cfg, r["mode"], r["peak_gib"],
-                        p.peak_gib, p.peak_phase, note=note, src=r))
+        out.append(_row(f"H200 notebook 01 ({'step' if step else 'loss alone'})", p, r["mode"], r["peak_gib"],
+                        r, note=note))
     return out
 
 
@@ -95,8 +97,8 @@ def loss_kernel_rows(df: pd.DataFrame) -> list[dict]:
         p = plan_loss_only(cfg, trainable=r["head"] == "trainable", entropy_grad=False, with_inputs=False)
         old = "P~ descriptor store" not in str(r.get("setting", ""))  # the setting column names it since run 7
         note = OLD_KERNEL_FROZEN if (r["backend"] == "grpo_lab" and r["head"] == "frozen" and old) else ""
-        row = _row("H200 loss kernel (head alone)", cfg, f"loss, {r['head']} head", r["loss_peak_gib"], p.peak_gib,
-                   p.peak_phase, note=note, src=r)
+        row = _row("H200 loss kernel (head alone)", p, f"loss, {r['head']} head", r["loss_peak_gib"], r,
+                   note=note)
         row["lora_r"] = 0 if r["head"] == "trainable" else None
         out.append(row)
     return out
@@ -110,13 +112,8 @@ def check_row_config(r) -> PlannerConfig:
 
 def planner_check_rows(df: pd.DataFrame, source: str, calibration: str = "") -> list[dict]:
     """Rows written by `planner.check` (the CPU gloo runs, the held-out H200 check)."""
-    out = []
-    for _, r in df[df["status"] == "ok"].iterrows():
-        cfg = check_row_config(r)
-        p = plan(cfg)
-        out.append(_row(source, cfg, "step", r["peak_gib"], p.peak_gib, p.peak_phase, calibration=calibration,
-                        note=str(r.get("point", "")), src=r))
-    return out
+    return [_row(source, plan(check_row_config(r)), "step", r["peak_gib"], r, calibration,
+                 str(r.get("point", ""))) for _, r in df[df["status"] == "ok"].iterrows()]
 
 
 def max_batch_rows(searches: pd.DataFrame) -> list[dict]:
