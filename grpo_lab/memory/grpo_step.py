@@ -242,7 +242,8 @@ def run_grpo_steps(spec: PointSpec, output_dir: str, capture_grads: bool = False
         "peak_generation_bytes": max(p["peak"] for p in rec.gen_peaks) if rec.gen_peaks else None,
         "reserved_bytes": max(p.get("reserved", 0) for p in rec.train_peaks) if meter.kind == "cuda_allocated" else None,
         "base_bytes": base, "setup_bytes": setup_bytes, "step_time_s": min(rec.step_times) if rec.step_times else None,
-        "memory_kind": meter.kind, "steps_done": len(rec.train_peaks), "losses": rec.losses, **device_info(device)}
+        "memory_kind": meter.kind, "steps_done": len(rec.train_peaks), "losses": rec.losses,
+        **device_info(device)}
     if capture_grads:
         result["grads"] = rec.grads
     return result

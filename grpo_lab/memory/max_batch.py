@@ -491,7 +491,8 @@ def main(argv=None) -> int:
             return cli_error(f"no CSV {csv}")
         print(f"wrote {_save_png(pd.read_csv(csv), csv.with_suffix('.png'))}")
         return 0
-    given = {k: getattr(a, k) for k in (*PRESET_FLAGS, "device", "expandable_segments") if getattr(a, k) is not None}
+    flags = (*PRESET_FLAGS, "device", "expandable_segments")
+    given = {k: getattr(a, k) for k in flags if getattr(a, k) is not None}
     preset = dict(PRESETS["full" if a.full else "quick"])
     if given.keys() & {"budget_gib", "budget_fraction"}:  # a budget given replaces the preset's
         preset.update(budget_gib=None, budget_fraction=None, budget_above_one_gib=None)

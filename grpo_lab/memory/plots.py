@@ -114,8 +114,8 @@ def plot_max_batch(df: pd.DataFrame, fig=None):
                 if backend != ref and len(rr) and (ratio := max_batch_ratio(sel.iloc[0], rr.iloc[0])):
                     labels.append(ratio + ref[0])
             # crowded: one rotated line per bar, so neighbouring labels do not run into each other
-            ax.text(p, v + top * 0.01, (" " if crowded else "\n").join(labels), ha="center", va="bottom", fontsize=7,
-                    rotation=90 if crowded else 0)
+            ax.text(p, v + top * 0.01, (" " if crowded else "\n").join(labels), ha="center", va="bottom",
+                    fontsize=7, rotation=90 if crowded else 0)
     ax.set_xticks(x, models)
     ax.set_ylabel("max per-device batch that fits")
     ax.set_ylim(0, top * (1.45 if crowded else 1.3))
