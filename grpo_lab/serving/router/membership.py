@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 from .replica_pool import ReplicaPool
 from .config import replica_url
@@ -25,21 +24,25 @@ def describe(replica: Replica, pool: ReplicaPool) -> dict:
             "in_flight": pool.policy.in_flight[replica.index]}
 
 
-def wait_in_service(members: Callable[[], list[dict]], replicas: int | None, timeout: float) -> None:
-    """Block until `replicas` (default: every member) of `members()` (as `describe` gives them) are in service; an
-    OSError from `members()` (a router still starting) is tried again."""
-    deadline = time.monotonic() + timeout
-    states: list[dict] = []
-    while time.monotonic() < deadline:
-        try:
-            states = members()
-        except OSError:
-            states = []
-        want = len(states) if replicas is None else replicas
-        if states and sum(r["state"] == IN_SERVICE for r in states) >= want:
-            return
-        time.sleep(POLL_S)
-    raise TimeoutError(f"replica(s) not in service after {timeout}s: {states}")
+class WaitsInService:
+    """`wait_ready` for a router handle (in this process or a child) whose `replicas()` lists the members as
+    `describe` gives them."""
+
+    def wait_ready(self, replicas: int | None = None, timeout: float = 60.0) -> None:
+        """Block until `replicas` (default: every member) replicas are in service; an OSError from `replicas()` (a
+        router still starting) is tried again."""
+        deadline = time.monotonic() + timeout
+        states: list[dict] = []
+        while time.monotonic() < deadline:
+            try:
+                states = self.replicas()
+            except OSError:
+                states = []
+            want = len(states) if replicas is None else replicas
+            if states and sum(r["state"] == IN_SERVICE for r in states) >= want:
+                return
+            time.sleep(POLL_S)
+        raise TimeoutError(f"replica(s) not in service after {timeout}s: {states}")
 
 
 class Membership:

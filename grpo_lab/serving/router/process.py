@@ -29,7 +29,7 @@ from ...lab.files import write_atomically
 from ..replicas.processes import AnnouncingProcess, bind_listener, free_port
 from .admin_client import RouterAdminClient
 from .config import RouterConfig
-from .membership import wait_in_service
+from .membership import WaitsInService
 from .server import Router
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class RouterChild(AnnouncingProcess):
         return children[0].pid if children else None
 
 
-class SupervisedRouter(RouterAdminClient):
+class SupervisedRouter(RouterAdminClient, WaitsInService):
     """A router child process, restarted on the same port whenever it dies (at most `max_restarts` times).
 
     Args:
@@ -133,10 +133,6 @@ class SupervisedRouter(RouterAdminClient):
             self.process.stop()
 
     # -- what a launcher calls --------------------------------------------------------------------------------
-    def wait_ready(self, replicas: int | None = None, timeout: float = 60.0) -> None:
-        """Block until `replicas` (default: every member) replicas are in service."""
-        wait_in_service(self.replicas, replicas, timeout)
-
     def replica_died(self, url: str, why: str) -> bool:
         """Out of routing now, its completions re-sent; it rejoins (admitted once it serves with the live adapters)."""
         if self.remove_replica(url, 0.0) is None:

@@ -17,21 +17,17 @@ import asyncio
 from ..adapters.slots import DEFAULT_MAX_STALENESS
 from .server import Router
 from .config import RouterConfig
-from .membership import wait_in_service
+from .membership import WaitsInService
 from ..wire.app_thread import AppThread
 
 
-class RouterHandle(AppThread):
+class RouterHandle(AppThread, WaitsInService):
     """A router running on its own event loop in a daemon thread (notebooks, tests)."""
 
     def __init__(self, config: RouterConfig):
         self.config = config
         self.router = Router(config)
         super().__init__(self.router.app, config.host, config.port, "grpo-router", "router")
-
-    def wait_ready(self, replicas: int | None = None, timeout: float = 60.0) -> None:
-        """Block until `replicas` (default: every member) replicas are in service."""
-        wait_in_service(self.replicas, replicas, timeout)
 
     def call(self, fn, timeout: float = 30.0):
         """Run `fn()` (sync) on the router's loop, e.g. to inspect state consistently."""
