@@ -278,10 +278,9 @@ def run_reward_curves(cfg: EmbeddedConfig, out_dir: str | os.PathLike | None = N
     cfg = replace(cfg, backends=backends)
     prep = prepare(cfg, log=log)
     held_start = _mean(pass_rates(_base_model(cfg, prep), prep.tokenizer, prep.heldout_rows, k=cfg.eval_k, seed=cfg.seed + 7))
-    lb = None
-    if board:
-        lb = LiveBoard(f"GRPO {tag}", total=cfg.steps * len(backends), series=BOARD_SERIES, redraw_every_s=2.0, unit="step",
-                       mode="auto" if board is True or board == "auto" else board).show()
+    mode = "auto" if board is True or board == "auto" else board
+    lb = LiveBoard(f"GRPO {tag}", total=cfg.steps * len(backends), series=BOARD_SERIES, redraw_every_s=2.0,
+                   unit="step", mode=mode).show() if board else None
     runs = []
     summary: dict = {}
     for b in backends:

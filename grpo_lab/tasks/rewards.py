@@ -25,8 +25,7 @@ def last_boxed(text: str) -> str | None:
     r"""Content of the last `\boxed{...}` with balanced braces, or None (also for an unclosed box)."""
     if not isinstance(text, str):
         return None
-    starts = [m.end() for m in _BOX_RE.finditer(text)]
-    for start in reversed(starts):
+    for start in reversed([m.end() for m in _BOX_RE.finditer(text)]):
         depth, i = 1, start
         while i < len(text):
             c = text[i]
