@@ -12,6 +12,8 @@ The calibrated constants below are each documented where defined.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -271,21 +273,12 @@ def max_batch(config: PlannerConfig, budget_gib: float, upper: int = 1 << 16,
     budget = float(budget_gib) * GiB
     usable = usable_budget(config, budget, headroom)
 
+    @functools.cache
     def peak(bsz):
         return plan(config.replace(batch_size=bsz)).peak_bytes
 
-    if peak(1) > usable:
-        return MaxBatch(0, peak(1), budget, usable)
-    if peak(upper) <= usable:
-        return MaxBatch(upper, peak(upper), budget, usable, capped=True)
-    lo, hi = 1, upper
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if peak(mid) <= usable:
-            lo = mid
-        else:
-            hi = mid
-    return MaxBatch(lo, peak(lo), budget, usable)
+    fits = bisect.bisect_right(range(1, upper + 1), usable, key=peak)  # how many of 1..upper fit
+    return MaxBatch(fits, peak(max(fits, 1)), budget, usable, capped=fits == upper)
 
 
 def max_batch_band(config: PlannerConfig, budget_gib: float, upper: int = 1 << 16) -> tuple[int, int] | None:
