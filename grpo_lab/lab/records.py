@@ -56,16 +56,15 @@ def gpu_name() -> str:
 def _machine(device: str) -> dict:
     gpu = gpu_name() if device in ("auto", "cuda") or device.startswith("cuda:") else ""
     cores = usable_cores()
-    record = {
+    return {
         "device": "cuda" if gpu else "cpu",
         "gpu_name": gpu or f"CPU ({platform.processor() or platform.machine()}, {cores} cores)",
         "host": platform.node(),
         "machine": f"{platform.node()} ({cores} cores)",
         "cpu": cpu_model(),
         "python": platform.python_version(),
+        **{dist.replace("-", "_"): package_version(dist) for dist in PACKAGES},
     }
-    record.update({dist.replace("-", "_"): package_version(dist) for dist in PACKAGES})
-    return record
 
 
 def run_record(device: str = "auto") -> dict:

@@ -28,8 +28,7 @@ QUICK_LR = 3e-3
 def summary_table(summary: dict):
     import pandas as pd
 
-    rows = [{"backend": b} | v for b, v in summary["backends"].items()]
-    return pd.DataFrame(rows).set_index("backend").round(4)
+    return pd.DataFrame.from_dict(summary["backends"], orient="index").rename_axis("backend").round(4)
 
 
 def parity_table(summary: dict):
