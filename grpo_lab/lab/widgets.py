@@ -66,16 +66,14 @@ class ParamForm:
         label_px = label_width_px([name.replace("_", " ") for name in self.params])
         numbers = {bool: _w.Checkbox, int: _w.IntText, float: _w.FloatText}
         for name, value in self.params.items():
-            desc = name.replace("_", " ")
-            style = {"description_width": f"{label_px}px"}
+            kw = {"description": name.replace("_", " "), "style": {"description_width": f"{label_px}px"}}
             if name in self.choices:
-                c = _w.Dropdown(options=list(self.choices[name]), value=value, description=desc, style=style)
+                c = _w.Dropdown(options=list(self.choices[name]), value=value, **kw)
             elif type(value) in numbers:
-                c = numbers[type(value)](value=value, description=desc, style=style)
+                c = numbers[type(value)](value=value, **kw)
             else:
                 text = ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
-                c = _w.Text(value=text, description=desc, style=style,
-                            layout=_w.Layout(width=f"{label_px + text_width_px(text)}px"))
+                c = _w.Text(value=text, layout=_w.Layout(width=f"{label_px + text_width_px(text)}px"), **kw)
             self.controls[name] = c
         self.button = _w.Button(description=button, button_style="primary", layout=_w.Layout(width="auto"))
         self.message = _w.HTML(value="")
