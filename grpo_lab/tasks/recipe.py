@@ -143,10 +143,8 @@ def build_recipe_trainer(cfg: RecipeConfig | None = None, callbacks=(), train_da
         model = AutoModelForCausalLM.from_pretrained(cfg.model_name, dtype=torch.bfloat16 if cfg.bf16 else None)
     from grpo_lab.loss import GRPOLabConfig, GRPOLabTrainer
 
-    vllm = {"use_vllm": True, "vllm_mode": cfg.vllm_mode, "vllm_max_model_length": cfg.max_context} \
-        if cfg.use_vllm else {}
-    if cfg.use_vllm and cfg.vllm_server_base_url:
-        vllm["vllm_server_base_url"] = cfg.vllm_server_base_url
+    vllm = {"use_vllm": True, "vllm_mode": cfg.vllm_mode, "vllm_max_model_length": cfg.max_context,
+            "vllm_server_base_url": cfg.vllm_server_base_url} if cfg.use_vllm else {}  # None: TRL's default
     args = GRPOLabConfig(
         output_dir=cfg.output_dir, learning_rate=cfg.learning_rate, max_steps=cfg.max_steps, beta=cfg.beta,
         num_generations=cfg.num_generations, per_device_train_batch_size=cfg.micro_batch_size,
