@@ -218,13 +218,10 @@ def _collect_lora_grads(model) -> dict:
     """LoRA gradients as full (gathered) numpy arrays, keyed by parameter name without wrapper prefixes."""
     grads = {}
     for name, p in model.named_parameters():
-        if p.grad is None or "lora_" not in name:
-            continue
-        g = p.grad
-        if hasattr(g, "full_tensor"):
-            g = g.full_tensor()
-        grads[name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")] = (
-            g.detach().float().cpu().numpy().copy())
+        if p.grad is not None and "lora_" in name:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # a DTensor: gathered
+            grads[name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")] = (
+                g.detach().float().cpu().numpy().copy())
     return grads
 
 

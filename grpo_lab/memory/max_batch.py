@@ -313,11 +313,8 @@ def run_searches(searches: list[Search], out_csv: str | Path | None = None, on_p
         def fits(b, s=s):
             spec = s.base.replace(batch_size=b)
             r = run_point(spec)  # raises ProbeError on non-memory failures
-            row = make_row(FIGURE, spec, r, env)
-            row["cuda_alloc_conf"] = spec.extra.get("cuda_alloc_conf", "")
-            probe_rows.append(row)
-            if r.get("device_total_bytes"):
-                row["_device_total"] = r["device_total_bytes"]
+            probe_rows.append({**make_row(FIGURE, spec, r, env), "_device_total": r.get("device_total_bytes"),
+                               "cuda_alloc_conf": spec.extra.get("cuda_alloc_conf", "")})
             if on_probe is not None:
                 on_probe(spec, r["status"])
             if out_csv is not None:

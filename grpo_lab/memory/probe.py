@@ -154,8 +154,7 @@ def _run_point(spec: PointSpec, timeout_s, start_method: str, capture_grads: boo
         conns.append(parent_conn)
 
     results: list[tuple[str, object] | None] = [None] * len(procs)
-    deadline = None if timeout_s is None else t0 + timeout_s
-    grace_deadline = None
+    deadline = t0 + timeout_s
     while None in results:
         for i, (p, c) in enumerate(zip(procs, conns)):
             if results[i] is None:
@@ -169,9 +168,9 @@ def _run_point(spec: PointSpec, timeout_s, start_method: str, capture_grads: boo
                         continue
                     results[i] = ("dead", p.exitcode)
         now = time.perf_counter()
-        if grace_deadline is None and any(r is not None and r[0] != "ok" for r in results):
-            grace_deadline = now + 20  # the other ranks may be stuck in a collective
-        if (grace_deadline is not None and now > grace_deadline) or (deadline is not None and now > deadline):
+        if any(r is not None and r[0] != "ok" for r in results):
+            deadline = min(deadline, now + 20)  # the other ranks may be stuck in a collective
+        if now > deadline:
             break
     for p in procs:
         p.join(timeout=10)
@@ -183,8 +182,8 @@ def _run_point(spec: PointSpec, timeout_s, start_method: str, capture_grads: boo
     statuses = []
     for i, r in enumerate(results):
         if r is None:
-            statuses.append(("error" if not any(x and x[0] != "ok" for x in results) else "aborted",
-                             "timed out" if deadline and time.perf_counter() > deadline else "stopped after a peer failed"))
+            failed = any(x and x[0] != "ok" for x in results)
+            statuses.append(("aborted", "stopped after a peer failed") if failed else ("error", "timed out"))
         elif r[0] == "dead":
             code = procs[i].exitcode if r[1] is None else r[1]
             if code == -9:  # SIGKILL: the kernel's OOM killer (nothing else here sends it to a running probe)
