@@ -386,10 +386,8 @@ def _same_search(probes: pd.DataFrame, s: Search, budget_rtol: float = 1e-3) -> 
     same &= (steps == b.steps).to_numpy()
     same &= (text_column(probes, "cuda_alloc_conf") == b.extra.get("cuda_alloc_conf", "")).to_numpy()
     budget = probes["budget_gib"].to_numpy(dtype=float)
-    if b.budget_bytes is None:
-        same &= np.isnan(budget)
-    else:
-        same &= np.isclose(budget, b.budget_bytes / GiB, rtol=budget_rtol)
+    want = np.nan if b.budget_bytes is None else b.budget_bytes / GiB
+    same &= np.isclose(budget, want, rtol=budget_rtol, equal_nan=True)
     return same & probes["status"].isin(["ok", "oom"]).to_numpy()
 
 

@@ -101,10 +101,8 @@ def text_column(frame: pd.DataFrame, name: str) -> pd.Series:
 def savings_table(df: pd.DataFrame, against: str = BASELINE_BACKEND) -> pd.DataFrame:
     """% peak saving of each backend vs `against`, per dtype and batch size (training-step points that ran)."""
     ok = df[(df["status"] == "ok")]
-    if ok.empty:
-        return pd.DataFrame()
     piv = ok.pivot_table(index=["mode", "dtype", "batch_size"], columns="backend", values="peak_gib", aggfunc="max")
-    if against not in piv.columns:
+    if against not in piv.columns:  # also where nothing ran
         return pd.DataFrame()
     out = pd.DataFrame(index=piv.index)
     for b in piv.columns:

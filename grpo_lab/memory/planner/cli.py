@@ -14,7 +14,7 @@ import sys
 
 from grpo_lab.loss.backends import BACKEND_HELP, DEFAULT_LOSS_BACKEND
 
-from .predict import GiB, PlannerConfig, max_batch, max_batch_band, plan, usable_budget
+from .predict import GiB, PlannerConfig, max_batch, max_batch_band, plan
 from ..results import cli_error
 from ..spec import parse_int_list
 
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
           f"{gpus}, activation checkpointing {'off' if a.no_checkpointing else 'on'}")
     best = max_batch(base, a.gib, headroom=a.headroom)
     note = "predicted" + ("" if a.gpus == 1 else f", {a.gpus} GPUs: not measured here")
-    usable = usable_budget(base, a.gib * GiB, a.headroom) / GiB
+    usable = best.usable_bytes / GiB
     if best.batch == 0:
         print(f"max batch per GPU: 0 ({note}) — even one sequence needs {best.peak_bytes / GiB:.1f} GiB of "
               f"{usable:.1f} usable")

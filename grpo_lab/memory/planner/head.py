@@ -82,8 +82,7 @@ def _frozen_recomputes(rows: int, hidden: int, b: int) -> bool:
 
 def _widened(rows: int, tokens: int, vocab_tile: int, vocab: int) -> int:
     """The kernel's vocabulary tile: the same element budget spread over fewer rows (`_widened_vocab_tile`)."""
-    width = max(vocab_tile, tokens * vocab_tile // max(rows, 1))
-    return min(width, vocab)
+    return min(vocab, max(vocab_tile, tokens * vocab_tile // max(rows, 1)))
 
 
 def head_forward(loss_backend: str, shape: ModelShape, rows: int, b: int, device: str, trainable: bool,

@@ -14,7 +14,7 @@ from grpo_lab.lab.widgets import label_width_px, widget_module
 from grpo_lab.loss.backends import BASELINE_BACKEND, DEFAULT_LOSS_BACKEND, DISPLAY_ORDER
 from grpo_lab.models import known_model_names
 
-from .predict import GiB, PlannerConfig, max_batch, plan, usable_budget
+from .predict import GiB, PlannerConfig, max_batch, plan
 from .report import H200_GIB, measured_points, plot_world_sizes, world_size_table
 from .validate import max_batch_rows
 from ..notebook import reference_max_batch
@@ -28,7 +28,7 @@ LABELS = {"model": "model", "gpus": "GPUs", "gib": "GiB per GPU", "dtype": "dtyp
 def summary_html(config: PlannerConfig, budget_gib: float) -> str:
     """One paragraph: the max batch per GPU and the peak there (both predicted), and which phase sets it."""
     best = max_batch(config, budget_gib)
-    usable = usable_budget(config, budget_gib * GiB) / GiB
+    usable = best.usable_bytes / GiB
     gpus = f"{config.world_size} GPU{'s' if config.world_size > 1 else ''} × {budget_gib:g} GiB"
     label = "predicted" if config.world_size == 1 else "predicted: multi-GPU, not measured here"
     if best.batch == 0:
