@@ -154,7 +154,10 @@ class Sweep:
             raise SweepError(f"pool: {first_line(error)}") from None
 
     def _admin(self) -> RouterAdminClient:
-        return RouterAdminClient(self.url, key_file=self.admin_key_file, timeout_s=30.0)
+        try:
+            return RouterAdminClient(self.url, key_file=self.admin_key_file, timeout_s=30.0)
+        except ValueError as error:  # the key file is unreadable or empty: the pool cannot be asked, as if it refused
+            raise RouterAdminError(str(error), 0) from None
 
     def close(self) -> None:
         """Stop every run still queued or training (by process group: none is left), then the pool it started."""

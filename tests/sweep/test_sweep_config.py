@@ -128,6 +128,19 @@ def test_a_pool_that_does_not_answer_is_one_line_and_nothing_runs(tmp_path, no_l
     assert [r["status"] for r in sweep.status()] == ["stopped", "stopped"]  # closed: they never start
 
 
+def test_an_empty_admin_key_file_is_one_line_and_nothing_runs(tmp_path, no_leftover_children):
+    from grpo_lab.sweep import Sweep
+
+    key = tmp_path / "admin.key"
+    key.write_text("")
+    sweep = Sweep(SweepConfig(grid={"seed": [0, 1]}, pool_url="http://127.0.0.1:9", pool_admin_key_file=str(key),
+                              out_dir=str(tmp_path / "out")))
+    with pytest.raises(SweepError) as caught:
+        sweep.start()
+    assert "\n" not in str(caught.value) and f"admin key file {key} is empty" in str(caught.value)
+    assert all(run.pid is None for run in sweep.runs.values())
+
+
 def test_add_and_stop_name_their_mistakes(tmp_path):
     from grpo_lab.sweep import Sweep
 
