@@ -79,10 +79,9 @@ def probe_pair(base: dict, budget_gib: float, expandable: bool) -> list[CheckPoi
     pred = max_batch(planner_config(PointSpec(batch_size=8, extra=extra, **base), expandable_segments=expandable),
                      budget_gib).batch
     lo, hi = math.floor(pred * (1 - REL_STEP)), math.ceil(pred * (1 + REL_STEP))
-    return [CheckPoint(PointSpec(batch_size=lo, extra=extra, **base), f"{label}: 3 % below max {pred}", "fits",
-                       {"predicted_max_batch": pred}),
-            CheckPoint(PointSpec(batch_size=hi, extra=extra, **base), f"{label}: 3 % above max {pred}", "oom",
-                       {"predicted_max_batch": pred})]
+    return [CheckPoint(PointSpec(batch_size=b, extra=extra, **base), f"{label}: 3 % {side} max {pred}",
+                       expect, {"predicted_max_batch": pred})
+            for b, side, expect in ((lo, "below", "fits"), (hi, "above", "oom"))]
 
 
 def nb02_expandable_points(budget_gib: float, models=("Qwen3-4B", "Qwen3-8B", "Qwen3-1.7B"),

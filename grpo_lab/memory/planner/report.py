@@ -90,7 +90,7 @@ def measured_points(searches: pd.DataFrame | None, config: PlannerConfig, budget
     return same[["backend", "world_size", "max_batch"]]
 
 
-def plot_world_sizes(table: pd.DataFrame, measured: pd.DataFrame | None = None, title: str = ""):
+def plot_world_sizes(table: pd.DataFrame, measured: pd.DataFrame, title: str = ""):
     """Max batch over world size per backend (lines: predicted), measured searches overlaid (markers)."""
     import matplotlib.pyplot as plt
 
@@ -98,10 +98,9 @@ def plot_world_sizes(table: pd.DataFrame, measured: pd.DataFrame | None = None, 
     for backend, g in table.groupby("backend", sort=False):
         ax.plot(g["world_size"], g["max_batch"], "-", color=BACKEND_COLORS.get(backend),
                 label=f"{backend} (predicted)")
-    if measured is not None and not measured.empty:
-        for backend, g in measured.groupby("backend", sort=False):
-            ax.plot(g["world_size"], g["max_batch"], "o", ms=8, mfc="none", mew=2,
-                    color=BACKEND_COLORS.get(backend), label=f"{backend} (measured)")
+    for backend, g in measured.groupby("backend", sort=False):
+        ax.plot(g["world_size"], g["max_batch"], "o", ms=8, mfc="none", mew=2,
+                color=BACKEND_COLORS.get(backend), label=f"{backend} (measured)")
     ax.set_xlabel("GPUs (FSDP2 world size)")
     ax.set_ylabel("max batch per GPU")
     ax.set_ylim(bottom=0)  # linear, plain-number ticks: a max batch of 0 (does not fit) stays on the axis
