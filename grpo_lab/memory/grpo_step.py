@@ -158,10 +158,9 @@ def make_trainer(spec: PointSpec, output_dir: str, device: torch.device, callbac
                              processing_class=tokenizer, rollout_func=rollout, callbacks=list(callbacks))
     if spec.fsdp:
         keep_trainer_from_rewrapping(trainer, model)
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from transformers.trainer_callback import PrinterCallback
 
-    trainer.remove_callback(PrinterCallback)
-    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)  # what `disable_tqdm` puts in the progress bar's place
     return trainer
 
 
