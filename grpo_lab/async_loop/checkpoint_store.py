@@ -11,9 +11,7 @@ A step published again after a resume loses its manifest first: a kill leaves an
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import posixpath
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +21,7 @@ import fsspec
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..serving.adapters.storage import download_tree, is_local, tree_files, upload_tree
+from ..serving.adapters.storage import FolderStore, download_tree, tree_files, upload_tree
 from .checkpoints import (ROLLOUT_STATE, TRAINER_STATE, ResumePoint, checkpoint_step, is_checkpoint_name,
                           last_complete_checkpoint)
 from .checkpoints import checkpoint_problem as local_problem
@@ -45,41 +43,20 @@ class Pulled(ResumePoint):
     restored: list[str] = field(default_factory=list)
 
 
-class CheckpointStore:
+class CheckpointStore(FolderStore):
     """`checkpoint-N` folders under `url` (any fsspec URL or path), each with a manifest written last."""
 
     def __init__(self, url: str):
-        self.url = str(url)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
-        self.local = is_local(self.fs)
+        super().__init__(url)
         if self.local:  # a local folder has parents to make (an object store has none): every file's, on upload
             self.fs = fsspec.filesystem("file", auto_mkdir=True)
 
-    def __repr__(self) -> str:
-        return f"CheckpointStore({self.url!r})"
-
-    def _join(self, *parts: str) -> str:
-        return posixpath.join(self.root, *parts)
-
-    def _fresh(self) -> None:
-        if not self.local:
-            self.fs.invalidate_cache()
-
     def _manifest(self, name: str) -> dict | None:
-        try:
-            return json.loads(self.fs.cat_file(self._join(name, CHECKPOINT_MANIFEST)))
-        except FileNotFoundError:
-            return None
+        return self._read_json(name, CHECKPOINT_MANIFEST)
 
     def folders(self) -> list[str]:
         """The `checkpoint-N` folders on the store, newest (highest N) first, complete or not."""
-        self._fresh()
-        try:
-            entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return []
-        names = [posixpath.basename(e.rstrip("/")) for e in entries]
-        return sorted((n for n in names if is_checkpoint_name(n)), key=checkpoint_step, reverse=True)
+        return sorted(filter(is_checkpoint_name, self._folders()), key=checkpoint_step, reverse=True)
 
     def published(self) -> list[str]:
         """The complete ones (manifest present, naming both state files), newest first."""

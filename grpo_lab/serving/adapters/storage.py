@@ -142,14 +142,50 @@ def download_tree(url: str, dest: str | os.PathLike, manifest: dict, manifest_na
     return dest
 
 
-class AdapterStore:
+class FolderStore:
+    """Folders under one path or fsspec URL, each made whole by a manifest written last: what the adapter store and
+    the checkpoint store (`async_loop.checkpoint_store`) share."""
+
+    def __init__(self, url: str | os.PathLike):
+        self.url = str(url)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.local = is_local(self.fs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    def _join(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def _fresh(self) -> None:
+        """Forget cached listings: another process (the trainer, a killed publisher) may have written since."""
+        if not self.local:
+            self.fs.invalidate_cache()
+
+    def _read_json(self, *parts: str) -> dict | None:
+        """The JSON file at `<root>/<parts>`; None where there is none."""
+        try:
+            return json.loads(self.fs.cat_file(self._join(*parts)))
+        except FileNotFoundError:
+            return None
+
+    def _folders(self) -> list[str]:
+        """The names of the folders under the root (hidden ones aside); none before the first publish."""
+        self._fresh()
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:  # an object-store prefix exists only once something is written under it
+            return []
+        return sorted(base for e in entries if e.get("type") == "directory"
+                      and not (base := posixpath.basename(e["name"].rstrip("/"))).startswith("."))
+
+
+class AdapterStore(FolderStore):
     """Adapter versions under `root` (a path or fsspec URL); `replica_root` is what the replicas call it (a bucket's
     mount point on their hosts); `run_id` is recorded in every manifest."""
 
     def __init__(self, root: str | os.PathLike, replica_root: str | None = None, run_id: str | None = None):
-        self.url = str(root)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
-        self.local = is_local(self.fs)
+        super().__init__(root)
         if self.local:
             self.root = os.path.abspath(self.root)
             self.fs.makedirs(self._join(HISTORY), exist_ok=True)
@@ -157,17 +193,6 @@ class AdapterStore:
         # name must fail at the first write, not quietly start a new bucket
         self.replica_root = replica_root
         self.run_id = run_id or uuid.uuid4().hex[:12]
-
-    def __repr__(self) -> str:
-        return f"AdapterStore({self.url!r})"
-
-    def _join(self, *parts: str) -> str:
-        return os.path.join(self.root, *parts) if self.local else posixpath.join(self.root, *parts)
-
-    def _fresh(self) -> None:
-        """Forget cached listings: another process (the trainer, a killed publisher) may have written since."""
-        if not self.local:
-            self.fs.invalidate_cache()
 
     # -- where replicas read ----------------------------------------------------------------------------------
     def replica_path(self, name: str) -> str:
@@ -223,10 +248,8 @@ class AdapterStore:
     # -- reading ------------------------------------------------------------------------------------------------
     def manifest(self, name: str) -> Published | None:
         self._fresh()
-        try:
-            return Published.from_manifest(json.loads(self.fs.cat_file(self._join(name, MANIFEST))))
-        except FileNotFoundError:
-            return None
+        manifest = self._read_json(name, MANIFEST)
+        return None if manifest is None else Published.from_manifest(manifest)
 
     def verify(self, name: str) -> bool:
         """The files under `<root>/<name>` are exactly what its manifest lists."""
@@ -237,16 +260,6 @@ class AdapterStore:
                 for fname, sha in published.files.items())
         except FileNotFoundError:
             return False
-
-    def _folders(self) -> list[str]:
-        """The names of the folders under the root (hidden ones aside); none before the first publish."""
-        self._fresh()
-        try:
-            entries = self.fs.ls(self.root, detail=True)
-        except FileNotFoundError:  # an object-store prefix exists only once something is written under it
-            return []
-        return sorted(base for e in entries if e.get("type") == "directory"
-                      and not (base := posixpath.basename(e["name"].rstrip("/"))).startswith("."))
 
     def published_names(self) -> list[str]:
         """Names whose directory (with a manifest) is present now."""
