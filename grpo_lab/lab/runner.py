@@ -110,10 +110,11 @@ def run_all(notebooks: list[Path], executed_dir: str | Path | None = None, quick
             status = "ok"
         except NotebookFailed as e:
             status = str(e)
-        report.append((nb, status, time.perf_counter() - t0))
+        seconds = time.perf_counter() - t0
+        report.append((nb, status, seconds))
         if stop_on_error and status != "ok":
             break
-        print(f"{nb.name}: {status} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        print(f"{nb.name}: {status} ({seconds:.0f}s)", flush=True)
     return report
 
 
