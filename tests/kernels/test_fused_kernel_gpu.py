@@ -104,10 +104,11 @@ def check(out, ref, leaves, refs, valid, dtype, outputs=ALL):
 @pytest.mark.parametrize("peaked", [False, True])
 @pytest.mark.parametrize("shape", [(300, 200, 5003), (4500, 256, 9001)])
 def test_against_float64(monkeypatch, dtype, peaked, shape, policy):
-    """`flat`: the recompute path; `policy`: the default memory policy with its small-head rule lifted (these heads
-    fit: the materialised path)."""
+    """`flat`: the recompute path; `policy`: the default memory policy with its small-head rule and its peak rule
+    lifted (these heads fit the free memory: the materialised path)."""
     if policy == "policy":
         monkeypatch.setattr(TUNING, "materialize_fraction", type(TUNING)().materialize_fraction)
+        monkeypatch.setattr(TUNING, "materialize_within_peak", False)
         monkeypatch.setattr(TUNING, "materialize_flat_below", dict.fromkeys(TUNING.materialize_flat_below, 0))
     n, h, v = shape
     data = make(n, h, v, dtype, peaked=peaked, masked=n // 10)
@@ -438,11 +439,12 @@ def _peak_bytes(step) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_short_of_memory_the_policy_keeps_the_flat_paths_peak(monkeypatch, paths, dtype):
-    """The default policy with little memory free (faked: the [N, V] buffer over half of it) takes the flat path, with
-    the same peak as the policy turned off; with the H200's real free memory it keeps the buffer (peak ≥ flat + its
-    size), with the same results. `path_counts()` says which ran."""
+    """The free-memory side of the policy (its peak rule off): with little memory free (faked: the [N, V] buffer over
+    half of it) the flat path, with the same peak as the policy turned off; with the card's real free memory it keeps
+    the buffer (peak ≥ flat + its size), with the same results. `path_counts()` says which ran."""
     from grpo_lab.loss.kernel import launch, path_counts, reset_path_counts
 
+    monkeypatch.setattr(TUNING, "materialize_within_peak", False)
     monkeypatch.setattr(TUNING, "materialize_flat_below", dict.fromkeys(TUNING.materialize_flat_below, 0))
     n, h, v = 16384, 256, 50000 if dtype == torch.float32 else 100000
     need = n * v * (4 if dtype == torch.float32 else 2)  # 3.05 GiB either way
@@ -480,21 +482,86 @@ def test_short_of_memory_the_policy_keeps_the_flat_paths_peak(monkeypatch, paths
 
 
 def test_the_default_policy_and_the_path_counts(monkeypatch, paths):
-    """Defaults as shipped: a 16-bit trainable head that fits takes the materialised path from 2^22 rows × hidden and
-    the flat one below (host-bound there), a frozen one its two-GEMM path, old log-probs the statistics-only one;
+    """Defaults as shipped: a 16-bit trainable head takes the flat path where its buffer would raise the run's peak
+    (right after a reset of the peak, as at a run's first step), the materialised one from 2^22 rows × hidden once
+    the run has reached a higher peak elsewhere (a tensor allocated and freed stands for an optimizer step), the flat
+    one below 2^22 (host-bound there); a frozen head its two-GEMM path, old log-probs the statistics-only one;
     `path_counts()` counts each."""
     from grpo_lab.loss.kernel import path_counts, reset_path_counts
 
-    monkeypatch.setattr(TUNING, "materialize_fraction", type(TUNING)().materialize_fraction)
-    monkeypatch.setattr(TUNING, "materialize_flat_below", type(TUNING)().materialize_flat_below)
+    for name in ("materialize_fraction", "materialize_flat_below", "materialize_within_peak"):
+        monkeypatch.setattr(TUNING, name, getattr(type(TUNING)(), name))
     reset_path_counts()
     hidden, weight, _, targets = make(4096, 1024, 9001, torch.bfloat16, seed=4)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    check(*run_both(hidden, weight, None, targets), torch.bfloat16)
+    torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")  # the run's peak, reached outside the head
     check(*run_both(hidden, weight, None, targets), torch.bfloat16)
     check(*run_both(hidden[:2048], weight, None, targets[:2048]), torch.bfloat16)
     check(*run_both(hidden, weight, None, targets, frozen=True), torch.bfloat16)
     with torch.no_grad():
         fused_linear_logprobs(hidden, weight, None, targets)
-    assert paths == ["materialized", "recompute", "frozen", "stats"]
+    assert paths == ["recompute", "materialized", "recompute", "frozen", "stats"]
     counts = path_counts()
-    assert (counts.materialized, counts.recompute, counts.frozen, counts.stats) == (1, 1, 1, 1)
-    assert counts.flat_for_memory == 0
+    assert (counts.materialized, counts.recompute, counts.frozen, counts.stats) == (1, 2, 1, 1)
+    assert counts.flat_for_memory == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_by_default_the_buffer_never_raises_the_runs_peak(monkeypatch, paths, dtype):
+    """The default policy over a run of steps whose own peak lies outside the head (a tensor of 1.5 × the buffer,
+    allocated and freed after each head step, stands for the optimizer step): the first step has no room under the
+    peak and runs flat; the next ones keep the buffer, and the run's peak stays that of the flat run to the MiB. With
+    the peak rule off the free memory decides, and the head's peak grows by the buffer. Results equal either way."""
+    from grpo_lab.loss.kernel import path_counts, reset_path_counts
+
+    for name in ("materialize_fraction", "materialize_within_peak"):
+        monkeypatch.setattr(TUNING, name, getattr(type(TUNING)(), name))
+    monkeypatch.setattr(TUNING, "materialize_flat_below", dict.fromkeys(TUNING.materialize_flat_below, 0))
+    n, h, v = 16384, 256, 50000 if dtype == torch.float32 else 100000
+    need = n * v * (4 if dtype == torch.float32 else 2)  # 3.05 GiB either way
+    hidden, weight, _, targets = make(n, h, v, dtype, seed=22)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    g = torch.randn(n, device="cuda", generator=gen)
+    x, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    results = []
+
+    def run(steps):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(steps):
+            x.grad = w.grad = None
+            lp, *_ = fused_linear_logprobs(x, w, None, targets)
+            (lp * g).sum().backward()
+            results.append((lp.detach(), x.grad, w.grad))
+            del lp
+            torch.empty(need + need // 2, dtype=torch.uint8, device="cuda")  # the step's "optimizer" peak
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    reset_path_counts()
+    monkeypatch.setattr(TUNING, "materialize_fraction", 0.0)
+    flat = run(3)
+    monkeypatch.setattr(TUNING, "materialize_fraction", 0.5)
+    default = run(3)
+    assert paths[3:6] == ["recompute", "materialized", "materialized"], paths
+    assert path_counts().flat_for_memory == 1
+    assert abs(default - flat) <= 2**20, (default, flat)
+    monkeypatch.setattr(TUNING, "materialize_within_peak", False)
+    results_before = len(results)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    x.grad = w.grad = None
+    lp, *_ = fused_linear_logprobs(x, w, None, targets)
+    (lp * g).sum().backward()
+    torch.cuda.synchronize()
+    assert paths[-1] == "materialized"
+    assert torch.cuda.max_memory_allocated() - base >= 0.75 * need
+    results.append((lp.detach(), x.grad, w.grad))
+    for a, b in zip(results[0], results[results_before]):
+        assert rel(a, b) < (5e-5 if dtype == torch.float32 else 1.5e-2)
+    for a, b in zip(results[0], results[4]):
+        assert rel(a, b) < (5e-5 if dtype == torch.float32 else 1.5e-2)

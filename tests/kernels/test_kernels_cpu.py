@@ -175,12 +175,12 @@ def test_every_kernel_variable_is_read_in_one_place():
            "GRPO_LAB_DZ_TMA": "1", "GRPO_LAB_P_TMA": "0", "GRPO_LAB_FROZEN": "recompute",
            "GRPO_LAB_FROZEN_RECOMPUTE_BELOW": "7", "GRPO_LAB_MATERIALIZE_GIB": "2.5", "GRPO_LAB_REF_STATS": "0",
            "GRPO_LAB_MATERIALIZE_FRACTION": "0.25", "GRPO_LAB_MATERIALIZE_FLAT_BELOW": "9",
-           "GRPO_LAB_REF_STATS_PLAIN": "1"}
+           "GRPO_LAB_REF_STATS_PLAIN": "1", "GRPO_LAB_MATERIALIZE_WITHIN_PEAK": "0"}
     default, tuned = KernelTuning(), KernelTuning.from_env(env)
     changed = {f.name for f in fields(KernelTuning) if getattr(tuned, f.name) != getattr(default, f.name)}
     assert changed == {"use_tma", "fp32_mm", "fp32_dot", "bwd_tile", "persistent", "dz_tma", "p_tma", "frozen_two_gemm",
                        "frozen_recompute_below", "materialize_fraction", "materialize_flat_below", "materialize_gib",
-                       "ref_stats",
+                       "materialize_within_peak", "ref_stats",
                        "ref_stats_plain"}
     assert tuned.bwd_tile == {"16": (4096, 2048), "32": (4096, 2048)}
     assert tuned.persistent == {"fwd_16": False, "bwd_16": False, "fwd_32": False, "bwd_32": True}

@@ -32,7 +32,8 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
         n_valid = n if rows is None else rows.numel()
         h, y = (t.contiguous() for t in select_rows(rows, hidden, targets))
         dev = hidden.device
-        path = choose_path(mode, compute, softcap, n_valid, vocab, dev, hidden.shape[1])
+        path = choose_path(mode, compute, softcap, n_valid, vocab, dev, hidden.shape[1],
+                           weight.numel() * weight.element_size())
         ctx.path, ctx.extra, ctx.mode = path, None, mode
         if n_valid > 0:
             if path == "frozen":

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..contract import scatter_grad
-from .policy import SPARE_BYTES, free_device_bytes, materialize_decision, record_path
+from .policy import SPARE_BYTES, free_device_bytes, materialize_decision, record_path, room_below_peak
 from .triton_kernels import (bwd_kernel, dz_from_p_kernel, frozen_dx_kernel, frozen_finish_kernel, fwd_kernel,
                              merge_kernel, mm_kernel, ref_logit_kernel)
 from .tuning import TUNING
@@ -406,17 +406,24 @@ def materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale, comput
     return stats, full, ref - (run_m + torch.log(run_s))
 
 
-def materialize_fits(n_rows: int, vocab: int, compute: torch.dtype, device: torch.device) -> bool:
+def materialize_fits(n_rows: int, vocab: int, hidden: int, weight_bytes: int, compute: torch.dtype,
+                     device: torch.device) -> bool:
     """Whether a trainable head keeps its [rows, V] probabilities: the memory policy (`policy.materialize_decision`)
-    on the bytes that needs and the bytes free on the device now (`materialize_fraction`, or the user's explicit
-    `materialize_gib`)."""
+    on the bytes that needs, the bytes free on the device now and, with `materialize_within_peak`, the room under
+    the run's peak for the buffer and the backward's outputs beside it (dX in fp32, dW: `weight_bytes`)."""
     if not materialize_policy_on():
         return False  # no need to ask the driver
     need = n_rows * vocab * torch.empty((), dtype=compute).element_size()
+    backward = n_rows * hidden * 4 + weight_bytes
     allowance = None if TUNING.materialize_gib is None else TUNING.materialize_gib * 2**30
-    # off CUDA (Triton's interpreter on a CPU) as if just the buffer and the spare were free
-    free = free_device_bytes(device) if device.type == "cuda" else need + SPARE_BYTES
-    return materialize_decision(need, free, TUNING.materialize_fraction, allowance)
+    cuda = device.type == "cuda"
+    # off CUDA (Triton's interpreter on a CPU) as if just the buffer and the spare were free, under a peak of room
+    free = free_device_bytes(device) if cuda else need + SPARE_BYTES
+    room = None
+    if TUNING.materialize_within_peak and allowance is None:
+        room = room_below_peak(device) if cuda else need + backward
+    return materialize_decision(need, free, TUNING.materialize_fraction, allowance, room_below_peak=room,
+                                backward_bytes=backward)
 
 
 def materialize_policy_on() -> bool:
@@ -426,21 +433,24 @@ def materialize_policy_on() -> bool:
     return TUNING.materialize_fraction > 0
 
 
-def _trainable_path(compute: torch.dtype, softcap, n_valid: int, vocab: int, device, hidden: int) -> tuple[str, bool]:
+def _trainable_path(compute: torch.dtype, softcap, n_valid: int, vocab: int, device, hidden: int,
+                    weight_bytes: int) -> tuple[str, bool]:
     """(path, flat for memory) of a trainable head: `materialized` where the memory policy keeps the buffer, else
     `recompute`; the flag says the policy wanted the buffer and the free memory was short."""
     if softcap is not None or compute == torch.float16 or not materialize_policy_on():
         return "recompute", False
     if TUNING.materialize_gib is None and n_valid * hidden < TUNING.materialize_flat_below[dtype_key(compute)]:
         return "recompute", False  # a small head is host-bound: the flat path is as fast or faster there
-    if materialize_fits(n_valid, vocab, compute, device):
+    if materialize_fits(n_valid, vocab, hidden, weight_bytes, compute, device):
         return "materialized", False
     return "recompute", True
 
 
-def choose_path(mode: str, compute: torch.dtype, softcap, n_valid: int, vocab: int, device, hidden: int) -> str:
+def choose_path(mode: str, compute: torch.dtype, softcap, n_valid: int, vocab: int, device, hidden: int,
+                weight_bytes: int = 0) -> str:
     """`stats` (no gradient), `frozen` (two GEMMs), `materialized` (three, the buffer fits the memory policy) or
-    `recompute` (four; three for a frozen head, which needs no weight gradient). Counted in `policy.path_counts()`."""
+    `recompute` (four; three for a frozen head, which needs no weight gradient). `weight_bytes`: the weight's size,
+    which its gradient will take beside the buffer. Counted in `policy.path_counts()`."""
     flat_for_memory = False
     if mode == "inference" or n_valid == 0:
         path = "stats"
@@ -449,7 +459,7 @@ def choose_path(mode: str, compute: torch.dtype, softcap, n_valid: int, vocab: i
         small = n_valid < TUNING.frozen_recompute_rows[key] and n_valid * hidden < TUNING.frozen_recompute_below[key]
         path = "frozen" if TUNING.frozen_two_gemm and compute != torch.float16 and not small else "recompute"
     else:
-        path, flat_for_memory = _trainable_path(compute, softcap, n_valid, vocab, device, hidden)
+        path, flat_for_memory = _trainable_path(compute, softcap, n_valid, vocab, device, hidden, weight_bytes)
     record_path(path, flat_for_memory)
     return path
 

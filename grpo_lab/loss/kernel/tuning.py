@@ -99,8 +99,15 @@ class KernelTuning:
         materialize_fraction (`float`, defaults to 0.5, `GRPO_LAB_MATERIALIZE_FRACTION`):
             The memory policy of a trainable head (`policy.py`): it keeps its [N, V] probabilities in the compute
             dtype (no recompute in the backward: three GEMMs instead of four) when that buffer is at most this
-            fraction of the device memory free at that moment, with 2 GiB to spare; else it stays memory-flat. Half
-            leaves room for the rest of the step, so a batch at the memory limit stays flat. 0: always flat.
+            fraction of the device memory free at that moment, with 2 GiB to spare (and, with
+            `materialize_within_peak`, fits under the run's peak); else it stays memory-flat. 0: always flat.
+        materialize_within_peak (`bool`, defaults to `True`, `GRPO_LAB_MATERIALIZE_WITHIN_PEAK=0/1`):
+            Under the fraction (not an explicit allowance), keep the buffer only where it and the head's backward
+            outputs fit between what is allocated now and the allocator's high-water mark (an earlier step's peak:
+            its backward, its optimizer step), so the buffer never raises the run's peak memory: the head runs at the
+            top of the activation peak, where free memory says nothing about the rest of the step. The first step
+            is flat; later ones keep the buffer where the step's peak lies elsewhere. Off: the free memory alone
+            decides (faster where memory is spare, but a step's peak grows by the buffer).
         materialize_flat_below (`dict`, `GRPO_LAB_MATERIALIZE_FLAT_BELOW` sets 16-bit's):
             Under the fraction (not an explicit allowance), a trainable head with rows × hidden below this stays flat
             whatever is free: so small a step is bound by host work, and the materialised path's reference dot and
@@ -142,6 +149,7 @@ class KernelTuning:
     materialize_fraction: float = 0.5
     materialize_flat_below: dict = field(default_factory=lambda: {"16": 2**22, "32": 0})
     materialize_gib: float | None = None
+    materialize_within_peak: bool = True
     ref_stats: dict = field(default_factory=lambda: dict.fromkeys(DTYPE_KEYS, True))
     ref_stats_plain: dict = field(default_factory=lambda: dict.fromkeys(DTYPE_KEYS, False))
 
@@ -176,6 +184,7 @@ class KernelTuning:
         tuning.materialize_flat_below["16"] = int(get("MATERIALIZE_FLAT_BELOW", tuning.materialize_flat_below["16"]))
         gib = get("MATERIALIZE_GIB", "")
         tuning.materialize_gib = float(gib) if gib.strip() else None
+        tuning.materialize_within_peak = get("MATERIALIZE_WITHIN_PEAK", "1") == "1"
         tuning.ref_stats = both("REF_STATS", tuning.ref_stats)
         tuning.ref_stats_plain = both("REF_STATS_PLAIN", tuning.ref_stats_plain)
         return tuning

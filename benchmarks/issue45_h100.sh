@@ -1,0 +1,46 @@
+# Issue 45 on one H100/H200, run from the repo root by the device tool: `bash benchmarks/issue45_h100.sh PHASE`.
+# Installs the carried wheels (.whl/: trl, datasets and its needs, liger-kernel) and runs this checkout's grpo_lab.
+#   check  the memory policy's GPU tests; notebook 01's whole-step peak (real TRL steps, Qwen3-0.6B, 256+512 tokens,
+#          bf16, B = 16 and 64) with the defaults, the flat path pinned and the peak rule off; a kernel profile; fp32
+#          dX/dW through Triton's split-TF32 matmul against cuBLAS SGEMM
+#   grid   the loss-head grid with repeats (naive / TRL / grpo_lab / grpo_lab+free) and the cuBLAS floor of each cell
+#   tests  the whole GPU test suite of the kernel
+set -o pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/card.txt"
+OUT_DIR="$OUT"
+case "$1" in
+check)
+  timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py \
+    -k "policy or peak or short_of_memory" 2>&1 | tee "$OUT_DIR/pytest_policy.log" | tail -5
+  for variant in flat defaults free; do
+    case $variant in
+      flat) env_set="" ;;  # the probes pin the flat path unless the caller sets the fraction
+      defaults) env_set="GRPO_LAB_MATERIALIZE_FRACTION=0.5" ;;
+      free) env_set="GRPO_LAB_MATERIALIZE_FRACTION=0.5 GRPO_LAB_MATERIALIZE_WITHIN_PEAK=0" ;;
+    esac
+    env $env_set timeout 110 python3 -m grpo_lab.memory.sweep --full --backends grpo_lab --dtypes bf16 \
+      --batch-sizes 16,64 --modes step --device cuda --out "$OUT_DIR/step_$variant" --overwrite --keep-going 2>&1 \
+      | grep -v Warning | tail -4
+  done
+  timeout 100 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows --no-accuracy \
+    --profile frozen:bf16:1024:32768,trainable:bf16:1024:32768,frozen:bf16:4096:8192 \
+    --points frozen:bf16:1024:2048 --backends grpo_lab --budget-s 0.2 2>&1 | grep -v '^ *$' | tail -60
+  P=trainable:fp32:1024:8192,trainable:fp32:4096:2048,trainable:fp32:4096:8192
+  timeout 90 python3 benchmarks/loss_bench.py --out "$OUT_DIR/fp32_cublas" --no-issue-rows --no-accuracy --points $P \
+    --backends naive,grpo_lab --budget-s 1 --floor-reps 1 2>&1 | grep ' ms ' | tail -8
+  GRPO_LAB_FP32_MM=triton timeout 60 python3 benchmarks/loss_bench.py --out "$OUT_DIR/fp32_triton" --no-issue-rows \
+    --no-accuracy --points $P --backends grpo_lab --budget-s 1 --floor-reps 1 2>&1 | grep ' ms ' | tail -4
+  ;;
+grid)
+  timeout 560 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --repeats 2 --max-minutes 8.5 \
+    --backends naive,trl,grpo_lab,grpo_lab+free --points "$2" --budget-s "${3:-0.6}" 2>&1 | tee "$OUT_DIR/bench.log" \
+    | grep ' ms ' | tail -40
+  ;;
+tests)
+  timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/kernels tests/core 2>&1 \
+    | tee "$OUT_DIR/pytest_gpu.log" | tail -15
+  ;;
+esac
