@@ -1,8 +1,8 @@
 # Issue 45 on one H100/H200, run from the repo root by the device tool: `bash benchmarks/issue45_h100.sh PHASE`.
 # Installs the carried wheels (.whl/: trl, datasets and its needs, liger-kernel) and runs this checkout's grpo_lab.
-#   check  the memory policy's GPU tests; notebook 01's whole-step peak (real TRL steps, Qwen3-0.6B, 256+512 tokens,
-#          bf16, B = 16 and 64) with the defaults, the flat path pinned and the peak rule off; a kernel profile; fp32
-#          dX/dW through Triton's split-TF32 matmul against cuBLAS SGEMM
+#   check  the memory policy's GPU tests; notebook 01's run peak (benchmarks/step_peak.py: real TRL steps, Qwen3-0.6B,
+#          256+512 tokens, bf16, B = 16 and 64) with the defaults, the flat path pinned and the peak rule off; a
+#          kernel profile; fp32 dX/dW through Triton's split-TF32 matmul against cuBLAS SGEMM
 #   grid   the loss-head grid with repeats (naive / TRL / grpo_lab / grpo_lab+free) and the cuBLAS floor of each cell
 #   tests  the whole GPU test suite of the kernel
 set -o pipefail
@@ -15,16 +15,7 @@ case "$1" in
 check)
   timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py \
     -k "policy or peak or short_of_memory" 2>&1 | tee "$OUT_DIR/pytest_policy.log" | tail -5
-  for variant in flat defaults free; do
-    case $variant in
-      flat) env_set="" ;;  # the probes pin the flat path unless the caller sets the fraction
-      defaults) env_set="GRPO_LAB_MATERIALIZE_FRACTION=0.5" ;;
-      free) env_set="GRPO_LAB_MATERIALIZE_FRACTION=0.5 GRPO_LAB_MATERIALIZE_WITHIN_PEAK=0" ;;
-    esac
-    env $env_set timeout 110 python3 -m grpo_lab.memory.sweep --full --backends grpo_lab --dtypes bf16 \
-      --batch-sizes 16,64 --modes step --device cuda --out "$OUT_DIR/step_$variant" --overwrite --keep-going 2>&1 \
-      | grep -v Warning | tail -4
-  done
+  timeout 240 python3 benchmarks/step_peak.py --batch-sizes 16,64 --steps 4 --out "$OUT_DIR" 2>&1 | grep -v Warn
   timeout 100 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows --no-accuracy \
     --profile frozen:bf16:1024:32768,trainable:bf16:1024:32768,frozen:bf16:4096:8192 \
     --points frozen:bf16:1024:2048 --backends grpo_lab --budget-s 0.2 2>&1 | grep -v '^ *$' | tail -60
