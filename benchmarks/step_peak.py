@@ -99,12 +99,12 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{variant:9s} B={b:3d} {a.dtype} run peak {row['run_peak_gib']:7.3f} GiB  after each step "
                   f"[{row['peak_after_step_gib']}]  s/step [{row['step_s']}]  paths {row['paths']}", flush=True)
-    if a.out and rows:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "step_peak.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+            if a.out:  # after every run, so that a run cut short keeps what it measured
+                os.makedirs(a.out, exist_ok=True)
+                with open(os.path.join(a.out, "step_peak.csv"), "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                    w.writeheader()
+                    w.writerows(rows)
     return 0 if rows else 1
 
 
