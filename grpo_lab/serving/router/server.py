@@ -36,7 +36,7 @@ from .replica_pool import ReplicaPool
 from .config import RouterConfig
 from ..tenancy.tenant_api import RunsAPI
 from ..tenancy.views import VIEW, PoolView
-from ..wire.upstream import TRANSPORT_ERRORS, Reply, UpstreamClient, now
+from ..wire.upstream import TRANSPORT_ERRORS, Reply, UpstreamClient, now, upstream_session
 from ..wire.vllm_routes import add_vllm_routes, error_response, http_error, pause_mode_refusal, unauthorized
 
 NCCL_ENDPOINTS = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
@@ -111,7 +111,7 @@ class Router:
         return await handler(request)
 
     async def _startup(self, app) -> None:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False))
+        self._session = upstream_session()
         self.client = UpstreamClient(self._session, self._api_key)
         self.pool = ReplicaPool(self.config, self.client, self.metrics)
         self.adapters = AdapterLifecycle(self.pool, self.client, self.config, self.metrics)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -93,6 +95,25 @@ class Reply:
 
     def text(self) -> str:
         return self.body.decode("utf-8", "replace")
+
+
+def upstream_session() -> aiohttp.ClientSession:
+    """The router's HTTP session to its replicas, whose connections are reset, never closed gracefully, when dropped.
+
+    A try the router cuts (its replica left routing, a hedge won, the deadline passed) is re-sent elsewhere. Closed
+    gracefully, the kernel would keep retransmitting whatever of it was still unacknowledged, so behind a partition
+    the request would reach the replica after the heal and run there for nobody, or find its adapter unloaded by
+    then: a misroute in the replica's counts (the chaos run's `worker_partition` flake). A reset (SO_LINGER 0) drops
+    it.
+    """
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, socket_factory=_resetting_socket))
+
+
+def _resetting_socket(addr_info) -> socket.socket:
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close() sends RST, drops the rest
+    return sock
 
 
 class UpstreamClient:
