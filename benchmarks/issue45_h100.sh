@@ -36,20 +36,20 @@ grid)
     | grep ' ms ' | tail -40
   ;;
 all)  # one call of under 10 minutes when machines are scarce: the policy's tests, the run peaks, a profile, a grid
-  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py \
+  timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py \
     -k "policy or peak or short_of_memory" 2>&1 | tee "$OUT_DIR/pytest_policy.log" | tail -4
-  timeout 150 python3 benchmarks/step_peak.py --batch-sizes 16,64 --steps 3 --out "$OUT_DIR" 2>&1 | grep -v Warn
-  timeout 60 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows --no-accuracy \
+  timeout 125 python3 benchmarks/step_peak.py --batch-sizes 16,64 --steps 3 --out "$OUT_DIR" 2>&1 | grep -v Warn
+  timeout 45 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows --no-accuracy \
     --profile frozen:bf16:1024:32768,frozen:bf16:4096:8192 --points frozen:bf16:1024:2048 --backends grpo_lab \
     --budget-s 0.2 2>&1 | grep -v '^ *$' | grep -v 'ms  floor' | tail -40
   both() { for x in "$@"; do printf 'frozen:%s,trainable:%s,' "$x" "$x"; done; }
-  timeout 235 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --repeats 2 --max-minutes 3.6 \
+  timeout 170 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --repeats 2 --max-minutes 2.6 \
     --backends naive,trl,grpo_lab,grpo_lab+free --budget-s 0.4 --points "$(both bf16:1024:8192 bf16:4096:8192 \
     bf16:1024:32768 bf16:1024:2048 bf16:1536:2048 bf16:2048:2048 bf16:1536:8192 bf16:4096:2048 fp32:1024:2048 \
     fp32:4096:2048)" 2>&1 | tee "$OUT_DIR/bench.log" | grep ' ms ' | tail -60
   ;;
 tests)
-  timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/kernels tests/core 2>&1 \
+  timeout 470 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/core 2>&1 \
     | tee "$OUT_DIR/pytest_gpu.log" | tail -15
   ;;
 esac

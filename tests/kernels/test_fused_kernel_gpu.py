@@ -535,7 +535,7 @@ def test_by_default_the_buffer_never_raises_the_runs_peak(monkeypatch, paths, dt
             x.grad = w.grad = None
             lp, *_ = fused_linear_logprobs(x, w, None, targets)
             (lp * g).sum().backward()
-            results.append((lp.detach(), x.grad, w.grad))
+            results.append(tuple(t.detach().cpu() for t in (lp, x.grad, w.grad)))  # off the GPU: no peak of its own
             del lp
             torch.empty(need + need // 2, dtype=torch.uint8, device="cuda")  # the step's "optimizer" peak
         torch.cuda.synchronize()
@@ -560,7 +560,7 @@ def test_by_default_the_buffer_never_raises_the_runs_peak(monkeypatch, paths, dt
     torch.cuda.synchronize()
     assert paths[-1] == "materialized"
     assert torch.cuda.max_memory_allocated() - base >= 0.75 * need
-    results.append((lp.detach(), x.grad, w.grad))
+    results.append(tuple(t.detach().cpu() for t in (lp, x.grad, w.grad)))
     for a, b in zip(results[0], results[results_before]):
         assert rel(a, b) < (5e-5 if dtype == torch.float32 else 1.5e-2)
     for a, b in zip(results[0], results[4]):
