@@ -140,3 +140,44 @@ def test_smoke_run_on_cpu_writes_the_long_format_csv_and_the_report(bench, tmp_p
     assert "| fp32 frozen: H \\ tokens | 1k |" in text and "Worst grpo_lab" in text
     assert "| floor ms (GEMMs) |" in text and "| frozen, fp32, H=32, 1k tokens |" in text
     assert (tmp_path / "loss_grid.png").stat().st_size > 0 and (tmp_path / "loss_grid_tables.md").exists()
+
+
+def test_the_bar_table_compares_each_repeat_with_its_own_baselines(bench, tmp_path):
+    """Issue 45's speed bar: grpo_lab / min(naive, trl) is taken per repeat (each against the baselines measured in
+    the same repeat), the worst repeat is named, and the spread is the widest ms_max − ms_min over ms of the backends
+    compared; rows without a repeat (single runs) are left out."""
+    import csv
+
+    def row(backend, repeat, ms, lo, hi, status="ok"):
+        return {"backend": backend, "head": "trainable", "dtype": "bf16", "H": "4096", "V": "151936",
+                "tokens": "8192", "T": "512", "ms": ms, "ms_min": lo, "ms_max": hi, "status": status,
+                "repeat": repeat}
+    rows = [row("naive", 0, 90, 89, 91), row("trl", 0, 60, 58, 61), row("grpo_lab", 0, 61.2, 60, 63),
+            row("naive", 1, 91, 90, 92), row("trl", 1, 66, 64, 67), row("grpo_lab", 1, 63, 62, 63.5),
+            row("grpo_lab+free", 1, 40, 10, 90),  # not compared: its spread must not count
+            row("naive", "", 1, 1, 1)]  # a single run's row: no repeat, left out
+    with open(tmp_path / "loss_grid.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    lines = bench.bar_table(str(tmp_path))
+    cell = next(line for line in lines if line.startswith("| trainable, bf16, H=4096, 8k"))
+    # repeat 0: 61.2 / 60 = 1.020; repeat 1: 63 / 66 = 0.955; spread: trl's first (61 − 58) / 60 = 5.0 %
+    assert cell == "| trainable, bf16, H=4096, 8k | 2 | 0.955 | 1.020 | 5.0% |"
+    assert lines[-1] == "Worst cell: 1.020 at trainable, bf16, H=4096, 8k tokens."
+
+
+def test_the_policy_backends_set_and_restore_their_fields(bench, monkeypatch):
+    """`grpo_lab+flat` turns the policy off, `grpo_lab+free` its peak rule, `grpo_lab+mem` sets an allowance, each
+    only for the duration; `grpo_lab` runs the defaults."""
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    before = (T.materialize_fraction, T.materialize_within_peak, T.materialize_gib)
+    with bench.backend_settings("grpo_lab+free"):
+        assert T.materialize_within_peak is False and T.materialize_fraction == before[0]
+    with bench.backend_settings("grpo_lab+flat"):
+        assert T.materialize_fraction == 0.0 and T.materialize_gib is None
+    with bench.backend_settings("grpo_lab+mem"):
+        assert T.materialize_gib == 48.0
+    with bench.backend_settings("grpo_lab"):
+        assert (T.materialize_fraction, T.materialize_within_peak, T.materialize_gib) == before
+    assert (T.materialize_fraction, T.materialize_within_peak, T.materialize_gib) == before
