@@ -910,6 +910,9 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=V, help="vocabulary size (smaller only for smoke runs)")
     p.add_argument("--step-batches", default="", help="B for the whole-step memory part, e.g. 8,16,32 ('' skips)")
     args = p.parse_args(argv)
+    unknown = [b for b in args.backends.split(",") if b not in BACKENDS]
+    if unknown:
+        p.error(f"unknown backends {unknown}: choose from {', '.join(BACKENDS)}")
     V = args.vocab
     if args.report:
         report(args.report, args.out if args.out != "results/loss_kernel" else None)

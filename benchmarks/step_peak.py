@@ -18,7 +18,6 @@ with the machine, versions and date.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -26,7 +25,13 @@ import sys
 import tempfile
 import time
 
-VARIANTS = {"defaults": {}, "flat": {"materialize_fraction": 0.0}, "free": {"materialize_within_peak": False}}
+sys.path.insert(0, os.path.dirname(__file__))
+from loss_bench import POLICY_OF, write_csv  # noqa: E402  (the policy variants, written once there)
+
+from grpo_lab.memory.spec import parse_int_list  # noqa: E402
+
+# each variant's memory-policy fields: loss_bench's `grpo_lab+…` backends of the same meaning
+VARIANTS = {"defaults": {}, "flat": POLICY_OF["grpo_lab+flat"], "free": POLICY_OF["grpo_lab+free"]}
 
 
 def measure(variant: str, batch_size: int, steps: int, dtype: str) -> dict:
@@ -69,9 +74,9 @@ def measure(variant: str, batch_size: int, steps: int, dtype: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch-sizes", default="16,64")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch-sizes", default="16,64", help="comma-separated positive ints (default: %(default)s)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {','.join(VARIANTS)} (default: all)")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per run (default: %(default)s)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--out", default=None, help="folder for step_peak.csv")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: "variant:B", run in this process
@@ -83,11 +88,17 @@ def main(argv=None) -> int:
     unknown = set(a.variants.split(",")) - set(VARIANTS)
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}: choose from {', '.join(VARIANTS)}")
+    try:
+        batch_sizes = parse_int_list(a.batch_sizes)
+        if a.steps < 1:
+            raise ValueError(f"--steps must be a positive integer, got {a.steps}.")
+    except ValueError as err:
+        p.error(str(err))
     from grpo_lab.lab.records import run_record
 
     meta = run_record("cuda")
     rows = []
-    for b in map(int, a.batch_sizes.split(",")):
+    for b in batch_sizes:
         for variant in a.variants.split(","):
             proc = subprocess.run([sys.executable, __file__, "--one", f"{variant}:{b}", "--steps", str(a.steps),
                                    "--dtype", a.dtype], capture_output=True, text=True, check=False)
@@ -101,10 +112,7 @@ def main(argv=None) -> int:
                   f"[{row['peak_after_step_gib']}]  s/step [{row['step_s']}]  paths {row['paths']}", flush=True)
             if a.out:  # after every run, so that a run cut short keeps what it measured
                 os.makedirs(a.out, exist_ok=True)
-                with open(os.path.join(a.out, "step_peak.csv"), "w", newline="") as f:
-                    w = csv.DictWriter(f, fieldnames=list(rows[0]))
-                    w.writeheader()
-                    w.writerows(rows)
+                write_csv(os.path.join(a.out, "step_peak.csv"), rows)
     return 0 if rows else 1
 
 

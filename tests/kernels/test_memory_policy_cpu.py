@@ -60,6 +60,8 @@ def test_the_policy_variables():
     assert default.materialize_fraction == 0.5 and default.materialize_gib is None
     assert default.materialize_within_peak is True
     assert KernelTuning.from_env({"GRPO_LAB_MATERIALIZE_WITHIN_PEAK": "0"}).materialize_within_peak is False
+    with pytest.raises(ValueError, match="MATERIALIZE_WITHIN_PEAK"):
+        KernelTuning.from_env({"GRPO_LAB_MATERIALIZE_WITHIN_PEAK": "yes"})  # not silently off
     assert KernelTuning.from_env({"GRPO_LAB_MATERIALIZE_FRACTION": "0"}).materialize_fraction == 0.0
     assert KernelTuning.from_env({"GRPO_LAB_MATERIALIZE_GIB": "0"}).materialize_gib == 0.0
     assert KernelTuning.from_env({"GRPO_LAB_MATERIALIZE_GIB": "48"}).materialize_gib == 48.0

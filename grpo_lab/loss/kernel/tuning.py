@@ -184,7 +184,10 @@ class KernelTuning:
         tuning.materialize_flat_below["16"] = int(get("MATERIALIZE_FLAT_BELOW", tuning.materialize_flat_below["16"]))
         gib = get("MATERIALIZE_GIB", "")
         tuning.materialize_gib = float(gib) if gib.strip() else None
-        tuning.materialize_within_peak = get("MATERIALIZE_WITHIN_PEAK", "1") == "1"
+        within = get("MATERIALIZE_WITHIN_PEAK", "1" if tuning.materialize_within_peak else "0")
+        if within not in ("0", "1"):
+            raise ValueError(f"GRPO_LAB_MATERIALIZE_WITHIN_PEAK={within!r}: 0 or 1")
+        tuning.materialize_within_peak = within == "1"
         tuning.ref_stats = both("REF_STATS", tuning.ref_stats)
         tuning.ref_stats_plain = both("REF_STATS_PLAIN", tuning.ref_stats_plain)
         return tuning
