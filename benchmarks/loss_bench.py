@@ -510,7 +510,8 @@ FP32_ONLY = ("mm", "FP32_MM", "FP32_DOT")
 PER_DTYPE_KNOBS = ("bwd_tile", "frozen_tile", "dz_tma", "p_tma", "frozen_recompute_below", "ref_stats",
                    "ref_stats_plain")
 FIELD_KNOBS = {"FP32_MM": "fp32_mm", "FP32_DOT": "fp32_dot", "frozen_two_gemm": "frozen_two_gemm",
-               "materialize_gib": "materialize_gib", "materialize_fraction": "materialize_fraction"}
+               "materialize_gib": "materialize_gib", "materialize_fraction": "materialize_fraction",
+               "target_zero_pass": "target_zero_pass"}
 
 
 def apply_experiment(T, exp, dname):
@@ -589,7 +590,8 @@ def compiled_summary(T, last_compiled: dict, head: str, dname: str) -> str:
     return "; ".join(parts)
 
 
-FROZEN_KNOBS = ("frozen_cfg", "frozen_tile", "p_tma", "frozen_two_gemm", "frozen_recompute_below", "ref_stats")
+FROZEN_KNOBS = ("frozen_cfg", "frozen_tile", "p_tma", "frozen_two_gemm", "frozen_recompute_below", "ref_stats",
+                "target_zero_pass")
 
 
 def frozen_only(exp: dict) -> bool:

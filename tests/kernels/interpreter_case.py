@@ -11,7 +11,8 @@ gives every seventh row logits hundreds of nats apart with the lowest one as its
 overflows fp32 there and those rows must be recomputed, statistics included (`softcap`: null turns the softcap off,
 which would bound the logits; `target_gap` picks the target that many nats below the max instead); `ref_stats` and
 `ref_stats_plain` set those fields of the kernel's tuning, `deferred` its `frozen_deferred_check` (the rows check
-read back by the backward).
+read back by the backward), `target_zero_pass` its `target_zero_pass` (off: the frozen P~'s target column is
+zeroed in the fused forward's epilogue rather than by a pass after each launch).
 """
 
 import json
@@ -63,6 +64,7 @@ def main(variant: dict) -> dict:
     TUNING.ref_stats = dict.fromkeys(TUNING.ref_stats, variant.get("ref_stats", True))
     TUNING.ref_stats_plain = dict.fromkeys(TUNING.ref_stats_plain, variant.get("ref_stats_plain", False))
     TUNING.frozen_deferred_check = dict.fromkeys(TUNING.frozen_deferred_check, variant.get("deferred", False))
+    TUNING.target_zero_pass = variant.get("target_zero_pass", True)
     programs, loads, stores, bulk, paths = [], [], [], [], []
     spy("_programs", programs)
     spy("_operands", loads)

@@ -73,6 +73,9 @@ PATH_CASES = [
       "extreme_rows": True, "ref_stats": False}, 7),
     # the rows check deferred to the backward (`frozen_deferred_check`): the same launches, the rescue in the backward
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "deferred": True}, 6),
+    # the target column zeroed in the forward's epilogue instead of by the pass after each launch
+    ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "deferred": True,
+      "target_zero_pass": False}, 6),
     # (an entropy gradient the forward did not prepare for: the recomputing backward, so nothing is left to repair)
     ({"tma": False, "persistent": False, "dz_tma": False, "path": "frozen", "headroom": 0.5, "deferred": True}, 12),
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "headroom": 0.5,
@@ -88,7 +91,8 @@ PATH_CASES = [
                          ids=["frozen", "frozen-p-descriptors", "frozen-fallback-rescue", "materialized-rescue",
                               "frozen-overflow", "materialized-overflow", "frozen-sq-overflow",
                               "materialized-sq-overflow", "plain-overflow", "plain-sq-overflow",
-                              "frozen-overflow-block-max-stats", "frozen-deferred", "frozen-deferred-fallback-rescue",
+                              "frozen-overflow-block-max-stats", "frozen-deferred", "frozen-deferred-zero-in-kernel",
+                              "frozen-deferred-fallback-rescue",
                               "frozen-deferred-rescue", "frozen-deferred-overflow", "frozen-deferred-sq-overflow"])
 def test_frozen_and_materialized_paths_match_float64_in_the_interpreter(variant, launches):
     proc = subprocess.run([sys.executable, CASE, json.dumps(variant)], capture_output=True, text=True, timeout=300)

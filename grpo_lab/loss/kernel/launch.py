@@ -26,7 +26,7 @@ import triton.language as tl
 from ..contract import scatter_grad
 from .policy import SPARE_BYTES, free_device_bytes, materialize_decision, record_path, room_below_peak
 from .triton_kernels import (bwd_kernel, dz_from_p_kernel, frozen_dx_kernel, frozen_finish_kernel, fwd_kernel,
-                             merge_kernel, mm_kernel, ref_logit_kernel)
+                             merge_kernel, mm_kernel, ref_logit_kernel, zero_target_kernel)
 from .tuning import TUNING
 
 TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -154,7 +154,16 @@ class _FrozenSink:
                 p, pz, through = dp, dpz, True
         return p, pz, self.ref[t0:t1], self.buf.stride(1), self.buf.shape[0] == 2, through
 
-    def consume(self, t0, t1, v0, v1):
+    @property
+    def zero_in_kernel(self) -> bool:
+        return not TUNING.target_zero_pass
+
+    def consume(self, t0, t1, v0, v1, targets):
+        if TUNING.target_zero_pass:
+            br = 128
+            zero_target_kernel[(triton.cdiv(t1 - t0, br),)](
+                self.buf[0], self.buf[-1], targets, t1 - t0, v0, v1, self.buf.stride(1),
+                HAS_PZ=self.buf.shape[0] == 2, BR=br, num_warps=4)
         w_c = self.weight[v0:v1].to(self.compute)
         for i in range(self.buf.shape[0]):
             _mm_acc(self.acc[i, t0:t1], self.buf[i, : t1 - t0, : v1 - v0], w_c)
@@ -174,7 +183,9 @@ class _RefSink:
     def views(self, t0, t1, v0, v1, bm, bn, tma_loads):
         return self.ref, self.ref, self.ref[t0:t1], 0, False, False
 
-    def consume(self, t0, t1, v0, v1):
+    zero_in_kernel = False
+
+    def consume(self, t0, t1, v0, v1, targets):
         pass
 
 
@@ -232,13 +243,14 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
                 COMPUTE=TL_DTYPE[compute], PRECISION=_precision(compute), EVEN_K=k % bk == 0, USE_TMA=tma,
                 BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
                 P_MODE=sink.p_mode if sink is not None else 0, STORE_PZ=store_pz, P_TMA=p_tma, REF_STATS=ref_stats,
+                EVEN_N=(v1 - v0) % bn == 0, ZERO_TARGET=sink is not None and sink.zero_in_kernel,
                 num_warps=warps, num_stages=stages, **TUNING.launch_options[f"{kind}_{dtype_key(compute)}"])
             LAST_COMPILED[f"{kind}_{dtype_key(compute)}"] = compiled
             merge_kernel[(triton.cdiv(rows, TUNING.merge_rows),)](
                 part, run_t, part.stride(0), run_t.stride(0), rows, nvb, **flags, BR=TUNING.merge_rows,
                 BV=TUNING.merge_blocks, REF_STATS=ref_stats, num_warps=4)
             if sink is not None:
-                sink.consume(t0, t1, v0, v1)
+                sink.consume(t0, t1, v0, v1, y[t0:t1])
     if ref_stats:  # the sums against ref → against the row max, as the rest of the kernel expects
         to_max = torch.exp(sink.ref - run[0])
         run[1:3].mul_(to_max)

@@ -62,12 +62,13 @@ def _tile_logits(h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, 
     if HAS_BIAS:
         bias = tl.load(b_ptr + safe_n).to(COMPUTE).to(tl.float32)
         acc += bias[None, :]
-    z = acc * logit_scale
-    t = z
     if HAS_SOFTCAP:
+        z = acc * logit_scale
         t = 2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0  # tanh(z / softcap)
-        z = softcap * t
-    z = z * inv_t
+        z = softcap * t * inv_t
+    else:
+        t = acc
+        z = acc * (logit_scale * inv_t)  # one multiply per element (the host-side product is the same for all)
     return z, t, offs_m, offs_n, row_ok, col_ok
 
 
@@ -90,7 +91,8 @@ def fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr
                COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, P_MODE: tl.constexpr,
-               STORE_PZ: tl.constexpr, P_TMA: tl.constexpr, REF_STATS: tl.constexpr):
+               STORE_PZ: tl.constexpr, P_TMA: tl.constexpr, REF_STATS: tl.constexpr, EVEN_N: tl.constexpr,
+               ZERO_TARGET: tl.constexpr):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(v_hi - v_lo, BN)
     if PERSISTENT:
@@ -99,13 +101,15 @@ def fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr
             _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
                       v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
                       HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
-                      USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS)
+                      USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS, EVEN_N,
+                      ZERO_TARGET)
     else:
         pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
                   v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
                   HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
-                  USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS)
+                  USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS, EVEN_N,
+                      ZERO_TARGET)
 
 
 @triton.jit
@@ -116,17 +120,26 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
               HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
               COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_MODE: tl.constexpr, STORE_PZ: tl.constexpr,
-              P_TMA: tl.constexpr, REF_STATS: tl.constexpr):
+              P_TMA: tl.constexpr, REF_STATS: tl.constexpr, EVEN_N: tl.constexpr, ZERO_TARGET: tl.constexpr):
     """One [BM, BN] block: its logits, reduced to per-row partial statistics in `part`; with P_MODE, also the
     block's e^(z − ref) (ref: a per-row reference, `ref_ptr`) stored at `p_ptr` for a cuBLAS GEMM to consume —
     P_MODE 1 (frozen head): times the softcap factor, target column 0, and e^(z − ref)·(z − ref) at `pz_ptr` when
     STORE_PZ; P_MODE 2 (materialised head): e^(z − ref) as is. With P_TMA, `p_ptr` / `pz_ptr` are tensor
     descriptors of this launch's [rows, chunk] views (bulk stores, clipped at their edges). With REF_STATS (only
-    with P_MODE), the partial sums are taken against ref rather than the block's max (which is still stored)."""
+    with P_MODE), the partial sums are taken against ref rather than the block's max (which is still stored).
+
+    The epilogue is most of the kernel's time beside the GEMM, so it is kept lean: with EVEN_N (the launch's
+    vocabulary chunk a multiple of BN: every column valid) no column masks; the target is found by one 32-bit compare
+    of the block's column index with the row's target (a 64-bit compare of absolute indices cost some 20 instructions
+    per element); and the frozen head's target column is zeroed in the block only with ZERO_TARGET, else by
+    `zero_target_kernel` after the launch (a second use of the compare cost as much again)."""
     z, t, offs_m, offs_n, row_ok, col_ok = _tile_logits(
         h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, stride_w, logit_scale, softcap, inv_t,
         HAS_BIAS, HAS_SOFTCAP, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
-    zm = tl.where(col_ok[None, :], z, -float("inf"))
+    if EVEN_N:
+        zm = z
+    else:
+        zm = tl.where(col_ok[None, :], z, -float("inf"))
     if REF_STATS:
         ref = tl.load(ref_ptr + offs_m, mask=row_ok, other=0.0)
         e = tl.exp(zm - ref[:, None])  # e^(z − ref): no wait for the row max
@@ -137,20 +150,24 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
     base = part_ptr + pid_n * M + offs_m
     tl.store(base, m, mask=row_ok)
     tl.store(base + part_stat_stride, tl.sum(e, axis=1), mask=row_ok)
+    z0 = z if EVEN_N else tl.where(col_ok[None, :], z, 0.0)
     if HAS_ENTROPY:
-        tl.store(base + 2 * part_stat_stride, tl.sum(e * tl.where(col_ok[None, :], z, 0.0), axis=1), mask=row_ok)
+        tl.store(base + 2 * part_stat_stride, tl.sum(e * z0, axis=1), mask=row_ok)
     if HAS_SQ:
         tl.store(base + 3 * part_stat_stride, tl.sum(e * e, axis=1), mask=row_ok)
     if HAS_MEAN:
-        tl.store(base + 4 * part_stat_stride, tl.sum(tl.where(col_ok[None, :], z, 0.0), axis=1), mask=row_ok)
+        tl.store(base + 4 * part_stat_stride, tl.sum(z0, axis=1), mask=row_ok)
     tgt = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1)
-    if HAS_TOP1:
-        before = offs_n[None, :] < tgt[:, None]
-        tl.store(base + 5 * part_stat_stride, tl.max(tl.where(before, zm, -float("inf")), axis=1), mask=row_ok)
-    hit = offs_n[None, :] == tgt[:, None]
-    tz = tl.sum(tl.where(hit, z, 0.0), axis=1)
     blk_lo = v_lo + pid_n * BN
-    mine = row_ok & (tgt >= blk_lo) & (tgt < blk_lo + BN) & (tgt < v_hi)
+    # the target's column in this block (outside [0, BN) when it lies elsewhere; |tgt − blk_lo| < V fits 32 bits)
+    tcol = (tgt - blk_lo).to(tl.int32)
+    cols = tl.arange(0, BN)
+    if HAS_TOP1:
+        before = cols[None, :] < tcol[:, None]
+        tl.store(base + 5 * part_stat_stride, tl.max(tl.where(before, zm, -float("inf")), axis=1), mask=row_ok)
+    hit = cols[None, :] == tcol[:, None]
+    tz = tl.sum(tl.where(hit, z, 0.0), axis=1)
+    mine = row_ok & (tcol >= 0) & (tcol < BN) & (tgt < v_hi)
     tl.store(tlogit_ptr + offs_m, tz, mask=mine)
     if P_MODE != 0:  # last, so that e is dead once pe exists (one [BM, BN] fp32 block fewer live)
         if REF_STATS:
@@ -161,7 +178,8 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
         if P_MODE == 1:
             if HAS_SOFTCAP:
                 pe = pe * (1.0 - t * t)
-            pe = tl.where(hit, 0.0, pe)
+            if ZERO_TARGET:
+                pe = tl.where(hit, 0.0, pe)
         if P_TMA:
             p_ptr.store([pid_m * BM, pid_n * BN], pe.to(p_ptr.dtype))
             if STORE_PZ:
@@ -172,6 +190,20 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
             tl.store(p_ptr + p_off, pe.to(p_ptr.dtype.element_ty), mask=p_ok)
             if STORE_PZ:
                 tl.store(pz_ptr + p_off, (pe * (z - ref[:, None])).to(pz_ptr.dtype.element_ty), mask=p_ok)
+
+
+@triton.jit
+def zero_target_kernel(p_ptr, pz_ptr, tgt_ptr, M, v_lo, v_hi, stride_p, HAS_PZ: tl.constexpr, BR: tl.constexpr):
+    """Zeroes the target column of the frozen head's P~ block (and P~·(z − ref)) for the rows whose target lies in
+    this launch's vocabulary chunk [v_lo, v_hi): one store per row instead of a compare and select per element in
+    `fwd_kernel`'s epilogue. Runs between the forward launch and the GEMM that reads the block."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    tgt = tl.load(tgt_ptr + offs_r, mask=offs_r < M, other=-1)
+    ok = (offs_r < M) & (tgt >= v_lo) & (tgt < v_hi)
+    at = offs_r.to(tl.int64) * stride_p + (tgt - v_lo)
+    tl.store(p_ptr + at, tl.zeros((BR,), dtype=p_ptr.dtype.element_ty), mask=ok)
+    if HAS_PZ:
+        tl.store(pz_ptr + at, tl.zeros((BR,), dtype=pz_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -357,10 +389,12 @@ def ref_logit_kernel(h_ptr, w_ptr, b_ptr, y_ptr, out_ptr, M, K, stride_h, stride
         z += tl.sum(x * w, axis=1)
     if HAS_BIAS:
         z += tl.load(b_ptr + y, mask=r_ok, other=0.0).to(COMPUTE).to(tl.float32)
-    z = z * logit_scale
     if HAS_SOFTCAP:
-        z = softcap * (2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0)
-    tl.store(out_ptr + offs_r, z * inv_t, mask=r_ok)
+        z = z * logit_scale
+        z = softcap * (2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0) * inv_t
+    else:
+        z = z * (logit_scale * inv_t)
+    tl.store(out_ptr + offs_r, z, mask=r_ok)
 
 
 @triton.jit

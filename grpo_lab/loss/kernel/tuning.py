@@ -86,6 +86,10 @@ class KernelTuning:
         frozen_tile (`dict`):
             The frozen path's P~ buffer, (tokens, vocabulary): 128 MiB bf16 / 256 MiB fp32, widened in the vocabulary
             when there are fewer rows.
+        target_zero_pass (`bool`, defaults to `True`):
+            The frozen forward's P~ blocks get their target column zeroed by a one-store-per-row pass after each
+            launch (`zero_target_kernel`) instead of by a compare and select on every element of the fused
+            forward's epilogue (issue 45: the epilogue, not the GEMM, is the forward's distance to its floor).
         ref_headroom (`float`, defaults to 60):
             e^(z − ref) is stored against a per-row reference (the target's logit); rows whose max exceeds it by more
             than this are recomputed against their exact max (e^60 · V stays far inside the fp32 / bf16 range).
@@ -143,6 +147,7 @@ class KernelTuning:
     frozen_recompute_below: dict = field(default_factory=lambda: {"16": 9 * 2**19, "32": 0})
     frozen_deferred_check: dict = field(default_factory=lambda: {"16": True, "32": False})
     frozen_tile: dict = field(default_factory=lambda: {"16": (8192, 8192), "32": (8192, 8192)})
+    target_zero_pass: bool = True
     ref_headroom: float = 60.0
     sq_ref_headroom: float = 30.0
     plogp_excess: dict = field(default_factory=lambda: {"16": 2.0, "32": float("inf")})
