@@ -73,6 +73,19 @@ def _tile_logits(h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, 
 
 
 @triton.jit
+def _exp(x, FAST: tl.constexpr):
+    """e^x. FAST (on a GPU): one `ex2.approx.ftz` after the multiply by log2(e), where `tl.exp` adds a denormal-safe
+    rescale around it (a compare and two predicated multiplies per element, a sixth of the forward's epilogue).
+    Results under 2^-126 become 0: terms of sums whose largest term is at least 1 (against the max or the target's
+    logit), so never visible in fp32. Off in Triton's interpreter, which runs no inline PTX."""
+    if FAST:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
 def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     group_size = GROUP_M * num_pid_n
     first_m = (pid // group_size) * GROUP_M
@@ -92,7 +105,7 @@ def fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, P_MODE: tl.constexpr,
                STORE_PZ: tl.constexpr, P_TMA: tl.constexpr, REF_STATS: tl.constexpr, EVEN_N: tl.constexpr,
-               ZERO_TARGET: tl.constexpr):
+               ZERO_TARGET: tl.constexpr, FAST_EXP: tl.constexpr):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(v_hi - v_lo, BN)
     if PERSISTENT:
@@ -102,14 +115,14 @@ def fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr
                       v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
                       HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
                       USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS, EVEN_N,
-                      ZERO_TARGET)
+                      ZERO_TARGET, FAST_EXP)
     else:
         pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
                   v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
                   HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
                   USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS, EVEN_N,
-                      ZERO_TARGET)
+                      ZERO_TARGET, FAST_EXP)
 
 
 @triton.jit
@@ -120,7 +133,8 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
               HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
               COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_MODE: tl.constexpr, STORE_PZ: tl.constexpr,
-              P_TMA: tl.constexpr, REF_STATS: tl.constexpr, EVEN_N: tl.constexpr, ZERO_TARGET: tl.constexpr):
+              P_TMA: tl.constexpr, REF_STATS: tl.constexpr, EVEN_N: tl.constexpr, ZERO_TARGET: tl.constexpr,
+              FAST_EXP: tl.constexpr):
     """One [BM, BN] block: its logits, reduced to per-row partial statistics in `part`; with P_MODE, also the
     block's e^(z − ref) (ref: a per-row reference, `ref_ptr`) stored at `p_ptr` for a cuBLAS GEMM to consume —
     P_MODE 1 (frozen head): times the softcap factor, target column 0, and e^(z − ref)·(z − ref) at `pz_ptr` when
@@ -142,11 +156,11 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
         zm = tl.where(col_ok[None, :], z, -float("inf"))
     if REF_STATS:
         ref = tl.load(ref_ptr + offs_m, mask=row_ok, other=0.0)
-        e = tl.exp(zm - ref[:, None])  # e^(z − ref): no wait for the row max
+        e = _exp(zm - ref[:, None], FAST_EXP)  # e^(z − ref): no wait for the row max
         m = tl.max(zm, axis=1)
     else:
         m = tl.max(zm, axis=1)
-        e = tl.exp(zm - m[:, None])
+        e = _exp(zm - m[:, None], FAST_EXP)
     base = part_ptr + pid_n * M + offs_m
     tl.store(base, m, mask=row_ok)
     tl.store(base + part_stat_stride, tl.sum(e, axis=1), mask=row_ok)
@@ -213,7 +227,7 @@ def bwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, d
                HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_G: tl.constexpr, HAS_GE: tl.constexpr,
                COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-               PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DZ_TMA: tl.constexpr):
+               PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DZ_TMA: tl.constexpr, FAST_EXP: tl.constexpr):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(v_hi - v_lo, BN)
     if PERSISTENT:
@@ -221,12 +235,12 @@ def bwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, d
             pid_m, pid_n = _grouped_pid(tile, num_pid_m, num_pid_n, GROUP_M)
             _bwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, dz_ptr, pid_m, pid_n, M, v_lo,
                       v_hi, K, stride_h, stride_w, stride_dz, logit_scale, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP,
-                      HAS_G, HAS_GE, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK, DZ_TMA)
+                      HAS_G, HAS_GE, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK, DZ_TMA, FAST_EXP)
     else:
         pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         _bwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, dz_ptr, pid_m, pid_n, M, v_lo,
                   v_hi, K, stride_h, stride_w, stride_dz, logit_scale, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP,
-                  HAS_G, HAS_GE, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK, DZ_TMA)
+                  HAS_G, HAS_GE, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK, DZ_TMA, FAST_EXP)
 
 
 @triton.jit
@@ -235,28 +249,28 @@ def _bwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, logz_ptr, ent_ptr, g_ptr, ge_ptr, dz
               logit_scale, softcap, inv_t,
               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_G: tl.constexpr, HAS_GE: tl.constexpr,
               COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DZ_TMA: tl.constexpr):
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DZ_TMA: tl.constexpr, FAST_EXP: tl.constexpr):
     """One [BM, BN] block of dZ: the logits recomputed, turned into their gradient, stored in the compute dtype."""
     z, t, offs_m, offs_n, row_ok, col_ok = _tile_logits(
         h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, stride_w, logit_scale, softcap, inv_t,
         HAS_BIAS, HAS_SOFTCAP, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
     log_z = tl.load(logz_ptr + offs_m, mask=row_ok, other=0.0)
     log_p = z - log_z[:, None]
-    p = tl.exp(log_p)
+    p = _exp(log_p, FAST_EXP)
+    scale = inv_t * logit_scale  # folded into the per-row factors: two multiplies per element fewer
     grad = tl.zeros((BM, BN), dtype=tl.float32)
     if HAS_G:
-        g = tl.load(g_ptr + offs_m, mask=row_ok, other=0.0)
+        g = tl.load(g_ptr + offs_m, mask=row_ok, other=0.0) * scale
         tgt = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1)
-        hit = (offs_n[None, :] == tgt[:, None]).to(tl.float32)
+        tcol = (tgt - (v_lo + pid_n * BN)).to(tl.int32)  # a 32-bit compare of block columns, as `_fwd_tile`'s
+        hit = (tl.arange(0, BN)[None, :] == tcol[:, None]).to(tl.float32)
         grad += g[:, None] * (hit - p)
     if HAS_GE:
-        ge = tl.load(ge_ptr + offs_m, mask=row_ok, other=0.0)
+        ge = tl.load(ge_ptr + offs_m, mask=row_ok, other=0.0) * scale
         ent = tl.load(ent_ptr + offs_m, mask=row_ok, other=0.0)
         grad -= ge[:, None] * p * (log_p + ent[:, None])
-    grad = grad * inv_t
     if HAS_SOFTCAP:
         grad = grad * (1.0 - t * t)
-    grad = grad * logit_scale
     if DZ_TMA:  # dz_ptr is a descriptor of this [rows, chunk] tile: rows / columns past its edge are not written
         dz_ptr.store([pid_m * BM, pid_n * BN], grad.to(dz_ptr.dtype))
     else:
