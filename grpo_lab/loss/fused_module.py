@@ -59,7 +59,8 @@ class GRPOLabFusedLinearGRPOLoss(nn.Module):
                 ref_per_token_logps=None, old_per_token_logps=None, vllm_is_ratio=None, num_items_in_batch=None,
                 sampling_per_token_logps=None, entropy_coef=None, gradient_accumulation_steps: int = 1,
                 steps_per_generation: int = 1, num_processes: int = 1):
-        """Returns `(loss, metrics)`; `loss` is what `backward()` is called on, `metrics` TRL's names → floats.
+        """Returns `(loss, metrics)`; `loss` is what `backward()` is called on, `metrics` TRL's names → floats (a
+        `LazyMetrics`: a value is read off the device only when looked at; `metrics.tensors()` keeps them there).
 
         `num_items_in_batch` (dapo/cispo/vespo normaliser) defaults to this micro-batch's valid-token count."""
         logps, entropies = self.per_token_logps(hidden, weight, selected_token_ids, attention_mask, bias)

@@ -2,12 +2,14 @@
 
 Every backend produces `(B, T)` log-probs (and entropies); this module turns them into the loss and TRL's metrics.
 It is tested against TRL's own `GRPOTrainer._compute_loss` on a real trainer, so any backend that matches the
-`naive` log-probs trains exactly like TRL. Single process: the metrics are local means (TRL all-reduces them).
+`naive` log-probs trains exactly like TRL. Single process: the metrics are local means (TRL all-reduces them),
+computed on the device and read on the host only when someone reads one (`LazyMetrics`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -15,13 +17,54 @@ import torch
 from .config import GRPOLossConfig
 
 
+class LazyMetrics(Mapping):
+    """TRL's metric names -> floats, held as 0-dim tensors until a value is read.
+
+    Reading a CUDA value (`.item()`) makes the host wait for every kernel queued before it; the loss runs mid-step, so
+    reading its metrics there would leave the GPU idle while the host then queues the backward. A value is read (and
+    kept) only when someone reads it; `tensors()` gives the raw tensors to accumulate or gather on the device.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor] | None = None):
+        self._tensors = dict(tensors or {})
+        self._floats: dict[str, float] = {}
+        cuda = next((t.device for t in self._tensors.values() if t.is_cuda), None)
+        # the stream that computed them: a read from another stream must still come after those kernels
+        self._stream = None if cuda is None else torch.cuda.current_stream(cuda)
+
+    def __getitem__(self, key: str) -> float:
+        if key not in self._floats:
+            value = self._tensors[key]
+            if self._stream is not None:
+                self._stream.synchronize()
+            self._floats[key] = value.item()
+        return self._floats[key]
+
+    def __contains__(self, key) -> bool:  # Mapping's would read the value
+        return key in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The metrics as 0-dim tensors on the loss's device (reading none of them)."""
+        return dict(self._tensors)
+
+    def __repr__(self) -> str:
+        return f"LazyMetrics({dict(self)!r})"
+
+
 @dataclass
 class GRPOLossOutput:
-    """`loss` is what `backward()` is called on (already scaled for gradient accumulation, like TRL's)."""
+    """`loss` is what `backward()` is called on (already scaled for gradient accumulation, like TRL's). `metrics`
+    reads as a dict of floats; its values are computed on the device and read only when looked at."""
 
     loss: torch.Tensor
     policy_loss: torch.Tensor
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: LazyMetrics = field(default_factory=LazyMetrics)
 
 
 def vllm_importance_sampling_ratio(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
@@ -40,12 +83,24 @@ def vllm_importance_sampling_ratio(old_per_token_logps: torch.Tensor, sampling_p
 
 
 def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
-    """Tokens whose entropy is at or above the `quantile` of the valid tokens' entropies."""
-    valid = entropies[mask.bool()].float()
-    if valid.numel() == 0:
+    """Tokens whose entropy is at or above the `quantile` of the valid tokens' entropies (none if no token is valid or
+    a valid entropy is NaN)."""
+    valid = mask.bool()
+    if entropies.numel() == 0:
         return torch.zeros_like(entropies, dtype=torch.bool)
-    threshold = torch.quantile(valid, quantile)
-    return ((entropies * mask.float()) >= threshold) & mask.bool()
+    return ((entropies * mask.float()) >= valid_quantile(entropies, valid, quantile)) & valid
+
+
+def valid_quantile(x: torch.Tensor, valid: torch.Tensor, quantile: float) -> torch.Tensor:
+    """`torch.quantile(x[valid].float(), quantile)` bit for bit, as a (1,) tensor (NaN if nothing is valid), without
+    boolean indexing, whose result size the host would wait for, and without `torch.quantile`'s 2**24-value limit:
+    all values are sorted, the invalid ones as +inf, and the valid count's linear interpolation is read off."""
+    ranked = x.float().masked_fill(~valid, math.inf).flatten().sort().values
+    q = torch.full((1,), quantile, dtype=ranked.dtype, device=ranked.device)
+    rank = (q * (valid.sum() - 1)).clamp(min=0)  # in float32, as torch.quantile computes it
+    below, above = rank.long(), rank.ceil().long()
+    value = ranked.gather(0, below).lerp(ranked.gather(0, above), rank - below)
+    return torch.where((x.isnan() & valid).any(), math.nan, value)  # torch.quantile's NaN propagation
 
 
 def off_policy_sequence_mask(advantages, per_token_logps, sampling_per_token_logps, mask, threshold) -> torch.Tensor:
@@ -70,10 +125,10 @@ def vespo_gamma_weights(advantages, log_ratio, mask, importance_sampling_ratio, 
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if x.shape[1] == 1:  # one value per sequence (sequence-level importance sampling)
-        return (x.sum() / max(x.shape[0], 1)).item()
-    return ((x * mask).sum() / mask.sum().clamp(min=1.0)).item()
+        return x.sum() / max(x.shape[0], 1)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def _seq_means(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -159,8 +214,8 @@ def grpo_loss(
 
     accumulation = gradient_accumulation_steps if training else 1.0
     if config.loss_type in ("cispo", "dapo", "vespo"):  # normalised by the whole generation batch's tokens
-        n_items = num_items_in_batch if isinstance(num_items_in_batch, torch.Tensor) else torch.tensor(
-            float(num_items_in_batch))
+        n_items = num_items_in_batch if isinstance(num_items_in_batch, torch.Tensor) else torch.full(
+            (), float(num_items_in_batch), device=per_token_loss.device)  # made there: a host copy would wait
         normalizer = n_items.to(per_token_loss.device).clamp(min=1.0) / num_processes
         if training:
             normalizer = normalizer * gradient_accumulation_steps / steps_per_generation
@@ -177,12 +232,12 @@ def grpo_loss(
         loss = policy_loss / accumulation
     policy_loss = policy_loss.detach()
 
-    metrics: dict[str, float] = {}
+    metrics: dict[str, torch.Tensor] = {}  # 0-dim tensors: nothing here reads a value on the host
     if coef != 0.0:
         effective = mask if entropy_mask is None else mask * entropy_mask
         mean_entropy = (entropies * effective).sum() / effective.sum().clamp(min=1.0) / accumulation
         loss = loss - coef * mean_entropy
-        metrics["policy_loss"] = policy_loss.item()
+        metrics["policy_loss"] = policy_loss
 
     with torch.no_grad():
         if config.beta != 0.0:
@@ -201,12 +256,19 @@ def grpo_loss(
             metrics["cispo_clip_ratio"] = _masked_mean(((coef_1 > eps_high) & (advantages > 0)).float(), mask)
         elif config.loss_type == "vespo":
             metrics["vespo/phi_seq_mean"] = _masked_mean(phi_seq, mask)
-    return GRPOLossOutput(loss=loss, policy_loss=policy_loss, metrics=metrics)
+    return GRPOLossOutput(loss=loss, policy_loss=policy_loss, metrics=LazyMetrics(metrics))
 
 
-def _nan_reduce(x: torch.Tensor, reduce) -> float:
-    x = x[~torch.isnan(x)]
-    return float("nan") if x.numel() == 0 else reduce(x).item()
+_NAN_REDUCE_FILL = {torch.min: math.inf, torch.max: -math.inf}  # the value that never wins the reduction
+
+
+def _nan_reduce(x: torch.Tensor, reduce) -> torch.Tensor:
+    """`reduce` (torch.min or torch.max) over the non-NaN values of `x`, NaN if there are none, without reading
+    anything on the host (dropping the NaNs by boolean indexing would wait for their count)."""
+    if x.numel() == 0:
+        return x.new_full((), math.nan)
+    nan = torch.isnan(x)
+    return torch.where(nan.all(), math.nan, reduce(x.masked_fill(nan, _NAN_REDUCE_FILL[reduce])))
 
 
 def _check_inputs(logps, mask, advantages, config, old, ref, entropies, is_ratio, num_items, entropy_coef):

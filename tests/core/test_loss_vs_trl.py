@@ -1,15 +1,20 @@
 """The reference loss equals TRL's own `GRPOTrainer._compute_loss`, called on a real tiny trainer.
 
 TRL's method runs its fused LM head on the model; the reference runs on log-probs from the `naive` backend of the
-same model. Loss, gradients of every parameter and the logged metrics must agree.
+same model. Loss, gradients of every parameter and the logged metrics must agree. At the end: the loss reads nothing
+on the host (its metrics stay tensors until read), with the same floats as the eager `.item()` reads it replaced.
 """
+
+import contextlib
+import math
 
 import pytest
 import torch
 
+from grpo_lab.loss import reference
 from grpo_lab.loss.config import LOSS_TYPES, GRPOLossConfig
 from grpo_lab.loss.heads import logprob_head
-from grpo_lab.loss.reference import grpo_loss, vllm_importance_sampling_ratio
+from grpo_lab.loss.reference import GRPOLossOutput, LazyMetrics, grpo_loss, vllm_importance_sampling_ratio
 
 B, P, T = 4, 5, 8
 
@@ -159,3 +164,212 @@ def test_vllm_ratio_modes_behave():
     assert vllm_importance_sampling_ratio(old, sampling, mask, cfg)[0, 1].item() == pytest.approx(1.5)
     cfg = GRPOLossConfig(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_max=9.0)
     assert vllm_importance_sampling_ratio(old, sampling, mask, cfg).shape == (1, 1)
+
+
+# --- metrics stay on the device: no host read inside grpo_loss, the same floats once read ---------------------------
+
+def eager_masked_mean(x, mask):
+    """`reference._masked_mean` as it was when every metric was read at once (`.item()`), as an exact float64 tensor."""
+    value = (x.sum() / max(x.shape[0], 1)) if x.shape[1] == 1 else ((x * mask).sum() / mask.sum().clamp(min=1.0))
+    return torch.tensor(value.item(), dtype=torch.float64)
+
+
+def eager_nan_reduce(x, reduce):
+    """`reference._nan_reduce` as it was: boolean indexing drops the NaNs, then one host read."""
+    x = x[~torch.isnan(x)]
+    return torch.tensor(float("nan") if x.numel() == 0 else reduce(x).item(), dtype=torch.float64)
+
+
+def eager_high_entropy_mask(entropies, mask, quantile):
+    """`reference.high_entropy_mask` as it was: boolean indexing, then `torch.quantile`."""
+    valid = entropies[mask.bool()].float()
+    if valid.numel() == 0:
+        return torch.zeros_like(entropies, dtype=torch.bool)
+    return ((entropies * mask.float()) >= torch.quantile(valid, quantile)) & mask.bool()
+
+
+def metric_inputs(device="cpu", b=5, t=7, seed=0):
+    """Random loss inputs with an all-zero-mask sequence (row 2), so the per-sequence clip metrics meet a NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(b, t, generator=gen) * 3
+    mask = (torch.rand(b, t, generator=gen) < 0.8).float()
+    mask[:, 0], mask[2] = 1.0, 0.0
+    inputs = {"per_token_logps": logps, "completion_mask": mask, "advantages": torch.randn(b, generator=gen),
+              "old_per_token_logps": logps + 0.4 * torch.randn(b, t, generator=gen),
+              "ref_per_token_logps": logps + 0.2 * torch.randn(b, t, generator=gen),
+              "entropies": torch.rand(b, t, generator=gen) * 4, "num_items_in_batch": mask.sum() * 2.0,
+              "sampling_per_token_logps": logps + 0.1 * torch.randn(b, t, generator=gen),
+              "importance_sampling_ratio": 0.8 + 0.4 * torch.rand(b, 1, generator=gen)}
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+METRIC_CASES = {
+    "grpo": {"loss_type": "grpo"},
+    "grpo_kl_entropy_bonus": {"loss_type": "grpo", "beta": 0.1, "entropy_coef": 0.05},
+    "dapo_sequence_is_ratio": {"loss_type": "dapo", "vllm_importance_sampling_correction": True},
+    "dapo_sequence_level": {"loss_type": "dapo", "importance_sampling_level": "sequence", "epsilon_high": 0.28},
+    "dapo_top_entropy": {"loss_type": "dapo", "top_entropy_quantile": 0.6, "entropy_coef": 0.02},
+    "cispo_kl": {"loss_type": "cispo", "beta": 0.05},
+    "vespo_off_policy_mask": {"loss_type": "vespo", "off_policy_mask_threshold": 0.01},
+}
+
+
+def call_loss(inputs, config, drop=()):
+    args = {k: v for k, v in inputs.items() if k not in drop}
+    if config.beta == 0.0:
+        args.pop("ref_per_token_logps")
+    return grpo_loss(args.pop("per_token_logps"), args.pop("completion_mask"), args.pop("advantages"), config, **args)
+
+
+def eager_and_lazy(monkeypatch, inputs, config):
+    """The loss output of today's grpo_loss and of the same code with the old eager helpers swapped back in."""
+    lazy = call_loss(inputs, config)
+    with monkeypatch.context() as m:
+        m.setattr(reference, "_masked_mean", eager_masked_mean)
+        m.setattr(reference, "_nan_reduce", eager_nan_reduce)
+        m.setattr(reference, "high_entropy_mask", eager_high_entropy_mask)
+        eager = call_loss(inputs, config)
+    return lazy, eager
+
+
+def assert_same_floats(got, expected):
+    assert list(got) == list(expected)
+    for key in expected:
+        assert isinstance(got[key], float), key
+        assert got[key] == expected[key] or (math.isnan(got[key]) and math.isnan(expected[key])), key
+
+
+@pytest.mark.parametrize("case", sorted(METRIC_CASES))
+def test_device_metrics_equal_the_eager_reads(monkeypatch, case):
+    config = GRPOLossConfig(**METRIC_CASES[case])
+    lazy, eager = eager_and_lazy(monkeypatch, metric_inputs(), config)
+    assert torch.equal(lazy.loss, eager.loss)  # the entropy mask (top_entropy case) is the same bit for bit
+    assert_same_floats(lazy.metrics, {k: float(v) for k, v in eager.metrics.items()})
+    assert ("kl" in lazy.metrics) == (config.beta != 0.0) and "entropy" in lazy.metrics
+    assert ("policy_loss" in lazy.metrics) == (config.entropy_coef != 0.0)
+
+
+def test_every_sequence_masked_gives_nan_extremes(monkeypatch):
+    inputs = metric_inputs()
+    inputs["completion_mask"] = torch.zeros_like(inputs["completion_mask"])
+    lazy, eager = eager_and_lazy(monkeypatch, inputs, GRPOLossConfig(loss_type="grpo"))
+    assert math.isnan(lazy.metrics["clip_ratio/low_min"]) and math.isnan(lazy.metrics["clip_ratio/high_max"])
+    assert_same_floats(lazy.metrics, {k: float(v) for k, v in eager.metrics.items()})
+
+
+def test_metrics_by_hand():
+    """Row 0: first token's ratio e^-0.5 < 1 - 0.2 with a negative advantage (clipped low); row 1 fully masked."""
+    logps = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]])
+    out = grpo_loss(logps, torch.tensor([[1.0, 1.0], [0.0, 0.0]]), torch.tensor([-1.0, 1.0]), GRPOLossConfig(loss_type="grpo"),
+                    old_per_token_logps=logps + torch.tensor([[0.5, 0.0], [0.0, 0.0]]),
+                    entropies=torch.tensor([[1.0, 3.0], [5.0, 7.0]]))
+    assert dict(out.metrics) == {"entropy": 2.0, "clip_ratio/low_mean": 0.5, "clip_ratio/high_mean": 0.0,
+                                 "clip_ratio/region_mean": 0.5, "clip_ratio/low_min": 0.5, "clip_ratio/high_max": 0.0}
+
+
+def test_valid_quantile_is_torch_quantile_bit_for_bit():
+    from grpo_lab.loss.reference import valid_quantile
+
+    gen = torch.Generator().manual_seed(1)
+    for trial, dtype in enumerate((torch.float32, torch.bfloat16, torch.float64) * 6):
+        n = int(torch.randint(1, 3000, (1,), generator=gen))
+        x = (torch.randn(n, generator=gen) * 3).to(dtype)
+        if trial % 4 == 0:
+            x = x.round()  # ties
+        valid = torch.rand(n, generator=gen) < (0.3, 1.0, 0.6)[trial % 3]
+        valid[0] = True
+        for q in (0.0, 0.2, 1 / 3, 0.5, 0.9, 1.0, float(torch.rand((), generator=gen))):
+            assert torch.equal(valid_quantile(x, valid, q), torch.quantile(x[valid].float(), q).view(1)), (trial, q)
+    x[0] = float("nan")  # a valid NaN makes torch.quantile NaN
+    assert valid_quantile(x, valid, 0.5).isnan().all() and torch.quantile(x[valid].float(), 0.5).isnan()
+    assert valid_quantile(x, torch.zeros_like(valid), 0.5).isnan().all()  # nothing valid: no token reaches it
+
+
+_HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Inside, reading a tensor's value on the host or indexing with a boolean mask raises (restored after)."""
+    def refuse(name):
+        def refused(*args, **kwargs):
+            raise AssertionError(f"grpo_loss read a tensor on the host ({name})")
+        return refused
+
+    get_item = torch.Tensor.__getitem__
+
+    def getitem(self, index):
+        if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+            raise AssertionError("grpo_loss indexed with a boolean mask")
+        return get_item(self, index)
+
+    saved = {name: torch.Tensor.__dict__.get(name) for name in (*_HOST_READS, "__getitem__", "nonzero")}
+    try:
+        for name in (*_HOST_READS, "nonzero"):
+            setattr(torch.Tensor, name, refuse(name))
+        torch.Tensor.__getitem__ = getitem
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, value)
+
+
+@pytest.mark.parametrize("helper, eager, caught", [("_masked_mean", eager_masked_mean, "item"),
+                                                    ("_nan_reduce", eager_nan_reduce, "boolean mask"),
+                                                    ("high_entropy_mask", eager_high_entropy_mask, "boolean mask")])
+def test_no_host_reads_guard_catches_the_eager_helpers(monkeypatch, helper, eager, caught):
+    monkeypatch.setattr(reference, helper, eager)
+    with no_host_reads(), pytest.raises(AssertionError, match=caught):
+        call_loss(metric_inputs(), GRPOLossConfig(loss_type="grpo", top_entropy_quantile=0.5))
+    assert torch.ones(()).item() == 1.0 and torch.ones(3)[torch.ones(3) > 0].tolist() == [1.0] * 3  # restored
+
+
+@pytest.mark.parametrize("case", sorted(METRIC_CASES))
+def test_grpo_loss_reads_nothing_on_the_host(case):
+    config = GRPOLossConfig(**METRIC_CASES[case])
+    inputs = metric_inputs()
+    inputs["num_items_in_batch"] = 57.0  # a plain number is turned into a tensor on the loss's device
+    with no_host_reads():
+        out = call_loss(inputs, config)
+    assert isinstance(out.metrics, LazyMetrics) and "entropy" in out.metrics and len(out.metrics) >= 2
+    assert all(isinstance(v, float) for v in out.metrics.values())  # read afterwards, as floats
+
+
+def test_lazy_metrics_behave_like_a_dict_of_floats(monkeypatch):
+    metrics = LazyMetrics({"a": torch.tensor(0.25), "b": torch.tensor(2.0, dtype=torch.float64)})
+    assert "a" in metrics and "c" not in metrics and len(metrics) == 2 and list(metrics) == ["a", "b"]
+    assert set(metrics.tensors()) == {"a", "b"} and metrics.tensors()["a"].dim() == 0
+    assert metrics == {"a": 0.25, "b": 2.0} and {"a": 0.25, "b": 2.0} == metrics and metrics != {"a": 0.25}
+    assert dict(metrics) == {"a": 0.25, "b": 2.0} and type(metrics["a"]) is float
+    assert metrics.get("c") is None and metrics.get("a") == 0.25 and list(metrics.items()) == [("a", 0.25), ("b", 2.0)]
+    assert repr(metrics) == "LazyMetrics({'a': 0.25, 'b': 2.0})"
+    with pytest.raises(KeyError):
+        metrics["c"]
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("read twice"))
+    assert metrics["a"] == 0.25  # read once, then kept
+    assert LazyMetrics() == {} and len(GRPOLossOutput(torch.zeros(()), torch.zeros(())).metrics) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", sorted(METRIC_CASES))
+def test_cuda_loss_never_synchronises(monkeypatch, case):
+    """On CUDA, PyTorch's sync debug mode raises at any wait for the GPU; the metrics are still the eager ones."""
+    config = GRPOLossConfig(**METRIC_CASES[case])
+    inputs = metric_inputs("cuda", b=64, t=512)
+    inputs["per_token_logps"].requires_grad_()
+    inputs["num_items_in_batch"] = 123456.0
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = call_loss(inputs, config)
+        out.loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    lazy, eager = eager_and_lazy(monkeypatch, inputs, config)
+    assert torch.equal(lazy.loss, eager.loss)
+    assert_same_floats(lazy.metrics, {k: float(v) for k, v in eager.metrics.items()})
+    assert_same_floats(out.metrics, lazy.metrics)
