@@ -133,6 +133,7 @@ class _FrozenSink:
     P~·(z − ref) into acc[1]. The second GEMM of the two-GEMM frozen path."""
 
     p_mode = 1
+    ref_is_target = True
 
     def __init__(self, m_rows, weight, compute, ref, with_plogp, bn, ref_stats=True):
         self.ref_stats = ref_stats  # statistics against ref (when `ref_stats` allows), or against each block's max
@@ -174,6 +175,7 @@ class _RefSink:
     the vocabulary chunk follows the statistics budget (so also for `_MaterializedSink`)."""
 
     p_mode = 0
+    ref_is_target = True
     t_tile = None
     v_tile = None
 
@@ -219,7 +221,11 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
     run = torch.zeros((6, m_rows), device=dev)  # max, Σexp, Σexp·z, Σexp², Σz, max before the target
     run[0].fill_(float("-inf"))
     run[5].fill_(float("-inf"))
-    target_logit = torch.zeros(m_rows, device=dev)
+    # a sink's ref is the target's own logit (a row-wise dot) unless `_redo_rows` set it to the row max; is_top1
+    # compares the target logit with the row max, so it needs the very value the blocks' max was taken over
+    tz_from_ref = (sink is not None and sink.ref_is_target and TUNING.target_logit_from_ref
+                   and not want["is_top1"])
+    target_logit = sink.ref.clone() if tz_from_ref else torch.zeros(m_rows, device=dev)
     flags = dict(HAS_ENTROPY=want["entropy"], HAS_SQ=want["log_sum_sq_probs"], HAS_MEAN=want["mean_logits"],
                  HAS_TOP1=want["is_top1"])
     ref_stats = sink is not None and (sink.p_mode == 0 or TUNING.ref_stats[dtype_key(compute)]
@@ -244,6 +250,7 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
                 BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
                 P_MODE=sink.p_mode if sink is not None else 0, STORE_PZ=store_pz, P_TMA=p_tma, REF_STATS=ref_stats,
                 EVEN_N=(v1 - v0) % bn == 0, ZERO_TARGET=sink is not None and sink.zero_in_kernel, FAST_EXP=h.is_cuda,
+                TZ_FROM_REF=tz_from_ref,
                 num_warps=warps, num_stages=stages, **TUNING.launch_options[f"{kind}_{dtype_key(compute)}"])
             LAST_COMPILED[f"{kind}_{dtype_key(compute)}"] = compiled
             merge_kernel[(triton.cdiv(rows, TUNING.merge_rows),)](
@@ -360,6 +367,7 @@ def _redo_rows(rows, stats, ref, make_sink, h, weight, bias, y, inv_t, softcap, 
     `make_sink(ref of the rows)` holds their stores for the caller to put in place."""
     ref[rows] = stats[0][rows]
     sink = make_sink(ref[rows])
+    sink.ref_is_target = False  # against the max now: the blocks find the target logit themselves
     redone = _forward_stats(h[rows], weight, bias, y[rows], inv_t, softcap, logit_scale, compute, want, sink)
     for kept, new in zip(stats, redone):
         if kept is not None:

@@ -105,7 +105,7 @@ def fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr, P_MODE: tl.constexpr,
                STORE_PZ: tl.constexpr, P_TMA: tl.constexpr, REF_STATS: tl.constexpr, EVEN_N: tl.constexpr,
-               ZERO_TARGET: tl.constexpr, FAST_EXP: tl.constexpr):
+               ZERO_TARGET: tl.constexpr, FAST_EXP: tl.constexpr, TZ_FROM_REF: tl.constexpr):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(v_hi - v_lo, BN)
     if PERSISTENT:
@@ -115,14 +115,14 @@ def fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr
                       v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
                       HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
                       USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS, EVEN_N,
-                      ZERO_TARGET, FAST_EXP)
+                      ZERO_TARGET, FAST_EXP, TZ_FROM_REF)
     else:
         pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
                   v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
                   HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
                   USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS, EVEN_N,
-                      ZERO_TARGET, FAST_EXP)
+                      ZERO_TARGET, FAST_EXP, TZ_FROM_REF)
 
 
 @triton.jit
@@ -134,7 +134,7 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
               COMPUTE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P_MODE: tl.constexpr, STORE_PZ: tl.constexpr,
               P_TMA: tl.constexpr, REF_STATS: tl.constexpr, EVEN_N: tl.constexpr, ZERO_TARGET: tl.constexpr,
-              FAST_EXP: tl.constexpr):
+              FAST_EXP: tl.constexpr, TZ_FROM_REF: tl.constexpr):
     """One [BM, BN] block: its logits, reduced to per-row partial statistics in `part`; with P_MODE, also the
     block's e^(z − ref) (ref: a per-row reference, `ref_ptr`) stored at `p_ptr` for a cuBLAS GEMM to consume —
     P_MODE 1 (frozen head): times the softcap factor, target column 0, and e^(z − ref)·(z − ref) at `pz_ptr` when
@@ -146,7 +146,9 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
     vocabulary chunk a multiple of BN: every column valid) no column masks; the target is found by one 32-bit compare
     of the block's column index with the row's target (a 64-bit compare of absolute indices cost some 20 instructions
     per element); and the frozen head's target column is zeroed in the block only with ZERO_TARGET, else by
-    `zero_target_kernel` after the launch (a second use of the compare cost as much again)."""
+    `zero_target_kernel` after the launch (a second use of the compare cost as much again). With TZ_FROM_REF (the
+    sink's ref is the target's own logit, from `ref_logit_kernel`'s row-wise dot) the block does not look for the
+    target at all: the host takes the target logit from ref."""
     z, t, offs_m, offs_n, row_ok, col_ok = _tile_logits(
         h_ptr, w_ptr, b_ptr, pid_m, pid_n, M, v_lo, v_hi, K, stride_h, stride_w, logit_scale, softcap, inv_t,
         HAS_BIAS, HAS_SOFTCAP, COMPUTE, PRECISION, EVEN_K, USE_TMA, BM, BN, BK)
@@ -171,18 +173,19 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
         tl.store(base + 3 * part_stat_stride, tl.sum(e * e, axis=1), mask=row_ok)
     if HAS_MEAN:
         tl.store(base + 4 * part_stat_stride, tl.sum(z0, axis=1), mask=row_ok)
-    tgt = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1)
-    blk_lo = v_lo + pid_n * BN
-    # the target's column in this block (outside [0, BN) when it lies elsewhere; |tgt − blk_lo| < V fits 32 bits)
-    tcol = (tgt - blk_lo).to(tl.int32)
-    cols = tl.arange(0, BN)
-    if HAS_TOP1:
-        before = cols[None, :] < tcol[:, None]
-        tl.store(base + 5 * part_stat_stride, tl.max(tl.where(before, zm, -float("inf")), axis=1), mask=row_ok)
-    hit = cols[None, :] == tcol[:, None]
-    tz = tl.sum(tl.where(hit, z, 0.0), axis=1)
-    mine = row_ok & (tcol >= 0) & (tcol < BN) & (tgt < v_hi)
-    tl.store(tlogit_ptr + offs_m, tz, mask=mine)
+    if HAS_TOP1 or not TZ_FROM_REF or ZERO_TARGET:
+        tgt = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1)
+        # the target's column in this block (outside [0, BN) when it lies elsewhere; |tgt − blk_lo| < V: 32 bits)
+        tcol = (tgt - (v_lo + pid_n * BN)).to(tl.int32)
+        cols = tl.arange(0, BN)
+        hit = cols[None, :] == tcol[:, None]
+        if HAS_TOP1:
+            before = cols[None, :] < tcol[:, None]
+            tl.store(base + 5 * part_stat_stride, tl.max(tl.where(before, zm, -float("inf")), axis=1), mask=row_ok)
+        if not TZ_FROM_REF:
+            tz = tl.sum(tl.where(hit, z, 0.0), axis=1)
+            mine = row_ok & (tcol >= 0) & (tcol < BN) & (tgt < v_hi)
+            tl.store(tlogit_ptr + offs_m, tz, mask=mine)
     if P_MODE != 0:  # last, so that e is dead once pe exists (one [BM, BN] fp32 block fewer live)
         if REF_STATS:
             pe = e

@@ -90,6 +90,12 @@ class KernelTuning:
             The frozen forward's P~ blocks get their target column zeroed by a one-store-per-row pass after each
             launch (`zero_target_kernel`) instead of by a compare and select on every element of the fused
             forward's epilogue (issue 45: the epilogue, not the GEMM, is the forward's distance to its floor).
+        target_logit_from_ref (`bool`, defaults to `True`):
+            A forward with a per-row ref (frozen and materialised heads, `ref_stats_plain`) takes each row's target
+            logit from that ref, the row-wise fp32 dot `ref_logit_kernel` computes anyway, instead of finding the
+            target's column in every block of its epilogue (a compare and select per element); not when is_top1 is
+            asked for (it compares the target logit with the row max, so needs the blocks' own value). Off: always
+            from the block.
         ref_headroom (`float`, defaults to 60):
             e^(z − ref) is stored against a per-row reference (the target's logit); rows whose max exceeds it by more
             than this are recomputed against their exact max (e^60 · V stays far inside the fp32 / bf16 range).
@@ -148,6 +154,7 @@ class KernelTuning:
     frozen_deferred_check: dict = field(default_factory=lambda: {"16": True, "32": False})
     frozen_tile: dict = field(default_factory=lambda: {"16": (8192, 8192), "32": (8192, 8192)})
     target_zero_pass: bool = True
+    target_logit_from_ref: bool = True
     ref_headroom: float = 60.0
     sq_ref_headroom: float = 30.0
     plogp_excess: dict = field(default_factory=lambda: {"16": 2.0, "32": float("inf")})
