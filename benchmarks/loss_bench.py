@@ -511,7 +511,7 @@ PER_DTYPE_KNOBS = ("bwd_tile", "frozen_tile", "dz_tma", "p_tma", "frozen_recompu
                    "ref_stats_plain")
 FIELD_KNOBS = {"FP32_MM": "fp32_mm", "FP32_DOT": "fp32_dot", "frozen_two_gemm": "frozen_two_gemm",
                "materialize_gib": "materialize_gib", "materialize_fraction": "materialize_fraction",
-               "target_zero_pass": "target_zero_pass"}
+               "target_zero_pass": "target_zero_pass", "target_logit_from_ref": "target_logit_from_ref"}
 
 
 def apply_experiment(T, exp, dname):
@@ -591,7 +591,7 @@ def compiled_summary(T, last_compiled: dict, head: str, dname: str) -> str:
 
 
 FROZEN_KNOBS = ("frozen_cfg", "frozen_tile", "p_tma", "frozen_two_gemm", "frozen_recompute_below", "ref_stats",
-                "target_zero_pass")
+                "target_zero_pass", "target_logit_from_ref")
 
 
 def frozen_only(exp: dict) -> bool:
