@@ -73,6 +73,13 @@ PATH_CASES = [
       "extreme_rows": True, "ref_stats": False}, 7),
     # the rows check deferred to the backward (`frozen_deferred_check`): the same launches, the rescue in the backward
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "deferred": True}, 6),
+    # without is_top1: the target logit from the row-wise dot, in the frozen, materialised and plain forwards (with
+    # rows redone against their max, which find it in their blocks again)
+    ({"tma": True, "persistent": True, "dz_tma": False, "path": "recompute", "softcap": None, "no_top1": True}, 7),
+    ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "softcap": None,
+      "extreme_rows": True, "no_top1": True}, 7),
+    ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "extreme_rows": True,
+      "target_gap": 50.0, "no_top1": True}, 2),
     # the target column zeroed in the forward's epilogue instead of by the pass after each launch
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "deferred": True,
       "target_zero_pass": False}, 6),
@@ -91,7 +98,9 @@ PATH_CASES = [
                          ids=["frozen", "frozen-p-descriptors", "frozen-fallback-rescue", "materialized-rescue",
                               "frozen-overflow", "materialized-overflow", "frozen-sq-overflow",
                               "materialized-sq-overflow", "plain-overflow", "plain-sq-overflow",
-                              "frozen-overflow-block-max-stats", "frozen-deferred", "frozen-deferred-zero-in-kernel",
+                              "frozen-overflow-block-max-stats", "frozen-deferred", "plain-target-from-ref",
+                              "frozen-overflow-target-from-ref", "materialized-overflow-target-from-ref",
+                              "frozen-deferred-zero-in-kernel",
                               "frozen-deferred-fallback-rescue",
                               "frozen-deferred-rescue", "frozen-deferred-overflow", "frozen-deferred-sq-overflow"])
 def test_frozen_and_materialized_paths_match_float64_in_the_interpreter(variant, launches):

@@ -191,6 +191,13 @@ class _RefSink:
         pass
 
 
+class _TargetLogitSink(_RefSink):
+    """The statistics-only forward's ref as the target logit alone: the statistics stay against each block's max
+    (nothing can overflow, no rows to check, no host sync), and the blocks need not look for the target."""
+
+    ref_stats = False
+
+
 class _MaterializedSink(_RefSink):
     """Trainable head with memory allowed for speed: e^(z − ref) of every row and vocabulary entry is kept
     (`full`, [rows, V] in the compute dtype), so the backward is an elementwise pass and two GEMMs, no recompute."""
@@ -228,8 +235,8 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
     target_logit = sink.ref.clone() if tz_from_ref else torch.zeros(m_rows, device=dev)
     flags = dict(HAS_ENTROPY=want["entropy"], HAS_SQ=want["log_sum_sq_probs"], HAS_MEAN=want["mean_logits"],
                  HAS_TOP1=want["is_top1"])
-    ref_stats = sink is not None and (sink.p_mode == 0 or TUNING.ref_stats[dtype_key(compute)]
-                                      and getattr(sink, "ref_stats", True))
+    ref_stats = sink is not None and getattr(sink, "ref_stats", True) and (
+        sink.p_mode == 0 or TUNING.ref_stats[dtype_key(compute)])
     for t0 in range(0, m_rows, t_tile):
         t1 = min(m_rows, t0 + t_tile)
         rows = t1 - t0
@@ -345,9 +352,13 @@ class PendingRescue:
 
 def statistics_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want):
     """The statistics-only forward; with `ref_stats_plain` against each row's target logit, rows too far below their
-    max recomputed against it."""
+    max recomputed against it. Without, the target logit still comes from the row-wise dot where
+    `target_logit_from_ref` allows (`_TargetLogitSink`)."""
     if not TUNING.ref_stats_plain[dtype_key(compute)]:
-        return _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
+        sink = None
+        if TUNING.target_logit_from_ref and not want["is_top1"]:
+            sink = _TargetLogitSink(_reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale))
+        return _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink)
     ref = _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale)
     stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, _RefSink(ref))
     rows = _far_below_max(stats[0], ref, _ref_limit(compute, want, True)).nonzero().squeeze(-1)
