@@ -57,7 +57,7 @@ ab)
     --out "$OUT_DIR/old" --hidden $PTS --tokens 8192,32768 --dtypes bf16 --experiments '{"bf16": [{}]}' 2>&1 \
     | grep '^tune' | sed 's/^/old /'
   timeout 230 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden $PTS --tokens 8192,32768 \
-    --dtypes bf16 --experiments '{"bf16": [{}, {"target_zero_pass": false, "target_logit_from_ref": false},
+    --dtypes bf16 --experiments '{"bf16": [{}, {"target_zero_pass": false}, {"target_logit_from_ref": false},
     {"dz_tma": true}]}' 2>&1 | grep '^tune' | sed 's/^/new /'
   timeout 150 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --no-issue-rows --repeats 2 \
     --backends naive,trl,grpo_lab --budget-s 0.4 --points "${2:-frozen:bf16:1024:32768,trainable:bf16:1024:32768,\

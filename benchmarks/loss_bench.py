@@ -591,7 +591,7 @@ def compiled_summary(T, last_compiled: dict, head: str, dname: str) -> str:
 
 
 FROZEN_KNOBS = ("frozen_cfg", "frozen_tile", "p_tma", "frozen_two_gemm", "frozen_recompute_below", "ref_stats",
-                "target_zero_pass", "target_logit_from_ref")
+                "target_zero_pass")
 
 
 def frozen_only(exp: dict) -> bool:
