@@ -54,13 +54,14 @@ all)  # one call of under 10 minutes when machines are scarce: the policy's test
 ab)
   PTS=1024,4096
   PYTHONPATH=/tmp/site:$PWD/${OLD:?set OLD to the older checkout} timeout 170 python3 benchmarks/loss_bench.py --tune \
-    --out "$OUT_DIR/old" --hidden $PTS --tokens 8192,32768 --dtypes bf16 --experiments '{"bf16": [{}]}' 2>&1 \
+    --out "$OUT_DIR/old" --hidden $PTS --tokens 8192,32768 --dtypes bf16 --experiments '{"bf16": [{}, {"materialize_gib": 48}]}' 2>&1 \
     | grep '^tune' | sed 's/^/old /'
-  timeout 230 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden $PTS --tokens 8192,32768 \
+  timeout 250 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden $PTS --tokens 8192,32768 \
     --dtypes bf16 --experiments '{"bf16": [{}, {"target_zero_pass": false}, {"target_logit_from_ref": false},
-    {"dz_tma": true}]}' 2>&1 | grep '^tune' | sed 's/^/new /'
-  timeout 150 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --no-issue-rows --repeats 2 \
-    --backends naive,trl,grpo_lab --budget-s 0.4 --points "${2:-frozen:bf16:1024:32768,trainable:bf16:1024:32768,\
+    {"dz_tma": true}, {"materialize_gib": 48}, {"materialize_gib": 48, "p_tma": false}]}' 2>&1 | grep '^tune' \
+    | sed 's/^/new /'
+  timeout 170 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --no-issue-rows --repeats 2 \
+    --backends naive,trl,grpo_lab,grpo_lab+free --budget-s 0.4 --points "${2:-frozen:bf16:1024:32768,trainable:bf16:1024:32768,\
 frozen:bf16:4096:8192,trainable:bf16:4096:8192,frozen:bf16:1024:8192,trainable:bf16:1024:8192,frozen:bf16:1024:2048,\
 trainable:bf16:1024:2048}" 2>&1 | tee "$OUT_DIR/bench.log" | grep ' ms ' | tail -30
   timeout 45 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows --no-accuracy \

@@ -31,7 +31,8 @@ _FLOATS = ("logit_scale", "softcap", "inv_t")
 
 def _variants(tuning):
     """(name, kernel, tile config key, {constexpr: value}, {descriptor arg: block shape}) of each production launch:
-    the frozen head's forward, the statistics-only forward and the recomputing backward, bf16, TMA loads on."""
+    the frozen head's forward, the statistics-only forward, the materialised head's forward (`kept`: stores its
+    [N, V] probabilities) and the recomputing backward, bf16, TMA loads on."""
     from grpo_lab.loss.kernel import triton_kernels as tk
 
     common = dict(HAS_BIAS=False, HAS_SOFTCAP=False, PRECISION="tf32", EVEN_K=True, USE_TMA=True, PERSISTENT=True,
@@ -40,9 +41,11 @@ def _variants(tuning):
                ZERO_TARGET=not tuning.target_zero_pass, REF_STATS=False)
     frozen = dict(fwd, P_MODE=1, P_TMA=tuning.p_tma["16"], TZ_FROM_REF=tuning.target_logit_from_ref)
     stats = dict(fwd, P_MODE=0, P_TMA=False, TZ_FROM_REF=tuning.target_logit_from_ref)
+    kept = dict(fwd, P_MODE=2, P_TMA=False, TZ_FROM_REF=tuning.target_logit_from_ref, REF_STATS=tuning.ref_stats["16"])
     bwd = dict(common, HAS_G=True, HAS_GE=False, DZ_TMA=tuning.dz_tma["16"])
     return [("frozen", tk.fwd_kernel, "frozen_16", frozen, {"p_ptr": "BMxBN", "pz_ptr": "BMxBN"}),
             ("stats", tk.fwd_kernel, "fwd_16", stats, {}),
+            ("kept", tk.fwd_kernel, "fwd_16", kept, {"p_ptr": "BMxBN", "pz_ptr": "BMxBN"}),
             ("bwd", tk.bwd_kernel, "bwd_16", bwd, {"dz_ptr": "BMxBN"})]
 
 
@@ -113,7 +116,7 @@ def _value(text: str):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernels", default="frozen,stats,bwd", help="of frozen, stats, bwd")
+    p.add_argument("--kernels", default="frozen,stats,kept,bwd", help="of frozen, stats, kept, bwd")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="a constexpr for every kernel that has it (repeatable), e.g. ZERO_TARGET=True")
     p.add_argument("--ops", type=int, default=12, help="most frequent opcodes to list")

@@ -70,8 +70,9 @@ class KernelTuning:
         dz_tma (`dict`, defaults off, `GRPO_LAB_DZ_TMA=1` turns both on):
             The backward writes dZ through a tensor descriptor when TMA loads are on (no gain on the H200).
         p_tma (`dict`, defaults on for 16-bit, `GRPO_LAB_P_TMA=0/1` sets both):
-            The frozen forward stores its P~ blocks through a tensor descriptor (a bulk copy the next tile's loads
-            overlap) when TMA loads are on; fp32 was not measured, so it is off there.
+            The frozen forward stores its P~ blocks, and the materialised head's forward its kept probabilities,
+            through a tensor descriptor (a bulk copy the next tile's loads overlap) when TMA loads are on; fp32 was
+            not measured, so it is off there.
         frozen_two_gemm (`bool`, defaults to `True`; `GRPO_LAB_FROZEN=recompute` turns it off):
             A frozen head (only the hidden states need a gradient) takes the two-GEMM path (the forward accumulates
             Σ p·W, the backward is elementwise) rather than the trainable head's recomputing backward.
