@@ -42,7 +42,7 @@ all)  # one call of under 10 minutes when machines are scarce: the policy's test
   timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py \
     -k "policy or peak or short_of_memory" 2>&1 | tee "$OUT_DIR/pytest_policy.log" | tail -4
   timeout 125 python3 benchmarks/step_peak.py --batch-sizes 16,64 --steps 3 --out "$OUT_DIR" 2>&1 | grep -v Warn
-  timeout 45 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows --no-accuracy \
+  timeout 40 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows --no-accuracy \
     --profile frozen:bf16:1024:32768,frozen:bf16:4096:8192 --points frozen:bf16:1024:2048 --backends grpo_lab \
     --budget-s 0.2 2>&1 | grep -v '^ *$' | grep -v 'ms  floor' | tail -40
   both() { for x in "$@"; do printf 'frozen:%s,trainable:%s,' "$x" "$x"; done; }
@@ -53,10 +53,10 @@ all)  # one call of under 10 minutes when machines are scarce: the policy's test
   ;;
 ab)
   PTS=1024,4096
-  PYTHONPATH=/tmp/site:$PWD/${OLD:?set OLD to the older checkout} timeout 170 python3 benchmarks/loss_bench.py --tune \
+  PYTHONPATH=/tmp/site:$PWD/${OLD:?set OLD to the older checkout} timeout 110 python3 benchmarks/loss_bench.py --tune \
     --out "$OUT_DIR/old" --hidden $PTS --tokens 8192,32768 --dtypes bf16 --experiments '{"bf16": [{}, {"materialize_gib": 48}]}' 2>&1 \
     | grep '^tune' | sed 's/^/old /'
-  timeout 250 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden $PTS --tokens 8192,32768 \
+  timeout 220 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden $PTS --tokens 8192,32768 \
     --dtypes bf16 --experiments '{"bf16": [{}, {"target_zero_pass": false}, {"target_logit_from_ref": false},
     {"dz_tma": true}, {"materialize_gib": 48}, {"materialize_gib": 48, "p_tma": false}]}' 2>&1 | grep '^tune' \
     | sed 's/^/new /'
@@ -64,7 +64,7 @@ ab)
     --backends naive,trl,grpo_lab,grpo_lab+free --budget-s 0.4 --points "${2:-frozen:bf16:1024:32768,trainable:bf16:1024:32768,\
 frozen:bf16:4096:8192,trainable:bf16:4096:8192,frozen:bf16:1024:8192,trainable:bf16:1024:8192,frozen:bf16:1024:2048,\
 trainable:bf16:1024:2048}" 2>&1 | tee "$OUT_DIR/bench.log" | grep ' ms ' | tail -30
-  timeout 45 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows --no-accuracy \
+  timeout 40 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows --no-accuracy \
     --profile frozen:bf16:1024:32768 --points frozen:bf16:1024:2048 --backends grpo_lab \
     --budget-s 0.2 2>&1 | grep -v '^ *$' | grep -v 'ms  floor' | tail -22
   ;;
