@@ -29,7 +29,7 @@ _POINTER_TYPES = {"tgt_ptr": "*i64", "y_ptr": "*i64", "part_ptr": "*fp32", "tlog
 _FLOATS = ("logit_scale", "softcap", "inv_t")
 
 
-def _variants(tuning):
+def _variants(tuning):  # (getattr: the settings an older checkout lacks, so that its kernels compile here too)
     """(name, kernel, tile config key, {constexpr: value}, {descriptor arg: block shape}) of each production launch:
     the frozen head's forward, the statistics-only forward, the materialised head's forward (`kept`: stores its
     [N, V] probabilities) and the recomputing backward, bf16, TMA loads on."""
@@ -38,10 +38,11 @@ def _variants(tuning):
     common = dict(HAS_BIAS=False, HAS_SOFTCAP=False, PRECISION="tf32", EVEN_K=True, USE_TMA=True, PERSISTENT=True,
                   NUM_PROGRAMS=132, FAST_EXP=True)
     fwd = dict(common, HAS_ENTROPY=True, HAS_SQ=False, HAS_MEAN=False, HAS_TOP1=False, STORE_PZ=False, EVEN_N=True,
-               ZERO_TARGET=not tuning.target_zero_pass, REF_STATS=False)
-    frozen = dict(fwd, P_MODE=1, P_TMA=tuning.p_tma["16"], TZ_FROM_REF=tuning.target_logit_from_ref)
-    stats = dict(fwd, P_MODE=0, P_TMA=False, TZ_FROM_REF=tuning.target_logit_from_ref)
-    kept = dict(fwd, P_MODE=2, P_TMA=False, TZ_FROM_REF=tuning.target_logit_from_ref, REF_STATS=tuning.ref_stats["16"])
+               ZERO_TARGET=not getattr(tuning, "target_zero_pass", False), REF_STATS=False)
+    frozen = dict(fwd, P_MODE=1, P_TMA=tuning.p_tma["16"], TZ_FROM_REF=getattr(tuning, "target_logit_from_ref", False))
+    stats = dict(fwd, P_MODE=0, P_TMA=False, TZ_FROM_REF=getattr(tuning, "target_logit_from_ref", False))
+    kept = dict(fwd, P_MODE=2, P_TMA=tuning.p_tma["16"], TZ_FROM_REF=getattr(tuning, "target_logit_from_ref", False),
+                REF_STATS=tuning.ref_stats["16"])
     bwd = dict(common, HAS_G=True, HAS_GE=False, DZ_TMA=tuning.dz_tma["16"])
     return [("frozen", tk.fwd_kernel, "frozen_16", frozen, {"p_ptr": "BMxBN", "pz_ptr": "BMxBN"}),
             ("stats", tk.fwd_kernel, "fwd_16", stats, {}),
