@@ -6,8 +6,8 @@
 #   grid   the loss-head grid with repeats (naive / TRL / grpo_lab / grpo_lab+free) and the cuBLAS floor of each cell
 #   tests  the whole GPU test suite of the kernel
 #   ab     the leaner epilogue against an older checkout ($OLD, a copy of its grpo_lab/ carried beside this one): the
-#          head alone (the tile sweep's timing) old and new with the new knobs toggled, then the bar cells of the grid
-#          with the cuBLAS floor, then a profile of the frozen head
+#          head alone (the tile sweep's timing), old and new, flat and materialised, dZ through descriptors; then the
+#          bar cells of the grid with their cuBLAS floor
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -53,20 +53,16 @@ all)  # one call of under 10 minutes when machines are scarce: the policy's test
   ;;
 ab)
   PTS=1024,4096
-  PYTHONPATH=/tmp/site:$PWD/${OLD:?set OLD to the older checkout} timeout 110 python3 benchmarks/loss_bench.py --tune \
-    --out "$OUT_DIR/old" --hidden $PTS --tokens 8192,32768 --dtypes bf16 --experiments '{"bf16": [{}, {"materialize_gib": 48}]}' 2>&1 \
-    | grep '^tune' | sed 's/^/old /'
-  timeout 220 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden $PTS --tokens 8192,32768 \
-    --dtypes bf16 --experiments '{"bf16": [{}, {"target_zero_pass": false}, {"target_logit_from_ref": false},
-    {"dz_tma": true}, {"materialize_gib": 48}, {"materialize_gib": 48, "p_tma": false}]}' 2>&1 | grep '^tune' \
+  PYTHONPATH=/tmp/site:$PWD/${OLD:?set OLD to the older checkout} timeout 100 python3 benchmarks/loss_bench.py --tune \
+    --out "$OUT_DIR/old" --hidden $PTS --tokens 8192,32768 --dtypes bf16 \
+    --experiments '{"bf16": [{}, {"materialize_gib": 48}]}' 2>&1 | grep '^tune' | sed 's/^/old /'
+  timeout 150 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden $PTS --tokens 8192,32768 \
+    --dtypes bf16 --experiments '{"bf16": [{}, {"dz_tma": true}, {"materialize_gib": 48}]}' 2>&1 | grep '^tune' \
     | sed 's/^/new /'
   timeout 170 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --no-issue-rows --repeats 2 \
     --backends naive,trl,grpo_lab,grpo_lab+free --budget-s 0.4 --points "${2:-frozen:bf16:1024:32768,trainable:bf16:1024:32768,\
 frozen:bf16:4096:8192,trainable:bf16:4096:8192,frozen:bf16:1024:8192,trainable:bf16:1024:8192,frozen:bf16:1024:2048,\
-trainable:bf16:1024:2048}" 2>&1 | tee "$OUT_DIR/bench.log" | grep ' ms ' | tail -30
-  timeout 40 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows --no-accuracy \
-    --profile frozen:bf16:1024:32768 --points frozen:bf16:1024:2048 --backends grpo_lab \
-    --budget-s 0.2 2>&1 | grep -v '^ *$' | grep -v 'ms  floor' | tail -22
+trainable:bf16:1024:2048}" 2>&1 | tee "$OUT_DIR/bench.log" | grep ' ms ' | tail -40
   ;;
 tests)
   timeout 470 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/core 2>&1 \
