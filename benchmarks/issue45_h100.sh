@@ -8,6 +8,7 @@
 #   ab     the leaner epilogue against an older checkout ($OLD, a copy of its grpo_lab/ carried beside this one): the
 #          head alone (the tile sweep's timing), old and new, flat and materialised, dZ through descriptors; then the
 #          bar cells of the grid with their cuBLAS floor
+#   quick  the kernel's GPU tests (not the TRL-trainer or memory-policy ones), then `ab` trimmed to the bar's cells
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -63,6 +64,21 @@ ab)
     --backends naive,trl,grpo_lab,grpo_lab+free --budget-s 0.4 --points "${2:-frozen:bf16:1024:32768,trainable:bf16:1024:32768,\
 frozen:bf16:4096:8192,trainable:bf16:4096:8192,frozen:bf16:1024:8192,trainable:bf16:1024:8192,frozen:bf16:1024:2048,\
 trainable:bf16:1024:2048}" 2>&1 | tee "$OUT_DIR/bench.log" | grep ' ms ' | tail -40
+  ;;
+quick)  # one call when device time is short: the GPU tests of the kernel paths, then `ab` at the bar's cells
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py -k "float64 or \
+variants or bias_softcap or top1 or grad_only or masked or rows_recomputed or fp32_as_accurate or against_trl" 2>&1 \
+    | tee "$OUT_DIR/pytest_kernels.log" | tail -6
+  PYTHONPATH=/tmp/site:$PWD/${OLD:?set OLD to the older checkout} timeout 80 python3 benchmarks/loss_bench.py --tune \
+    --out "$OUT_DIR/old" --hidden 1024,4096 --tokens 32768 --dtypes bf16 \
+    --experiments '{"bf16": [{}, {"materialize_gib": 48}]}' 2>&1 | grep '^tune' | sed 's/^/old /'
+  timeout 90 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden 1024,4096 --tokens 32768 \
+    --dtypes bf16 --experiments '{"bf16": [{}, {"dz_tma": true}, {"materialize_gib": 48}]}' 2>&1 | grep '^tune' \
+    | sed 's/^/new /'
+  timeout 150 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --no-issue-rows --repeats 2 \
+    --backends naive,trl,grpo_lab,grpo_lab+free --budget-s 0.3 --points "frozen:bf16:1024:32768,\
+trainable:bf16:1024:32768,frozen:bf16:4096:8192,trainable:bf16:4096:8192" 2>&1 | tee "$OUT_DIR/bench.log" \
+    | grep ' ms ' | tail -24
   ;;
 tests)
   timeout 470 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/core 2>&1 \
