@@ -66,17 +66,17 @@ frozen:bf16:4096:8192,trainable:bf16:4096:8192,frozen:bf16:1024:8192,trainable:b
 trainable:bf16:1024:2048}" 2>&1 | tee "$OUT_DIR/bench.log" | grep ' ms ' | tail -40
   ;;
 quick)  # one call when device time is short: the GPU tests of the kernel paths, then `ab` at the bar's cells
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py -k "float64 or \
+  timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py -k "float64 or \
 variants or bias_softcap or top1 or grad_only or masked or rows_recomputed or fp32_as_accurate or against_trl" 2>&1 \
     | tee "$OUT_DIR/pytest_kernels.log" | tail -6
-  PYTHONPATH=/tmp/site:$PWD/${OLD:?set OLD to the older checkout} timeout 80 python3 benchmarks/loss_bench.py --tune \
+  PYTHONPATH=/tmp/site:$PWD/${OLD:?set OLD to the older checkout} timeout 70 python3 benchmarks/loss_bench.py --tune \
     --out "$OUT_DIR/old" --hidden 1024,4096 --tokens 32768 --dtypes bf16 \
     --experiments '{"bf16": [{}, {"materialize_gib": 48}]}' 2>&1 | grep '^tune' | sed 's/^/old /'
-  timeout 90 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden 1024,4096 --tokens 32768 \
+  timeout 80 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden 1024,4096 --tokens 32768 \
     --dtypes bf16 --experiments '{"bf16": [{}, {"dz_tma": true}, {"materialize_gib": 48}]}' 2>&1 | grep '^tune' \
     | sed 's/^/new /'
-  timeout 150 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --no-issue-rows --repeats 2 \
-    --backends naive,trl,grpo_lab,grpo_lab+free --budget-s 0.3 --points "frozen:bf16:1024:32768,\
+  timeout 130 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --no-issue-rows --repeats 2 \
+    --backends naive,trl,grpo_lab,grpo_lab+free --budget-s 0.25 --points "frozen:bf16:1024:32768,\
 trainable:bf16:1024:32768,frozen:bf16:4096:8192,trainable:bf16:4096:8192" 2>&1 | tee "$OUT_DIR/bench.log" \
     | grep ' ms ' | tail -24
   ;;
