@@ -9,6 +9,7 @@
 #          head alone (the tile sweep's timing), old and new, flat and materialised, dZ through descriptors; then the
 #          bar cells of the grid with their cuBLAS floor
 #   quick  the kernel's GPU tests (not the TRL-trainer or memory-policy ones), then `ab` trimmed to the bar's cells
+#          (the older checkout's timing only when OLD is set)
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -69,7 +70,7 @@ quick)  # one call when device time is short: the GPU tests of the kernel paths,
   timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py -k "float64 or \
 variants or bias_softcap or top1 or grad_only or masked or rows_recomputed or fp32_as_accurate or against_trl" 2>&1 \
     | tee "$OUT_DIR/pytest_kernels.log" | tail -6
-  PYTHONPATH=/tmp/site:$PWD/${OLD:?set OLD to the older checkout} timeout 70 python3 benchmarks/loss_bench.py --tune \
+  [ -n "${OLD:-}" ] && PYTHONPATH=/tmp/site:$PWD/$OLD timeout 70 python3 benchmarks/loss_bench.py --tune \
     --out "$OUT_DIR/old" --hidden 1024,4096 --tokens 32768 --dtypes bf16 \
     --experiments '{"bf16": [{}, {"materialize_gib": 48}]}' 2>&1 | grep '^tune' | sed 's/^/old /'
   timeout 80 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden 1024,4096 --tokens 32768 \
