@@ -66,20 +66,20 @@ ab)
 frozen:bf16:4096:8192,trainable:bf16:4096:8192,frozen:bf16:1024:8192,trainable:bf16:1024:8192,frozen:bf16:1024:2048,\
 trainable:bf16:1024:2048}" 2>&1 | tee "$OUT_DIR/bench.log" | grep ' ms ' | tail -40
   ;;
-quick)  # one call when device time is short: the GPU tests of the kernel paths, then `ab` at the bar's cells
-  timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py -k "float64 or \
+quick)  # one call when device time is short: the GPU tests of the kernel paths, the bar's cells, the head alone
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py -k "float64 or \
 variants or bias_softcap or top1 or grad_only or masked or rows_recomputed or fp32_as_accurate or against_trl" 2>&1 \
     | tee "$OUT_DIR/pytest_kernels.log" | tail -6
-  [ -n "${OLD:-}" ] && PYTHONPATH=/tmp/site:$PWD/$OLD timeout 70 python3 benchmarks/loss_bench.py --tune \
-    --out "$OUT_DIR/old" --hidden 1024,4096 --tokens 32768 --dtypes bf16 \
-    --experiments '{"bf16": [{}, {"materialize_gib": 48}]}' 2>&1 | grep '^tune' | sed 's/^/old /'
-  timeout 80 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden 1024,4096 --tokens 32768 \
-    --dtypes bf16 --experiments '{"bf16": [{}, {"dz_tma": true}, {"materialize_gib": 48}]}' 2>&1 | grep '^tune' \
-    | sed 's/^/new /'
-  timeout 130 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --no-issue-rows --repeats 2 \
+  timeout 140 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --no-issue-rows --repeats 2 \
     --backends naive,trl,grpo_lab,grpo_lab+free --budget-s 0.25 --points "frozen:bf16:1024:32768,\
 trainable:bf16:1024:32768,frozen:bf16:4096:8192,trainable:bf16:4096:8192" 2>&1 | tee "$OUT_DIR/bench.log" \
     | grep ' ms ' | tail -24
+  [ -n "${OLD:-}" ] && PYTHONPATH=/tmp/site:$PWD/$OLD timeout 60 python3 benchmarks/loss_bench.py --tune \
+    --out "$OUT_DIR/old" --hidden 1024,4096 --tokens 32768 --dtypes bf16 \
+    --experiments '{"bf16": [{}, {"materialize_gib": 48}]}' 2>&1 | grep '^tune' | sed 's/^/old /'
+  timeout 60 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden 1024,4096 --tokens 32768 \
+    --dtypes bf16 --experiments '{"bf16": [{}, {"materialize_gib": 48}, {"dz_tma": true}]}' 2>&1 | grep '^tune' \
+    | sed 's/^/new /'
   ;;
 tests)
   timeout 470 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/core 2>&1 \
