@@ -10,6 +10,7 @@
 #          bar cells of the grid with their cuBLAS floor
 #   quick  the kernel's GPU tests (not the TRL-trainer or memory-policy ones), then `ab` trimmed to the bar's cells
 #          (the older checkout's timing only when OLD is set)
+#   last   under five minutes: the kernel's GPU tests, then the bar's cells against TRL and the floor
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -80,6 +81,16 @@ trainable:bf16:1024:32768,frozen:bf16:4096:8192,trainable:bf16:4096:8192" 2>&1 |
   timeout 60 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden 1024,4096 --tokens 32768 \
     --dtypes bf16 --experiments '{"bf16": [{}, {"materialize_gib": 48}, {"dz_tma": true}]}' 2>&1 | grep '^tune' \
     | sed 's/^/new /'
+  ;;
+last)  # under five minutes: the GPU tests of the kernel paths, then the bar's cells against TRL (min(naive, TRL)
+  # there on one H100, results/loss_kernel/h100_issue45_policy) and the floor
+  timeout 130 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py -k "float64 or \
+variants or bias_softcap or top1 or grad_only or masked or rows_recomputed or fp32_as_accurate or against_trl" 2>&1 \
+    | tee "$OUT_DIR/pytest_kernels.log" | tail -6
+  timeout 130 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --no-issue-rows --repeats 2 \
+    --backends trl,grpo_lab,grpo_lab+free --budget-s 0.25 --points "frozen:bf16:1024:32768,\
+trainable:bf16:1024:32768,frozen:bf16:4096:8192,trainable:bf16:4096:8192" 2>&1 | tee "$OUT_DIR/bench.log" \
+    | grep ' ms ' | tail -24
   ;;
 tests)
   timeout 470 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/core 2>&1 \
