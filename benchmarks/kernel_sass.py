@@ -36,7 +36,7 @@ def _variants(tuning):  # (getattr: the settings an older checkout lacks, so tha
     from grpo_lab.loss.kernel import triton_kernels as tk
 
     common = dict(HAS_BIAS=False, HAS_SOFTCAP=False, PRECISION="tf32", EVEN_K=True, USE_TMA=True, PERSISTENT=True,
-                  NUM_PROGRAMS=132, FAST_EXP=True)
+                  NUM_PROGRAMS=132, FAST_EXP=getattr(tuning, "fast_exp", False))
     fwd = dict(common, HAS_ENTROPY=True, HAS_SQ=False, HAS_MEAN=False, HAS_TOP1=False, STORE_PZ=False, EVEN_N=True,
                ZERO_TARGET=not getattr(tuning, "target_zero_pass", False), REF_STATS=False)
     frozen = dict(fwd, P_MODE=1, P_TMA=tuning.p_tma["16"], TZ_FROM_REF=getattr(tuning, "target_logit_from_ref", False))

@@ -175,16 +175,19 @@ def test_every_kernel_variable_is_read_in_one_place():
            "GRPO_LAB_DZ_TMA": "1", "GRPO_LAB_P_TMA": "0", "GRPO_LAB_FROZEN": "recompute",
            "GRPO_LAB_FROZEN_RECOMPUTE_BELOW": "7", "GRPO_LAB_MATERIALIZE_GIB": "2.5", "GRPO_LAB_REF_STATS": "0",
            "GRPO_LAB_MATERIALIZE_FRACTION": "0.25", "GRPO_LAB_MATERIALIZE_FLAT_BELOW": "9",
-           "GRPO_LAB_REF_STATS_PLAIN": "1", "GRPO_LAB_MATERIALIZE_WITHIN_PEAK": "0"}
+           "GRPO_LAB_REF_STATS_PLAIN": "1", "GRPO_LAB_MATERIALIZE_WITHIN_PEAK": "0", "GRPO_LAB_LEAN_EPILOGUE": "0"}
     default, tuned = KernelTuning(), KernelTuning.from_env(env)
     changed = {f.name for f in fields(KernelTuning) if getattr(tuned, f.name) != getattr(default, f.name)}
     assert changed == {"use_tma", "fp32_mm", "fp32_dot", "bwd_tile", "persistent", "dz_tma", "p_tma", "frozen_two_gemm",
                        "frozen_recompute_below", "materialize_fraction", "materialize_flat_below", "materialize_gib",
                        "materialize_within_peak", "ref_stats",
-                       "ref_stats_plain"}
+                       "ref_stats_plain", "fast_exp", "target_zero_pass", "target_logit_from_ref"}
     assert tuned.bwd_tile == {"16": (4096, 2048), "32": (4096, 2048)}
     assert tuned.persistent == {"fwd_16": False, "bwd_16": False, "fwd_32": False, "bwd_32": True}
     assert tuned.frozen_recompute_below == {"16": 7, "32": 0} and tuned.materialize_gib == 2.5
     assert tuned.materialize_fraction == 0.25 and tuned.materialize_flat_below == {"16": 9, "32": 0}
     assert tuned.dz_tma == tuned.ref_stats_plain == {"16": True, "32": True}
     assert tuned.p_tma == tuned.ref_stats == {"16": False, "32": False}
+    assert not (tuned.fast_exp or tuned.target_zero_pass or tuned.target_logit_from_ref)  # LEAN_EPILOGUE=0
+    with pytest.raises(ValueError, match="LEAN_EPILOGUE"):
+        KernelTuning.from_env({"GRPO_LAB_LEAN_EPILOGUE": "off"})

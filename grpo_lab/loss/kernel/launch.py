@@ -260,7 +260,8 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
                 COMPUTE=TL_DTYPE[compute], PRECISION=_precision(compute), EVEN_K=k % bk == 0, USE_TMA=tma,
                 BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
                 P_MODE=sink.p_mode if sink is not None else 0, STORE_PZ=store_pz, P_TMA=p_tma, REF_STATS=ref_stats,
-                EVEN_N=(v1 - v0) % bn == 0, ZERO_TARGET=sink is not None and sink.zero_in_kernel, FAST_EXP=h.is_cuda,
+                EVEN_N=(v1 - v0) % bn == 0, ZERO_TARGET=sink is not None and sink.zero_in_kernel,
+                FAST_EXP=h.is_cuda and TUNING.fast_exp,
                 TZ_FROM_REF=tz_from_ref,
                 num_warps=warps, num_stages=stages, **TUNING.launch_options[f"{kind}_{dtype_key(compute)}"])
             LAST_COMPILED[f"{kind}_{dtype_key(compute)}"] = compiled
@@ -590,7 +591,8 @@ def recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, sof
                     HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, HAS_G=g is not None,
                     HAS_GE=ge is not None, COMPUTE=TL_DTYPE[compute], PRECISION=_precision(compute),
                     EVEN_K=k % bk == 0, USE_TMA=tma, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
-                    PERSISTENT=persistent, NUM_PROGRAMS=n_progs, DZ_TMA=dz_tma, FAST_EXP=h.is_cuda,
+                    PERSISTENT=persistent, NUM_PROGRAMS=n_progs, DZ_TMA=dz_tma,
+                    FAST_EXP=h.is_cuda and TUNING.fast_exp,
                     num_warps=warps, num_stages=stages, **TUNING.launch_options[f"bwd_{dtype_key(compute)}"])
                 LAST_COMPILED[f"bwd_{dtype_key(compute)}"] = compiled
                 if need_h:

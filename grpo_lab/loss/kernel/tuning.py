@@ -87,6 +87,10 @@ class KernelTuning:
         frozen_tile (`dict`):
             The frozen path's P~ buffer, (tokens, vocabulary): 128 MiB bf16 / 256 MiB fp32, widened in the vocabulary
             when there are fewer rows.
+        fast_exp (`bool`, defaults to `True`; `GRPO_LAB_LEAN_EPILOGUE=0` turns it and the next two off):
+            The fused kernels' exponentials on a GPU as one `ex2.approx.ftz` (results under 2^-126 flush to 0) instead
+            of `tl.exp`'s denormal-safe sequence, four instructions per element more. Triton's interpreter always
+            uses `tl.exp`.
         target_zero_pass (`bool`, defaults to `True`):
             The frozen forward's P~ blocks get their target column zeroed by a one-store-per-row pass after each
             launch (`zero_target_kernel`) instead of by a compare and select on every element of the fused
@@ -154,6 +158,7 @@ class KernelTuning:
     frozen_recompute_below: dict = field(default_factory=lambda: {"16": 9 * 2**19, "32": 0})
     frozen_deferred_check: dict = field(default_factory=lambda: {"16": True, "32": False})
     frozen_tile: dict = field(default_factory=lambda: {"16": (8192, 8192), "32": (8192, 8192)})
+    fast_exp: bool = True
     target_zero_pass: bool = True
     target_logit_from_ref: bool = True
     ref_headroom: float = 60.0
@@ -201,6 +206,11 @@ class KernelTuning:
         if within not in ("0", "1"):
             raise ValueError(f"GRPO_LAB_MATERIALIZE_WITHIN_PEAK={within!r}: 0 or 1")
         tuning.materialize_within_peak = within == "1"
+        lean = get("LEAN_EPILOGUE", "1")
+        if lean not in ("0", "1"):
+            raise ValueError(f"GRPO_LAB_LEAN_EPILOGUE={lean!r}: 0 or 1")
+        if lean == "0":  # issue 45's epilogue changes that are switches, all off: the epilogue as measured before
+            tuning.fast_exp = tuning.target_zero_pass = tuning.target_logit_from_ref = False
         tuning.ref_stats = both("REF_STATS", tuning.ref_stats)
         tuning.ref_stats_plain = both("REF_STATS_PLAIN", tuning.ref_stats_plain)
         return tuning
