@@ -114,15 +114,15 @@ def fwd_kernel(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr
             _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
                       v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
                       HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
-                      USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS, EVEN_N,
-                      ZERO_TARGET, FAST_EXP, TZ_FROM_REF)
+                      USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS, EVEN_N, ZERO_TARGET, FAST_EXP,
+                      TZ_FROM_REF)
     else:
         pid_m, pid_n = _grouped_pid(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr, ref_ptr, pid_m, pid_n, M,
                   v_lo, v_hi, K, stride_h, stride_w, part_stat_stride, stride_p, logit_scale, softcap, inv_t,
                   HAS_BIAS, HAS_SOFTCAP, HAS_ENTROPY, HAS_SQ, HAS_MEAN, HAS_TOP1, COMPUTE, PRECISION, EVEN_K,
-                  USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS, EVEN_N,
-                      ZERO_TARGET, FAST_EXP, TZ_FROM_REF)
+                  USE_TMA, BM, BN, BK, P_MODE, STORE_PZ, P_TMA, REF_STATS, EVEN_N, ZERO_TARGET, FAST_EXP,
+                  TZ_FROM_REF)
 
 
 @triton.jit
