@@ -5,11 +5,10 @@
 #          kernel profile; fp32 dX/dW through Triton's split-TF32 matmul against cuBLAS SGEMM
 #   grid   the loss-head grid with repeats (naive / TRL / grpo_lab / grpo_lab+free) and the cuBLAS floor of each cell
 #   tests  the whole GPU test suite of the kernel
-#   ab     the leaner epilogue against an older checkout ($OLD, a copy of its grpo_lab/ carried beside this one): the
-#          head alone (the tile sweep's timing), old and new, flat and materialised, dZ through descriptors; then the
-#          bar cells of the grid with their cuBLAS floor
-#   quick  the kernel's GPU tests (not the TRL-trainer or memory-policy ones), then `ab` trimmed to the bar's cells
-#          (the older checkout's timing only when OLD is set)
+#   ab     the leaner epilogue against an older checkout ($OLD, a copy of its grpo_lab/ carried beside this one,
+#          optional): the head alone (the tile sweep's timing), old and new, flat and materialised, dZ through
+#          descriptors; then the bar cells of the grid with their cuBLAS floor
+#   quick  the kernel's GPU tests (not the TRL-trainer or memory-policy ones), the bar's cells, the head alone
 #   last   under five minutes: the kernel's GPU tests, then the bar's cells against TRL and the floor
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -17,6 +16,25 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/card.txt"
 OUT_DIR="$OUT"
+BAR_CELLS=frozen:bf16:1024:32768,trainable:bf16:1024:32768,frozen:bf16:4096:8192,trainable:bf16:4096:8192
+kernel_tests() {  # TIMEOUT: the GPU tests of the kernel paths (not the TRL-trainer or memory-policy ones)
+  timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py -k "float64 or \
+variants or bias_softcap or top1 or grad_only or masked or rows_recomputed or fp32_as_accurate or against_trl" 2>&1 \
+    | tee "$OUT_DIR/pytest_kernels.log" | tail -6
+}
+bar_cells() {  # TIMEOUT BACKENDS BUDGET POINTS: grid cells with two repeats and their cuBLAS floor
+  timeout "$1" python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --no-issue-rows --repeats 2 \
+    --backends "$2" --budget-s "$3" --points "$4" 2>&1 | tee "$OUT_DIR/bench.log" | grep ' ms ' | tail -40
+}
+head_alone() {  # OLD_TIMEOUT NEW_TIMEOUT TOKENS: the tile sweep's timing of the head alone, bf16, H 1024 / 4096;
+  # the older checkout's (a copy of its grpo_lab/ in $OLD) only when OLD is set
+  [ -n "${OLD:-}" ] && PYTHONPATH=/tmp/site:$PWD/$OLD timeout "$1" python3 benchmarks/loss_bench.py --tune \
+    --out "$OUT_DIR/old" --hidden 1024,4096 --tokens "$3" --dtypes bf16 \
+    --experiments '{"bf16": [{}, {"materialize_gib": 48}]}' 2>&1 | grep '^tune' | sed 's/^/old /'
+  timeout "$2" python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden 1024,4096 --tokens "$3" \
+    --dtypes bf16 --experiments '{"bf16": [{}, {"materialize_gib": 48}, {"dz_tma": true}]}' 2>&1 | grep '^tune' \
+    | sed 's/^/new /'
+}
 case "$1" in
 check)
   timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py \
@@ -55,42 +73,19 @@ all)  # one call of under 10 minutes when machines are scarce: the policy's test
     fp32:4096:2048)" 2>&1 | tee "$OUT_DIR/bench.log" | grep ' ms ' | tail -60
   ;;
 ab)
-  PTS=1024,4096
-  PYTHONPATH=/tmp/site:$PWD/${OLD:?set OLD to the older checkout} timeout 100 python3 benchmarks/loss_bench.py --tune \
-    --out "$OUT_DIR/old" --hidden $PTS --tokens 8192,32768 --dtypes bf16 \
-    --experiments '{"bf16": [{}, {"materialize_gib": 48}]}' 2>&1 | grep '^tune' | sed 's/^/old /'
-  timeout 150 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden $PTS --tokens 8192,32768 \
-    --dtypes bf16 --experiments '{"bf16": [{}, {"dz_tma": true}, {"materialize_gib": 48}]}' 2>&1 | grep '^tune' \
-    | sed 's/^/new /'
-  timeout 170 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --no-issue-rows --repeats 2 \
-    --backends naive,trl,grpo_lab,grpo_lab+free --budget-s 0.4 --points "${2:-frozen:bf16:1024:32768,trainable:bf16:1024:32768,\
-frozen:bf16:4096:8192,trainable:bf16:4096:8192,frozen:bf16:1024:8192,trainable:bf16:1024:8192,frozen:bf16:1024:2048,\
-trainable:bf16:1024:2048}" 2>&1 | tee "$OUT_DIR/bench.log" | grep ' ms ' | tail -40
+  head_alone 100 150 8192,32768
+  bar_cells 170 naive,trl,grpo_lab,grpo_lab+free 0.4 "${2:-$BAR_CELLS,frozen:bf16:1024:8192,trainable:bf16:1024:8192,\
+frozen:bf16:1024:2048,trainable:bf16:1024:2048}"
   ;;
 quick)  # one call when device time is short: the GPU tests of the kernel paths, the bar's cells, the head alone
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py -k "float64 or \
-variants or bias_softcap or top1 or grad_only or masked or rows_recomputed or fp32_as_accurate or against_trl" 2>&1 \
-    | tee "$OUT_DIR/pytest_kernels.log" | tail -6
-  timeout 140 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --no-issue-rows --repeats 2 \
-    --backends naive,trl,grpo_lab,grpo_lab+free --budget-s 0.25 --points "frozen:bf16:1024:32768,\
-trainable:bf16:1024:32768,frozen:bf16:4096:8192,trainable:bf16:4096:8192" 2>&1 | tee "$OUT_DIR/bench.log" \
-    | grep ' ms ' | tail -24
-  [ -n "${OLD:-}" ] && PYTHONPATH=/tmp/site:$PWD/$OLD timeout 60 python3 benchmarks/loss_bench.py --tune \
-    --out "$OUT_DIR/old" --hidden 1024,4096 --tokens 32768 --dtypes bf16 \
-    --experiments '{"bf16": [{}, {"materialize_gib": 48}]}' 2>&1 | grep '^tune' | sed 's/^/old /'
-  timeout 60 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/new" --hidden 1024,4096 --tokens 32768 \
-    --dtypes bf16 --experiments '{"bf16": [{}, {"materialize_gib": 48}, {"dz_tma": true}]}' 2>&1 | grep '^tune' \
-    | sed 's/^/new /'
+  kernel_tests 150
+  bar_cells 140 naive,trl,grpo_lab,grpo_lab+free 0.25 "$BAR_CELLS"
+  head_alone 60 60 32768
   ;;
 last)  # under five minutes: the GPU tests of the kernel paths, then the bar's cells against TRL (min(naive, TRL)
   # there on one H100, results/loss_kernel/h100_issue45_policy) and the floor
-  timeout 130 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py -k "float64 or \
-variants or bias_softcap or top1 or grad_only or masked or rows_recomputed or fp32_as_accurate or against_trl" 2>&1 \
-    | tee "$OUT_DIR/pytest_kernels.log" | tail -6
-  timeout 130 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --no-issue-rows --repeats 2 \
-    --backends trl,grpo_lab,grpo_lab+free --budget-s 0.25 --points "frozen:bf16:1024:32768,\
-trainable:bf16:1024:32768,frozen:bf16:4096:8192,trainable:bf16:4096:8192" 2>&1 | tee "$OUT_DIR/bench.log" \
-    | grep ' ms ' | tail -24
+  kernel_tests 130
+  bar_cells 130 trl,grpo_lab,grpo_lab+free 0.25 "$BAR_CELLS"
   ;;
 tests)
   timeout 470 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/core 2>&1 \

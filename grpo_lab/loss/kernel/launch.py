@@ -155,10 +155,6 @@ class _FrozenSink:
                 p, pz, through = dp, dpz, True
         return p, pz, self.ref[t0:t1], self.buf.stride(1), self.buf.shape[0] == 2, through
 
-    @property
-    def zero_in_kernel(self) -> bool:
-        return not TUNING.target_zero_pass
-
     def consume(self, t0, t1, v0, v1, targets):
         if TUNING.target_zero_pass:
             br = 128
@@ -184,8 +180,6 @@ class _RefSink:
 
     def views(self, t0, t1, v0, v1, bm, bn, tma_loads):
         return self.ref, self.ref, self.ref[t0:t1], 0, False, False
-
-    zero_in_kernel = False
 
     def consume(self, t0, t1, v0, v1, targets):
         pass
@@ -217,6 +211,12 @@ class _MaterializedSink(_RefSink):
         return view, view, self.ref[t0:t1], self.full.stride(0), False, False
 
 
+def _target_logit_from_ref(want: dict) -> bool:
+    """Whether a forward whose ref is the target's logit takes the target logit from it (`target_logit_from_ref`):
+    not when is_top1 is asked for, which compares the target logit with the row max and so needs the blocks' own."""
+    return TUNING.target_logit_from_ref and not want["is_top1"]
+
+
 def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink=None):
     """Running online-LSE statistics of the valid rows `h` over the whole vocabulary (and, with a sink, its P~
     blocks handed over launch by launch)."""
@@ -232,10 +232,8 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
     run = torch.zeros((6, m_rows), device=dev)  # max, Σexp, Σexp·z, Σexp², Σz, max before the target
     run[0].fill_(float("-inf"))
     run[5].fill_(float("-inf"))
-    # a sink's ref is the target's own logit (a row-wise dot) unless `_redo_rows` set it to the row max; is_top1
-    # compares the target logit with the row max, so it needs the very value the blocks' max was taken over
-    tz_from_ref = (sink is not None and sink.ref_is_target and TUNING.target_logit_from_ref
-                   and not want["is_top1"])
+    # a sink's ref is the target's own logit (a row-wise dot) unless `_redo_rows` set it to the row max
+    tz_from_ref = sink is not None and sink.ref_is_target and _target_logit_from_ref(want)
     target_logit = sink.ref.clone() if tz_from_ref else torch.zeros(m_rows, device=dev)
     flags = dict(HAS_ENTROPY=want["entropy"], HAS_SQ=want["log_sum_sq_probs"], HAS_MEAN=want["mean_logits"],
                  HAS_TOP1=want["is_top1"])
@@ -260,7 +258,7 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
                 COMPUTE=TL_DTYPE[compute], PRECISION=_precision(compute), EVEN_K=k % bk == 0, USE_TMA=tma,
                 BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
                 P_MODE=sink.p_mode if sink is not None else 0, STORE_PZ=store_pz, P_TMA=p_tma, REF_STATS=ref_stats,
-                EVEN_N=(v1 - v0) % bn == 0, ZERO_TARGET=sink is not None and sink.zero_in_kernel,
+                EVEN_N=(v1 - v0) % bn == 0, ZERO_TARGET=kind == "frozen" and not TUNING.target_zero_pass,
                 FAST_EXP=h.is_cuda and TUNING.fast_exp,
                 TZ_FROM_REF=tz_from_ref,
                 num_warps=warps, num_stages=stages, **TUNING.launch_options[f"{kind}_{dtype_key(compute)}"])
@@ -361,7 +359,7 @@ def statistics_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute,
     `target_logit_from_ref` allows (`_TargetLogitSink`)."""
     if not TUNING.ref_stats_plain[dtype_key(compute)]:
         sink = None
-        if TUNING.target_logit_from_ref and not want["is_top1"]:
+        if _target_logit_from_ref(want):
             sink = _TargetLogitSink(_reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale))
         return _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink)
     ref = _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale)

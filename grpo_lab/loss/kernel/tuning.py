@@ -178,6 +178,12 @@ class KernelTuning:
         get = environment.kernel_variables(environ).get
         tuning = cls()
 
+        def switch(name, default: bool) -> bool:  # a 0/1 variable; anything else is an error, not "off"
+            value = get(name, "1" if default else "0")
+            if value not in ("0", "1"):
+                raise ValueError(f"GRPO_LAB_{name}={value!r}: 0 or 1")
+            return value == "1"
+
         def both(name, defaults):  # a 0/1 switch: the variable sets both dtypes, else each keeps its default
             return {key: get(name, "1" if on else "0") == "1" for key, on in defaults.items()}
 
@@ -202,14 +208,8 @@ class KernelTuning:
         tuning.materialize_flat_below["16"] = int(get("MATERIALIZE_FLAT_BELOW", tuning.materialize_flat_below["16"]))
         gib = get("MATERIALIZE_GIB", "")
         tuning.materialize_gib = float(gib) if gib.strip() else None
-        within = get("MATERIALIZE_WITHIN_PEAK", "1" if tuning.materialize_within_peak else "0")
-        if within not in ("0", "1"):
-            raise ValueError(f"GRPO_LAB_MATERIALIZE_WITHIN_PEAK={within!r}: 0 or 1")
-        tuning.materialize_within_peak = within == "1"
-        lean = get("LEAN_EPILOGUE", "1")
-        if lean not in ("0", "1"):
-            raise ValueError(f"GRPO_LAB_LEAN_EPILOGUE={lean!r}: 0 or 1")
-        if lean == "0":  # issue 45's epilogue changes that are switches, all off: the epilogue as measured before
+        tuning.materialize_within_peak = switch("MATERIALIZE_WITHIN_PEAK", tuning.materialize_within_peak)
+        if not switch("LEAN_EPILOGUE", True):  # issue 45's epilogue switches all off: the epilogue as measured before
             tuning.fast_exp = tuning.target_zero_pass = tuning.target_logit_from_ref = False
         tuning.ref_stats = both("REF_STATS", tuning.ref_stats)
         tuning.ref_stats_plain = both("REF_STATS_PLAIN", tuning.ref_stats_plain)
