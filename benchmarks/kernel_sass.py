@@ -117,10 +117,10 @@ def _value(text: str):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernels", default="frozen,stats,kept,bwd", help="of frozen, stats, kept, bwd")
+    p.add_argument("--kernels", default="frozen,stats,kept,bwd", help="of frozen, stats, kept, bwd (default: all)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="a constexpr for every kernel that has it (repeatable), e.g. ZERO_TARGET=True")
-    p.add_argument("--ops", type=int, default=12, help="most frequent opcodes to list")
+    p.add_argument("--ops", type=int, default=12, help="most frequent opcodes to list (default: %(default)s)")
     p.add_argument("--dump", default="", help="write the SASS of the (last) kernel here")
     args = p.parse_args(argv)
     try:
@@ -140,6 +140,9 @@ def main(argv=None) -> int:
     unknown = [k for k in wanted if k not in variants]
     if unknown:
         p.error(f"unknown kernels {unknown}: choose from {', '.join(variants)}")
+    known = {arg for v in variants.values() for arg in v[1].arg_names}
+    if set(changes) - known:
+        p.error(f"--set: no kernel has {sorted(set(changes) - known)}")
     for name in wanted:
         _, kernel, key, constexprs, descriptors = variants[name]
         constexprs = {**constexprs, **{k: v for k, v in changes.items() if k in kernel.arg_names}}

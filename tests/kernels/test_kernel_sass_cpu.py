@@ -61,3 +61,7 @@ def test_the_script_prints_one_line_per_kernel_and_refuses_unknown_ones(sass, ca
         sass.main(["--kernels", "nope"])
     assert err.value.code == 2
     assert "unknown kernels" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:  # a misspelt constexpr is an error, not silently ignored
+        sass.main(["--kernels", "frozen", "--set", "ZERO_TARGETS=True"])
+    assert err.value.code == 2
+    assert "no kernel has" in capsys.readouterr().err
