@@ -10,6 +10,12 @@
 #          descriptors; then the bar cells of the grid with their cuBLAS floor
 #   quick  the kernel's GPU tests (not the TRL-trainer or memory-policy ones), the bar's cells, the head alone
 #   last   under five minutes: the kernel's GPU tests, then the bar's cells against TRL and the floor
+#   confirm  every GPU test, then the head alone with the defaults set from `sweep` against the old ones and the
+#          materialised backward with / without its elementwise pass (benchmarks/tune_dz_free.json), the bar's
+#          cells, and a kernel profile of the frozen and materialised heads
+#   sweep  the Triton main loop against cuBLAS with and without the epilogue (benchmarks/mainloop_probe.py), then
+#          the head alone over benchmarks/tune_lean_epilogue.json (frozen tiles now that the epilogue is lean,
+#          two programs per SM, dZ through descriptors, the materialised forward's tile)
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -87,8 +93,24 @@ last)  # under five minutes: the GPU tests of the kernel paths, then the bar's c
   kernel_tests 130
   bar_cells 130 trl,grpo_lab,grpo_lab+free 0.25 "$BAR_CELLS"
   ;;
-tests)
-  timeout 470 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/core 2>&1 \
+tests)  # TIMEOUT (470): every GPU test of the kernel and the loss, over 4 pytest-xdist workers when it is carried
+  python3 -c "import xdist" 2>/dev/null && WORKERS="-n 4" || WORKERS=""
+  timeout "${2:-470}" python3 -m pytest -q -m gpu -p no:cacheprovider $WORKERS tests/kernels tests/core 2>&1 \
     | tee "$OUT_DIR/pytest_gpu.log" | tail -15
+  ;;
+confirm)
+  bash "$0" tests 150
+  timeout 150 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/tune" --hidden 1024,4096 --tokens 32768 \
+    --dtypes bf16 --experiments benchmarks/tune_dz_free.json 2>&1 | grep '^tune'
+  bar_cells 150 naive,trl,grpo_lab,grpo_lab+free 0.25 "$BAR_CELLS"
+  GRPO_LAB_MATERIALIZE_GIB=48 timeout 80 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows \
+    --no-accuracy --profile frozen:bf16:1024:32768,frozen:bf16:4096:8192,trainable:bf16:1024:32768 --points frozen:bf16:1024:2048 \
+    --backends grpo_lab --budget-s 0.2 2>&1 | grep -v '^ *$' | grep -v 'ms  floor' | tail -45
+  ;;
+sweep)
+  timeout 100 python3 benchmarks/mainloop_probe.py --hidden 1024,4096 --tokens 32768 2>&1 | tee "$OUT_DIR/probe.log" \
+    | grep '^probe'
+  timeout "${2:-160}" python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/tune" --hidden 1024,4096 \
+    --tokens 32768 --dtypes bf16 --experiments benchmarks/tune_lean_epilogue.json 2>&1 | grep '^tune'
   ;;
 esac

@@ -511,7 +511,8 @@ PER_DTYPE_KNOBS = ("bwd_tile", "frozen_tile", "dz_tma", "p_tma", "frozen_recompu
                    "ref_stats_plain")
 FIELD_KNOBS = {"FP32_MM": "fp32_mm", "FP32_DOT": "fp32_dot", "frozen_two_gemm": "frozen_two_gemm",
                "materialize_gib": "materialize_gib", "materialize_fraction": "materialize_fraction",
-               "target_zero_pass": "target_zero_pass", "target_logit_from_ref": "target_logit_from_ref"}
+               "target_zero_pass": "target_zero_pass", "target_logit_from_ref": "target_logit_from_ref",
+               "dz_free_backward": "dz_free_backward"}
 
 
 def apply_experiment(T, exp, dname):

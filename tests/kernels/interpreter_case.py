@@ -13,7 +13,9 @@ which would bound the logits; `target_gap` picks the target that many nats below
 `ref_stats_plain` set those fields of the kernel's tuning, `deferred` its `frozen_deferred_check` (the rows check
 read back by the backward), `target_zero_pass` its `target_zero_pass` (off: the frozen P~'s target column is
 zeroed in the fused forward's epilogue rather than by a pass after each launch), `no_top1` leaves is_top1 out of the
-outputs (then every forward takes the target logit from the row-wise dot instead of its blocks).
+outputs (then every forward takes the target logit from the row-wise dot instead of its blocks), `no_entropy_grad`
+leaves the entropy out of the loss (the materialised backward then has no elementwise dZ pass unless
+`dz_free_backward` is false).
 """
 
 import json
@@ -66,6 +68,7 @@ def main(variant: dict) -> dict:
     TUNING.ref_stats_plain = dict.fromkeys(TUNING.ref_stats_plain, variant.get("ref_stats_plain", False))
     TUNING.frozen_deferred_check = dict.fromkeys(TUNING.frozen_deferred_check, variant.get("deferred", False))
     TUNING.target_zero_pass = variant.get("target_zero_pass", True)
+    TUNING.dz_free_backward = variant.get("dz_free_backward", True)
     programs, loads, stores, bulk, paths = [], [], [], [], []
     spy("_programs", programs)
     spy("_operands", loads)
@@ -99,7 +102,11 @@ def main(variant: dict) -> dict:
         out = function.FusedLinearLogProbFunction.apply(*mine, targets, 0.9, None, softcap, 1.0, wanted, torch.float32,
                                                         mode)
     ref = naive_logprobs(*ref_in, targets, 0.9, None, softcap, 1.0, ALL)
-    ((out[0] * g).sum() + (out[1] * ge).sum()).backward()
+    if variant.get("no_entropy_grad"):
+        ge = torch.zeros_like(ge)
+        (out[0] * g).sum().backward()
+    else:
+        ((out[0] * g).sum() + (out[1] * ge).sum()).backward()
     ((ref[0] * g * valid).sum() + (ref[1] * ge * valid).sum()).backward()
 
     def grad_err(i):

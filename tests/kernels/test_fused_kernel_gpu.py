@@ -378,16 +378,18 @@ def test_frozen_under_autocast_with_fp32_master_weights(paths):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("peaked", [False, True])
-def test_materialized_head_against_float64(monkeypatch, paths, dtype, peaked):
-    """Trainable head with memory allowed for speed: probabilities kept, backward = elementwise + two GEMMs."""
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_materialized_head_against_float64(monkeypatch, paths, dtype, peaked, entropy_grad):
+    """Trainable head with memory allowed for speed: probabilities kept, backward = two GEMMs after an elementwise
+    pass (an entropy gradient) or with none (`dz_free_backward`: the kept P~ is the GEMMs' operand)."""
     monkeypatch.setattr(TUNING, "materialize_gib", 4.0)
     data = make(4500, 256, 9001, dtype, peaked=peaked, bias=True, masked=450, seed=12)
-    check(*run_both(*data), dtype)
+    check(*run_both(*data, entropy_grad=entropy_grad), dtype)
     assert paths == ["materialized"]
     monkeypatch.setattr(TUNING, "ref_headroom", 0.5)  # most rows recomputed against their max
-    check(*run_both(*data), dtype)
+    check(*run_both(*data, entropy_grad=entropy_grad), dtype)
     monkeypatch.setattr(TUNING, "materialize_gib", 0.01)  # does not fit: the memory-lean recompute path
-    check(*run_both(*data), dtype)
+    check(*run_both(*data, entropy_grad=entropy_grad), dtype)
     assert paths == ["materialized", "materialized", "recompute"]
 
 

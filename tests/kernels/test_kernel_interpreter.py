@@ -83,6 +83,15 @@ PATH_CASES = [
     # the materialised head's kept probabilities stored through descriptors
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "materialized", "extreme_rows": True,
       "target_gap": 50.0, "p_tma": True}, 2),
+    # no entropy gradient: the materialised backward without its elementwise pass (the kept P~ is the GEMMs'
+    # operand), with rows redone against their max and targets far below it; and the elementwise pass kept
+    ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "no_entropy_grad": True}, 1),
+    ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "extreme_rows": True,
+      "no_entropy_grad": True}, 2),
+    ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "extreme_rows": True,
+      "target_gap": 50.0, "no_entropy_grad": True}, 2),
+    ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "extreme_rows": True,
+      "no_entropy_grad": True, "dz_free_backward": False}, 2),
     # the target column zeroed in the forward's epilogue instead of by the pass after each launch
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "deferred": True,
       "target_zero_pass": False}, 6),
@@ -103,7 +112,9 @@ PATH_CASES = [
                               "materialized-sq-overflow", "plain-overflow", "plain-sq-overflow",
                               "frozen-overflow-block-max-stats", "frozen-deferred", "plain-target-from-ref",
                               "frozen-overflow-target-from-ref", "materialized-overflow-target-from-ref",
-                              "materialized-descriptor-stores",
+                              "materialized-descriptor-stores", "materialized-dz-free",
+                              "materialized-dz-free-overflow", "materialized-dz-free-gap",
+                              "materialized-no-entropy-grad-elementwise",
                               "frozen-deferred-zero-in-kernel",
                               "frozen-deferred-fallback-rescue",
                               "frozen-deferred-rescue", "frozen-deferred-overflow", "frozen-deferred-sq-overflow"])
@@ -137,7 +148,7 @@ def test_kernel_settings_from_the_environment():
     default = json.loads(_settings_under({}).stdout)
     assert default["persistent"] == {"fwd_16": True, "bwd_16": True, "fwd_32": False, "bwd_32": False}
     assert default["tile"] == {"16": [16384, 8192], "32": [8192, 8192]}
-    assert default["dz"] == {"16": False, "32": False}
+    assert default["dz"] == {"16": True, "32": False}
     custom = json.loads(_settings_under({"GRPO_LAB_PERSISTENT": " fwd_32 , bwd_16", "GRPO_LAB_BWD_TOKENS": "4096",
                                          "GRPO_LAB_DZ_TMA": "1"}).stdout)
     assert custom["persistent"] == {"fwd_16": False, "bwd_16": True, "fwd_32": True, "bwd_32": False}

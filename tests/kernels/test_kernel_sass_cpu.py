@@ -31,10 +31,11 @@ def _compiled(sass, name, **changes):
     return sass.summarize(*sass.compile_sass(kernel, {**constexprs, **changes}, descriptors, TUNING.configs[key]))
 
 
-# Spill bytes allowed per thread: none for the frozen forward's 128 x 128 tile; the 128 x 256 tiles hold 128 fp32
-# accumulators a thread, and some Triton versions spill a few words there (3.6: 0 B, 3.9: 80 / 136 B). Before issue
-# 45's changes they spilled 360 B (statistics) and 2024 B (kept probabilities) under Triton 3.6.
-SPILL_BYTES = {"frozen": 0, "stats": 160, "kept": 160}
+# Spill bytes allowed per thread: the 128 x 256 tiles hold 128 fp32 accumulators a thread, and the compiler may
+# spill a few words there (Triton 3.6: frozen 72 B, statistics and kept probabilities 0 B; 3.9: 80 / 136 B). Before
+# issue 45's changes they spilled 360 B (statistics) and 2024 B (kept probabilities) under Triton 3.6, and the frozen
+# forward's old epilogue did not fit this tile at all.
+SPILL_BYTES = {"frozen": 160, "stats": 160, "kept": 160}
 
 
 @pytest.mark.parametrize("name", sorted(SPILL_BYTES))

@@ -519,27 +519,56 @@ def frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy, tlogit, so
 
 def materialized_backward(extra, hidden, weight, bias, y, g, ge, entropy, scale, compute, rows, need_h, need_w,
                           need_b):
-    """dZ from the kept probabilities (in place), then cuBLAS: dX = dZ @ W, dW = dZᵀ @ X, db = Σ dZ."""
+    """The kept probabilities become dZ, then cuBLAS: dX = dZ @ W, dW = dZᵀ @ X, db = Σ dZ. Without an entropy
+    gradient (`dz_free_backward`) dZ = −b·P~' row by row (`_fold_target_entry`): the buffer is the GEMMs' operand as
+    it is and b scales X and dX; else an elementwise pass turns the buffer into dZ in place."""
     full, logprobs, shift = extra
     m_rows, vocab = full.shape
-    bm, bn = 64, 128
-    dummy = logprobs
-    dz_from_p_kernel[(triton.cdiv(m_rows, bm), triton.cdiv(vocab, bn))](
-        full, y, shift, logprobs, entropy, g if g is not None else dummy, ge if ge is not None else dummy,
-        m_rows, vocab, full.stride(0), float(scale), HAS_G=g is not None, HAS_GE=ge is not None, BM=bm, BN=bn,
-        num_warps=4)
+    row_factor = None
+    if ge is None and TUNING.dz_free_backward:  # (g is not None: the caller has a gradient to pass)
+        row_factor = _fold_target_entry(full, y, shift, logprobs, g, scale)
+    else:
+        bm, bn = 64, 128
+        dummy = logprobs
+        dz_from_p_kernel[(triton.cdiv(m_rows, bm), triton.cdiv(vocab, bn))](
+            full, y, shift, logprobs, entropy, g if g is not None else dummy, ge if ge is not None else dummy,
+            m_rows, vocab, full.stride(0), float(scale), HAS_G=g is not None, HAS_GE=ge is not None, BM=bm, BN=bn,
+            num_warps=4)
     grad_h = grad_w = grad_b = None
     if need_h:
         w_c = weight.to(compute)
         grad_h = torch.mm(full, w_c) if compute == torch.float32 else torch.mm(full, w_c, out_dtype=torch.float32)
+        if row_factor is not None:
+            grad_h.mul_(row_factor.unsqueeze(-1))
         grad_h = scatter_grad(grad_h, hidden, rows)
     if need_w:
         h = hidden if rows is None else hidden.index_select(0, rows)
+        h = h.to(compute) if row_factor is None else (h.float() * row_factor.unsqueeze(-1)).to(compute)
         grad_w = torch.empty_like(weight)
-        _mm_into(grad_w, full.t(), h.to(compute))
+        _mm_into(grad_w, full.t(), h)
     if need_b and bias is not None:
-        grad_b = full.sum(0, dtype=torch.float32)
+        if row_factor is None:
+            grad_b = full.sum(0, dtype=torch.float32)
+        else:
+            grad_b = torch.mm(row_factor.unsqueeze(0).to(compute), full, **_fp32_out(compute)).squeeze(0)
     return grad_h, grad_w, grad_b
+
+
+def _fp32_out(compute: torch.dtype) -> dict:
+    """torch.mm's keyword for an fp32 result of 16-bit operands (none needed for fp32 ones)."""
+    return {} if compute == torch.float32 else {"out_dtype": torch.float32}
+
+
+def _fold_target_entry(full, y, shift, logprobs, g, scale):
+    """Makes the kept e^(z − ref) an operand of the backward's GEMMs as it is: dZ_j = scale·g·(δ_jy − p_j) and
+    p_j = e^(z_j − ref)·e^shift, so dZ = b·P~' with b = −scale·g·e^shift per row and P~' the buffer with its target
+    entry replaced by −(1 − p_y)·e^−shift (one store per row; 1 − p_y from the fp32 log-prob, exact as p_y → 1, as
+    the elementwise pass has it). Returns b. |P~'_y| ≤ Σ P~ ≤ V·e^ref_headroom: inside the 16-bit range."""
+    one_minus_p = -torch.expm1(logprobs)
+    entry = -one_minus_p * torch.exp(-shift)
+    big = torch.finfo(full.dtype).max
+    full[torch.arange(full.shape[0], device=full.device), y] = entry.clamp(-big, big).to(full.dtype)
+    return -float(scale) * torch.exp(shift) * g
 
 
 def recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, softcap, logit_scale, inv_t, compute,

@@ -21,10 +21,11 @@ _CONFIGS = {
     "fwd_32": (128, 128, 32, 8, 8, 3),
     "bwd_32": (128, 128, 32, 8, 8, 3),
     "mm_32": (128, 128, 32, 8, 8, 3),
-    # the frozen head's forward (statistics + the P~ store), tuned apart from the statistics-only forward:
-    # 128 x 128 x 64, 8 warps, 4 stages with P~ through descriptors: 42.7 vs 48.5 ms (128 x 256, 3 stages) at
-    # H = 1024, 32k tokens, 138.5 vs 143.2 at H = 4096 (results/loss_kernel/tune_run4.csv)
-    "frozen_16": (128, 128, 64, 8, 8, 4),
+    # the frozen head's forward (statistics + the P~ store), tuned apart from the statistics-only forward: with
+    # the lean epilogue (issue 45) the wide tile is back, 36.0 vs 38.9 ms (128 x 128, 4 stages) at H = 1024, 32k
+    # tokens, 130.7 vs 146.3 at H = 4096, head alone on an H100: 128 x 128 tiles cost their main loop 12-17 %
+    # against cuBLAS, 128 x 256 tiles none (results/loss_kernel/h100_issue45_lean/)
+    "frozen_16": (128, 256, 64, 8, 8, 3),
     "frozen_32": (128, 128, 32, 8, 8, 3),
 }
 PERSISTENT_KEYS = tuple(k for k in _CONFIGS if k.startswith(("fwd", "bwd")))  # the frozen forward follows fwd
@@ -67,8 +68,10 @@ class KernelTuning:
             Programs per SM of a persistent launch: 2 lets one's softmax epilogue overlap the other's tensor-core work.
         launch_options (`dict`, keys as `configs`):
             Extra Triton compile options per kernel (e.g. `{"maxnreg": 128}`: two 8-warp programs on one SM).
-        dz_tma (`dict`, defaults off, `GRPO_LAB_DZ_TMA=1` turns both on):
-            The backward writes dZ through a tensor descriptor when TMA loads are on (no gain on the H200).
+        dz_tma (`dict`, defaults on for 16-bit, `GRPO_LAB_DZ_TMA=0/1` sets both):
+            The backward writes dZ through a tensor descriptor when TMA loads are on: since the leaner epilogue the
+            plain stores' int64 pointer tile is what spills the recomputing backward's registers (1.6 KiB per thread
+            on sm_90a); 0-3 % faster on an H100 (no gain on the H200 before). fp32 was not measured: off.
         p_tma (`dict`, defaults on for 16-bit, `GRPO_LAB_P_TMA=0/1` sets both):
             The frozen forward stores its P~ blocks, and the materialised head's forward its kept probabilities,
             through a tensor descriptor (a bulk copy the next tile's loads overlap) when TMA loads are on; fp32 was
@@ -101,6 +104,12 @@ class KernelTuning:
             target's column in every block of its epilogue (a compare and select per element); not when is_top1 is
             asked for (it compares the target logit with the row max, so needs the blocks' own value). Off: always
             from the block.
+        dz_free_backward (`bool`, defaults to `True`):
+            The materialised head's backward without an entropy gradient has no elementwise dZ pass: dZ of a row is
+            −b·P~ with one factor b per row and the target's entry set to −(1 − p_y)·e^(log Z − ref) (one store per
+            row), so the kept P~ is itself the operand of the dX and dW GEMMs and b scales X before one and dX
+            after the other. This saves a read and a write of the [N, V] buffer (a third of the materialised
+            backward's time beside its GEMMs at H = 1024); dZ is also no longer rounded to the compute dtype.
         ref_headroom (`float`, defaults to 60):
             e^(z − ref) is stored against a per-row reference (the target's logit); rows whose max exceeds it by more
             than this are recomputed against their exact max (e^60 · V stays far inside the fp32 / bf16 range).
@@ -151,7 +160,7 @@ class KernelTuning:
     persistent_programs: int | None = None
     programs_per_sm: dict = field(default_factory=lambda: dict.fromkeys(_CONFIGS, 1))
     launch_options: dict = field(default_factory=lambda: {key: {} for key in _CONFIGS})
-    dz_tma: dict = field(default_factory=lambda: dict.fromkeys(DTYPE_KEYS, False))
+    dz_tma: dict = field(default_factory=lambda: {"16": True, "32": False})
     p_tma: dict = field(default_factory=lambda: {"16": True, "32": False})
     frozen_two_gemm: bool = True
     frozen_recompute_rows: dict = field(default_factory=lambda: {"16": 0, "32": 0})
@@ -161,6 +170,7 @@ class KernelTuning:
     fast_exp: bool = True
     target_zero_pass: bool = True
     target_logit_from_ref: bool = True
+    dz_free_backward: bool = True
     ref_headroom: float = 60.0
     sq_ref_headroom: float = 30.0
     plogp_excess: dict = field(default_factory=lambda: {"16": 2.0, "32": float("inf")})
