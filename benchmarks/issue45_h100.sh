@@ -13,6 +13,7 @@
 #   confirm  every GPU test, then the head alone with the defaults set from `sweep` against the old ones and the
 #          materialised backward with / without its elementwise pass (benchmarks/tune_dz_free.json), the bar's
 #          cells, and a kernel profile of the frozen and materialised heads
+#   grid2  the grid in two calls (PART 1 or 2): the GPU tests, an A/B of the head alone and the bar's cells first
 #   sweep  the Triton main loop against cuBLAS with and without the epilogue (benchmarks/mainloop_probe.py), then
 #          the head alone over benchmarks/tune_lean_epilogue.json (frozen tiles now that the epilogue is lean,
 #          two programs per SM, dZ through descriptors, the materialised forward's tile)
@@ -106,6 +107,26 @@ confirm)
   GRPO_LAB_MATERIALIZE_GIB=48 timeout 80 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows \
     --no-accuracy --profile frozen:bf16:1024:32768,frozen:bf16:4096:8192,trainable:bf16:1024:32768 --points frozen:bf16:1024:2048 \
     --backends grpo_lab --budget-s 0.2 2>&1 | grep -v '^ *$' | grep -v 'ms  floor' | tail -45
+  ;;
+grid2)  # PART (1 or 2) of the grid of `grid` with the defaults of this checkout, in two calls of under 10 minutes
+  # (1: every GPU test, the head alone A/B of tune_dz_free.json, then the bar's cells and the small launch-bound end;
+  # 2: the rest of the bf16 shapes and the fp32 ones)
+  both() { for x in "$@"; do printf 'frozen:%s,trainable:%s,' "$x" "$x"; done; }
+  if [ "$2" = 1 ]; then
+    bash "$0" tests 150
+    timeout 100 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/tune" --hidden 1024,4096 --tokens 32768 \
+      --dtypes bf16 --experiments benchmarks/tune_dz_free.json 2>&1 | grep '^tune'
+    POINTS=$(both bf16:1024:8192 bf16:4096:8192 bf16:1024:32768 bf16:1024:2048 bf16:1024:4096 bf16:1536:2048 \
+      bf16:2048:2048 bf16:4096:2048)
+    MINUTES=4.6
+  else
+    POINTS=$(both bf16:4096:32768 bf16:1536:4096 bf16:1536:8192 bf16:2048:4096 bf16:5120:2048 bf16:5120:8192 \
+      fp32:1024:2048 fp32:1024:8192 fp32:4096:2048 fp32:4096:8192)
+    MINUTES=8.3
+  fi
+  timeout 560 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --repeats 2 --max-minutes $MINUTES \
+    --backends naive,trl,grpo_lab,grpo_lab+free --points "$POINTS" --budget-s 0.4 2>&1 | tee "$OUT_DIR/bench.log" \
+    | grep ' ms ' | tail -70
   ;;
 sweep)
   timeout 100 python3 benchmarks/mainloop_probe.py --hidden 1024,4096 --tokens 32768 2>&1 | tee "$OUT_DIR/probe.log" \

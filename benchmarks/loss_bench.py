@@ -508,7 +508,7 @@ FP32_ONLY = ("mm", "FP32_MM", "FP32_DOT")
 # Knobs that set one entry (the experiment's dtype) of the per-dtype table of the kernel's `KernelTuning` field of
 # that name, and knobs that set one of its fields outright (knob -> field).
 PER_DTYPE_KNOBS = ("bwd_tile", "frozen_tile", "dz_tma", "p_tma", "frozen_recompute_below", "ref_stats",
-                   "ref_stats_plain")
+                   "ref_stats_plain", "materialized_deferred_check")
 FIELD_KNOBS = {"FP32_MM": "fp32_mm", "FP32_DOT": "fp32_dot", "frozen_two_gemm": "frozen_two_gemm",
                "materialize_gib": "materialize_gib", "materialize_fraction": "materialize_fraction",
                "target_zero_pass": "target_zero_pass", "target_logit_from_ref": "target_logit_from_ref",

@@ -10,8 +10,8 @@ are recomputed against their exact max; `entropy_hint` forces what the frozen fo
 gives every seventh row logits hundreds of nats apart with the lowest one as its target, so that e^(z − ref)
 overflows fp32 there and those rows must be recomputed, statistics included (`softcap`: null turns the softcap off,
 which would bound the logits; `target_gap` picks the target that many nats below the max instead); `ref_stats` and
-`ref_stats_plain` set those fields of the kernel's tuning, `deferred` its `frozen_deferred_check` (the rows check
-read back by the backward), `target_zero_pass` its `target_zero_pass` (off: the frozen P~'s target column is
+`ref_stats_plain` set those fields of the kernel's tuning, `deferred` its `frozen_deferred_check` and
+`materialized_deferred_check` (the rows check read back by the backward), `target_zero_pass` its `target_zero_pass` (off: the frozen P~'s target column is
 zeroed in the fused forward's epilogue rather than by a pass after each launch), `no_top1` leaves is_top1 out of the
 outputs (then every forward takes the target logit from the row-wise dot instead of its blocks), `no_entropy_grad`
 leaves the entropy out of the loss (the materialised backward then has no elementwise dZ pass unless
@@ -67,6 +67,8 @@ def main(variant: dict) -> dict:
     TUNING.ref_stats = dict.fromkeys(TUNING.ref_stats, variant.get("ref_stats", True))
     TUNING.ref_stats_plain = dict.fromkeys(TUNING.ref_stats_plain, variant.get("ref_stats_plain", False))
     TUNING.frozen_deferred_check = dict.fromkeys(TUNING.frozen_deferred_check, variant.get("deferred", False))
+    TUNING.materialized_deferred_check = dict.fromkeys(TUNING.materialized_deferred_check,
+                                                       variant.get("deferred", False))
     TUNING.target_zero_pass = variant.get("target_zero_pass", True)
     TUNING.dz_free_backward = variant.get("dz_free_backward", True)
     programs, loads, stores, bulk, paths = [], [], [], [], []

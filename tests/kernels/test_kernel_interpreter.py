@@ -92,6 +92,14 @@ PATH_CASES = [
       "target_gap": 50.0, "no_entropy_grad": True}, 2),
     ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "extreme_rows": True,
       "no_entropy_grad": True, "dz_free_backward": False}, 2),
+    # the materialised head's rows check deferred to the backward (`materialized_deferred_check`)
+    ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "deferred": True}, 1),
+    ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "extreme_rows": True,
+      "deferred": True}, 2),
+    ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "extreme_rows": True,
+      "target_gap": 50.0, "no_entropy_grad": True, "deferred": True}, 2),
+    ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "headroom": 0.5,
+      "no_entropy_grad": True, "deferred": True}, 2),
     # the target column zeroed in the forward's epilogue instead of by the pass after each launch
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "deferred": True,
       "target_zero_pass": False}, 6),
@@ -115,6 +123,8 @@ PATH_CASES = [
                               "materialized-descriptor-stores", "materialized-dz-free",
                               "materialized-dz-free-overflow", "materialized-dz-free-gap",
                               "materialized-no-entropy-grad-elementwise",
+                              "materialized-deferred", "materialized-deferred-overflow",
+                              "materialized-deferred-gap-dz-free", "materialized-deferred-rescue-dz-free",
                               "frozen-deferred-zero-in-kernel",
                               "frozen-deferred-fallback-rescue",
                               "frozen-deferred-rescue", "frozen-deferred-overflow", "frozen-deferred-sq-overflow"])

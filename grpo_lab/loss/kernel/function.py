@@ -41,8 +41,8 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
                 stats, acc, pending = frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute,
                                                      want, with_plogp)
             elif path == "materialized":
-                stats, full, shift = materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute,
-                                                          want)
+                stats, full, shift, pending = materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale,
+                                                                   compute, want)
             else:
                 stats = statistics_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
             log_z, logprobs, entropy, extras = outputs_from_stats(*stats, vocab, want)
@@ -50,7 +50,7 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
                 # the target logit (softcap factor of the target); the rows check the backward resolves, if any
                 ctx.extra = (acc, logprobs.clone(), stats[-1], pending)
             elif path == "materialized":
-                ctx.extra = (full, logprobs.clone(), shift)
+                ctx.extra = (full, logprobs.clone(), shift, pending)
         else:  # no valid row: empty outputs of the right kinds
             log_z, logprobs, entropy, extras = outputs_from_stats(*torch.zeros(7, 0, device=dev), vocab, want)
         ctx.save_for_backward(hidden, weight, bias, y, log_z, entropy if entropy is not None else log_z, rows)
@@ -73,7 +73,7 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
             acc, logprobs, tlogit, pending = ctx.extra
             if ge is None or acc.shape[0] == 2:  # else: an entropy gradient the forward did not prepare for
                 if pending is not None:  # the forward's rows check; the valid rows' inputs only if rows need redoing
-                    pending.resolve(acc, lambda: hidden.contiguous() if rows is None else hidden.index_select(0, rows))
+                    pending.resolve(lambda: hidden.contiguous() if rows is None else hidden.index_select(0, rows))
                 grads = (frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy if has_entropy else None,
                                          tlogit, softcap, logit_scale, inv_t, compute, rows), None, None)
         elif ctx.path == "materialized" and n_valid > 0 and (g is not None or ge is not None):

@@ -310,25 +310,31 @@ def frozen_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
         acc, stats[0], stats[1], ref, bad, count, h.shape[0], h.shape[1], acc.stride(0),
         float(_ref_limit(compute, want, against_ref=False if deferred else None)),
         float(TUNING.plogp_excess[dtype_key(compute)]), HAS_B=acc.shape[0] == 2, BR=br, BH=bh, num_warps=4)
-    pending = PendingRescue(bad, count, (weight, bias, y, inv_t, softcap, logit_scale, compute, want, with_plogp, bn,
-                                         stats, ref))
+
+    def repair(rows, valid_h):  # the flagged rows' A (and B) against their exact max
+        redo = _redo_rows(rows, stats, ref, lambda r: _FrozenSink(rows.numel(), weight, compute, r, with_plogp, bn),
+                          valid_h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
+        acc.index_copy_(1, rows, _rebase_to_log_z(redo.acc, stats[0][rows], stats[1][rows], ref[rows]))
+
+    pending = PendingRescue(bad, count, repair)
     if deferred:
         return stats, acc, pending
-    pending.resolve(acc, lambda: h)  # here: with the statistics against ref, a flagged row's statistics are redone
+    pending.resolve(lambda: h)  # here: with the statistics against ref, a flagged row's statistics are redone
     return stats, acc, None
 
 
 class PendingRescue:
-    """The frozen forward's overflow check, read back without stalling the host.
+    """A forward's overflow check (frozen and materialised heads), read back without stalling the host.
 
     The forward queues the count of rows to recompute into pinned host memory and records an event behind it; the
     backward waits for that event only (by then the GPU is usually far past it, so the host does not drain the queue
-    of the loss's work as a sync in the forward would) and, in the rare case of a nonzero count, recomputes those rows
-    of A (and B) against their exact max, as the forward would have. It keeps no copy of the hidden states: the
-    backward hands them over (`valid_hidden`) only when there are rows to redo."""
+    of the loss's work as a sync in the forward would) and, in the rare case of a nonzero count, has `repair(rows,
+    valid hidden states)` recompute what the backward needs of those rows against their exact max, as the forward
+    would have. It keeps no copy of the hidden states: the backward hands them over (`valid_hidden`) only when there
+    are rows to redo."""
 
-    def __init__(self, bad, count, inputs):
-        self.bad, self.inputs = bad, inputs
+    def __init__(self, bad, count, repair):
+        self.bad, self.repair = bad, repair
         self.event = None
         self.count = count
         if count.is_cuda:
@@ -337,19 +343,15 @@ class PendingRescue:
             self.event = torch.cuda.Event()
             self.event.record()
 
-    def resolve(self, acc, valid_hidden) -> int:
-        """Repairs the rows of `acc` (rebased A, B) the check flagged; returns how many there were. `valid_hidden()`
-        gives the hidden states of the valid rows, as the forward saw them."""
+    def resolve(self, valid_hidden) -> int:
+        """Repairs the rows the check flagged; returns how many there were. `valid_hidden()` gives the hidden states
+        of the valid rows, as the forward saw them."""
         if self.event is not None:
             self.event.synchronize()
         if int(self.count) == 0:
             return 0
-        weight, bias, y, inv_t, softcap, logit_scale, compute, want, with_plogp, bn, stats, ref = self.inputs
-        h = valid_hidden()
         rows = self.bad.nonzero().squeeze(-1)
-        redo = _redo_rows(rows, stats, ref, lambda r: _FrozenSink(rows.numel(), weight, compute, r, with_plogp, bn),
-                          h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
-        acc.index_copy_(1, rows, _rebase_to_log_z(redo.acc, stats[0][rows], stats[1][rows], ref[rows]))
+        self.repair(rows, valid_hidden())
         return rows.numel()
 
 
@@ -426,18 +428,35 @@ def _rebase_to_log_z(acc, run_m, run_s, ref):
 
 
 def materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want):
-    """Statistics + the kept [rows, V] e^(z − ref) of a materialised head, and ref − log Z per row."""
+    """Statistics + the kept [rows, V] e^(z − ref) of a materialised head, ref − log Z per row, and the pending check
+    of its rows (`PendingRescue`; None when the check already ran here).
+
+    With `materialized_deferred_check` the forward never waits for the GPU, as the frozen head's: statistics against
+    each block's max (exact whatever the ref), so only the kept row of an overflowing row can be wrong; the backward
+    reads back which rows those are and recomputes them (and their ref − log Z) against their max. Otherwise one host
+    sync here, with the statistics against ref (`ref_stats`)."""
+    deferred = TUNING.materialized_deferred_check[dtype_key(compute)]
     ref = _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale)
     full = torch.empty((h.shape[0], weight.shape[0]), device=h.device, dtype=compute)
-    stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, _MaterializedSink(full, ref))
+    sink = _MaterializedSink(full, ref)
+    sink.ref_stats = not deferred
+    stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink)
     run_m, run_s = stats[0], stats[1]
-    rows = _far_below_max(run_m, ref, _ref_limit(compute, want)).nonzero().squeeze(-1)
-    if rows.numel():
+    shift = ref - (run_m + torch.log(run_s))
+    bad = _far_below_max(run_m, ref, _ref_limit(compute, want, against_ref=not deferred))
+
+    def repair(rows, valid_h):  # the flagged rows' kept probabilities against their exact max
         redo = _redo_rows(rows, stats, ref, lambda r: _MaterializedSink(
             torch.empty((rows.numel(), weight.shape[0]), device=h.device, dtype=compute), r),
-            h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
+            valid_h, weight, bias, y, inv_t, softcap, logit_scale, compute, want)
         full.index_copy_(0, rows, redo.full)
-    return stats, full, ref - (run_m + torch.log(run_s))
+        shift.index_copy_(0, rows, ref[rows] - (run_m[rows] + torch.log(run_s[rows])))
+
+    pending = PendingRescue(bad, bad.sum(dtype=torch.int32).reshape(1), repair)
+    if deferred:
+        return stats, full, shift, pending
+    pending.resolve(lambda: h)
+    return stats, full, shift, None
 
 
 def materialize_fits(n_rows: int, vocab: int, hidden: int, weight_bytes: int, compute: torch.dtype,
@@ -522,7 +541,9 @@ def materialized_backward(extra, hidden, weight, bias, y, g, ge, entropy, scale,
     """The kept probabilities become dZ, then cuBLAS: dX = dZ @ W, dW = dZᵀ @ X, db = Σ dZ. Without an entropy
     gradient (`dz_free_backward`) dZ = −b·P~' row by row (`_fold_target_entry`): the buffer is the GEMMs' operand as
     it is and b scales X and dX; else an elementwise pass turns the buffer into dZ in place."""
-    full, logprobs, shift = extra
+    full, logprobs, shift, pending = extra
+    if pending is not None:  # the forward's rows check; the valid rows' inputs only if rows need redoing
+        pending.resolve(lambda: hidden.contiguous() if rows is None else hidden.index_select(0, rows))
     m_rows, vocab = full.shape
     row_factor = None
     if ge is None and TUNING.dz_free_backward:  # (g is not None: the caller has a gradient to pass)

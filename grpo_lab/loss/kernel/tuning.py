@@ -87,6 +87,11 @@ class KernelTuning:
             The frozen forward checks overflowing rows without a host sync: statistics against each block's max, the
             count of rows to recompute copied to pinned memory behind an event the backward waits for, which then
             repairs those rows' A and B. Off (fp32, not measured): one host sync in the forward.
+        materialized_deferred_check (`dict`, per dtype, defaults on for 16-bit):
+            The same for the materialised head: statistics against each block's max, the rows whose kept
+            probabilities may have overflowed recomputed by the backward, so the forward has no host sync (which
+            left the GPU idle while the host queued the rest of the loss). Off (fp32, not measured): one host sync in
+            the forward, statistics against ref (`ref_stats`).
         frozen_tile (`dict`):
             The frozen path's P~ buffer, (tokens, vocabulary): 128 MiB bf16 / 256 MiB fp32, widened in the vocabulary
             when there are fewer rows.
@@ -166,6 +171,7 @@ class KernelTuning:
     frozen_recompute_rows: dict = field(default_factory=lambda: {"16": 0, "32": 0})
     frozen_recompute_below: dict = field(default_factory=lambda: {"16": 9 * 2**19, "32": 0})
     frozen_deferred_check: dict = field(default_factory=lambda: {"16": True, "32": False})
+    materialized_deferred_check: dict = field(default_factory=lambda: {"16": True, "32": False})
     frozen_tile: dict = field(default_factory=lambda: {"16": (8192, 8192), "32": (8192, 8192)})
     fast_exp: bool = True
     target_zero_pass: bool = True
