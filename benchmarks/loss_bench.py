@@ -348,11 +348,14 @@ def run_grid(args, meta, device, setting):
             _free(device)
             data = make_inputs(DTYPES[dname], hdim, tokens, seq, device, seed=hdim + tokens)
             data_key = (dname, hdim, tokens, seq)
-            floor = gemm_floor(data[0], data[1], args.floor_reps, device)
-            _free(device)
+        floors = {}  # per repeat, measured just before it: the card's clocks drift over minutes of load
         for repeat, backend in [(i, b) for i in range(args.repeats) for b in backends]:
             if not changes_path(backend, head) or (backend == "liger" and not liger_point(dname, hdim, tokens)):
                 continue
+            if repeat not in floors:
+                floors[repeat] = gemm_floor(data[0], data[1], args.floor_reps, device)
+                _free(device)
+            floor = floors[repeat]
             r = bench_point(backend, head, data, config, args.budget_s, device)
             r["repeat"] = repeat
             f_ms, f_gemms = floor_ms(floor, head)
