@@ -110,7 +110,7 @@ confirm)
   ;;
 grid2)  # PART (1 or 2) of the grid of `grid` with the defaults of this checkout, in two calls of under 10 minutes
   # (1: every GPU test, the head alone A/B of tune_dz_free.json, then the bar's cells and the small launch-bound end;
-  # 2: the rest of the bf16 shapes and the fp32 ones)
+  # 2: the bar's cells again, the rest of the bf16 shapes and the fp32 ones)
   both() { for x in "$@"; do printf 'frozen:%s,trainable:%s,' "$x" "$x"; done; }
   if [ "$2" = 1 ]; then
     bash "$0" tests 150
@@ -120,8 +120,8 @@ grid2)  # PART (1 or 2) of the grid of `grid` with the defaults of this checkout
       bf16:2048:2048 bf16:4096:2048)
     MINUTES=4.6
   else
-    POINTS=$(both bf16:4096:32768 bf16:1536:4096 bf16:1536:8192 bf16:2048:4096 bf16:5120:2048 bf16:5120:8192 \
-      fp32:1024:2048 fp32:1024:8192 fp32:4096:2048 fp32:4096:8192)
+    POINTS=$(both bf16:1024:32768 bf16:4096:8192 bf16:1536:8192 bf16:2048:4096 bf16:5120:2048 bf16:5120:8192 \
+      fp32:1024:2048 fp32:4096:2048 fp32:1024:8192 fp32:4096:8192)
     MINUTES=8.3
   fi
   timeout 560 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --repeats 2 --max-minutes $MINUTES \
