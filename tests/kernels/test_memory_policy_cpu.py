@@ -157,10 +157,10 @@ def test_small_16_bit_heads_stay_flat_unless_the_user_allows_memory(launch, monk
 def test_the_buffer_is_kept_only_where_the_runs_peak_has_room(launch, monkeypatch):
     """The head runs at the top of the step's activation peak: with 80 GiB free but no room under the run's
     high-water mark (the first step, or a step whose peak is the head itself) the 9.3 GiB buffer of 32k rows stays
-    flat, counted as short of memory; with room for it and the backward's dX (fp32) and dW it is kept. An explicit
-    allowance, or the rule turned off, does not ask."""
+    flat, counted as short of memory; with room for it and the backward's dX (fp32), X scaled per row and dW it is
+    kept. An explicit allowance, or the rule turned off, does not ask."""
     need = 32768 * V * 2
-    backward = 32768 * 1024 * 4 + V * 1024 * 2
+    backward = 32768 * 1024 * (4 + 2) + V * 1024 * 2
     weight_bytes = V * 1024 * 2
     launch.room_below_peak.bytes = 0
     assert launch.choose_path("trainable", torch.bfloat16, None, 32768, V, CUDA, 1024, weight_bytes) == "recompute"

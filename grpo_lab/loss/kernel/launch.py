@@ -463,11 +463,13 @@ def materialize_fits(n_rows: int, vocab: int, hidden: int, weight_bytes: int, co
                      device: torch.device) -> bool:
     """Whether a trainable head keeps its [rows, V] probabilities: the memory policy (`policy.materialize_decision`)
     on the bytes that needs, the bytes free on the device now and, with `materialize_within_peak`, the room under
-    the run's peak for the buffer and the backward's outputs beside it (dX in fp32, dW: `weight_bytes`)."""
+    the run's peak for the buffer and what the backward holds beside it (dX in fp32, X scaled per row, dW:
+    `weight_bytes`)."""
     if not materialize_policy_on():
         return False  # no need to ask the driver
-    need = n_rows * vocab * torch.empty((), dtype=compute).element_size()
-    backward = n_rows * hidden * 4 + weight_bytes
+    size = torch.empty((), dtype=compute).element_size()
+    need = n_rows * vocab * size
+    backward = n_rows * hidden * (4 + size) + weight_bytes  # dX in fp32, X scaled per row, dW
     allowance = None if TUNING.materialize_gib is None else TUNING.materialize_gib * 2**30
     cuda = device.type == "cuda"
     # off CUDA (Triton's interpreter on a CPU) as if just the buffer and the spare were free, under a peak of room
@@ -564,7 +566,9 @@ def materialized_backward(extra, hidden, weight, bias, y, g, ge, entropy, scale,
         grad_h = scatter_grad(grad_h, hidden, rows)
     if need_w:
         h = hidden if rows is None else hidden.index_select(0, rows)
-        h = h.to(compute) if row_factor is None else (h.float() * row_factor.unsqueeze(-1)).to(compute)
+        h = h.to(compute)
+        if row_factor is not None:  # (in the compute dtype: no fp32 copy of X beside the kept buffer)
+            h = h * row_factor.unsqueeze(-1).to(compute)
         grad_w = torch.empty_like(weight)
         _mm_into(grad_w, full.t(), h)
     if need_b and bias is not None:

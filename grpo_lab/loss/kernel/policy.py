@@ -26,8 +26,8 @@ def materialize_decision(need_bytes: int, free_bytes: int, fraction: float, allo
     At most `allowance_bytes` (an explicit `materialize_gib`: the user spends that memory knowingly), else
     `fraction` of the free memory (0: never) and, when `room_below_peak` is given (the bytes between what is
     allocated now and the run's high-water mark), only if the buffer and what the head's backward allocates beside
-    it (`backward_bytes`: dX in fp32, dW) fit in that room, so the step's peak cannot rise. `spare_bytes` stay free
-    either way. Pure, so the policy is tested without a GPU."""
+    it (`backward_bytes`: dX in fp32, X scaled per row, dW) fit in that room, so the step's peak cannot rise.
+    `spare_bytes` stay free either way. Pure, so the policy is tested without a GPU."""
     if need_bytes <= 0 or need_bytes + spare_bytes > free_bytes:
         return False
     if allowance_bytes is not None:
