@@ -541,7 +541,7 @@ def frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy, tlogit, so
 def materialized_backward(extra, hidden, weight, bias, y, g, ge, entropy, scale, compute, rows, need_h, need_w,
                           need_b):
     """The kept probabilities become dZ, then cuBLAS: dX = dZ @ W, dW = dZᵀ @ X, db = Σ dZ. Without an entropy
-    gradient (`dz_free_backward`) dZ = −b·P~' row by row (`_fold_target_entry`): the buffer is the GEMMs' operand as
+    gradient (`dz_free_backward`) dZ = b·P~' row by row (`_fold_target_entry`): the buffer is the GEMMs' operand as
     it is and b scales X and dX; else an elementwise pass turns the buffer into dZ in place."""
     full, logprobs, shift, pending = extra
     if pending is not None:  # the forward's rows check; the valid rows' inputs only if rows need redoing

@@ -111,7 +111,7 @@ class KernelTuning:
             from the block.
         dz_free_backward (`bool`, defaults to `True`):
             The materialised head's backward without an entropy gradient has no elementwise dZ pass: dZ of a row is
-            −b·P~ with one factor b per row and the target's entry set to −(1 − p_y)·e^(log Z − ref) (one store per
+            b·P~ with one factor b per row and the target's entry set to −(1 − p_y)·e^(log Z − ref) (one store per
             row), so the kept P~ is itself the operand of the dX and dW GEMMs and b scales X before one and dX
             after the other. This saves a read and a write of the [N, V] buffer (a third of the materialised
             backward's time beside its GEMMs at H = 1024); dZ is also no longer rounded to the compute dtype.
