@@ -62,8 +62,25 @@ def _probe_kernel(h_desc, w_desc, z_desc, ref_ptr, part_ptr, M, N, K, EPI: tl.co
 
 
 def _config(text: str) -> tuple[int, ...]:
-    bm, bn, bk, warps, stages = (int(x) for x in text.split("x"))
-    return bm, bn, bk, warps, stages
+    """BMxBNxBKxWARPSxSTAGES → a tuple of five positive ints (an argparse type: a bad value is a one-line error)."""
+    parts = text.strip().split("x")
+    if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: BMxBNxBKxWARPSxSTAGES, e.g. 128x256x64x8x3")
+    return tuple(int(p) for p in parts)
+
+
+def _configs(text: str) -> list[tuple[int, ...]]:
+    return [_config(c) for c in text.split(",") if c.strip()]
+
+
+def _hidden(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: hidden sizes, e.g. 1024,4096")
+    return sizes
 
 
 def probe(hidden: int, tokens: int, configs: list[tuple[int, ...]]) -> list[dict]:
@@ -113,17 +130,18 @@ def probe(hidden: int, tokens: int, configs: list[tuple[int, ...]]) -> list[dict
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", default="1024,4096")
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--configs", default="128x128x64x8x4,128x256x64x8x3",
+    p.add_argument("--hidden", type=_hidden, default="1024,4096", help="hidden sizes, comma-separated")
+    p.add_argument("--tokens", type=int, default=32768, help="tokens (launches of 8192)")
+    p.add_argument("--configs", type=_configs, default="128x128x64x8x4,128x256x64x8x3",
                    help="BMxBNxBKxWARPSxSTAGES, comma-separated")
     args = p.parse_args(argv)
+    if args.tokens <= 0:
+        p.error(f"--tokens {args.tokens}: a positive count")
     if not torch.cuda.is_available():
-        print("mainloop_probe needs a CUDA GPU", file=sys.stderr)
+        print("mainloop_probe needs a CUDA GPU (Triton's interpreter runs no inline PTX)", file=sys.stderr)
         return 2
-    configs = [_config(c) for c in args.configs.split(",")]
-    for hidden in (int(x) for x in args.hidden.split(",")):
-        probe(hidden, args.tokens, configs)
+    for hidden in args.hidden:
+        probe(hidden, args.tokens, args.configs)
     return 0
 
 

@@ -181,3 +181,19 @@ def test_the_policy_backends_set_and_restore_their_fields(bench, monkeypatch):
     with bench.backend_settings("grpo_lab"):
         assert (T.materialize_fraction, T.materialize_within_peak, T.materialize_gib) == before
     assert (T.materialize_fraction, T.materialize_within_peak, T.materialize_gib) == before
+
+
+def test_mainloop_probe_refuses_bad_input_in_one_line_and_needs_a_gpu():
+    """benchmarks/mainloop_probe.py: a malformed tile or hidden size is an argparse error (exit 2, no traceback); on a
+    machine without CUDA it says so and exits 2 instead of failing inside Triton."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "mainloop_probe.py")
+    for bad in (["--configs", "128x256x64"], ["--configs", "128xAx64x8x3"], ["--hidden", "0"], ["--tokens", "-1"]):
+        proc = subprocess.run([sys.executable, script, *bad], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (bad, proc.stderr)
+        assert "error" in proc.stderr.splitlines()[-1]
+    no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the same answer on a machine that has one
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, env=no_gpu)
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
