@@ -41,8 +41,9 @@ def _variants(tuning):  # (getattr: the settings an older checkout lacks, so tha
                ZERO_TARGET=not getattr(tuning, "target_zero_pass", False), REF_STATS=False)
     frozen = dict(fwd, P_MODE=1, P_TMA=tuning.p_tma["16"], TZ_FROM_REF=getattr(tuning, "target_logit_from_ref", False))
     stats = dict(fwd, P_MODE=0, P_TMA=False, TZ_FROM_REF=getattr(tuning, "target_logit_from_ref", False))
+    deferred = getattr(tuning, "materialized_deferred_check", {}).get("16", False)  # statistics against block maxima
     kept = dict(fwd, P_MODE=2, P_TMA=tuning.p_tma["16"], TZ_FROM_REF=getattr(tuning, "target_logit_from_ref", False),
-                REF_STATS=tuning.ref_stats["16"])
+                REF_STATS=tuning.ref_stats["16"] and not deferred)
     bwd = dict(common, HAS_G=True, HAS_GE=False, DZ_TMA=tuning.dz_tma["16"])
     return [("frozen", tk.fwd_kernel, "frozen_16", frozen, {"p_ptr": "BMxBN", "pz_ptr": "BMxBN"}),
             ("stats", tk.fwd_kernel, "fwd_16", stats, {}),

@@ -32,7 +32,7 @@ def _compiled(sass, name, **changes):
 
 
 # Spill bytes allowed per thread: the 128 x 256 tiles hold 128 fp32 accumulators a thread, and the compiler may
-# spill a few words there (Triton 3.6: frozen 72 B, statistics and kept probabilities 0 B; 3.9: 80 / 136 B). Before
+# spill a few words there (Triton 3.6: frozen and kept probabilities 72 B, statistics 0 B; 3.9: up to 136 B). Before
 # issue 45's changes they spilled 360 B (statistics) and 2024 B (kept probabilities) under Triton 3.6, and the frozen
 # forward's old epilogue did not fit this tile at all.
 SPILL_BYTES = {"frozen": 160, "stats": 160, "kept": 160}

@@ -443,7 +443,7 @@ def materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale, comput
     stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink)
     run_m, run_s = stats[0], stats[1]
     shift = ref - (run_m + torch.log(run_s))
-    bad = _far_below_max(run_m, ref, _ref_limit(compute, want, against_ref=not deferred))
+    bad = _far_below_max(run_m, ref, _ref_limit(compute, want, against_ref=False if deferred else None))
 
     def repair(rows, valid_h):  # the flagged rows' kept probabilities against their exact max
         redo = _redo_rows(rows, stats, ref, lambda r: _MaterializedSink(
