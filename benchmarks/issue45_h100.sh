@@ -24,6 +24,12 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/card.txt"
 OUT_DIR="$OUT"
 BAR_CELLS=frozen:bf16:1024:32768,trainable:bf16:1024:32768,frozen:bf16:4096:8192,trainable:bf16:4096:8192
+step_peak() {  # TIMEOUT STEPS: notebook 01's run peak; its trainer reads the package's data files, which exist only in
+  # an installed copy (grpo_lab.data_files is data/ mapped at install), so the checkout is installed beside the wheels
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/gl . >/dev/null 2>&1
+  PYTHONPATH=/tmp/site:/tmp/gl timeout "$1" python3 benchmarks/step_peak.py --batch-sizes 16,64 --steps "$2" \
+    --out "$OUT_DIR" 2>&1 | grep -v Warn
+}
 kernel_tests() {  # TIMEOUT: the GPU tests of the kernel paths (not the TRL-trainer or memory-policy ones)
   timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py -k "float64 or \
 variants or bias_softcap or top1 or grad_only or masked or rows_recomputed or fp32_as_accurate or against_trl" 2>&1 \
@@ -46,7 +52,7 @@ case "$1" in
 check)
   timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py \
     -k "policy or peak or short_of_memory" 2>&1 | tee "$OUT_DIR/pytest_policy.log" | tail -5
-  timeout 240 python3 benchmarks/step_peak.py --batch-sizes 16,64 --steps 4 --out "$OUT_DIR" 2>&1 | grep -v Warn
+  step_peak 240 4
   timeout 100 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows --no-accuracy \
     --profile frozen:bf16:1024:32768,trainable:bf16:1024:32768,frozen:bf16:4096:8192 \
     --points frozen:bf16:1024:2048 --backends grpo_lab --budget-s 0.2 2>&1 | grep -v '^ *$' | tail -60
@@ -69,7 +75,7 @@ grid)
 all)  # one call of under 10 minutes when machines are scarce: the policy's tests, the run peaks, a profile, a grid
   timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py \
     -k "policy or peak or short_of_memory" 2>&1 | tee "$OUT_DIR/pytest_policy.log" | tail -4
-  timeout 125 python3 benchmarks/step_peak.py --batch-sizes 16,64 --steps 3 --out "$OUT_DIR" 2>&1 | grep -v Warn
+  step_peak 125 3
   timeout 40 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows --no-accuracy \
     --profile frozen:bf16:1024:32768,frozen:bf16:4096:8192 --points frozen:bf16:1024:2048 --backends grpo_lab \
     --budget-s 0.2 2>&1 | grep -v '^ *$' | grep -v 'ms  floor' | tail -40
@@ -100,7 +106,7 @@ tests)  # TIMEOUT (470): every GPU test of the kernel and the loss, over 4 pytes
     | tee "$OUT_DIR/pytest_gpu.log" | tail -15
   ;;
 confirm)
-  bash "$0" tests 150
+  bash "$0" tests 240
   timeout 150 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/tune" --hidden 1024,4096 --tokens 32768 \
     --dtypes bf16 --experiments benchmarks/tune_dz_free.json 2>&1 | grep '^tune'
   bar_cells 150 naive,trl,grpo_lab,grpo_lab+free 0.25 "$BAR_CELLS"
@@ -113,7 +119,7 @@ grid2)  # PART (1 or 2) of the grid of `grid` with the defaults of this checkout
   # 2: the bar's cells again, the rest of the bf16 shapes and the fp32 ones)
   both() { for x in "$@"; do printf 'frozen:%s,trainable:%s,' "$x" "$x"; done; }
   if [ "$2" = 1 ]; then
-    bash "$0" tests 150
+    bash "$0" tests 240
     timeout 100 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/tune" --hidden 1024,4096 --tokens 32768 \
       --dtypes bf16 --experiments benchmarks/tune_dz_free.json 2>&1 | grep '^tune'
     POINTS=$(both bf16:1024:8192 bf16:4096:8192 bf16:1024:32768 bf16:1024:2048 bf16:1024:4096 bf16:1536:2048 \
