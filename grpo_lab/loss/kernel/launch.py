@@ -560,7 +560,7 @@ def materialized_backward(extra, hidden, weight, bias, y, g, ge, entropy, scale,
     grad_h = grad_w = grad_b = None
     if need_h:
         w_c = weight.to(compute)
-        grad_h = torch.mm(full, w_c) if compute == torch.float32 else torch.mm(full, w_c, out_dtype=torch.float32)
+        grad_h = torch.mm(full, w_c, **_fp32_out(compute))
         if row_factor is not None:
             grad_h.mul_(row_factor.unsqueeze(-1))
         grad_h = scatter_grad(grad_h, hidden, rows)

@@ -113,8 +113,8 @@ class KernelTuning:
             The materialised head's backward without an entropy gradient has no elementwise dZ pass: dZ of a row is
             b·P~ with one factor b per row and the target's entry set to −(1 − p_y)·e^(log Z − ref) (one store per
             row), so the kept P~ is itself the operand of the dX and dW GEMMs and b scales X before one and dX
-            after the other. This saves a read and a write of the [N, V] buffer (a third of the materialised
-            backward's time beside its GEMMs at H = 1024); dZ is also no longer rounded to the compute dtype.
+            after the other. This saves a read and a write of the [N, V] buffer (the materialised head alone: 47.5
+            vs 55.1 ms at H = 1024, 32k tokens, on an H100); dZ is also no longer rounded to the compute dtype.
         ref_headroom (`float`, defaults to 60):
             e^(z − ref) is stored against a per-row reference (the target's logit); rows whose max exceeds it by more
             than this are recomputed against their exact max (e^60 · V stays far inside the fp32 / bf16 range).
