@@ -149,10 +149,10 @@ def test_every_committed_h200_peak_is_predicted_within_10_percent():
     """The validation table (results/memory_planner/validation.md) recomputed from the committed CSVs: notebook
     01's steps and loss-alone points, notebook 02's probes, the loss-kernel grid (kernels that changed since are
     marked and left out)."""
-    from grpo_lab.memory.planner.validate import OLD_KERNEL_FROZEN, OLD_KERNEL_NB01, summary, validation_table
+    from grpo_lab.memory.planner.validate import OLD_KERNEL_NOTES, summary, validation_table
 
     table = validation_table()
-    h200 = table[table["source"].str.startswith("H200") & ~table["note"].isin([OLD_KERNEL_NB01, OLD_KERNEL_FROZEN])]
+    h200 = table[table["source"].str.startswith("H200") & ~table["note"].isin(OLD_KERNEL_NOTES)]
     assert len(h200) > 300
     # within 10 %, or a few MiB for the smallest head-alone peaks (Liger's frozen head at 2k tokens: 0.05 GiB)
     abs_err = (h200["predicted_gib"] - h200["measured_gib"]).abs()

@@ -27,7 +27,7 @@ CHUNKED_TOKEN_TILE = 1024
 # trainable dZ tile (tokens × vocab)
 KERNEL_PART_BYTES = 32 * MiB
 KERNEL_FWD_BN = {2: 256, 4: 128}
-KERNEL_FROZEN_BN = {2: 128, 4: 128}
+KERNEL_FROZEN_BN = {2: 256, 4: 128}
 KERNEL_FROZEN_TILE = (8192, 8192)
 # under this many rows and rows × hidden a frozen 16-bit head recomputes (dX only) in dZ tiles of the frozen tile's
 # budget (0 rows: the kernel's rule is off by default since the small frozen head stopped syncing with the host)
