@@ -30,6 +30,18 @@ step_peak() {  # TIMEOUT STEPS: notebook 01's run peak; its trainer reads the pa
   PYTHONPATH=/tmp/site:/tmp/gl timeout "$1" python3 benchmarks/step_peak.py --batch-sizes 16,64 --steps "$2" \
     --out "$OUT_DIR" 2>&1 | grep -v Warn
 }
+both() {  # SHAPE...: the frozen and trainable cells of each dtype:H:tokens shape, as --points
+  for x in "$@"; do printf 'frozen:%s,trainable:%s,' "$x" "$x"; done
+}
+gpu_tests() {  # TIMEOUT: every GPU test of the kernel and the loss, over 4 pytest-xdist workers when it is carried
+  python3 -c "import xdist" 2>/dev/null && WORKERS="-n 4" || WORKERS=""
+  timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider $WORKERS tests/kernels tests/core 2>&1 \
+    | tee "$OUT_DIR/pytest_gpu.log" | tail -15
+}
+tune_with() {  # FILE TIMEOUT: the head alone (bf16, H 1024 / 4096, 32k tokens) over the experiments of FILE
+  timeout "$2" python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/tune" --hidden 1024,4096 --tokens 32768 \
+    --dtypes bf16 --experiments "$1" 2>&1 | grep '^tune'
+}
 kernel_tests() {  # TIMEOUT: the GPU tests of the kernel paths (not the TRL-trainer or memory-policy ones)
   timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py -k "float64 or \
 variants or bias_softcap or top1 or grad_only or masked or rows_recomputed or fp32_as_accurate or against_trl" 2>&1 \
@@ -64,7 +76,6 @@ check)
   ;;
 grid)
   # the floor cells of the bar first (H 1024 / 4096 from 8k tokens), then the small launch-bound end, then fp32
-  both() { for x in "$@"; do printf 'frozen:%s,trainable:%s,' "$x" "$x"; done; }
   POINTS=${2:-$(both bf16:1024:8192 bf16:4096:8192 bf16:1024:32768 bf16:4096:32768 bf16:1024:2048 bf16:1024:4096 \
     bf16:1536:2048 bf16:1536:4096 bf16:1536:8192 bf16:2048:2048 bf16:2048:4096 bf16:4096:2048 bf16:5120:2048 \
     bf16:5120:8192 fp32:1024:2048 fp32:1024:8192 fp32:4096:2048 fp32:4096:8192)}
@@ -79,7 +90,6 @@ all)  # one call of under 10 minutes when machines are scarce: the policy's test
   timeout 40 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows --no-accuracy \
     --profile frozen:bf16:1024:32768,frozen:bf16:4096:8192 --points frozen:bf16:1024:2048 --backends grpo_lab \
     --budget-s 0.2 2>&1 | grep -v '^ *$' | grep -v 'ms  floor' | tail -40
-  both() { for x in "$@"; do printf 'frozen:%s,trainable:%s,' "$x" "$x"; done; }
   timeout 170 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --repeats 2 --max-minutes 2.6 \
     --backends naive,trl,grpo_lab,grpo_lab+free --budget-s 0.4 --points "$(both bf16:1024:8192 bf16:4096:8192 \
     bf16:1024:32768 bf16:1024:2048 bf16:1536:2048 bf16:2048:2048 bf16:1536:8192 bf16:4096:2048 fp32:1024:2048 \
@@ -100,15 +110,12 @@ last)  # under five minutes: the GPU tests of the kernel paths, then the bar's c
   kernel_tests 130
   bar_cells 130 trl,grpo_lab,grpo_lab+free 0.25 "$BAR_CELLS"
   ;;
-tests)  # TIMEOUT (470): every GPU test of the kernel and the loss, over 4 pytest-xdist workers when it is carried
-  python3 -c "import xdist" 2>/dev/null && WORKERS="-n 4" || WORKERS=""
-  timeout "${2:-470}" python3 -m pytest -q -m gpu -p no:cacheprovider $WORKERS tests/kernels tests/core 2>&1 \
-    | tee "$OUT_DIR/pytest_gpu.log" | tail -15
+tests)  # TIMEOUT (470)
+  gpu_tests "${2:-470}"
   ;;
 confirm)
-  bash "$0" tests 240
-  timeout 150 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/tune" --hidden 1024,4096 --tokens 32768 \
-    --dtypes bf16 --experiments benchmarks/tune_dz_free.json 2>&1 | grep '^tune'
+  gpu_tests 240
+  tune_with benchmarks/tune_dz_free.json 150
   bar_cells 150 naive,trl,grpo_lab,grpo_lab+free 0.25 "$BAR_CELLS"
   GRPO_LAB_MATERIALIZE_GIB=48 timeout 80 python3 benchmarks/loss_bench.py --out "$OUT_DIR/profile" --no-issue-rows \
     --no-accuracy --profile frozen:bf16:1024:32768,frozen:bf16:4096:8192,trainable:bf16:1024:32768 --points frozen:bf16:1024:2048 \
@@ -117,11 +124,9 @@ confirm)
 grid2)  # PART (1 or 2) of the grid of `grid` with the defaults of this checkout, in two calls of under 10 minutes
   # (1: every GPU test, the head alone A/B of tune_dz_free.json, then the bar's cells and the small launch-bound end;
   # 2: the bar's cells again, the rest of the bf16 shapes and the fp32 ones)
-  both() { for x in "$@"; do printf 'frozen:%s,trainable:%s,' "$x" "$x"; done; }
   if [ "$2" = 1 ]; then
-    bash "$0" tests 240
-    timeout 100 python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/tune" --hidden 1024,4096 --tokens 32768 \
-      --dtypes bf16 --experiments benchmarks/tune_dz_free.json 2>&1 | grep '^tune'
+    gpu_tests 240
+    tune_with benchmarks/tune_dz_free.json 100
     POINTS=$(both bf16:1024:8192 bf16:4096:8192 bf16:1024:32768 bf16:1024:2048 bf16:1024:4096 bf16:1536:2048 \
       bf16:2048:2048 bf16:4096:2048)
     MINUTES=4.6
@@ -137,7 +142,6 @@ grid2)  # PART (1 or 2) of the grid of `grid` with the defaults of this checkout
 sweep)
   timeout 100 python3 benchmarks/mainloop_probe.py --hidden 1024,4096 --tokens 32768 2>&1 | tee "$OUT_DIR/probe.log" \
     | grep '^probe'
-  timeout "${2:-160}" python3 benchmarks/loss_bench.py --tune --out "$OUT_DIR/tune" --hidden 1024,4096 \
-    --tokens 32768 --dtypes bf16 --experiments benchmarks/tune_lean_epilogue.json 2>&1 | grep '^tune'
+  tune_with benchmarks/tune_lean_epilogue.json "${2:-160}"
   ;;
 esac
