@@ -130,10 +130,10 @@ def probe(hidden: int, tokens: int, configs: list[tuple[int, ...]]) -> list[dict
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=_hidden, default="1024,4096", help="hidden sizes, comma-separated")
-    p.add_argument("--tokens", type=int, default=32768, help="tokens (launches of 8192)")
+    p.add_argument("--hidden", type=_hidden, default="1024,4096", help="hidden sizes, comma-separated (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=32768, help="tokens, in launches of 8192 (default: %(default)s)")
     p.add_argument("--configs", type=_configs, default="128x128x64x8x4,128x256x64x8x3",
-                   help="BMxBNxBKxWARPSxSTAGES, comma-separated")
+                   help="BMxBNxBKxWARPSxSTAGES, comma-separated (default: %(default)s)")
     args = p.parse_args(argv)
     if args.tokens <= 0:
         p.error(f"--tokens {args.tokens}: a positive count")

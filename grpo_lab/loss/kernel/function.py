@@ -68,17 +68,23 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
         g = None if g is None else g.float().contiguous()
         ge = None if ge is None else ge.float().contiguous()
         grads = None
+
+        def resolve(pending):  # the forward's rows check; the valid rows' inputs only if rows need redoing
+            if pending is not None:
+                pending.resolve(lambda: hidden.contiguous() if rows is None else hidden.index_select(0, rows))
+
         if ctx.path == "frozen":
             note_entropy_grad(ge is not None)
             acc, logprobs, tlogit, pending = ctx.extra
             if ge is None or acc.shape[0] == 2:  # else: an entropy gradient the forward did not prepare for
-                if pending is not None:  # the forward's rows check; the valid rows' inputs only if rows need redoing
-                    pending.resolve(lambda: hidden.contiguous() if rows is None else hidden.index_select(0, rows))
+                resolve(pending)
                 grads = (frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy if has_entropy else None,
                                          tlogit, softcap, logit_scale, inv_t, compute, rows), None, None)
         elif ctx.path == "materialized" and n_valid > 0 and (g is not None or ge is not None):
-            grads = materialized_backward(ctx.extra, hidden, weight, bias, y, g, ge, entropy, logit_scale * inv_t,
-                                          compute, rows, need_h, need_w, need_b)
+            full, logprobs, shift, pending = ctx.extra
+            resolve(pending)
+            grads = materialized_backward((full, logprobs, shift), hidden, weight, bias, y, g, ge, entropy,
+                                          logit_scale * inv_t, compute, rows, need_h, need_w, need_b)
         if grads is None:
             tile = (TUNING.frozen_tile if ctx.mode == "frozen" else TUNING.bwd_tile)[dtype_key(compute)]
             grads = recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, softcap, logit_scale,

@@ -198,9 +198,10 @@ class _MaterializedSink(_RefSink):
 
     p_mode = 2
 
-    def __init__(self, full, ref):
+    def __init__(self, full, ref, ref_stats=True):
         super().__init__(ref)
         self.full = full
+        self.ref_stats = ref_stats  # statistics against ref (when `ref_stats` allows), or against each block's max
 
     def views(self, t0, t1, v0, v1, bm, bn, tma_loads):
         view = self.full[t0:t1, v0:]
@@ -438,9 +439,8 @@ def materialized_forward(h, weight, bias, y, inv_t, softcap, logit_scale, comput
     deferred = TUNING.materialized_deferred_check[dtype_key(compute)]
     ref = _reference_logits(h, weight, bias, y, compute, inv_t, softcap, logit_scale)
     full = torch.empty((h.shape[0], weight.shape[0]), device=h.device, dtype=compute)
-    sink = _MaterializedSink(full, ref)
-    sink.ref_stats = not deferred
-    stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want, sink)
+    stats = _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, want,
+                           _MaterializedSink(full, ref, ref_stats=not deferred))
     run_m, run_s = stats[0], stats[1]
     shift = ref - (run_m + torch.log(run_s))
     bad = _far_below_max(run_m, ref, _ref_limit(compute, want, against_ref=False if deferred else None))
@@ -543,9 +543,7 @@ def materialized_backward(extra, hidden, weight, bias, y, g, ge, entropy, scale,
     """The kept probabilities become dZ, then cuBLAS: dX = dZ @ W, dW = dZᵀ @ X, db = Σ dZ. Without an entropy
     gradient (`dz_free_backward`) dZ = b·P~' row by row (`_fold_target_entry`): the buffer is the GEMMs' operand as
     it is and b scales X and dX; else an elementwise pass turns the buffer into dZ in place."""
-    full, logprobs, shift, pending = extra
-    if pending is not None:  # the forward's rows check; the valid rows' inputs only if rows need redoing
-        pending.resolve(lambda: hidden.contiguous() if rows is None else hidden.index_select(0, rows))
+    full, logprobs, shift = extra  # (the forward's rows check already resolved by the caller)
     m_rows, vocab = full.shape
     row_factor = None
     if ge is None and TUNING.dz_free_backward:  # (g is not None: the caller has a gradient to pass)
