@@ -14,6 +14,8 @@
 #          materialised backward with / without its elementwise pass (benchmarks/tune_dz_free.json), the bar's
 #          cells, and a kernel profile of the frozen and materialised heads
 #   grid2  the grid in two calls (PART 1 or 2): the GPU tests, an A/B of the head alone and the bar's cells first
+#   timeline  where the GPU waits in a loss step: its idle gaps and what the host did meanwhile, frozen and
+#          trainable heads against TRL (benchmarks/step_timeline.py), the card's clocks sampled beside
 #   sweep  the Triton main loop against cuBLAS with and without the epilogue (benchmarks/mainloop_probe.py), then
 #          the head alone over benchmarks/tune_lean_epilogue.json (frozen tiles now that the epilogue is lean,
 #          two programs per SM, dZ through descriptors, the materialised forward's tile)
@@ -138,6 +140,16 @@ grid2)  # PART (1 or 2) of the grid of `grid` with the defaults of this checkout
   timeout 560 python3 benchmarks/loss_bench.py --out "$OUT_DIR" --no-accuracy --repeats 2 --max-minutes $MINUTES \
     --backends naive,trl,grpo_lab,grpo_lab+free --points "$POINTS" --budget-s 0.4 2>&1 | tee "$OUT_DIR/bench.log" \
     | grep ' ms ' | tail -70
+  ;;
+timeline)  # where the GPU waits in a loss step (benchmarks/step_timeline.py), with the card's clocks sampled beside
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv \
+    -lms 250 > "$OUT_DIR/clocks.csv" 2>&1 &
+  SMI=$!
+  timeout "${2:-200}" python3 benchmarks/step_timeline.py --out "$OUT_DIR" --backends grpo_lab,trl --points \
+    "${3:-frozen:bf16:1024:8192,frozen:bf16:4096:8192,frozen:bf16:1024:32768,frozen:bf16:1024:2048}" 2>&1 | grep -v USDT
+  timeout "${4:-120}" python3 benchmarks/step_timeline.py --out "$OUT_DIR" --backends grpo_lab+free,trl --points \
+    "${5:-trainable:bf16:1024:8192,trainable:bf16:1024:32768}" 2>&1 | grep -v USDT
+  kill $SMI
   ;;
 sweep)
   timeout 100 python3 benchmarks/mainloop_probe.py --hidden 1024,4096 --tokens 32768 2>&1 | tee "$OUT_DIR/probe.log" \
