@@ -149,6 +149,9 @@ timeline)  # where the GPU waits in a loss step (benchmarks/step_timeline.py), w
     "${3:-frozen:bf16:1024:8192,frozen:bf16:4096:8192,frozen:bf16:1024:32768,frozen:bf16:1024:2048}" 2>&1 | grep -v USDT
   timeout "${4:-120}" python3 benchmarks/step_timeline.py --out "$OUT_DIR" --backends grpo_lab+free,trl --points \
     "${5:-trainable:bf16:1024:8192,trainable:bf16:1024:32768}" 2>&1 | grep -v USDT
+  [ -n "${PROBE:-}" ] && timeout 200 python3 benchmarks/small_head_probe.py --out "$OUT_DIR" --rounds 3 --reps 8 \
+    --points 1024:8192,4096:8192,1024:32768 --variants '{"default": {}, "vocab16k": {"frozen_tile": {"16": [8192, 16384]}}}' \
+    2>&1 | grep '^H='
   kill $SMI
   ;;
 sweep)
