@@ -26,7 +26,7 @@ import triton.language as tl
 from ..contract import scatter_grad
 from .policy import SPARE_BYTES, free_device_bytes, materialize_decision, record_path, room_below_peak
 from .triton_kernels import (bwd_kernel, dz_from_p_kernel, frozen_dx_kernel, frozen_finish_kernel, fwd_kernel,
-                             merge_kernel, mm_kernel, ref_logit_kernel, zero_target_kernel)
+                             merge_kernel, mm_kernel, ref_logit_kernel)
 from .tuning import TUNING
 
 TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -155,12 +155,12 @@ class _FrozenSink:
                 p, pz, through = dp, dpz, True
         return p, pz, self.ref[t0:t1], self.buf.stride(1), self.buf.shape[0] == 2, through
 
+    def zero_target_args(self):
+        """(P~, P~·(z − ref), row stride, ZERO_P) for `merge_kernel` to zero the target column of a block it merges
+        (`target_zero_pass`)."""
+        return self.buf[0], self.buf[-1], self.buf.stride(1), self.buf.shape[0] if TUNING.target_zero_pass else 0
+
     def consume(self, t0, t1, v0, v1, targets):
-        if TUNING.target_zero_pass:
-            br = 128
-            zero_target_kernel[(triton.cdiv(t1 - t0, br),)](
-                self.buf[0], self.buf[-1], targets, t1 - t0, v0, v1, self.buf.stride(1),
-                HAS_PZ=self.buf.shape[0] == 2, BR=br, num_warps=4)
         w_c = self.weight[v0:v1].to(self.compute)
         for i in range(self.buf.shape[0]):
             _mm_acc(self.acc[i, t0:t1], self.buf[i, : t1 - t0, : v1 - v0], w_c)
@@ -264,9 +264,11 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
                 TZ_FROM_REF=tz_from_ref,
                 num_warps=warps, num_stages=stages, **TUNING.launch_options[f"{kind}_{dtype_key(compute)}"])
             LAST_COMPILED[f"{kind}_{dtype_key(compute)}"] = compiled
+            zp, zpz, zstride, zero_p = sink.zero_target_args() if kind == "frozen" else (part, part, 0, 0)
             merge_kernel[(triton.cdiv(rows, TUNING.merge_rows),)](
-                part, run_t, part.stride(0), run_t.stride(0), rows, nvb, **flags, BR=TUNING.merge_rows,
-                BV=TUNING.merge_blocks, REF_STATS=ref_stats, num_warps=4)
+                part, run_t, zp, zpz, y[t0:t1], part.stride(0), run_t.stride(0), rows, nvb, v0, v1, zstride,
+                **flags, BR=TUNING.merge_rows, BV=TUNING.merge_blocks, REF_STATS=ref_stats, ZERO_P=zero_p,
+                num_warps=4)
             if sink is not None:
                 sink.consume(t0, t1, v0, v1, y[t0:t1])
     if ref_stats:  # the sums against ref → against the row max, as the rest of the kernel expects

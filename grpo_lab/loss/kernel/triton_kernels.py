@@ -146,7 +146,7 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
     vocabulary chunk a multiple of BN: every column valid) no column masks; the target is found by one 32-bit compare
     of the block's column index with the row's target (a 64-bit compare of absolute indices cost some 20 instructions
     per element); and the frozen head's target column is zeroed in the block only with ZERO_TARGET, else by
-    `zero_target_kernel` after the launch (a second use of the compare cost as much again). With TZ_FROM_REF (the
+    `merge_kernel` after the launch (a second use of the compare cost as much again). With TZ_FROM_REF (the
     sink's ref is the target's own logit, from `ref_logit_kernel`'s row-wise dot) the block does not look for the
     target at all: the host takes the target logit from ref."""
     z, t, offs_m, offs_n, row_ok, col_ok = _tile_logits(
@@ -207,20 +207,6 @@ def _fwd_tile(h_ptr, w_ptr, b_ptr, tgt_ptr, part_ptr, tlogit_ptr, p_ptr, pz_ptr,
             tl.store(p_ptr + p_off, pe.to(p_ptr.dtype.element_ty), mask=p_ok)
             if STORE_PZ:
                 tl.store(pz_ptr + p_off, (pe * (z - ref[:, None])).to(pz_ptr.dtype.element_ty), mask=p_ok)
-
-
-@triton.jit
-def zero_target_kernel(p_ptr, pz_ptr, tgt_ptr, M, v_lo, v_hi, stride_p, HAS_PZ: tl.constexpr, BR: tl.constexpr):
-    """Zeroes the target column of the frozen head's P~ block (and P~·(z − ref)) for the rows whose target lies in
-    this launch's vocabulary chunk [v_lo, v_hi): one store per row instead of a compare and select per element in
-    `fwd_kernel`'s epilogue. Runs between the forward launch and the GEMM that reads the block."""
-    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
-    tgt = tl.load(tgt_ptr + offs_r, mask=offs_r < M, other=-1)
-    ok = (offs_r < M) & (tgt >= v_lo) & (tgt < v_hi)
-    at = offs_r.to(tl.int64) * stride_p + (tgt - v_lo)
-    tl.store(p_ptr + at, tl.zeros((BR,), dtype=p_ptr.dtype.element_ty), mask=ok)
-    if HAS_PZ:
-        tl.store(pz_ptr + at, tl.zeros((BR,), dtype=pz_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -415,14 +401,27 @@ def ref_logit_kernel(h_ptr, w_ptr, b_ptr, y_ptr, out_ptr, M, K, stride_h, stride
 
 
 @triton.jit
-def merge_kernel(part_ptr, run_ptr, part_stat_stride, run_stat_stride, M, n_blocks,
+def merge_kernel(part_ptr, run_ptr, p_ptr, pz_ptr, tgt_ptr, part_stat_stride, run_stat_stride, M, n_blocks, v_lo,
+                 v_hi, stride_p,
                  HAS_ENTROPY: tl.constexpr, HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
-                 BR: tl.constexpr, BV: tl.constexpr, REF_STATS: tl.constexpr):
+                 BR: tl.constexpr, BV: tl.constexpr, REF_STATS: tl.constexpr, ZERO_P: tl.constexpr):
     """Folds one launch's per-block partial statistics (`part`, [stat, block, row]) into the running ones (`run`,
     [stat, row]) in place: the online-LSE merge, one launch instead of a dozen torch ops per vocabulary chunk. With
-    REF_STATS every sum is against the same per-row ref, so they add as they are (the max is still merged)."""
+    REF_STATS every sum is against the same per-row ref, so they add as they are (the max is still merged).
+
+    ZERO_P (1: P~, 2: P~ and P~·(z − ref)): also zeroes the frozen head's target column in the launch's P~ block for
+    the rows whose target lies in its vocabulary chunk [v_lo, v_hi): one store per row here, between the forward
+    launch and the GEMM that reads the block, instead of a compare and select per element in `fwd_kernel`'s
+    epilogue or a launch of its own."""
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = offs_r < M
+    if ZERO_P != 0:
+        tgt = tl.load(tgt_ptr + offs_r, mask=r_ok, other=-1)
+        hit = r_ok & (tgt >= v_lo) & (tgt < v_hi)
+        at = offs_r.to(tl.int64) * stride_p + (tgt - v_lo)
+        tl.store(p_ptr + at, tl.zeros((BR,), dtype=p_ptr.dtype.element_ty), mask=hit)
+        if ZERO_P == 2:
+            tl.store(pz_ptr + at, tl.zeros((BR,), dtype=pz_ptr.dtype.element_ty), mask=hit)
     old_m = tl.load(run_ptr + offs_r, mask=r_ok, other=0.0)
     new_m = old_m
     for b0 in range(0, n_blocks, BV):

@@ -100,8 +100,8 @@ class KernelTuning:
             of `tl.exp`'s denormal-safe sequence, four instructions per element more. Triton's interpreter always
             uses `tl.exp`.
         target_zero_pass (`bool`, defaults to `True`):
-            The frozen forward's P~ blocks get their target column zeroed by a one-store-per-row pass after each
-            launch (`zero_target_kernel`) instead of by a compare and select on every element of the fused
+            The frozen forward's P~ blocks get their target column zeroed by one store per row in the merge of the
+            launch's statistics (`merge_kernel`) instead of by a compare and select on every element of the fused
             forward's epilogue (issue 45: the epilogue, not the GEMM, is the forward's distance to its floor).
         target_logit_from_ref (`bool`, defaults to `True`):
             A forward with a per-row ref (frozen and materialised heads, `ref_stats_plain`) takes each row's target
