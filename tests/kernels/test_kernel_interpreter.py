@@ -100,6 +100,9 @@ PATH_CASES = [
       "target_gap": 50.0, "no_entropy_grad": True, "deferred": True}, 2),
     ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "headroom": 0.5,
       "no_entropy_grad": True, "deferred": True}, 2),
+    # overflowing rows under the dZ-free backward, which runs before the check is read back and again after the repair
+    ({"tma": True, "persistent": False, "dz_tma": False, "path": "materialized", "extreme_rows": True,
+      "no_entropy_grad": True, "deferred": True}, 2),
     # the target column zeroed in the forward's epilogue instead of by the pass after each launch
     ({"tma": True, "persistent": True, "dz_tma": False, "path": "frozen", "entropy_hint": True, "deferred": True,
       "target_zero_pass": False}, 6),
@@ -125,6 +128,7 @@ PATH_CASES = [
                               "materialized-no-entropy-grad-elementwise",
                               "materialized-deferred", "materialized-deferred-overflow",
                               "materialized-deferred-gap-dz-free", "materialized-deferred-rescue-dz-free",
+                              "materialized-deferred-overflow-dz-free",
                               "frozen-deferred-zero-in-kernel",
                               "frozen-deferred-fallback-rescue",
                               "frozen-deferred-rescue", "frozen-deferred-overflow", "frozen-deferred-sq-overflow"])

@@ -12,7 +12,7 @@ from ..contract import (OPTIONAL_OUTPUTS, check_logprob_inputs, compute_dtype_of
                         scatter_rows, select_rows, valid_rows)
 from ..frozen import entropy_grad_expected, note_entropy_grad
 from .launch import (TL_DTYPE, choose_path, dtype_key, frozen_backward, frozen_forward, materialized_backward,
-                     materialized_forward, recompute_backward, statistics_forward)
+                     materialized_backward_reads_only, materialized_forward, recompute_backward, statistics_forward)
 from .tuning import TUNING
 
 
@@ -69,22 +69,34 @@ class FusedLinearLogProbFunction(torch.autograd.Function):
         ge = None if ge is None else ge.float().contiguous()
         grads = None
 
-        def resolve(pending):  # the forward's rows check; the valid rows' inputs only if rows need redoing
-            if pending is not None:
-                pending.resolve(lambda: hidden.contiguous() if rows is None else hidden.index_select(0, rows))
+        def resolve(pending) -> int:  # the forward's rows check; the valid rows' inputs only if rows need redoing
+            if pending is None:
+                return 0
+            return pending.resolve(lambda: hidden.contiguous() if rows is None else hidden.index_select(0, rows))
+
+        def checked(backward, pending, reads_only: bool):
+            """The backward's gradients with the forward's rows check resolved. A backward that only reads what the
+            check repairs is queued first: the host then waits on the check while the GPU already has the
+            backward's work, instead of leaving the GPU idle while it queues it; in the rare case rows were
+            repaired it runs again on the repaired values."""
+            if not reads_only:
+                resolve(pending)
+                return backward()
+            grads = backward()
+            return backward() if resolve(pending) else grads
 
         if ctx.path == "frozen":
             note_entropy_grad(ge is not None)
             acc, logprobs, tlogit, pending = ctx.extra
             if ge is None or acc.shape[0] == 2:  # else: an entropy gradient the forward did not prepare for
-                resolve(pending)
-                grads = (frozen_backward(hidden, weight, y, g, ge, acc, logprobs, entropy if has_entropy else None,
-                                         tlogit, softcap, logit_scale, inv_t, compute, rows), None, None)
+                grads = checked(lambda: (frozen_backward(
+                    hidden, weight, y, g, ge, acc, logprobs, entropy if has_entropy else None, tlogit, softcap,
+                    logit_scale, inv_t, compute, rows), None, None), pending, reads_only=True)
         elif ctx.path == "materialized" and n_valid > 0 and (g is not None or ge is not None):
             full, logprobs, shift, pending = ctx.extra
-            resolve(pending)
-            grads = materialized_backward((full, logprobs, shift), hidden, weight, bias, y, g, ge, entropy,
-                                          logit_scale * inv_t, compute, rows, need_h, need_w, need_b)
+            grads = checked(lambda: materialized_backward(
+                (full, logprobs, shift), hidden, weight, bias, y, g, ge, entropy, logit_scale * inv_t, compute,
+                rows, need_h, need_w, need_b), pending, reads_only=materialized_backward_reads_only(ge))
         if grads is None:
             tile = (TUNING.frozen_tile if ctx.mode == "frozen" else TUNING.bwd_tile)[dtype_key(compute)]
             grads = recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, softcap, logit_scale,

@@ -545,10 +545,10 @@ def materialized_backward(extra, hidden, weight, bias, y, g, ge, entropy, scale,
     """The kept probabilities become dZ, then cuBLAS: dX = dZ @ W, dW = dZᵀ @ X, db = Σ dZ. Without an entropy
     gradient (`dz_free_backward`) dZ = b·P~' row by row (`_fold_target_entry`): the buffer is the GEMMs' operand as
     it is and b scales X and dX; else an elementwise pass turns the buffer into dZ in place."""
-    full, logprobs, shift = extra  # (the forward's rows check already resolved by the caller)
+    full, logprobs, shift = extra  # (the caller resolves the forward's rows check: `function.py`, `checked`)
     m_rows, vocab = full.shape
     row_factor = None
-    if ge is None and TUNING.dz_free_backward:  # (g is not None: the caller has a gradient to pass)
+    if materialized_backward_reads_only(ge):  # (g is not None: the caller has a gradient to pass)
         row_factor = _fold_target_entry(full, y, shift, logprobs, g, scale)
     else:
         bm, bn = 64, 128
@@ -577,6 +577,12 @@ def materialized_backward(extra, hidden, weight, bias, y, g, ge, entropy, scale,
         else:
             grad_b = torch.mm(row_factor.unsqueeze(0).to(compute), full, **_fp32_out(compute)).squeeze(0)
     return grad_h, grad_w, grad_b
+
+
+def materialized_backward_reads_only(ge) -> bool:
+    """Whether `materialized_backward` leaves the kept buffer usable again: the dZ-free backward only rewrites each
+    row's target entry (the same value again on a second run); the elementwise pass turns the buffer into dZ."""
+    return ge is None and TUNING.dz_free_backward
 
 
 def _fp32_out(compute: torch.dtype) -> dict:
