@@ -16,6 +16,7 @@
 #   grid2  the grid in two calls (PART 1 or 2): the GPU tests, an A/B of the head alone and the bar's cells first
 #   timeline  where the GPU waits in a loss step: its idle gaps and what the host did meanwhile, frozen and
 #          trainable heads against TRL (benchmarks/step_timeline.py), the card's clocks sampled beside
+#   once   under 10 minutes: every GPU test, the frozen head's timeline, the bar's cells, the frozen P~ buffer widened
 #   sweep  the Triton main loop against cuBLAS with and without the epilogue (benchmarks/mainloop_probe.py), then
 #          the head alone over benchmarks/tune_lean_epilogue.json (frozen tiles now that the epilogue is lean,
 #          two programs per SM, dZ through descriptors, the materialised forward's tile)
@@ -152,6 +153,19 @@ timeline)  # where the GPU waits in a loss step (benchmarks/step_timeline.py), w
   [ -n "${PROBE:-}" ] && timeout 200 python3 benchmarks/small_head_probe.py --out "$OUT_DIR" --rounds 3 --reps 8 \
     --points 1024:8192,4096:8192,1024:32768 --variants '{"default": {}, "vocab16k": {"frozen_tile": {"16": [8192, 16384]}}}' \
     2>&1 | grep '^H='
+  kill $SMI
+  ;;
+once)  # one call of under 10 minutes for a session with little device time: every GPU test, where the GPU waits in
+  # the frozen head's step (step_timeline, clocks beside), the bar's cells, and the frozen P~ buffer 8192 x 16384
+  gpu_tests 210
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv \
+    -lms 250 > "$OUT_DIR/clocks.csv" 2>&1 &
+  SMI=$!
+  timeout 110 python3 benchmarks/step_timeline.py --out "$OUT_DIR" --backends grpo_lab,trl --reps 6 --points \
+    frozen:bf16:1024:8192,frozen:bf16:4096:8192,frozen:bf16:1024:32768 2>&1 | grep -v USDT
+  bar_cells 120 trl,grpo_lab,grpo_lab+free 0.25 "$BAR_CELLS,frozen:bf16:1024:8192,trainable:bf16:1024:8192"
+  timeout 80 python3 benchmarks/small_head_probe.py --out "$OUT_DIR" --rounds 3 --reps 6 --points 1024:8192,4096:8192 \
+    --variants '{"default": {}, "vocab16k": {"frozen_tile": {"16": [8192, 16384]}}}' 2>&1 | grep '^H='
   kill $SMI
   ;;
 sweep)
