@@ -157,14 +157,14 @@ timeline)  # where the GPU waits in a loss step (benchmarks/step_timeline.py), w
   ;;
 once)  # one call of under 10 minutes for a session with little device time: every GPU test, where the GPU waits in
   # the frozen head's step (step_timeline, clocks beside), the bar's cells, and the frozen P~ buffer 8192 x 16384
-  gpu_tests 210
+  gpu_tests "${2:-210}"
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv \
     -lms 250 > "$OUT_DIR/clocks.csv" 2>&1 &
   SMI=$!
   timeout 110 python3 benchmarks/step_timeline.py --out "$OUT_DIR" --backends grpo_lab,trl --reps 6 --points \
     frozen:bf16:1024:8192,frozen:bf16:4096:8192,frozen:bf16:1024:32768 2>&1 | grep -v USDT
-  bar_cells 120 trl,grpo_lab,grpo_lab+free 0.25 "$BAR_CELLS,frozen:bf16:1024:8192,trainable:bf16:1024:8192"
-  timeout 80 python3 benchmarks/small_head_probe.py --out "$OUT_DIR" --rounds 3 --reps 6 --points 1024:8192,4096:8192 \
+  bar_cells "${3:-120}" trl,grpo_lab,grpo_lab+free 0.25 "$BAR_CELLS,frozen:bf16:1024:8192,trainable:bf16:1024:8192"
+  [ -z "${NO_PROBE:-}" ] && timeout 80 python3 benchmarks/small_head_probe.py --out "$OUT_DIR" --rounds 3 --reps 6 --points 1024:8192,4096:8192 \
     --variants '{"default": {}, "vocab16k": {"frozen_tile": {"16": [8192, 16384]}}}' 2>&1 | grep '^H='
   kill $SMI
   ;;
