@@ -125,8 +125,9 @@ def profile_step(step) -> list[dict]:
 
 def report(name: str, wall_ms: float, tl: dict, top: int) -> list[str]:
     busy, idle = tl["busy_us"] / 1000, tl["idle_us"] / 1000
-    lines = [f"{name}: {wall_ms:.3f} ms a step unprofiled; profiled: busy {busy:.3f} ms in {tl['kernels']} kernels, "
-             f"idle {idle:.3f} ms ({', '.join(f'{k} {v / 1000:.3f}' for k, v in tl['by_cause'].most_common())})"]
+    causes = ", ".join(f"{k} {v / 1000:.3f}" for k, v in tl["by_cause"].most_common())
+    lines = [(f"{name}: {wall_ms:.3f} ms a step unprofiled; profiled: busy {busy:.3f} ms in {tl['kernels']} kernels, "
+              f"idle {idle:.3f} ms ({causes})")]
     for op, us in tl["by_host_op"].most_common(top):
         lines.append(f"    host op {us / 1000:7.3f} ms  {op}")
     for g in tl["gaps"][:top]:

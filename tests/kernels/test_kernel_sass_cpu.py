@@ -5,23 +5,15 @@ registers, or lose its wgmma main loop, fails here rather than only as a slower 
 forward's plain stores spilled 2 KiB per thread before they went through tensor descriptors).
 """
 
-import importlib.util
-import os
-
 import pytest
+from benchmark_scripts import load_benchmark
 
 pytest.importorskip("triton")
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "..", "..", "benchmarks", "kernel_sass.py")
 
 
 @pytest.fixture(scope="module")
 def sass():
-    spec = importlib.util.spec_from_file_location("kernel_sass", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kernel_sass")
 
 
 def _compiled(sass, name, **changes):

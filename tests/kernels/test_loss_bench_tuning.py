@@ -3,23 +3,19 @@ mean something on a GPU)."""
 
 import copy
 import dataclasses
-import importlib.util
 import os
 
 import pytest
 
 pytest.importorskip("triton", reason="Triton is a dependency on Linux only")
 
+from benchmark_scripts import BENCHMARKS, load_benchmark  # noqa: E402
 from grpo_lab.loss.kernel.tuning import TUNING as T  # noqa: E402
-
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "loss_bench.py")
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    spec = importlib.util.spec_from_file_location("loss_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("loss_bench")
     for f in dataclasses.fields(T):  # experiments change the kernel's tuning: each test gets it back as it was
         monkeypatch.setattr(T, f.name, copy.deepcopy(getattr(T, f.name)))
     return module
@@ -75,7 +71,7 @@ def test_every_committed_sweep_file_applies(bench):
     import glob
     import json
 
-    paths = glob.glob(os.path.join(os.path.dirname(BENCH), "tune_*.json"))
+    paths = glob.glob(str(BENCHMARKS / "tune_*.json"))
     assert paths
     for path in paths:
         with open(path) as f:
@@ -189,7 +185,7 @@ def test_mainloop_probe_refuses_bad_input_in_one_line_and_needs_a_gpu():
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "mainloop_probe.py")
+    script = str(BENCHMARKS / "mainloop_probe.py")
     for bad in (["--configs", "128x256x64"], ["--configs", "128xAx64x8x3"], ["--hidden", "0"], ["--tokens", "-1"]):
         proc = subprocess.run([sys.executable, script, *bad], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (bad, proc.stderr)

@@ -1,20 +1,13 @@
 """benchmarks/step_timeline.py's reading of a profiler timeline: which idle gaps it finds and what it blames them on
 (the timings themselves only mean something on a GPU; the parsing is checked here on a hand-made trace)."""
 
-import importlib.util
-import os
-
 import pytest
-
-PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "step_timeline.py")
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("step_timeline", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("step_timeline")
 
 
 def _x(name, cat, ts, dur, tid=1, corr=None):

@@ -5,29 +5,17 @@ took is the benchmark's figure, not asserted: a restarted replica may come back 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from benchmark_scripts import load_benchmark
 
 pytest.importorskip("ray", reason="the Ray tier needs Ray: pip install 'grpo-lab[ray]'")
 pytest.importorskip("s3fs", reason="the chaos run keeps adapters on S3: pip install 'grpo-lab[s3]'")
 pytestmark = pytest.mark.ray
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py"
 MAX_STEPS, INJECT_AT, SAVE_STEPS = 8, 3, 3
 
 
-def _chaos():
-    spec = importlib.util.spec_from_file_location("chaos", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["chaos"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-chaos = _chaos()
+chaos = load_benchmark("chaos")
 
 
 def _nodes_hold(marker: str, key: str) -> bool:

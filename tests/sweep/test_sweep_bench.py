@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pandas as pd
 import pytest
+from benchmark_scripts import load_benchmark
 
-spec = importlib.util.spec_from_file_location("sweep_bench", Path(__file__).parents[2] / "benchmarks" / "sweep_bench.py")
-sweep_bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sweep_bench)
+sweep_bench = load_benchmark("sweep_bench")
 
 
 def rows(layout, seed, start, walls, startup, rewards, work):
