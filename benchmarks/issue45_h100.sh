@@ -63,6 +63,15 @@ head_alone() {  # OLD_TIMEOUT NEW_TIMEOUT TOKENS: the tile sweep's timing of the
     --dtypes bf16 --experiments '{"bf16": [{}, {"materialize_gib": 48}, {"dz_tma": true}]}' 2>&1 | grep '^tune' \
     | sed 's/^/new /'
 }
+sample_clocks() {  # the card's clocks, power, temperature and throttle reasons every 250 ms into clocks.csv; SMI: its PID
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv \
+    -lms 250 > "$OUT_DIR/clocks.csv" 2>&1 &
+  SMI=$!
+}
+wide_buffer() {  # TIMEOUT REPS POINTS: the frozen P~ buffer 8192 x 16384 against the default, interleaved rounds
+  timeout "$1" python3 benchmarks/small_head_probe.py --out "$OUT_DIR" --rounds 3 --reps "$2" --points "$3" \
+    --variants '{"default": {}, "vocab16k": {"frozen_tile": {"16": [8192, 16384]}}}' 2>&1 | grep '^H='
+}
 case "$1" in
 check)
   timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_kernel_gpu.py \
@@ -143,29 +152,22 @@ grid2)  # PART (1 or 2) of the grid of `grid` with the defaults of this checkout
     | grep ' ms ' | tail -70
   ;;
 timeline)  # where the GPU waits in a loss step (benchmarks/step_timeline.py), with the card's clocks sampled beside
-  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv \
-    -lms 250 > "$OUT_DIR/clocks.csv" 2>&1 &
-  SMI=$!
+  sample_clocks
   timeout "${2:-200}" python3 benchmarks/step_timeline.py --out "$OUT_DIR" --backends grpo_lab,trl --points \
     "${3:-frozen:bf16:1024:8192,frozen:bf16:4096:8192,frozen:bf16:1024:32768,frozen:bf16:1024:2048}" 2>&1 | grep -v USDT
   timeout "${4:-120}" python3 benchmarks/step_timeline.py --out "$OUT_DIR" --backends grpo_lab+free,trl --points \
     "${5:-trainable:bf16:1024:8192,trainable:bf16:1024:32768}" 2>&1 | grep -v USDT
-  [ -n "${PROBE:-}" ] && timeout 200 python3 benchmarks/small_head_probe.py --out "$OUT_DIR" --rounds 3 --reps 8 \
-    --points 1024:8192,4096:8192,1024:32768 --variants '{"default": {}, "vocab16k": {"frozen_tile": {"16": [8192, 16384]}}}' \
-    2>&1 | grep '^H='
+  [ -n "${PROBE:-}" ] && wide_buffer 200 8 1024:8192,4096:8192,1024:32768
   kill $SMI
   ;;
 once)  # one call of under 10 minutes for a session with little device time: every GPU test, where the GPU waits in
   # the frozen head's step (step_timeline, clocks beside), the bar's cells, and the frozen P~ buffer 8192 x 16384
   gpu_tests "${2:-210}"
-  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv \
-    -lms 250 > "$OUT_DIR/clocks.csv" 2>&1 &
-  SMI=$!
+  sample_clocks
   timeout 110 python3 benchmarks/step_timeline.py --out "$OUT_DIR" --backends grpo_lab,trl --reps 6 --points \
     frozen:bf16:1024:8192,frozen:bf16:4096:8192,frozen:bf16:1024:32768 2>&1 | grep -v USDT
   bar_cells "${3:-120}" trl,grpo_lab,grpo_lab+free 0.25 "$BAR_CELLS,frozen:bf16:1024:8192,trainable:bf16:1024:8192"
-  [ -z "${NO_PROBE:-}" ] && timeout 80 python3 benchmarks/small_head_probe.py --out "$OUT_DIR" --rounds 3 --reps 6 --points 1024:8192,4096:8192 \
-    --variants '{"default": {}, "vocab16k": {"frozen_tile": {"16": [8192, 16384]}}}' 2>&1 | grep '^H='
+  [ -z "${NO_PROBE:-}" ] && wide_buffer 80 6 1024:8192,4096:8192
   kill $SMI
   ;;
 sweep)
