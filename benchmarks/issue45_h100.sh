@@ -68,9 +68,12 @@ sample_clocks() {  # the card's clocks, power, temperature and throttle reasons 
     -lms 250 > "$OUT_DIR/clocks.csv" 2>&1 &
   SMI=$!
 }
-wide_buffer() {  # TIMEOUT REPS POINTS: the frozen P~ buffer 8192 x 16384 against the default, interleaved rounds
+wide_buffer() {  # TIMEOUT REPS POINTS: the frozen P~ buffer 8192 x 16384 against the default, interleaved rounds, and
+  # widths whose tile count fills whole waves of 132 SMs (64 row tiles x 33 or 66 blocks of 256: 2112 / 4224 tiles,
+  # where 32 / 64 blocks leave the last of 16 / 32 waves half empty)
   timeout "$1" python3 benchmarks/small_head_probe.py --out "$OUT_DIR" --rounds 3 --reps "$2" --points "$3" \
-    --variants '{"default": {}, "vocab16k": {"frozen_tile": {"16": [8192, 16384]}}}' 2>&1 | grep '^H='
+    --variants '{"default": {}, "vocab16k": {"frozen_tile": {"16": [8192, 16384]}}, "wave33": {"frozen_tile": {"16":
+    [8192, 8448]}}, "wave66": {"frozen_tile": {"16": [8192, 16896]}}}' 2>&1 | grep '^H='
 }
 case "$1" in
 check)
@@ -162,12 +165,12 @@ timeline)  # where the GPU waits in a loss step (benchmarks/step_timeline.py), w
   ;;
 once)  # one call of under 10 minutes for a session with little device time: every GPU test, where the GPU waits in
   # the frozen head's step (step_timeline, clocks beside), the bar's cells, and the frozen P~ buffer 8192 x 16384
-  gpu_tests "${2:-210}"
+  gpu_tests "${2:-200}"
   sample_clocks
   timeout 110 python3 benchmarks/step_timeline.py --out "$OUT_DIR" --backends grpo_lab,trl --reps 6 --points \
     frozen:bf16:1024:8192,frozen:bf16:4096:8192,frozen:bf16:1024:32768 2>&1 | grep -v USDT
   bar_cells "${3:-120}" trl,grpo_lab,grpo_lab+free 0.25 "$BAR_CELLS,frozen:bf16:1024:8192,trainable:bf16:1024:8192"
-  [ -z "${NO_PROBE:-}" ] && wide_buffer 80 6 1024:8192,4096:8192
+  [ -z "${NO_PROBE:-}" ] && wide_buffer 100 6 1024:8192,4096:8192,1024:32768
   kill $SMI
   ;;
 sweep)
