@@ -70,10 +70,11 @@ sample_clocks() {  # the card's clocks, power, temperature and throttle reasons 
 }
 wide_buffer() {  # TIMEOUT REPS POINTS: the frozen P~ buffer 8192 x 16384 against the default, interleaved rounds, and
   # widths whose tile count fills whole waves of 132 SMs (64 row tiles x 33 or 66 blocks of 256: 2112 / 4224 tiles,
-  # where 32 / 64 blocks leave the last of 16 / 32 waves half empty)
+  # where 32 / 64 blocks leave the last of 16 / 32 waves half empty), and the default without the backward's wait for the
+  # rows check (`_no_rescue`, a diagnostic: what that host sync costs a step)
   timeout "$1" python3 benchmarks/small_head_probe.py --out "$OUT_DIR" --rounds 3 --reps "$2" --points "$3" \
     --variants '{"default": {}, "vocab16k": {"frozen_tile": {"16": [8192, 16384]}}, "wave33": {"frozen_tile": {"16":
-    [8192, 8448]}}, "wave66": {"frozen_tile": {"16": [8192, 16896]}}}' 2>&1 | grep '^H='
+    [8192, 8448]}}, "wave66": {"frozen_tile": {"16": [8192, 16896]}}, "no_rescue": {"_no_rescue": true}}' 2>&1 | grep '^H='
 }
 case "$1" in
 check)
