@@ -51,7 +51,7 @@ def tuned(overrides: dict):
         else:
             setattr(TUNING, k, v)
     if no_rescue:
-        launch.PendingRescue.resolve = lambda self, acc, valid_hidden: 0
+        launch.PendingRescue.resolve = lambda self, valid_hidden: 0
     try:
         yield
     finally:
