@@ -418,10 +418,10 @@ def merge_kernel(part_ptr, run_ptr, p_ptr, pz_ptr, tgt_ptr, part_stat_stride, ru
     if ZERO_P != 0:
         tgt = tl.load(tgt_ptr + offs_r, mask=r_ok, other=-1)
         hit = r_ok & (tgt >= v_lo) & (tgt < v_hi)
-        at = offs_r.to(tl.int64) * stride_p + (tgt - v_lo)
-        tl.store(p_ptr + at, tl.zeros((BR,), dtype=p_ptr.dtype.element_ty), mask=hit)
+        at_tgt = offs_r.to(tl.int64) * stride_p + (tgt - v_lo)
+        tl.store(p_ptr + at_tgt, tl.zeros((BR,), dtype=p_ptr.dtype.element_ty), mask=hit)
         if ZERO_P == 2:
-            tl.store(pz_ptr + at, tl.zeros((BR,), dtype=pz_ptr.dtype.element_ty), mask=hit)
+            tl.store(pz_ptr + at_tgt, tl.zeros((BR,), dtype=pz_ptr.dtype.element_ty), mask=hit)
     old_m = tl.load(run_ptr + offs_r, mask=r_ok, other=0.0)
     new_m = old_m
     for b0 in range(0, n_blocks, BV):

@@ -28,7 +28,7 @@ CHUNKED_TOKEN_TILE = 1024
 KERNEL_PART_BYTES = 32 * MiB
 KERNEL_FWD_BN = {2: 256, 4: 128}
 KERNEL_FROZEN_BN = {2: 256, 4: 128}
-KERNEL_FROZEN_TILE = (8192, 8192)
+KERNEL_FROZEN_TILE = (8192, 8448)
 # under this many rows and rows × hidden a frozen 16-bit head recomputes (dX only) in dZ tiles of the frozen tile's
 # budget (0 rows: the kernel's rule is off by default since the small frozen head stopped syncing with the host)
 KERNEL_FROZEN_RECOMPUTE_ROWS = {2: 0}
