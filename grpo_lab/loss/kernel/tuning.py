@@ -96,8 +96,9 @@ class KernelTuning:
             The frozen path's P~ buffer, (tokens, vocabulary): 132 MiB bf16 / 264 MiB fp32, widened in the vocabulary
             when there are fewer rows. 8448 = 33 blocks of 256 (66 of 128): with 64 row tiles a launch is 2112 (4224)
             tiles, whole waves of 132 SMs (H100 / H200), where 8192 left the last of 16 (32) waves half empty, and
-            every power-of-two row count under 8192 widens to the same tile count; 1.4-2.3 % faster loss steps than
-            8192 on an H100 (issue 45, results/loss_kernel/h100_issue45_timeline/).
+            every power-of-two row count under 8192 widens to the same tile count. Frozen bf16 loss steps 0.2-3.2 %
+            faster than with 8192 on an H100 in 8 of 9 interleaved comparisons, the ninth an outlier round (issue 45,
+            results/loss_kernel/h100_issue45_timeline/).
         fast_exp (`bool`, defaults to `True`; `GRPO_LAB_LEAN_EPILOGUE=0` turns it and the next two off):
             The fused kernels' exponentials on a GPU as one `ex2.approx.ftz` (results under 2^-126 flush to 0) instead
             of `tl.exp`'s denormal-safe sequence, four instructions per element more. Triton's interpreter always
