@@ -13,6 +13,9 @@ timeline back:
   - the host ops the `sync` and `host` gaps are spent in (the innermost operator around the late launch), summed;
   - the largest gaps, with the kernels on either side.
 The profiler's own overhead lengthens host gaps, so read them against the unprofiled time: `wall − busy` there.
+With --host-profile it also prints where the host's time goes per step, by Python function (cProfile over --reps
+steps, own time first): the work before the head's first launch and between launches, which the GPU waits for when
+nothing is queued (a blocking call such as an event wait shows there as its own time too).
 
     python benchmarks/step_timeline.py --points frozen:bf16:1024:8192,frozen:bf16:4096:8192 --backends grpo_lab,trl
 """
@@ -123,6 +126,26 @@ def profile_step(step) -> list[dict]:
             return json.load(f)["traceEvents"]
 
 
+def host_profile(step, reps: int, top: int) -> list[str]:
+    """The host's time per step by Python function, own time first (cProfile over `reps` calls of `step`)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, function): (primitive calls, calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    lines = [f"    host per step: {sum(v[2] for v in stats.values()) / reps * 1000:.3f} ms in Python and the calls it "
+             f"makes"]
+    for (path, line, name), (_, calls, own, cumulative, _) in rows:
+        lines.append(f"    host fn {own / reps * 1000:7.3f} ms own {cumulative / reps * 1000:7.3f} ms cum "
+                     f"{calls / reps:6.1f}/step  {os.path.basename(path)}:{line} {name}"[:150])
+    return lines
+
+
 def report(name: str, wall_ms: float, tl: dict, top: int) -> list[str]:
     busy, idle = tl["busy_us"] / 1000, tl["idle_us"] / 1000
     causes = ", ".join(f"{k} {v / 1000:.3f}" for k, v in tl["by_cause"].most_common())
@@ -145,6 +168,8 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=8, help="host operators and gaps listed per step")
     p.add_argument("--device", default="cuda")
     p.add_argument("--vocab", type=int, default=loss_bench.V, help="vocabulary size (smaller only for smoke runs)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also the host's time per step by Python function (cProfile over --reps steps)")
     p.add_argument("--out", default="", help="append the report to OUT/step_timeline.txt")
     args = p.parse_args(argv)
     loss_bench.V = args.vocab
@@ -169,7 +194,8 @@ def main(argv=None):
                 step()
                 wall = statistics.median(loss_bench.timer(step, args.reps, device))
                 tl = timeline(profile_step(step))
-            block = report(f"{backend} {head} {dname} H={hdim} N={tokens}", wall, tl, args.top)
+                hosts = host_profile(step, args.reps, 3 * args.top) if args.host_profile else []
+            block = report(f"{backend} {head} {dname} H={hdim} N={tokens}", wall, tl, args.top) + hosts
             print("\n".join(block), flush=True)
             lines += block
         del data, hidden, weight

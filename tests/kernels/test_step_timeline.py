@@ -57,3 +57,13 @@ def test_only_the_annotated_step_counts(tool):
 def test_a_trace_without_gpu_work_reports_nothing_idle(tool):
     tl = tool.timeline([_x(tool.STEP_LABEL, "user_annotation", 0, 10), _x("aten::mm", "cpu_op", 1, 5)])
     assert tl["kernels"] == 0 and tl["idle_us"] == 0 and not tl["gaps"]
+
+
+def test_host_profile_lists_the_hosts_functions_per_step(tool, capsys):
+    """A CPU smoke run (the chunked CPU path): the host's time is split by function, per step."""
+    assert tool.main(["--device", "cpu", "--vocab", "512", "--points", "frozen:fp32:64:256:64", "--backends",
+                      "grpo_lab", "--reps", "2", "--top", "2", "--host-profile"]) == 0
+    out = capsys.readouterr().out
+    assert "host per step:" in out
+    fns = [line for line in out.splitlines() if "host fn" in line]
+    assert len(fns) == 6 and all("/step" in line for line in fns)
