@@ -25,8 +25,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 # The argument types of the kernels' non-constexpr parameters, by name (pointers to the compute dtype unless named).
 _POINTER_TYPES = {"tgt_ptr": "*i64", "y_ptr": "*i64", "part_ptr": "*fp32", "tlogit_ptr": "*fp32", "ref_ptr": "*fp32",
-                  "logz_ptr": "*fp32", "ent_ptr": "*fp32", "g_ptr": "*fp32", "ge_ptr": "*fp32"}
-_FLOATS = ("logit_scale", "softcap", "inv_t")
+                  "logz_ptr": "*fp32", "ent_ptr": "*fp32", "g_ptr": "*fp32", "ge_ptr": "*fp32", "run_ptr": "*fp32",
+                  "acc_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32", "lp_ptr": "*fp32", "omp_ptr": "*fp32",
+                  "shift_ptr": "*fp32", "bad_ptr": "*i8", "count_ptr": "*i32"}
+_FLOATS = ("logit_scale", "softcap", "inv_t", "limit", "excess", "scale", "inv_cap")
 
 
 def _variants(tuning):  # (getattr: the settings an older checkout lacks, so that its kernels compile here too)
@@ -56,9 +58,9 @@ def _signature(kernel, constexprs, descriptors, bm, bn, bk):
     for name in kernel.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name == "h_ptr":
+        elif name == "h_ptr" and constexprs.get("USE_TMA"):
             sig[name] = f"tensordesc<bf16[{bm},{bk}]>"
-        elif name == "w_ptr":
+        elif name == "w_ptr" and constexprs.get("USE_TMA"):
             sig[name] = f"tensordesc<bf16[{bn},{bk}]>"
         elif name in descriptors and constexprs.get({"dz_ptr": "DZ_TMA"}.get(name, "P_TMA")):
             sig[name] = f"tensordesc<bf16[{bm},{bn}]>"
@@ -77,9 +79,9 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def compile_sass(kernel, constexprs, descriptors, config, capability=90):
-    """(cubin bytes, SASS text) of `kernel` compiled for `capability` with a tile `config` (BM, BN, BK, GROUP_M,
-    warps, stages)."""
+def compile_kernel(kernel, constexprs, descriptors, config, capability=90):
+    """`kernel` compiled for `capability` (Triton's CompiledKernel; no GPU needed) with a tile `config` (BM, BN, BK,
+    GROUP_M, warps, stages: those the kernel takes), bf16 compute."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -89,9 +91,13 @@ def compile_sass(kernel, constexprs, descriptors, config, capability=90):
     constexprs = dict(constexprs, BM=bm, BN=bn, BK=bk, GROUP_M=group_m, COMPUTE=tl.bfloat16)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     src = ASTSource(fn=kernel, signature=_signature(kernel, constexprs, descriptors, bm, bn, bk), constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                              options=dict(num_warps=warps, num_stages=stages))
-    cubin = compiled.asm["cubin"]
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+def compile_sass(kernel, constexprs, descriptors, config, capability=90):
+    """(cubin bytes, SASS text) of `kernel` compiled for `capability` with a tile `config` (`compile_kernel`)."""
+    cubin = compile_kernel(kernel, constexprs, descriptors, config, capability).asm["cubin"]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
