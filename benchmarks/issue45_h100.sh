@@ -68,13 +68,13 @@ sample_clocks() {  # the card's clocks, power, temperature and throttle reasons 
     -lms 250 > "$OUT_DIR/clocks.csv" 2>&1 &
   SMI=$!
 }
-wide_buffer() {  # TIMEOUT REPS POINTS: the frozen P~ buffer 8192 x 16384 against the default, interleaved rounds, and
-  # widths whose tile count fills whole waves of 132 SMs (64 row tiles x 33 or 66 blocks of 256: 2112 / 4224 tiles,
-  # where 32 / 64 blocks leave the last of 16 / 32 waves half empty), and the default without the backward's wait for the
-  # rows check (`_no_rescue`, a diagnostic: what that host sync costs a step)
+wide_buffer() {  # TIMEOUT REPS POINTS: the frozen P~ buffer against the default (8192 x 8448: 64 row tiles x 33 blocks
+  # of 256 are 2112 tiles, whole waves of 132 SMs), interleaved rounds: the old 8192 x 8192 (the last of 16 waves half
+  # empty), 8192 x 16384 and 8192 x 16896 (66 blocks, whole waves again), and the default without the backward's wait
+  # for the rows check (`_no_rescue`, a diagnostic: what that host sync costs a step)
   timeout "$1" python3 benchmarks/small_head_probe.py --out "$OUT_DIR" --rounds 3 --reps "$2" --points "$3" \
-    --variants '{"default": {}, "vocab16k": {"frozen_tile": {"16": [8192, 16384]}}, "wave33": {"frozen_tile": {"16":
-    [8192, 8448]}}, "wave66": {"frozen_tile": {"16": [8192, 16896]}}, "no_rescue": {"_no_rescue": true}}' 2>&1 | grep '^H='
+    --variants '{"default": {}, "vocab8k": {"frozen_tile": {"16": [8192, 8192]}}, "vocab16k": {"frozen_tile": {"16":
+    [8192, 16384]}}, "wave66": {"frozen_tile": {"16": [8192, 16896]}}, "no_rescue": {"_no_rescue": true}}' 2>&1 | grep '^H='
 }
 case "$1" in
 check)
@@ -165,7 +165,7 @@ timeline)  # where the GPU waits in a loss step (benchmarks/step_timeline.py), w
   kill $SMI
   ;;
 once)  # one call of under 10 minutes for a session with little device time: every GPU test, where the GPU waits in
-  # the frozen head's step (step_timeline, clocks beside), the bar's cells, and the frozen P~ buffer 8192 x 16384
+  # the frozen head's step (step_timeline, clocks beside), the bar's cells, and the frozen P~ buffer's widths (wide_buffer)
   gpu_tests "${2:-200}"
   sample_clocks
   timeout 110 python3 benchmarks/step_timeline.py --out "$OUT_DIR" --backends grpo_lab,trl --reps 6 --points \
