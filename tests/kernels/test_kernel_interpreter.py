@@ -147,8 +147,12 @@ def test_frozen_and_materialized_paths_match_float64_in_the_interpreter(variant,
     else:
         assert err["grad_weight"] < tol and err["grad_bias"] < tol, err
     assert err["launches"] == launches, err
-    per_launch = 2 if variant["path"] == "frozen" else 1  # the frozen head's two planes' views, or the kept [N, V]
-    assert err["p_descriptor_stores"] == (per_launch * launches if variant.get("p_tma") else 0), err
+    if not variant.get("p_tma"):
+        assert err["p_descriptor_stores"] == 0, err
+    elif variant["path"] == "frozen":  # the buffer's views are made once per (rows, chunk) shape, one or two planes
+        assert 0 < err["p_descriptor_stores"] < 2 * launches, err
+    else:  # the kept [N, V]: a view of its own per launch
+        assert err["p_descriptor_stores"] == launches, err
 
 
 def _settings_under(env: dict) -> subprocess.CompletedProcess:

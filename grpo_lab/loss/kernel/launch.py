@@ -144,16 +144,27 @@ class _FrozenSink:
         self.buf = torch.empty((depth, self.t_tile, self.v_tile), device=ref.device, dtype=compute)
         self.acc = torch.zeros((depth, m_rows, weight.shape[1]), device=ref.device, dtype=torch.float32)
         self.weight, self.compute, self.ref = weight, compute, ref
+        self._planes = {}  # (rows, chunk, bm, bn, tma loads) -> (p, pz, through): the buffer is reused chunk after chunk
 
     def views(self, t0, t1, v0, v1, bm, bn, tma_loads):
         """(p, pz, ref rows, row stride, store pz, through descriptors) for the launch on rows t0:t1 and vocabulary
-        v0:v1: the buffer's planes, or descriptors of their [rows, chunk] views (`p_tma`)."""
-        p, pz, through = self.buf[0], self.buf[-1], False
-        if TUNING.p_tma[dtype_key(self.compute)] and tma_loads:
-            (dp, tma_p), (dpz, tma_pz) = (_store_target(x[: t1 - t0, : v1 - v0], bm, bn, True) for x in (p, pz))
-            if tma_p and tma_pz:
-                p, pz, through = dp, dpz, True
+        v0:v1: the buffer's planes, or descriptors of their [rows, chunk] views (`p_tma`). Made once per shape: every
+        full chunk writes the same views of the same buffer, and on a small head the host's time per chunk is what
+        the GPU waits for (issue 45, `step_timeline.py --host-profile`)."""
+        key = (t1 - t0, v1 - v0, bm, bn, tma_loads)
+        if key not in self._planes:
+            self._planes[key] = self._make_planes(*key)
+        p, pz, through = self._planes[key]
         return p, pz, self.ref[t0:t1], self.buf.stride(1), self.buf.shape[0] == 2, through
+
+    def _make_planes(self, rows, chunk, bm, bn, tma_loads):
+        p, pz = self.buf[0], self.buf[-1]
+        if TUNING.p_tma[dtype_key(self.compute)] and tma_loads:
+            dp, tma_p = _store_target(p[:rows, :chunk], bm, bn, True)
+            dpz, tma_pz = (dp, tma_p) if self.buf.shape[0] == 1 else _store_target(pz[:rows, :chunk], bm, bn, True)
+            if tma_p and tma_pz:
+                return dp, dpz, True
+        return p, pz, False
 
     def zero_target_args(self):
         """(P~, P~·(z − ref), row stride, ZERO_P) for `merge_kernel` to zero the target column of a block it merges
