@@ -15,7 +15,8 @@ which would bound the logits; `target_gap` picks the target that many nats below
 zeroed in the fused forward's epilogue rather than by a pass after each launch), `no_top1` leaves is_top1 out of the
 outputs (then every forward takes the target logit from the row-wise dot instead of its blocks), `no_entropy_grad`
 leaves the entropy out of the loss (the materialised backward then has no elementwise dZ pass unless
-`dz_free_backward` is false).
+`dz_free_backward` is false). `fp32_mm` picks the backward's dX / dW GEMMs ("triton": split-TF32 on K-major copies,
+96 vocabulary columns per copy, through tensor descriptors where `tma` is on, else the pointer kernel; "cublas").
 """
 
 import json
@@ -27,7 +28,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
 from grpo_lab.loss.heads.naive import naive_logprobs  # noqa: E402
-from grpo_lab.loss.kernel import function, launch  # noqa: E402
+from grpo_lab.loss.kernel import function, launch, split_tf32  # noqa: E402
 from grpo_lab.loss.kernel.tuning import TUNING  # noqa: E402
 
 ALL = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -48,11 +49,24 @@ def spy(name: str, calls: list) -> None:
     setattr(launch, name, wrapper)
 
 
+class Counted:
+    """A Triton kernel whose launches (`kernel[grid](...)`) are counted."""
+
+    def __init__(self, kernel, log: list):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        self.log.append(grid)
+        return self.kernel[grid]
+
+
 def main(variant: dict) -> dict:
     from grpo_lab.loss.frozen import expect_entropy_grad
 
     small = (32, 64, 32, 2, 4, 2)
-    TUNING.configs.update({"fwd_32": small, "bwd_32": small, "frozen_32": small})
+    TUNING.configs.update({"fwd_32": small, "bwd_32": small, "frozen_32": small, "mm_32": small})
+    TUNING.fp32_mm = variant.get("fp32_mm", "triton")
+    TUNING.fp32_mm_slice = 96
     # The 16-bit settings differ from the fp32 ones, so a lookup under the wrong dtype key shows in the counts.
     TUNING.bwd_tile = {"16": (4096, 4096), "32": (48, 256)}
     TUNING.frozen_tile = {"16": (4096, 4096), "32": (48, 256)}
@@ -76,6 +90,9 @@ def main(variant: dict) -> dict:
     spy("_operands", loads)
     spy("_dz_target", stores)
     spy("_store_target", bulk)
+    nt_launches, pointer_launches = [], []
+    split_tf32.nt_mm_kernel = Counted(split_tf32.nt_mm_kernel, nt_launches)
+    split_tf32.mm_kernel = Counted(split_tf32.mm_kernel, pointer_launches)
     choose = function.choose_path
     function.choose_path = lambda *a: paths.append(choose(*a)) or paths[-1]
     gen = torch.Generator().manual_seed(0)
@@ -131,6 +148,7 @@ def main(variant: dict) -> dict:
         "dz_descriptor_launches": sum(stores),
         "backward_launches": len(stores),
         "p_descriptor_stores": sum(bulk) - sum(stores),  # P~ (and P~·(z − ref)) views stored through descriptors
+        "split_tf32_launches": [len(nt_launches), len(pointer_launches)],  # (K-major descriptors, pointer fallback)
     }
 
 

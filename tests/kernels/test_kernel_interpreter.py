@@ -19,10 +19,11 @@ CASE = os.path.join(os.path.dirname(__file__), "interpreter_case.py")
 ROW_KERNELS = os.path.join(os.path.dirname(__file__), "interpreter_row_kernels.py")
 
 
-@pytest.mark.parametrize("tma,persistent,dz_tma", [
-    (False, False, False), (True, False, False), (False, True, False), (True, True, True)])
-def test_kernels_match_float64_in_the_interpreter(tma, persistent, dz_tma):
-    variant = {"tma": tma, "persistent": persistent, "dz_tma": dz_tma}
+@pytest.mark.parametrize("tma,persistent,dz_tma,fp32_mm", [
+    (False, False, False, "cublas"), (True, False, False, "triton"), (False, True, False, "triton"),
+    (True, True, True, "triton")])
+def test_kernels_match_float64_in_the_interpreter(tma, persistent, dz_tma, fp32_mm):
+    variant = {"tma": tma, "persistent": persistent, "dz_tma": dz_tma, "fp32_mm": fp32_mm}
     proc = subprocess.run([sys.executable, CASE, json.dumps(variant)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     err = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -38,6 +39,9 @@ def test_kernels_match_float64_in_the_interpreter(tma, persistent, dz_tma):
     assert err["persistent_launches"] == (7 if persistent else 0), err
     assert err["tma_launches"] == (7 if tma else 0), err
     assert err["dz_descriptor_launches"] == (6 if dz_tma else 0), err
+    # split-TF32 dX and dW: 96-column slices of the dZ tiles (256, 256, 188 columns: 3 + 3 + 2), both token tiles
+    split = 2 * (3 + 3 + 2) * 2 if fp32_mm == "triton" else 0
+    assert err["split_tf32_launches"] == ([split, 0] if tma else [0, split]), err
 
 
 # (variant, forward + backward fused-kernel launches): 56 valid rows in [48 tokens × 256 vocabulary] P~ / dZ tiles

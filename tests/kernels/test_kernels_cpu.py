@@ -170,7 +170,7 @@ def test_every_kernel_variable_is_read_in_one_place():
     assert readers == []
 
     assert KernelTuning.from_env({}) == KernelTuning()
-    env = {"GRPO_LAB_TMA": "0", "GRPO_LAB_FP32_MM": "triton", "GRPO_LAB_FP32_DOT": "ieee",
+    env = {"GRPO_LAB_TMA": "0", "GRPO_LAB_FP32_MM": "cublas", "GRPO_LAB_FP32_MM_SLICE": "512", "GRPO_LAB_FP32_DOT": "ieee",
            "GRPO_LAB_BWD_TOKENS": "4096", "GRPO_LAB_BWD_VOCAB": "2048", "GRPO_LAB_PERSISTENT": "bwd_32",
            "GRPO_LAB_DZ_TMA": "1", "GRPO_LAB_P_TMA": "0", "GRPO_LAB_FROZEN": "recompute",
            "GRPO_LAB_FROZEN_RECOMPUTE_BELOW": "7", "GRPO_LAB_MATERIALIZE_GIB": "2.5", "GRPO_LAB_REF_STATS": "0",
@@ -178,7 +178,7 @@ def test_every_kernel_variable_is_read_in_one_place():
            "GRPO_LAB_REF_STATS_PLAIN": "1", "GRPO_LAB_MATERIALIZE_WITHIN_PEAK": "0", "GRPO_LAB_LEAN_EPILOGUE": "0"}
     default, tuned = KernelTuning(), KernelTuning.from_env(env)
     changed = {f.name for f in fields(KernelTuning) if getattr(tuned, f.name) != getattr(default, f.name)}
-    assert changed == {"use_tma", "fp32_mm", "fp32_dot", "bwd_tile", "persistent", "dz_tma", "p_tma", "frozen_two_gemm",
+    assert changed == {"use_tma", "fp32_mm", "fp32_mm_slice", "fp32_dot", "bwd_tile", "persistent", "dz_tma", "p_tma", "frozen_two_gemm",
                        "frozen_recompute_below", "materialize_fraction", "materialize_flat_below", "materialize_gib",
                        "materialize_within_peak", "ref_stats",
                        "ref_stats_plain", "fast_exp", "target_zero_pass", "target_logit_from_ref"}
@@ -189,5 +189,10 @@ def test_every_kernel_variable_is_read_in_one_place():
     assert tuned.dz_tma == tuned.ref_stats_plain == {"16": True, "32": True}
     assert tuned.p_tma == tuned.ref_stats == {"16": False, "32": False}
     assert not (tuned.fast_exp or tuned.target_zero_pass or tuned.target_logit_from_ref)  # LEAN_EPILOGUE=0
+    assert tuned.fp32_mm_slice == 512
     with pytest.raises(ValueError, match="LEAN_EPILOGUE"):
         KernelTuning.from_env({"GRPO_LAB_LEAN_EPILOGUE": "off"})
+    with pytest.raises(ValueError, match="FP32_MM="):
+        KernelTuning.from_env({"GRPO_LAB_FP32_MM": "cutlass"})
+    with pytest.raises(ValueError, match="FP32_MM_SLICE"):
+        KernelTuning.from_env({"GRPO_LAB_FP32_MM_SLICE": "0"})

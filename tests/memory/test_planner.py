@@ -186,6 +186,7 @@ def test_the_kernel_terms_follow_the_kernel_settings():
     assert P.KERNEL_PART_BYTES == F.part_budget_bytes
     assert P.KERNEL_FROZEN_TILE == F.frozen_tile["16"] == F.frozen_tile["32"]
     assert P.KERNEL_DZ_TILE == {2: F.bwd_tile["16"], 4: F.bwd_tile["32"]}
+    assert P.KERNEL_FP32_MM_SLICE == F.fp32_mm_slice and F.fp32_mm == "triton"
     assert P.KERNEL_FWD_BN == {2: F.configs["fwd_16"][1], 4: F.configs["fwd_32"][1]}
     assert P.KERNEL_FROZEN_BN == {2: F.configs["frozen_16"][1], 4: F.configs["frozen_32"][1]}
     assert P.KERNEL_FROZEN_RECOMPUTE_BELOW == {2: F.frozen_recompute_below["16"]}

@@ -25,8 +25,9 @@ import triton.language as tl
 
 from ..contract import scatter_grad
 from .policy import SPARE_BYTES, free_device_bytes, materialize_decision, record_path, room_below_peak
+from .split_tf32 import SplitTF32Gradients
 from .triton_kernels import (bwd_kernel, dz_from_p_kernel, frozen_dx_kernel, frozen_finish_kernel, fwd_kernel,
-                             merge_kernel, mm_kernel, ref_logit_kernel)
+                             merge_kernel, ref_logit_kernel)
 from .tuning import TUNING
 
 TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -35,17 +36,6 @@ _FLATTEN_OK = "flatten" in inspect.signature(tl.range).parameters
 # The last launch of each fused kernel, as Triton compiled it (registers per thread, spills, shared memory): read by
 # benchmarks/loss_bench.py --tune to say how many programs an SM can hold.
 LAST_COMPILED = {}
-
-
-def _triton_mm_acc(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """c += a @ b, fp32, Triton with `fp32_dot` products (any strides)."""
-    m, k = a.shape
-    n = b.shape[1]
-    bm, bn, bk, group_m, warps, stages = TUNING.configs["mm_32"]
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    mm_kernel[grid](a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-                    ACC=True, PRECISION=TUNING.fp32_dot, BM=bm, BN=bn, BK=bk, GROUP_M=group_m, num_warps=warps,
-                    num_stages=stages)
 
 
 def dtype_key(compute: torch.dtype) -> str:
@@ -616,8 +606,8 @@ def _fold_target_entry(full, y, shift, logprobs, g, scale):
 def recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, softcap, logit_scale, inv_t, compute,
                        n_valid, need_h, need_w, need_b, dz_tile):
     """The memory-lean backward: recompute each [token tile, vocabulary chunk] of logits in the fused kernel, write
-    dZ once into a `dz_tile` (tokens, vocabulary) buffer, then cuBLAS for dX and dW (vocabulary-outer, so each
-    chunk's weight gradient is finished at once)."""
+    dZ once into a `dz_tile` (tokens, vocabulary) buffer, then cuBLAS (fp32: split-TF32 GEMMs, `split_tf32`) for dX and
+    dW (vocabulary-outer, so each chunk's weight gradient is finished at once)."""
     dev = hidden.device
     vocab, k = weight.shape
     grad_w = torch.zeros_like(weight) if need_w else None
@@ -636,12 +626,15 @@ def recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, sof
         if need_w and n_ttiles > 1 and grad_w.dtype != torch.float32:
             dw_buf = torch.empty((v_tile, k), device=dev, dtype=torch.float32)
         dummy = log_z
-        tri_mm = (TUNING.fp32_mm == "triton" and compute == torch.float32 and weight.dtype == torch.float32
-                  and h.dtype == torch.float32)
-        mm_acc = _triton_mm_acc if tri_mm else _mm_acc
+        # fp32: dX and dW as split-TF32 GEMMs on K-major copies (`split_tf32`), else cuBLAS
+        split = None
+        if (TUNING.fp32_mm == "triton" and compute == torch.float32 and weight.dtype == torch.float32
+                and h.dtype == torch.float32):
+            split = SplitTF32Gradients(k, t_tile, v_tile, dev, need_h, need_w)
+            dw_buf = None  # (fp32 weight: dW accumulates in place)
         for v0 in range(0, vocab, v_tile):
             v1 = min(v0 + v_tile, vocab)
-            w_c = weight[v0:v1].to(compute)  # with tri_mm, fp32 already: the view itself
+            w_c = weight[v0:v1].to(compute)
             if dw_buf is not None:
                 dw_buf.zero_()
             for t0 in range(0, n_valid, t_tile):
@@ -664,12 +657,17 @@ def recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, sof
                     FAST_EXP=h.is_cuda and TUNING.fast_exp,
                     num_warps=warps, num_stages=stages, **TUNING.launch_options[f"bwd_{dtype_key(compute)}"])
                 LAST_COMPILED[f"bwd_{dtype_key(compute)}"] = compiled
-                if need_h:
-                    mm_acc(grad_h_valid[t0:t1], tile, w_c)
-                if need_w and n_ttiles == 1 and not tri_mm:
-                    _mm_into(grad_w[v0:v1], tile.t(), h_c[t0:t1])
-                elif need_w:  # (dw_buf: only for a 16-bit weight, so never with tri_mm)
-                    mm_acc(grad_w[v0:v1] if dw_buf is None else dw_buf[: v1 - v0], tile.t(), h_c[t0:t1])
+                if split is not None:
+                    if n_ttiles > 1 or v0 == 0:  # Xᵀ of this token tile (once, when all tokens fit one)
+                        split.rows(h[t0:t1])
+                    split.add(tile, w_c, grad_h_valid[t0:t1] if need_h else None, grad_w[v0:v1] if need_w else None)
+                else:
+                    if need_h:
+                        _mm_acc(grad_h_valid[t0:t1], tile, w_c)
+                    if need_w and n_ttiles == 1:
+                        _mm_into(grad_w[v0:v1], tile.t(), h_c[t0:t1])
+                    elif need_w:
+                        _mm_acc(grad_w[v0:v1] if dw_buf is None else dw_buf[: v1 - v0], tile.t(), h_c[t0:t1])
                 if grad_b is not None:
                     grad_b[v0:v1] += tile.sum(0, dtype=torch.float32)
             if dw_buf is not None:

@@ -14,7 +14,8 @@ stores the block's e^(z − ref) for a cuBLAS GEMM to consume.
 Backward (`bwd_kernel`). The same GEMM recomputes the logits of a `[token tile, vocab chunk]` tile and its epilogue
 turns them into the logits gradient `dL/dz_j = (1/T)·[g·(δ_jy − p_j) − h·p_j·(log p_j + H)]` (through softcap and
 scale), written once in the compute dtype. `dz_from_p_kernel` does the same from kept probabilities,
-`frozen_dx_kernel` is the frozen head's elementwise input gradient and `mm_kernel` the fp32 path's split-TF32 GEMM.
+`frozen_dx_kernel` is the frozen head's elementwise input gradient; `nt_mm_kernel` the fp32 path's split-TF32 GEMM on
+K-major operands and `mm_kernel` its pointer fallback.
 """
 
 from __future__ import annotations
@@ -496,3 +497,25 @@ def mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
         acc += tl.load(c_ptrs, mask=c_ok, other=0.0)
     tl.store(c_ptrs, acc, mask=c_ok)
 
+
+
+@triton.jit
+def nt_mm_kernel(a_desc, b_desc, c_ptr, M, N, K, stride_c,
+                 ACC: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """fp32 C[M, N] (+)= A[M, K] @ B[N, K]ᵀ from two K-major tensor descriptors: the only operand layout Hopper's
+    tensor cores take TF32 in, so the split-TF32 (`tf32x3`) dX / dW of the fp32 path run at tensor-core speed
+    (`split_tf32`). The copy engine zero-fills the tails past M, N and K."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        a = a_desc.load([pid_m * BM, k * BK])
+        b = b_desc.load([pid_n * BN, k * BK])
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
+    c_ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if ACC:
+        acc += tl.load(c_ptrs, mask=c_ok, other=0.0)
+    tl.store(c_ptrs, acc, mask=c_ok)

@@ -44,15 +44,19 @@ class KernelTuning:
             `fwd_16`, `bwd_16`, `fwd_32`, `bwd_32`, `mm_32` (the fp32 path's Triton GEMM), `frozen_16`, `frozen_32`.
         use_tma (`bool`, defaults to `True`, `GRPO_LAB_TMA`):
             Tensor-descriptor (TMA) loads in the fused kernels where the strides allow.
-        fp32_mm (`str`, defaults to `"cublas"`, `GRPO_LAB_FP32_MM`):
-            The fp32 path's dX / dW GEMMs: `"cublas"` (plain SGEMM, TF32 off) or `"triton"` (split-TF32 when
-            `fp32_dot` is `"tf32x3"`).
+        fp32_mm (`str`, defaults to `"triton"`, `GRPO_LAB_FP32_MM`):
+            The fp32 path's dX / dW GEMMs: `"triton"` (split-TF32 when `fp32_dot` is `"tf32x3"`, on K-major copies of
+            the operands: `split_tf32`) or `"cublas"` (plain SGEMM, TF32 off).
+        fp32_mm_slice (`int`, defaults to 2048, `GRPO_LAB_FP32_MM_SLICE`):
+            Vocabulary columns per K-major copy of `fp32_mm = "triton"`: W[slice]ᵀ and dZ[:, slice]ᵀ are
+            slice × H and slice × tokens fp32 buffers.
         fp32_dot (`str`, defaults to `"tf32x3"`, `GRPO_LAB_FP32_DOT`):
             fp32 dot products: `"ieee"` (plain fp32 FMA) or `"tf32x3"` (three TF32 products, fp32-level error, on
             tensor cores).
         bwd_tile (`dict`, `GRPO_LAB_BWD_TOKENS` / `GRPO_LAB_BWD_VOCAB` set both dtypes):
             The backward's dZ buffer, (tokens, vocabulary), per dtype: 16384 × 8192 for 16-bit (K = 16384 halves the
-            cuBLAS dW GEMM's fp32 accumulator passes), 8192 × 8192 for fp32 (its loss memory under 0.8× TRL's).
+            cuBLAS dW GEMM's fp32 accumulator passes), 4096 × 8192 for fp32 (half the tokens of
+            its old cuBLAS backward, whose 8192 made room for the split-TF32 GEMMs' K-major copies).
         part_budget_bytes (`int`, defaults to 32 MiB):
             Bytes of the forward's per-block partial statistics: how many vocabulary blocks one launch covers.
         merge_rows, merge_blocks (`int`, defaults to 128 and 32):
@@ -159,9 +163,10 @@ class KernelTuning:
 
     configs: dict = field(default_factory=lambda: dict(_CONFIGS))
     use_tma: bool = True
-    fp32_mm: str = "cublas"
+    fp32_mm: str = "triton"
+    fp32_mm_slice: int = 2048
     fp32_dot: str = "tf32x3"
-    bwd_tile: dict = field(default_factory=lambda: {"16": (16384, 8192), "32": (8192, 8192)})
+    bwd_tile: dict = field(default_factory=lambda: {"16": (16384, 8192), "32": (4096, 8192)})
     part_budget_bytes: int = 32 * 2**20
     merge_rows: int = 128
     merge_blocks: int = 32
@@ -210,6 +215,11 @@ class KernelTuning:
         tuning.use_tma = get("TMA", "1") == "1"
         tuning.fp32_mm = get("FP32_MM", tuning.fp32_mm)
         tuning.fp32_dot = get("FP32_DOT", tuning.fp32_dot)
+        if tuning.fp32_mm not in ("triton", "cublas"):
+            raise ValueError(f"GRPO_LAB_FP32_MM={tuning.fp32_mm!r}: triton or cublas")
+        tuning.fp32_mm_slice = int(get("FP32_MM_SLICE", tuning.fp32_mm_slice))
+        if tuning.fp32_mm_slice < 1:
+            raise ValueError(f"GRPO_LAB_FP32_MM_SLICE={tuning.fp32_mm_slice}: a positive number of columns")
         tuning.bwd_tile = {key: (int(get("BWD_TOKENS", tokens)), int(get("BWD_VOCAB", vocab)))
                            for key, (tokens, vocab) in tuning.bwd_tile.items()}
         listed = get("PERSISTENT", None)
