@@ -558,7 +558,9 @@ def kernel_setting(T) -> str:
     return (f"TMA loads {'on' if T.use_tma else 'off'}; persistent {','.join(on) or 'none'}; dZ tile {tiles}; "
             f"frozen {'two-GEMM' if T.frozen_two_gemm else 'recompute'} tile {frozen}, P~ descriptor store "
             f"{','.join(p_desc) or 'off'}; dZ descriptor store "
-            f"{','.join(dz) or 'off'}; fp32 dot {T.fp32_dot}, fp32 dX/dW {T.fp32_mm}; materialize "
+            f"{','.join(dz) or 'off'}; fp32 dot {T.fp32_dot}, fp32 dX/dW {T.fp32_mm}"
+            f"{f' on K-major slices of {T.fp32_mm_slice}' if T.fp32_mm == 'triton' else ''}; chunk launches "
+            f"{'direct' if T.direct_launch else 'through the JIT'}; materialize "
             f"{_policy(T)}; statistics against ref "
             f"{','.join(k for k, v in T.ref_stats.items() if v) or 'off'}, statistics-only forward against ref "
             f"{','.join(k for k, v in T.ref_stats_plain.items() if v) or 'off'}; tiles {cfg}")

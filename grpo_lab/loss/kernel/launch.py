@@ -16,6 +16,7 @@ Every tile size and switch is read from `tuning.TUNING` at call time.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ..contract import scatter_grad
+from .relaunch import Relauncher, arg_spec, int_spec
 from .policy import SPARE_BYTES, free_device_bytes, materialize_decision, record_path, room_below_peak
 from .split_tf32 import SplitTF32Gradients
 from .triton_kernels import (bwd_kernel, dz_from_p_kernel, frozen_dx_kernel, frozen_finish_kernel, fwd_kernel,
@@ -89,9 +91,14 @@ def _programs(kind: str, compute: torch.dtype, n_tiles: int, device: torch.devic
         return n_tiles, False
     slots = TUNING.persistent_programs
     if slots is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
-        slots = sms * TUNING.programs_per_sm[key]
+        slots = _sm_count(device) * TUNING.programs_per_sm[key]
     return min(n_tiles, slots), True
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (3 off CUDA: Triton's interpreter, where the count only shapes loops)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
 
 
 def _dz_target(tile: torch.Tensor, bm: int, bn: int, tma_loads: bool):
@@ -241,35 +248,40 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
                  HAS_TOP1=want["is_top1"])
     ref_stats = sink is not None and getattr(sink, "ref_stats", True) and (
         sink.p_mode == 0 or TUNING.ref_stats[dtype_key(compute)])
+    fixed = dict(b_ptr=bias if bias is not None else h, part_ptr=part, K=k, stride_h=h.stride(0),
+                 stride_w=weight.stride(0), part_stat_stride=part.stride(0), logit_scale=float(logit_scale),
+                 softcap=float(softcap or 1.0), inv_t=float(inv_t), HAS_BIAS=bias is not None,
+                 HAS_SOFTCAP=softcap is not None, **flags, COMPUTE=TL_DTYPE[compute], PRECISION=_precision(compute),
+                 EVEN_K=k % bk == 0, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
+                 P_MODE=sink.p_mode if sink is not None else 0, REF_STATS=ref_stats,
+                 ZERO_TARGET=kind == "frozen" and not TUNING.target_zero_pass, FAST_EXP=h.is_cuda and TUNING.fast_exp,
+                 TZ_FROM_REF=tz_from_ref)
+    options = dict(num_warps=warps, num_stages=stages, **TUNING.launch_options[f"{kind}_{dtype_key(compute)}"])
+    zp, zpz, zstride, zero_p = sink.zero_target_args() if kind == "frozen" else (part, part, 0, 0)
+    merge_fixed = dict(part_ptr=part, p_ptr=zp, pz_ptr=zpz, part_stat_stride=part.stride(0),
+                       run_stat_stride=run.stride(0), stride_p=zstride, **flags, BR=TUNING.merge_rows,
+                       BV=TUNING.merge_blocks, REF_STATS=ref_stats, ZERO_P=zero_p)
     for t0 in range(0, m_rows, t_tile):
         t1 = min(m_rows, t0 + t_tile)
         rows = t1 - t0
         h_arg, w_arg, tma = _operands(h[t0:t1], weight, compute, bm, bn, bk)
-        run_t = run[:, t0:t1]
+        run_t, y_t, tlogit_t = run[:, t0:t1], y[t0:t1], target_logit[t0:t1]
+        fwd, merge = Relauncher(fwd_kernel), Relauncher(merge_kernel)  # the chunks of this token tile
         for v0 in range(0, vocab, v_tile):
             v1 = min(vocab, v0 + v_tile)
             nvb = triton.cdiv(v1 - v0, bn)
             n_progs, persistent = _programs(kind, compute, triton.cdiv(rows, bm) * nvb, dev)
             p, pz, ref, stride_p, store_pz, p_tma = sink.views(t0, t1, v0, v1, bm, bn, tma) if sink else (
                 part, part, part, 0, False, False)
-            compiled = fwd_kernel[(n_progs,)](
-                h_arg, w_arg, bias if bias is not None else h, y[t0:t1], part, target_logit[t0:t1], p, pz, ref,
-                rows, v0, v1, k, h.stride(0), weight.stride(0), part.stride(0), stride_p,
-                float(logit_scale), float(softcap or 1.0), float(inv_t),
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, **flags,
-                COMPUTE=TL_DTYPE[compute], PRECISION=_precision(compute), EVEN_K=k % bk == 0, USE_TMA=tma,
-                BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
-                P_MODE=sink.p_mode if sink is not None else 0, STORE_PZ=store_pz, P_TMA=p_tma, REF_STATS=ref_stats,
-                EVEN_N=(v1 - v0) % bn == 0, ZERO_TARGET=kind == "frozen" and not TUNING.target_zero_pass,
-                FAST_EXP=h.is_cuda and TUNING.fast_exp,
-                TZ_FROM_REF=tz_from_ref,
-                num_warps=warps, num_stages=stages, **TUNING.launch_options[f"{kind}_{dtype_key(compute)}"])
+            even_n = (v1 - v0) % bn == 0
+            key = (int_spec(v0), int_spec(v1), n_progs, arg_spec(p), arg_spec(pz), even_n, store_pz, p_tma)
+            compiled = fwd((n_progs,), key, dict(
+                h_ptr=h_arg, w_ptr=w_arg, tgt_ptr=y_t, tlogit_ptr=tlogit_t, p_ptr=p, pz_ptr=pz, ref_ptr=ref, M=rows,
+                v_lo=v0, v_hi=v1, stride_p=stride_p, USE_TMA=tma, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
+                STORE_PZ=store_pz, P_TMA=p_tma, EVEN_N=even_n, **fixed), options)
             LAST_COMPILED[f"{kind}_{dtype_key(compute)}"] = compiled
-            zp, zpz, zstride, zero_p = sink.zero_target_args() if kind == "frozen" else (part, part, 0, 0)
-            merge_kernel[(triton.cdiv(rows, TUNING.merge_rows),)](
-                part, run_t, zp, zpz, y[t0:t1], part.stride(0), run_t.stride(0), rows, nvb, v0, v1, zstride,
-                **flags, BR=TUNING.merge_rows, BV=TUNING.merge_blocks, REF_STATS=ref_stats, ZERO_P=zero_p,
-                num_warps=4)
+            merge((triton.cdiv(rows, TUNING.merge_rows),), (int_spec(nvb), int_spec(v0), int_spec(v1)), dict(
+                run_ptr=run_t, tgt_ptr=y_t, M=rows, n_blocks=nvb, v_lo=v0, v_hi=v1, **merge_fixed), {"num_warps": 4})
             if sink is not None:
                 sink.consume(t0, t1, v0, v1)
     if ref_stats:  # the sums against ref → against the row max, as the rest of the kernel expects

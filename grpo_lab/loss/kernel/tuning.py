@@ -50,6 +50,9 @@ class KernelTuning:
         fp32_mm_slice (`int`, defaults to 2048, `GRPO_LAB_FP32_MM_SLICE`):
             Vocabulary columns per K-major copy of `fp32_mm = "triton"`: W[slice]ᵀ and dZ[:, slice]ᵀ are
             slice × H and slice × tokens fp32 buffers.
+        direct_launch (`bool`, defaults to `True`):
+            Launches after the first of each specialisation in a loop of vocabulary chunks go straight to the kernel
+            Triton compiled, without its per-launch dispatch (`relaunch`); a host-bound small head's time.
         fp32_dot (`str`, defaults to `"tf32x3"`, `GRPO_LAB_FP32_DOT`):
             fp32 dot products: `"ieee"` (plain fp32 FMA) or `"tf32x3"` (three TF32 products, fp32-level error, on
             tensor cores).
@@ -165,6 +168,7 @@ class KernelTuning:
     use_tma: bool = True
     fp32_mm: str = "triton"
     fp32_mm_slice: int = 2048
+    direct_launch: bool = True
     fp32_dot: str = "tf32x3"
     bwd_tile: dict = field(default_factory=lambda: {"16": (16384, 8192), "32": (4096, 8192)})
     part_budget_bytes: int = 32 * 2**20
