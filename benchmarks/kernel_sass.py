@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 _POINTER_TYPES = {"tgt_ptr": "*i64", "y_ptr": "*i64", "part_ptr": "*fp32", "tlogit_ptr": "*fp32", "ref_ptr": "*fp32",
                   "logz_ptr": "*fp32", "ent_ptr": "*fp32", "g_ptr": "*fp32", "ge_ptr": "*fp32", "run_ptr": "*fp32",
                   "acc_ptr": "*fp32", "m_ptr": "*fp32", "s_ptr": "*fp32", "lp_ptr": "*fp32", "omp_ptr": "*fp32",
-                  "shift_ptr": "*fp32", "bad_ptr": "*i8", "count_ptr": "*i32"}
+                  "shift_ptr": "*fp32", "bad_ptr": "*i8", "count_ptr": "*i32", "c_ptr": "*fp32"}
 _FLOATS = ("logit_scale", "softcap", "inv_t", "limit", "excess", "scale", "inv_cap")
 
 
@@ -62,6 +62,8 @@ def _signature(kernel, constexprs, descriptors, bm, bn, bk):
             sig[name] = f"tensordesc<bf16[{bm},{bk}]>"
         elif name == "w_ptr" and constexprs.get("USE_TMA"):
             sig[name] = f"tensordesc<bf16[{bn},{bk}]>"
+        elif name.endswith("_desc"):  # a descriptor argument of its own: `descriptors` gives its element type and block
+            sig[name] = f"tensordesc<{descriptors[name]}>"
         elif name in descriptors and constexprs.get({"dz_ptr": "DZ_TMA"}.get(name, "P_TMA")):
             sig[name] = f"tensordesc<bf16[{bm},{bn}]>"
         elif name.endswith("_ptr"):

@@ -1,4 +1,5 @@
-"""The fused head's row-wise kernels compile for sm_90a on a CPU, in every variant the launch code asks for.
+"""The fused head's row-wise kernels (and the fp32 path's split-TF32 GEMM) compile for sm_90a on a CPU, in every
+variant the launch code asks for.
 
 Triton's interpreter runs a kernel as Python, so it accepts code the compiler refuses: issue 45's merge_kernel passed
 every interpreter case and failed all 63 GPU tests that reach it (a name reused for values of two types across its
@@ -42,3 +43,17 @@ def test_merge_kernel_compiles_with_and_without_the_target_zeroing(sass, zero_p,
 ], ids=["frozen_finish", "frozen_dx", "ref_logit", "dz_from_p"])
 def test_row_kernels_compile(sass, kernel, constexprs):
     assert sass.compile_kernel(kernel, constexprs, {}, ROW_CONFIG).asm["cubin"]
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_the_split_tf32_gemm_compiles_on_k_major_descriptors(sass, accumulate):
+    from grpo_lab.loss.kernel.tuning import TUNING
+
+    bm, bn, bk = TUNING.configs["mm_32"][:3]
+    blocks = {"a_desc": f"fp32[{bm},{bk}]", "b_desc": f"fp32[{bn},{bk}]"}
+    compiled = sass.compile_kernel(tk.nt_mm_kernel, dict(ACC=accumulate, PRECISION=TUNING.fp32_dot), blocks,
+                                   TUNING.configs["mm_32"])
+    assert compiled.asm["cubin"]
+    # TF32 tensor-core products (Hopper's wgmma takes them from K-major operands only), fed by TMA loads
+    assert "wgmma.mma_async" in compiled.asm["ptx"] and ".tf32.tf32" in compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in compiled.asm["ptx"]
