@@ -221,6 +221,7 @@ def test_kernel_variants(monkeypatch, tma, fp32_mm, persistent, dz_tma, dtype):
     monkeypatch.setattr(TUNING, "persistent", {key: persistent for key in TUNING.persistent})
     monkeypatch.setattr(TUNING, "persistent_programs", 7)  # every program loops over many tiles
     monkeypatch.setattr(TUNING, "bwd_tile", {"16": (1024, 2048), "32": (1024, 2048)})
+    monkeypatch.setattr(TUNING, "fp32_mm_slice", 768)  # split-TF32: 768, 768, 512 columns of each 2048 chunk
     data = make(2500, 200, 5003, dtype, masked=100, seed=8)
     check(*run_both(*data), dtype)
 
@@ -318,6 +319,39 @@ def test_frozen_kernel_variants(monkeypatch, paths, tma, persistent, p_tma, dtyp
     with expect_entropy_grad():
         check(*run_both(*data, frozen=True), dtype)
     assert paths == ["frozen"]
+
+
+@pytest.mark.parametrize("mode", ["frozen", "trainable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_direct_chunk_launches_compute_what_the_jit_launches_compute(monkeypatch, mode, dtype):
+    """`direct_launch`: after the first launch of each specialisation in a chunk loop, the compiled kernel is called
+    without Triton's dispatch. Same kernels, same arguments: the outputs and gradients are bit for bit the JIT's, and
+    most launches did go direct (several token tiles, a last chunk of another width, rows not a multiple of 16)."""
+    from grpo_lab.loss.frozen import expect_entropy_grad
+    from grpo_lab.loss.kernel import relaunch
+
+    monkeypatch.setattr(TUNING, "frozen_tile", {"16": (1024, 1024), "32": (1024, 1024)})
+    # the statistics forward (2400 valid rows): 4 vocabulary blocks a launch, 5 or 10 chunks
+    monkeypatch.setattr(TUNING, "part_budget_bytes", 6 * 4 * 2400 * 4)
+    direct = []
+    real_call = relaunch.Relauncher.__call__
+
+    def counted(self, grid, key, args, options):
+        direct.append(TUNING.direct_launch and key in self.compiled)
+        return real_call(self, grid, key, args, options)
+
+    monkeypatch.setattr(relaunch.Relauncher, "__call__", counted)
+    data = make(2500, 200, 5003, dtype, masked=100, seed=12)
+    results = []
+    for on in (False, True):
+        monkeypatch.setattr(TUNING, "direct_launch", on)
+        with expect_entropy_grad():
+            out, _, leaves, _, _ = run_both(*data, frozen=mode == "frozen")
+        results.append([x for x in (*out, *(leaf.grad for leaf in leaves if leaf is not None)) if x is not None])
+    for jit, fast in zip(*results):
+        assert torch.equal(jit, fast)
+    launches = len(direct) // 2
+    assert not any(direct[:launches]) and sum(direct[launches:]) >= launches // 2, direct
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -186,7 +186,7 @@ def test_the_kernel_terms_follow_the_kernel_settings():
     assert P.KERNEL_PART_BYTES == F.part_budget_bytes
     assert P.KERNEL_FROZEN_TILE == F.frozen_tile["16"] == F.frozen_tile["32"]
     assert P.KERNEL_DZ_TILE == {2: F.bwd_tile["16"], 4: F.bwd_tile["32"]}
-    assert P.KERNEL_FP32_MM_SLICE == F.fp32_mm_slice and F.fp32_mm == "triton"
+    assert P.KERNEL_FP32_MM == F.fp32_mm and P.KERNEL_FP32_MM_SLICE == F.fp32_mm_slice
     assert P.KERNEL_FWD_BN == {2: F.configs["fwd_16"][1], 4: F.configs["fwd_32"][1]}
     assert P.KERNEL_FROZEN_BN == {2: F.configs["frozen_16"][1], 4: F.configs["frozen_32"][1]}
     assert P.KERNEL_FROZEN_RECOMPUTE_BELOW == {2: F.frozen_recompute_below["16"]}
@@ -298,3 +298,25 @@ def test_seeded_probes_are_validated_once():
     keys = ["model", "backend", "batch_size"]
     pairs = table[table["source"] == "H200 notebook 02 setting, expandable segments"]
     assert pd.merge(own[keys], pairs[keys]).empty
+
+
+def test_the_split_tf32_backward_adds_its_k_major_copies(monkeypatch):
+    """With `fp32_mm = "triton"` (opt-in) the fp32 backward holds K-major copies of a weight slice, a dZ slice and the
+    token tile besides its dZ tile (`split_tf32.SplitTF32Gradients`); a frozen head only the weight slice's."""
+    import grpo_lab.memory.planner.head as P
+    from grpo_lab.memory.planner.shapes import ModelShape
+
+    shape = ModelShape(hidden=1024, intermediate=3072, layers=1, heads=8, kv_heads=8, head_dim=128, vocab=151936,
+                       tied=False, qk_norm=True, qkv_bias=False)
+    default = P.head_backward("grpo_lab", shape, 8190, 4, "cuda", True)
+    assert "grpo_lab.split_tf32_copies" not in default
+    monkeypatch.setattr(P, "KERNEL_FP32_MM", "triton")
+    split = P.head_backward("grpo_lab", shape, 8190, 4, "cuda", True)
+    rows = 8192  # 8190 token rows, padded to 16-byte row strides
+    assert split["grpo_lab.split_tf32_copies"] == 4 * (1024 * 2048 + (2048 + 1024) * rows)
+    assert split["grpo_lab.dz_tile"] == default["grpo_lab.dz_tile"]
+    monkeypatch.setattr(P, "KERNEL_FROZEN_RECOMPUTE_ROWS", {4: 10**9})  # a frozen fp32 head on its recompute path
+    monkeypatch.setattr(P, "KERNEL_FROZEN_RECOMPUTE_BELOW", {4: 10**12})
+    frozen = P.head_backward("grpo_lab", shape, 8190, 4, "cuda", False)
+    assert frozen["grpo_lab.split_tf32_copies"] == 4 * 1024 * 2048
+    assert P.head_backward("grpo_lab", shape, 8190, 2, "cuda", True).get("grpo_lab.split_tf32_copies") is None

@@ -33,8 +33,9 @@ KERNEL_FROZEN_TILE = (8192, 8448)
 # budget (0 rows: the kernel's rule is off by default since the small frozen head stopped syncing with the host)
 KERNEL_FROZEN_RECOMPUTE_ROWS = {2: 0}
 KERNEL_FROZEN_RECOMPUTE_BELOW = {2: 9 * 2**19}
-KERNEL_DZ_TILE = {2: (16384, 8192), 4: (4096, 8192)}
-# fp32: vocabulary columns per K-major copy of the split-TF32 dX / dW (`split_tf32`)
+KERNEL_DZ_TILE = {2: (16384, 8192), 4: (8192, 8192)}
+# fp32 dX / dW: cuBLAS SGEMM, or split-TF32 GEMMs on K-major copies of this many vocabulary columns (`split_tf32`)
+KERNEL_FP32_MM = "cublas"
 KERNEL_FP32_MM_SLICE = 2048
 # Liger 0.8.5: one sequence per chunk; its selective log-prob streams [≤ 2048 rows, 4096 vocab] fp32 tiles
 LIGER_SEQ_CHUNK = 2048
@@ -179,7 +180,7 @@ def head_backward(loss_backend: str, shape: ModelShape, rows: int, b: int, devic
             out["grpo_lab.grad_hidden_cast"] = b * h * rows
         if trainable and b < FP32 and rows > t_tile:
             out["grpo_lab.dw_chunk_fp32"] = FP32 * v_tile * h
-        if b == FP32:  # split-TF32 dX / dW: K-major copies of a weight slice (dX), a dZ slice and the token tile (dW)
+        if b == FP32 and KERNEL_FP32_MM == "triton":  # split-TF32 dX / dW: K-major copies of a weight slice (dX), a dZ slice and the token tile (dW)
             cols, pad = min(KERNEL_FP32_MM_SLICE, v_tile), lambda n: -(-n // 4) * 4
             out["grpo_lab.split_tf32_copies"] = FP32 * (h * pad(cols) + (
                 (cols + h) * pad(t_tile) if trainable else 0))

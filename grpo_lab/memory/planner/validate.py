@@ -33,9 +33,7 @@ COLUMNS = ["source", "model", "backend", "dtype", "mode", "batch_size", "prompt_
 OLD_KERNEL_NB01 = "grpo_lab kernel of 2026-12-02 (before the run-4 tiles); the planner models today's"
 OLD_KERNEL_FROZEN = "frozen head measured before its backward temporaries were bounded (5700679)"
 OLD_KERNEL_FROZEN_TILE = "frozen 16-bit head measured on 128 x 128 tiles (before issue 45): twice today's partial sums"
-OLD_KERNEL_FP32_BWD = "fp32 trainable head measured with cuBLAS dX / dW on 8192-token dZ tiles (before split_tf32)"
-OLD_KERNEL_NOTES = (OLD_KERNEL_NB01, OLD_KERNEL_FROZEN, OLD_KERNEL_FROZEN_TILE,
-                    OLD_KERNEL_FP32_BWD)  # rows the summary leaves out
+OLD_KERNEL_NOTES = (OLD_KERNEL_NB01, OLD_KERNEL_FROZEN, OLD_KERNEL_FROZEN_TILE)  # rows the summary leaves out
 # benchmarks/loss_bench.py's grid runs, oldest first; where several measured a point, the latest (by date) counts
 LOSS_GRID_RUNS = ("loss_grid.csv", "loss_grid_run6.csv", "loss_grid_run7.csv")
 
@@ -107,8 +105,6 @@ def loss_kernel_rows(df: pd.DataFrame) -> list[dict]:
                 note = OLD_KERNEL_FROZEN
             elif r["dtype"] != "fp32" and "frozen_16:128x128x" in setting:
                 note = OLD_KERNEL_FROZEN_TILE
-        elif r["backend"] == "grpo_lab" and r["dtype"] == "fp32" and "fp32 dX/dW triton" not in setting:
-            note = OLD_KERNEL_FP32_BWD
         row = _row("H200 loss kernel (head alone)", p, f"loss, {r['head']} head", r["loss_peak_gib"], r,
                    note=note)
         row["lora_r"] = 0 if r["head"] == "trainable" else None
