@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from ..contract import scatter_grad
-from .relaunch import Relauncher, arg_spec, int_spec
 from .policy import SPARE_BYTES, free_device_bytes, materialize_decision, record_path, room_below_peak
+from .relaunch import Relauncher, arg_spec, int_spec
 from .split_tf32 import SplitTF32Gradients
 from .triton_kernels import (bwd_kernel, dz_from_p_kernel, frozen_dx_kernel, frozen_finish_kernel, fwd_kernel,
                              merge_kernel, ref_logit_kernel)
