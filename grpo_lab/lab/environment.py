@@ -33,8 +33,8 @@ PROBE_START = "GRPO_LAB_PROBE_START"
 
 # GRPO_LAB_<name>: the Triton kernel's tuning, applied by `grpo_lab.loss.kernel.tuning.KernelTuning.from_env`
 KERNEL_VARIABLES = ("TMA", "FP32_MM", "FP32_MM_SLICE", "FP32_DOT", "BWD_TOKENS", "BWD_VOCAB", "PERSISTENT", "DZ_TMA",
-                    "P_TMA", "FROZEN", "FROZEN_RECOMPUTE_BELOW", "MATERIALIZE_FRACTION", "MATERIALIZE_FLAT_BELOW", "MATERIALIZE_GIB",
-                    "MATERIALIZE_WITHIN_PEAK", "REF_STATS", "REF_STATS_PLAIN", "LEAN_EPILOGUE")
+                    "P_TMA", "FROZEN", "FROZEN_RECOMPUTE_BELOW", "MATERIALIZE_FRACTION", "MATERIALIZE_FLAT_BELOW",
+                    "MATERIALIZE_GIB", "MATERIALIZE_WITHIN_PEAK", "REF_STATS", "REF_STATS_PLAIN", "LEAN_EPILOGUE")
 
 # every variable grpo_lab reads or sets -> what it does (docs/environment.md shows this table)
 VARIABLES = {

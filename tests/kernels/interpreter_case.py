@@ -89,7 +89,7 @@ def main(variant: dict) -> dict:
     spy("_programs", programs)
     spy("_operands", loads)
     spy("_dz_target", stores)
-    spy("_store_target", bulk)
+    spy("tma_target", bulk)
     nt_launches, pointer_launches = [], []
     split_tf32.nt_mm_kernel = Counted(split_tf32.nt_mm_kernel, nt_launches)
     split_tf32.mm_kernel = Counted(split_tf32.mm_kernel, pointer_launches)

@@ -337,7 +337,7 @@ def test_direct_chunk_launches_compute_what_the_jit_launches_compute(monkeypatch
     real_call = relaunch.Relauncher.__call__
 
     def counted(self, grid, key, args, options):
-        direct.append(TUNING.direct_launch and key in self.compiled)
+        direct.append(TUNING.direct_launch and key() in self.compiled)
         return real_call(self, grid, key, args, options)
 
     monkeypatch.setattr(relaunch.Relauncher, "__call__", counted)

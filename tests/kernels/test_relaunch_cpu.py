@@ -42,8 +42,8 @@ def test_the_first_launch_of_a_key_compiles_the_rest_go_direct_in_argument_order
     kernel, x = Kernel(), torch.zeros(4)
     launcher = relaunch.Relauncher(kernel)
     for n in (32, 64, 48):
-        launcher((5,), (relaunch.int_spec(n),), {"BLOCK": 16, "n": n, "x_ptr": x}, {"num_warps": 4})
-    launcher((7,), (relaunch.int_spec(3),), {"BLOCK": 16, "n": 3, "x_ptr": x}, {"num_warps": 4})
+        launcher((5,), lambda: (relaunch.int_spec(n),), {"BLOCK": 16, "n": n, "x_ptr": x}, {"num_warps": 4})
+    launcher((7,), lambda: (relaunch.int_spec(3),), {"BLOCK": 16, "n": 3, "x_ptr": x}, {"num_warps": 4})
     kinds = [(kind, grid) for kind, grid, _ in kernel.log]
     # 32, 64 and 48 are all divisible by 16 (one key); 3 is not: Triton's JIT again, for its own specialisation
     assert kinds == [("jit", (5,)), ("direct", (5, 1, 1)), ("direct", (5, 1, 1)), ("jit", (7,))]
@@ -56,10 +56,11 @@ def test_every_launch_goes_through_the_jit_when_off_or_under_the_interpreter(mon
                                                                              returns_compiled):
     monkeypatch.setattr(TUNING, "direct_launch", direct_launch)
     kernel = Kernel(returns_compiled)  # Triton's interpreter compiles nothing and returns None
-    launcher = relaunch.Relauncher(kernel)
+    launcher, keyed = relaunch.Relauncher(kernel), []
     for n in (16, 32):
-        launcher((2,), (relaunch.int_spec(n),), {"BLOCK": 16, "n": n, "x_ptr": None}, {})
+        launcher((2,), lambda: keyed.append(n) or (relaunch.int_spec(n),), {"BLOCK": 16, "n": n, "x_ptr": None}, {})
     assert [kind for kind, _, _ in kernel.log] == ["jit", "jit"]
+    assert keyed == ([16, 32] if direct_launch else [])  # off, the key is never built: the default path pays nothing
 
 
 def test_specs_separate_what_triton_specialises_on():

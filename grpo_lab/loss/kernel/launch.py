@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ..contract import scatter_grad
+from .descriptors import tma_target
 from .policy import SPARE_BYTES, free_device_bytes, materialize_decision, record_path, room_below_peak
 from .relaunch import Relauncher, arg_spec, int_spec
 from .split_tf32 import SplitTF32Gradients
@@ -103,18 +104,7 @@ def _sm_count(device: torch.device) -> int:
 
 def _dz_target(tile: torch.Tensor, bm: int, bn: int, tma_loads: bool):
     """(dz arg, use_tma): a tensor descriptor of the dZ tile when `dz_tma` is on and its layout allows it."""
-    return _store_target(tile, bm, bn, TUNING.dz_tma[dtype_key(tile.dtype)] and tma_loads)
-
-
-def _store_target(tile: torch.Tensor, bm: int, bn: int, wanted: bool):
-    """(arg, use_tma): a [bm, bn]-block tensor descriptor of `tile` when wanted and its layout allows bulk stores."""
-    ok = (wanted and tile.stride(1) == 1 and (tile.stride(0) * tile.element_size()) % 16 == 0
-          and tile.data_ptr() % 16 == 0)
-    if not ok:
-        return tile, False
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(tile, [bm, bn]), True
+    return tma_target(tile, bm, bn, TUNING.dz_tma[dtype_key(tile.dtype)] and tma_loads)
 
 
 def _widened_vocab_tile(vocab: int, tokens: int, vocab_tile: int, rows: int, bn: int) -> int:
@@ -157,8 +147,8 @@ class _FrozenSink:
     def _make_planes(self, rows, chunk, bm, bn, tma_loads):
         p, pz = self.buf[0], self.buf[-1]
         if TUNING.p_tma[dtype_key(self.compute)] and tma_loads:
-            dp, tma_p = _store_target(p[:rows, :chunk], bm, bn, True)
-            dpz, tma_pz = (dp, tma_p) if self.buf.shape[0] == 1 else _store_target(pz[:rows, :chunk], bm, bn, True)
+            dp, tma_p = tma_target(p[:rows, :chunk], bm, bn, True)
+            dpz, tma_pz = (dp, tma_p) if self.buf.shape[0] == 1 else tma_target(pz[:rows, :chunk], bm, bn, True)
             if tma_p and tma_pz:
                 return dp, dpz, True
         return p, pz, False
@@ -214,7 +204,7 @@ class _MaterializedSink(_RefSink):
     def views(self, t0, t1, v0, v1, bm, bn, tma_loads):
         view = self.full[t0:t1, v0:]
         if TUNING.p_tma[dtype_key(self.full.dtype)] and tma_loads:  # bulk stores of this launch's [rows, chunk]
-            desc, through = _store_target(self.full[t0:t1, v0:v1], bm, bn, True)
+            desc, through = tma_target(self.full[t0:t1, v0:v1], bm, bn, True)
             if through:  # (a [BM, BN] int64 pointer tile per block spilled 608 B of registers on sm_90a)
                 return desc, desc, self.ref[t0:t1], self.full.stride(0), False, True
         return view, view, self.ref[t0:t1], self.full.stride(0), False, False
@@ -274,13 +264,14 @@ def _forward_stats(h, weight, bias, y, inv_t, softcap, logit_scale, compute, wan
             p, pz, ref, stride_p, store_pz, p_tma = sink.views(t0, t1, v0, v1, bm, bn, tma) if sink else (
                 part, part, part, 0, False, False)
             even_n = (v1 - v0) % bn == 0
-            key = (int_spec(v0), int_spec(v1), n_progs, arg_spec(p), arg_spec(pz), even_n, store_pz, p_tma)
+            key = lambda: (int_spec(v0), int_spec(v1), n_progs, arg_spec(p), arg_spec(pz), even_n,  # noqa: E731
+                           store_pz, p_tma)
             compiled = fwd((n_progs,), key, dict(
                 h_ptr=h_arg, w_ptr=w_arg, tgt_ptr=y_t, tlogit_ptr=tlogit_t, p_ptr=p, pz_ptr=pz, ref_ptr=ref, M=rows,
                 v_lo=v0, v_hi=v1, stride_p=stride_p, USE_TMA=tma, PERSISTENT=persistent, NUM_PROGRAMS=n_progs,
                 STORE_PZ=store_pz, P_TMA=p_tma, EVEN_N=even_n, **fixed), options)
             LAST_COMPILED[f"{kind}_{dtype_key(compute)}"] = compiled
-            merge((triton.cdiv(rows, TUNING.merge_rows),), (int_spec(nvb), int_spec(v0), int_spec(v1)), dict(
+            merge((triton.cdiv(rows, TUNING.merge_rows),), lambda: (int_spec(nvb), int_spec(v0), int_spec(v1)), dict(
                 run_ptr=run_t, tgt_ptr=y_t, M=rows, n_blocks=nvb, v_lo=v0, v_hi=v1, **merge_fixed), {"num_warps": 4})
             if sink is not None:
                 sink.consume(t0, t1, v0, v1)
@@ -643,7 +634,6 @@ def recompute_backward(hidden, weight, bias, y, log_z, entropy, g, ge, rows, sof
         if (TUNING.fp32_mm == "triton" and compute == torch.float32 and weight.dtype == torch.float32
                 and h.dtype == torch.float32):
             split = SplitTF32Gradients(k, t_tile, v_tile, dev, need_h, need_w)
-            dw_buf = None  # (fp32 weight: dW accumulates in place)
         for v0 in range(0, vocab, v_tile):
             v1 = min(v0 + v_tile, vocab)
             w_c = weight[v0:v1].to(compute)

@@ -6,7 +6,8 @@ bounds, the grid, the last chunk's width. A head small enough to be bound by the
 spends its time there (`benchmarks/step_timeline.py --host-profile`), so a `Relauncher` launches the first chunk of
 each specialisation through Triton's JIT and later ones straight through the kernel it compiled.
 
-The caller names what may change between its launches in `key`: every argument whose Triton specialisation (an int's
+The caller names what may change between its launches in `key` (a function of no arguments, called only when
+`direct_launch` is on, so the default path pays nothing for it): every argument whose Triton specialisation (an int's
 value 1, its divisibility by 16 and width, a pointer's 16-byte alignment and dtype, a descriptor's block and dtype) can
 differ must be in it, through `int_spec` / `arg_spec`; arguments left out must be the same objects each time or keep
 their specialisation by construction.
@@ -44,9 +45,13 @@ class Relauncher:
         self.kernel = kernel
         self.compiled = {}
 
-    def __call__(self, grid: tuple, key: tuple, args: dict, options: dict):
-        """Launches `kernel[grid](**args, **options)`; `args` names every kernel argument, constexprs included."""
-        compiled = self.compiled.get(key) if TUNING.direct_launch else None
+    def __call__(self, grid: tuple, key, args: dict, options: dict):
+        """Launches `kernel[grid](**args, **options)`; `args` names every kernel argument, constexprs included, and
+        `key()` gives the launch's specialisation key."""
+        if not TUNING.direct_launch:
+            return self.kernel[grid](**args, **options)
+        key = key()
+        compiled = self.compiled.get(key)
         if compiled is not None:
             compiled[tuple(grid) + (1,) * (3 - len(grid))](*[args[name] for name in self.kernel.arg_names])
             return compiled

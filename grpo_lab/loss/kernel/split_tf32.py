@@ -13,6 +13,7 @@ import torch
 
 import triton
 
+from .descriptors import tma_target
 from .triton_kernels import mm_kernel, nt_mm_kernel
 from .tuning import TUNING
 
@@ -23,25 +24,14 @@ def _padded(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _descriptor(x: torch.Tensor, block: list[int]):
-    """A tensor descriptor of the 2-D K-major `x`, or None where its layout rules one out (or Triton has none)."""
-    if not (TUNING.use_tma and x.stride(1) == 1 and x.stride(0) % _ALIGN == 0 and x.data_ptr() % 16 == 0):
-        return None
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        return None
-    return TensorDescriptor.from_tensor(x, block)
-
-
 def nt_mm(c: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, accumulate: bool) -> None:
     """c (+)= a @ btᵀ in fp32 with `fp32_dot` products; a [M, K] and bt [N, K] K-major, c [M, N] row-major."""
     m, k = a.shape
     n = bt.shape[0]
     bm, bn, bk, group_m, warps, stages = TUNING.configs["mm_32"]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    a_desc, b_desc = _descriptor(a, [bm, bk]), _descriptor(bt, [bn, bk])
-    if a_desc is not None and b_desc is not None and c.stride(1) == 1:
+    (a_desc, a_tma), (b_desc, b_tma) = tma_target(a, bm, bk, TUNING.use_tma), tma_target(bt, bn, bk, TUNING.use_tma)
+    if a_tma and b_tma and c.stride(1) == 1:
         nt_mm_kernel[grid](a_desc, b_desc, c, m, n, k, c.stride(0), ACC=accumulate, PRECISION=TUNING.fp32_dot,
                            BM=bm, BN=bn, BK=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
         return

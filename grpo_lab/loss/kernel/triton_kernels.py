@@ -498,7 +498,6 @@ def mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
     tl.store(c_ptrs, acc, mask=c_ok)
 
 
-
 @triton.jit
 def nt_mm_kernel(a_desc, b_desc, c_ptr, M, N, K, stride_c,
                  ACC: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,

@@ -180,7 +180,8 @@ def head_backward(loss_backend: str, shape: ModelShape, rows: int, b: int, devic
             out["grpo_lab.grad_hidden_cast"] = b * h * rows
         if trainable and b < FP32 and rows > t_tile:
             out["grpo_lab.dw_chunk_fp32"] = FP32 * v_tile * h
-        if b == FP32 and KERNEL_FP32_MM == "triton":  # split-TF32 dX / dW: K-major copies of a weight slice (dX), a dZ slice and the token tile (dW)
+        if b == FP32 and KERNEL_FP32_MM == "triton":
+            # split-TF32 dX / dW: K-major copies of a weight slice (dX), a dZ slice and the token tile (dW)
             cols, pad = min(KERNEL_FP32_MM_SLICE, v_tile), lambda n: -(-n // 4) * 4
             out["grpo_lab.split_tf32_copies"] = FP32 * (h * pad(cols) + (
                 (cols + h) * pad(t_tile) if trainable else 0))
