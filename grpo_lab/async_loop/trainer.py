@@ -146,10 +146,13 @@ class AsyncGRPOLabTrainer(AsyncGRPOTrainer):
                     self.vllm_client.resume()  # never leave the replicas paused behind a failed sync
                 self.published.append({"name": name, "version": version, "digest": published.digest,
                                        "step": self.state.global_step})
-                self._retire(version)
+                # the worker moves on before the oldest version is unloaded: it tells a retired version's 404 from
+                # a lost rollout by its own version (told after the unload, it judged that 404 against v(N-1),
+                # where the retired version is still inside the window, and counted it lost)
                 self.model_version = version
                 if self.rollout_worker:
                     self.rollout_worker.update_model_version(version)
+                self._retire(version)
         finally:
             if staging:
                 shutil.rmtree(staging, ignore_errors=True)
