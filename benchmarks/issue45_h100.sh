@@ -17,8 +17,8 @@
 #   timeline  where the GPU waits in a loss step: its idle gaps and what the host did meanwhile, frozen and
 #          trainable heads against TRL (benchmarks/step_timeline.py), the card's clocks sampled beside
 #   once   under 10 minutes: every GPU test, the frozen head's timeline, the bar's cells, the frozen P~ buffer widened
-#   split  every GPU test; the fp32 trainable head's split-TF32 dX / dW (opt-in) against naive and its cuBLAS
-#          backward; the frozen head's direct chunk launches (opt-in) against Triton's JIT dispatch
+#   split  every GPU test; the fp32 trainable head's split-TF32 dX / dW (the default) against naive and the old
+#          cuBLAS backward; the frozen head's direct chunk launches (opt-in) against Triton's JIT dispatch
 #   sweep  the Triton main loop against cuBLAS with and without the epilogue (benchmarks/mainloop_probe.py), then
 #          the head alone over benchmarks/tune_lean_epilogue.json (frozen tiles now that the epilogue is lean,
 #          two programs per SM, dZ through descriptors, the materialised forward's tile)
@@ -176,17 +176,17 @@ once)  # one call of under 10 minutes for a session with little device time: eve
   [ -z "${NO_PROBE:-}" ] && wide_buffer 100 6 1024:8192,4096:8192,1024:32768
   kill $SMI
   ;;
-split)  # every GPU test (the opt-in paths below included); the fp32 trainable head with dX / dW as split-TF32 GEMMs
-  # on K-major copies (GRPO_LAB_FP32_MM=triton, 4096-token dZ tiles for the same memory) against naive and against
-  # its default cuBLAS SGEMM backward, two repeats; the frozen head's chunk launches straight to the compiled kernel
-  # (direct_launch) against Triton's JIT dispatch (the default), interleaved rounds
+split)  # every GPU test (the opt-in path below included); the fp32 trainable head with dX / dW as split-TF32 GEMMs
+  # on K-major copies (the default since run 1 of results/loss_kernel/h100_issue45_split) against naive and against
+  # the old default's cuBLAS SGEMM backward on 8192-token dZ tiles, two repeats; the frozen head's chunk launches
+  # straight to the compiled kernel (direct_launch) against Triton's JIT dispatch (the default), interleaved rounds
   gpu_tests "${2:-190}"
   P=trainable:fp32:1024:8192,trainable:fp32:4096:2048,trainable:fp32:4096:8192
-  GRPO_LAB_FP32_MM=triton GRPO_LAB_BWD_TOKENS=4096 timeout 150 python3 benchmarks/loss_bench.py --out \
-    "$OUT_DIR/fp32_split" --no-issue-rows --no-accuracy --repeats 2 --points $P --backends naive,grpo_lab \
-    --budget-s 1 --floor-reps 2 2>&1 | grep ' ms ' | tail -12
-  timeout 80 python3 benchmarks/loss_bench.py --out "$OUT_DIR/fp32_cublas" --no-issue-rows --no-accuracy \
-    --floor-reps 1 --points $P --backends grpo_lab --budget-s 1 2>&1 | grep ' ms ' | tail -6
+  timeout 150 python3 benchmarks/loss_bench.py --out "$OUT_DIR/fp32_split" --no-issue-rows --no-accuracy \
+    --repeats 2 --points $P --backends naive,grpo_lab --budget-s 1 --floor-reps 2 2>&1 | grep ' ms ' | tail -12
+  GRPO_LAB_FP32_MM=cublas GRPO_LAB_BWD_TOKENS=8192 timeout 80 python3 benchmarks/loss_bench.py --out \
+    "$OUT_DIR/fp32_cublas" --no-issue-rows --no-accuracy --floor-reps 1 --points $P --backends grpo_lab \
+    --budget-s 1 2>&1 | grep ' ms ' | tail -6
   timeout "${3:-100}" python3 benchmarks/small_head_probe.py --out "$OUT_DIR" --rounds 3 --reps 6 --points \
     1024:2048,1024:8192,4096:8192 --variants '{"default": {}, "direct": {"direct_launch": true}}' 2>&1 | grep '^H='
   ;;

@@ -169,7 +169,7 @@ def _settings_under(env: dict) -> subprocess.CompletedProcess:
 def test_kernel_settings_from_the_environment():
     default = json.loads(_settings_under({}).stdout)
     assert default["persistent"] == {"fwd_16": True, "bwd_16": True, "fwd_32": False, "bwd_32": False}
-    assert default["tile"] == {"16": [16384, 8192], "32": [8192, 8192]}
+    assert default["tile"] == {"16": [16384, 8192], "32": [4096, 8192]}
     assert default["dz"] == {"16": True, "32": False}
     custom = json.loads(_settings_under({"GRPO_LAB_PERSISTENT": " fwd_32 , bwd_16", "GRPO_LAB_BWD_TOKENS": "2048",
                                          "GRPO_LAB_DZ_TMA": "1"}).stdout)

@@ -170,7 +170,7 @@ def test_every_kernel_variable_is_read_in_one_place():
     assert readers == []
 
     assert KernelTuning.from_env({}) == KernelTuning()
-    env = {"GRPO_LAB_TMA": "0", "GRPO_LAB_FP32_MM": "triton", "GRPO_LAB_FP32_MM_SLICE": "512", "GRPO_LAB_FP32_DOT": "ieee",
+    env = {"GRPO_LAB_TMA": "0", "GRPO_LAB_FP32_MM": "cublas", "GRPO_LAB_FP32_MM_SLICE": "512", "GRPO_LAB_FP32_DOT": "ieee",
            "GRPO_LAB_BWD_TOKENS": "4096", "GRPO_LAB_BWD_VOCAB": "2048", "GRPO_LAB_PERSISTENT": "bwd_32",
            "GRPO_LAB_DZ_TMA": "1", "GRPO_LAB_P_TMA": "0", "GRPO_LAB_FROZEN": "recompute",
            "GRPO_LAB_FROZEN_RECOMPUTE_BELOW": "7", "GRPO_LAB_MATERIALIZE_GIB": "2.5", "GRPO_LAB_REF_STATS": "0",

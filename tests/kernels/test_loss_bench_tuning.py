@@ -96,7 +96,7 @@ def test_every_listed_experiment_applies(bench):
 
 def test_the_setting_column_names_the_knobs_in_force(bench):
     text = bench.kernel_setting(T)
-    assert "persistent fwd_16,bwd_16" in text and "dZ tile 16:16384x8192 32:8192x8192" in text
+    assert "persistent fwd_16,bwd_16" in text and "dZ tile 16:16384x8192 32:4096x8192" in text
     bench.apply_experiment(T, {"persistent": True}, "fp32")
     assert "persistent fwd_16,bwd_16,fwd_32,bwd_32" in bench.kernel_setting(T)
 

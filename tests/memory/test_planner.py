@@ -301,22 +301,30 @@ def test_seeded_probes_are_validated_once():
 
 
 def test_the_split_tf32_backward_adds_its_k_major_copies(monkeypatch):
-    """With `fp32_mm = "triton"` (opt-in) the fp32 backward holds K-major copies of a weight slice, a dZ slice and the
-    token tile besides its dZ tile (`split_tf32.SplitTF32Gradients`); a frozen head only the weight slice's."""
+    """With `fp32_mm = "triton"` (the default) the fp32 backward holds K-major copies of a weight slice, a dZ slice
+    and the token tile besides its dZ tile (`split_tf32.SplitTF32Gradients`), a frozen head only the weight slice's;
+    at H = 4096 the copies and the 4096-token dZ tile take what cuBLAS's 8192-token tile took."""
     import grpo_lab.memory.planner.head as P
     from grpo_lab.memory.planner.shapes import ModelShape
 
-    shape = ModelShape(hidden=1024, intermediate=3072, layers=1, heads=8, kv_heads=8, head_dim=128, vocab=151936,
-                       tied=False, qk_norm=True, qkv_bias=False)
-    default = P.head_backward("grpo_lab", shape, 8190, 4, "cuda", True)
-    assert "grpo_lab.split_tf32_copies" not in default
-    monkeypatch.setattr(P, "KERNEL_FP32_MM", "triton")
-    split = P.head_backward("grpo_lab", shape, 8190, 4, "cuda", True)
-    rows = 8192  # 8190 token rows, padded to 16-byte row strides
-    assert split["grpo_lab.split_tf32_copies"] == 4 * (1024 * 2048 + (2048 + 1024) * rows)
-    assert split["grpo_lab.dz_tile"] == default["grpo_lab.dz_tile"]
+    def shape(hidden):
+        return ModelShape(hidden=hidden, intermediate=3 * hidden, layers=1, heads=8, kv_heads=8, head_dim=128,
+                          vocab=151936, tied=False, qk_norm=True, qkv_bias=False)
+
+    split = P.head_backward("grpo_lab", shape(1024), 8190, 4, "cuda", True)
+    assert split["grpo_lab.split_tf32_copies"] == 4 * (1024 * 2048 + (2048 + 1024) * 4096)  # 4096-token tiles
+    assert split["grpo_lab.dz_tile"] == 4 * 4096 * 8192
+    monkeypatch.setattr(P, "KERNEL_FP32_MM", "cublas")
+    monkeypatch.setattr(P, "KERNEL_DZ_TILE", {**P.KERNEL_DZ_TILE, 4: (8192, 8192)})  # the default before issue 45's
+    cublas = P.head_backward("grpo_lab", shape(4096), 8192, 4, "cuda", True)
+    assert "grpo_lab.split_tf32_copies" not in cublas
+    monkeypatch.undo()
+    split = P.head_backward("grpo_lab", shape(4096), 8192, 4, "cuda", True)
+    assert split["grpo_lab.dz_tile"] + split["grpo_lab.split_tf32_copies"] == cublas["grpo_lab.dz_tile"]
+    small = P.head_backward("grpo_lab", shape(1024), 1000, 4, "cuda", True)  # 1000 rows, padded to 1000
+    assert small["grpo_lab.split_tf32_copies"] == 4 * (1024 * 2048 + (2048 + 1024) * 1000)
     monkeypatch.setattr(P, "KERNEL_FROZEN_RECOMPUTE_ROWS", {4: 10**9})  # a frozen fp32 head on its recompute path
     monkeypatch.setattr(P, "KERNEL_FROZEN_RECOMPUTE_BELOW", {4: 10**12})
-    frozen = P.head_backward("grpo_lab", shape, 8190, 4, "cuda", False)
+    frozen = P.head_backward("grpo_lab", shape(1024), 8190, 4, "cuda", False)
     assert frozen["grpo_lab.split_tf32_copies"] == 4 * 1024 * 2048
-    assert P.head_backward("grpo_lab", shape, 8190, 2, "cuda", True).get("grpo_lab.split_tf32_copies") is None
+    assert P.head_backward("grpo_lab", shape(1024), 8190, 2, "cuda", True).get("grpo_lab.split_tf32_copies") is None

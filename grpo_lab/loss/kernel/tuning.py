@@ -44,11 +44,11 @@ class KernelTuning:
             `fwd_16`, `bwd_16`, `fwd_32`, `bwd_32`, `mm_32` (the fp32 path's Triton GEMM), `frozen_16`, `frozen_32`.
         use_tma (`bool`, defaults to `True`, `GRPO_LAB_TMA`):
             Tensor-descriptor (TMA) loads in the fused kernels where the strides allow.
-        fp32_mm (`str`, defaults to `"cublas"`, `GRPO_LAB_FP32_MM`):
-            The fp32 path's dX / dW GEMMs: `"cublas"` (plain SGEMM, TF32 off) or `"triton"` (split-TF32 when
-            `fp32_dot` is `"tf32x3"`, on K-major copies of the operands: `split_tf32`; opt-in until a GPU run has timed
-            it against cuBLAS, `benchmarks/issue45_h100.sh split`; with it, `GRPO_LAB_BWD_TOKENS=4096` keeps the
-            fp32 path's memory where the 8192-token dZ tile had it).
+        fp32_mm (`str`, defaults to `"triton"`, `GRPO_LAB_FP32_MM`):
+            The fp32 path's dX / dW GEMMs: `"triton"` (split-TF32 when `fp32_dot` is `"tf32x3"`, on K-major copies
+            of the operands: `split_tf32`) or `"cublas"` (plain SGEMM, TF32 off). On one H100 the split GEMMs took
+            the memory-flat trainable head at H = 4096, 8k tokens from 650 to 544 ms (naive: 622), at the same
+            loss peak: the copies fit in what the fp32 dZ tile's 4096 tokens save against 8192.
         fp32_mm_slice (`int`, defaults to 2048, `GRPO_LAB_FP32_MM_SLICE`):
             Vocabulary columns per K-major copy of `fp32_mm = "triton"`: W[slice]ᵀ and dZ[:, slice]ᵀ are
             slice × H and slice × tokens fp32 buffers.
@@ -61,7 +61,8 @@ class KernelTuning:
             tensor cores).
         bwd_tile (`dict`, `GRPO_LAB_BWD_TOKENS` / `GRPO_LAB_BWD_VOCAB` set both dtypes):
             The backward's dZ buffer, (tokens, vocabulary), per dtype: 16384 × 8192 for 16-bit (K = 16384 halves the
-            cuBLAS dW GEMM's fp32 accumulator passes), 8192 × 8192 for fp32 (its loss memory under 0.8× TRL's).
+            cuBLAS dW GEMM's fp32 accumulator passes), 4096 × 8192 for fp32 (with the split-TF32 copies, the bytes
+            8192 × 8192 took with cuBLAS: loss memory under 0.8× TRL's).
         part_budget_bytes (`int`, defaults to 32 MiB):
             Bytes of the forward's per-block partial statistics: how many vocabulary blocks one launch covers.
         merge_rows, merge_blocks (`int`, defaults to 128 and 32):
@@ -168,11 +169,11 @@ class KernelTuning:
 
     configs: dict = field(default_factory=lambda: dict(_CONFIGS))
     use_tma: bool = True
-    fp32_mm: str = "cublas"
+    fp32_mm: str = "triton"
     fp32_mm_slice: int = 2048
     direct_launch: bool = False
     fp32_dot: str = "tf32x3"
-    bwd_tile: dict = field(default_factory=lambda: {"16": (16384, 8192), "32": (8192, 8192)})
+    bwd_tile: dict = field(default_factory=lambda: {"16": (16384, 8192), "32": (4096, 8192)})
     part_budget_bytes: int = 32 * 2**20
     merge_rows: int = 128
     merge_blocks: int = 32

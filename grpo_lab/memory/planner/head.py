@@ -33,9 +33,9 @@ KERNEL_FROZEN_TILE = (8192, 8448)
 # budget (0 rows: the kernel's rule is off by default since the small frozen head stopped syncing with the host)
 KERNEL_FROZEN_RECOMPUTE_ROWS = {2: 0}
 KERNEL_FROZEN_RECOMPUTE_BELOW = {2: 9 * 2**19}
-KERNEL_DZ_TILE = {2: (16384, 8192), 4: (8192, 8192)}
+KERNEL_DZ_TILE = {2: (16384, 8192), 4: (4096, 8192)}
 # fp32 dX / dW: cuBLAS SGEMM, or split-TF32 GEMMs on K-major copies of this many vocabulary columns (`split_tf32`)
-KERNEL_FP32_MM = "cublas"
+KERNEL_FP32_MM = "triton"
 KERNEL_FP32_MM_SLICE = 2048
 # Liger 0.8.5: one sequence per chunk; its selective log-prob streams [≤ 2048 rows, 4096 vocab] fp32 tiles
 LIGER_SEQ_CHUNK = 2048

@@ -33,9 +33,14 @@ COLUMNS = ["source", "model", "backend", "dtype", "mode", "batch_size", "prompt_
 OLD_KERNEL_NB01 = "grpo_lab kernel of 2026-12-02 (before the run-4 tiles); the planner models today's"
 OLD_KERNEL_FROZEN = "frozen head measured before its backward temporaries were bounded (5700679)"
 OLD_KERNEL_FROZEN_TILE = "frozen 16-bit head measured on 128 x 128 tiles (before issue 45): twice today's partial sums"
-OLD_KERNEL_NOTES = (OLD_KERNEL_NB01, OLD_KERNEL_FROZEN, OLD_KERNEL_FROZEN_TILE)  # rows the summary leaves out
+OLD_KERNEL_FP32_MM = ("fp32 trainable head measured with cuBLAS dX / dW on 8192-token dZ tiles (before issue 45's "
+                      "split-TF32 default): no K-major copies, a dZ tile twice as tall")
+OLD_KERNEL_NOTES = (OLD_KERNEL_NB01, OLD_KERNEL_FROZEN, OLD_KERNEL_FROZEN_TILE,
+                    OLD_KERNEL_FP32_MM)  # rows the summary leaves out
 # benchmarks/loss_bench.py's grid runs, oldest first; where several measured a point, the latest (by date) counts
 LOSS_GRID_RUNS = ("loss_grid.csv", "loss_grid_run6.csv", "loss_grid_run7.csv")
+# later loss-head runs on another card, each its own source: (file under results/loss_kernel, source label)
+LOSS_HEAD_RUNS = (("h100_issue45_split/loss_grid_split.csv", "H100 loss kernel, split-TF32 fp32 (head alone)"),)
 
 
 def _config(row, **kw) -> PlannerConfig:
@@ -82,7 +87,7 @@ def notebook01_rows(df: pd.DataFrame) -> list[dict]:
     return out
 
 
-def loss_kernel_rows(df: pd.DataFrame) -> list[dict]:
+def loss_kernel_rows(df: pd.DataFrame, source: str = "H200 loss kernel (head alone)") -> list[dict]:
     """`benchmarks/loss_bench.py`'s grid (the LM head alone, peak above the inputs, entropy detached); the latest
     run per point. The materialised head (`grpo_lab+mem`, opt-in) is not planned."""
     from transformers import AutoConfig
@@ -105,8 +110,9 @@ def loss_kernel_rows(df: pd.DataFrame) -> list[dict]:
                 note = OLD_KERNEL_FROZEN
             elif r["dtype"] != "fp32" and "frozen_16:128x128x" in setting:
                 note = OLD_KERNEL_FROZEN_TILE
-        row = _row("H200 loss kernel (head alone)", p, f"loss, {r['head']} head", r["loss_peak_gib"], r,
-                   note=note)
+        elif r["backend"] == "grpo_lab" and r["dtype"] == "fp32" and "fp32 dX/dW triton" not in setting:
+            note = OLD_KERNEL_FP32_MM
+        row = _row(source, p, f"loss, {r['head']} head", r["loss_peak_gib"], r, note=note)
         row["lora_r"] = 0 if r["head"] == "trainable" else None
         out.append(row)
     return out
@@ -209,6 +215,9 @@ def validation_table(extra_csvs: dict[str, Path] | None = None) -> pd.DataFrame:
     grid = [g for name in LOSS_GRID_RUNS if (g := load_reference("loss_kernel", name)) is not None]
     if grid:
         rows += loss_kernel_rows(pd.concat(grid, ignore_index=True).sort_values("date", kind="stable"))
+    for name, source in LOSS_HEAD_RUNS:
+        if (run := load_reference("loss_kernel", name)) is not None:
+            rows += loss_kernel_rows(run, source)
     for name, source, calibration in (("planner_cpu_fsdp.csv", "CPU gloo FSDP2 (RSS)", "CPU_RSS_OVERHEAD_BYTES"),
                                       *((name, source, "") for name, source in PROBE_CSVS)):
         df = _planner_csv(name, extra_csvs)
