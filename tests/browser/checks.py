@@ -8,9 +8,10 @@ import uuid
 from pathlib import Path
 
 import nbformat
+from notebook_parameters import parameters_of
 
 from .frontends import WIDGET_FAILURES, WIDGET_REPR, Frontend, NotebookView
-from .notebook_table import EXPECT, expect, parameters_of
+from .notebook_table import EXPECT, expect
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 

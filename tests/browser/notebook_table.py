@@ -9,7 +9,6 @@ until it has one.
 
 from __future__ import annotations
 
-import ast
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,18 +79,6 @@ def with_overrides(source: str, overrides: dict[str, str]) -> str:
         assert line.search(source), f"no `{name} = ...` line in the parameters cell"
         source = line.sub(f"{name} = {value}", source, count=1)
     return source
-
-
-def parameters_of(source: str) -> dict:
-    """The literal assignments of a parameters cell."""
-    out = {}
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            try:
-                out[node.targets[0].id] = ast.literal_eval(node.value)
-            except ValueError:
-                pass
-    return out
 
 
 # --- the interactions -------------------------------------------------------------------------------------------

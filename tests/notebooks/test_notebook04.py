@@ -3,12 +3,12 @@ the doctor gave a verdict, the doctor's knob was turned in a second run, and eac
 outputs/async. (The committed notebook's form is checked in tests/async_loop/test_notebook04.py.)"""
 
 import json
-import re
 from pathlib import Path
 
 import nbformat
 import pandas as pd
 import pytest
+from notebook_parameters import parameters_of
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "04_async_lora.ipynb"
 BOUNDS = {"rollout", "train", "staleness", "balanced"}
@@ -19,15 +19,11 @@ def widget_states(nb) -> list[dict]:
     return [{"model": v["model_name"], **v["state"]} for v in state.values()]
 
 
-def parameter(name: str) -> int:
-    """An int of the committed parameters cell (what the quick run used: reproduce sets only QUICK)."""
-    cell = nbformat.read(NOTEBOOK, as_version=4).cells[0].source
-    return int(re.search(rf"^{name}\s*=\s*(\d+)", cell, re.MULTILINE).group(1))
-
-
 @pytest.mark.slow
 def test_notebook04_quick_mode(reproduced):
-    steps, follow = parameter("STEPS"), parameter("FOLLOW_STEPS")
+    # the committed parameters cell is what the quick run used (reproduce sets only QUICK)
+    params = parameters_of(nbformat.read(NOTEBOOK, as_version=4).cells[0].source)
+    steps, follow = params["STEPS"], params["FOLLOW_STEPS"]
     nb = reproduced.executed_notebook("04_async_lora.ipynb")
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
